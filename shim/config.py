@@ -1,0 +1,206 @@
+"""podshim's configuration: one TOML file, overridden by environment, overridden by flags.
+
+Precedence: built-in defaults < config file < PODSHIM_<SECTION>_<KEY> env < command-line flags.
+A bad value is a ConfigError whose one-line message names the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = "/etc/podshim/config.toml"
+CONFIG_ENV = "PODSHIM_CONFIG"
+
+
+class ConfigError(Exception):
+    """A configuration problem; str() is one line naming the key."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """One OCI runtime the upstream uses (runc or crun) and where its state lives."""
+
+    binary: str = "/usr/sbin/runc"
+    # The runc --root the upstream's shim passes (containerd: <runc Root option>/<namespace>).
+    root: str = "/run/containerd/runc/k8s.io"
+    criu: str = "criu"
+
+
+@dataclass(frozen=True)
+class Config:
+    socket: str = "/run/podshim/podshim.sock"
+    state_dir: str = "/var/lib/podshim"
+    metrics_address: str = ""
+    upstream_endpoint: str = "unix:///run/containerd/containerd.sock"
+    # Timeout for upstream calls made by podshim itself when the caller set no deadline.
+    upstream_timeout: float = 120.0
+    allowed_roots: tuple[str, ...] = ("/var/lib/kubelet/pod-checkpoints",)
+    log_format: str = "json"
+    log_level: str = "info"
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    # Extra runtime handlers by CRI runtime_handler name (e.g. "crun"); "" and "runc" mean `runtime`.
+    runtimes: dict[str, RuntimeConfig] = field(default_factory=dict)
+
+    def runtime_for_handler(self, handler: str) -> RuntimeConfig | None:
+        if handler in self.runtimes:
+            return self.runtimes[handler]
+        if handler in ("", "runc", "default"):
+            return self.runtime
+        return None
+
+    def runtime_for_root(self, root: str) -> RuntimeConfig:
+        """The runtime whose state root is `root` (how podshim-runc tells handlers apart)."""
+        norm = os.path.normpath(root)
+        for rt in (self.runtime, *self.runtimes.values()):
+            if os.path.normpath(rt.root) == norm or os.path.dirname(os.path.normpath(rt.root)) == norm:
+                return rt
+        return self.runtime
+
+
+# TOML layout: section -> key -> (Config attribute, type)
+_SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
+    "server": {
+        "socket": ("socket", str),
+        "state_dir": ("state_dir", str),
+        "metrics_address": ("metrics_address", str),
+    },
+    "upstream": {
+        "endpoint": ("upstream_endpoint", str),
+        "timeout_seconds": ("upstream_timeout", float),
+    },
+    "checkpoint": {"allowed_roots": ("allowed_roots", list)},
+    "log": {"format": ("log_format", str), "level": ("log_level", str)},
+}
+_RUNTIME_KEYS: dict[str, type] = {f.name: str for f in fields(RuntimeConfig)}
+_LOG_FORMATS = ("json", "console")
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _typed(key: str, value: Any, kind: type) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+        return tuple(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _runtime_from(key: str, table: Any, base: RuntimeConfig) -> RuntimeConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{key}: expected a table")
+    values: dict[str, Any] = {}
+    for k, v in table.items():
+        if k not in _RUNTIME_KEYS:
+            raise ConfigError(f"{key}.{k}: unknown key (known: {', '.join(_RUNTIME_KEYS)})")
+        values[k] = _typed(f"{key}.{k}", v, str)
+    return replace(base, **values)
+
+
+def _apply_table(cfg: Config, data: dict[str, Any]) -> Config:
+    updates: dict[str, Any] = {}
+    for section, table in data.items():
+        if section == "runtime":
+            updates["runtime"] = _runtime_from("runtime", table, cfg.runtime)
+            continue
+        if section == "runtimes":
+            if not isinstance(table, dict):
+                raise ConfigError("runtimes: expected a table of [runtimes.<handler>] tables")
+            updates["runtimes"] = {
+                name: _runtime_from(f"runtimes.{name}", t, RuntimeConfig()) for name, t in table.items()
+            }
+            continue
+        if section not in _SCHEMA:
+            raise ConfigError(f"{section}: unknown section (known: {', '.join(_SCHEMA)}, runtime, runtimes)")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section}: expected a table")
+        for key, value in table.items():
+            if key not in _SCHEMA[section]:
+                known = ", ".join(_SCHEMA[section])
+                raise ConfigError(f"{section}.{key}: unknown key (known: {known})")
+            attr, kind = _SCHEMA[section][key]
+            updates[attr] = _typed(f"{section}.{key}", value, kind)
+    return replace(cfg, **updates)
+
+
+def _from_env(env: dict[str, str]) -> dict[str, Any]:
+    """PODSHIM_<SECTION>_<KEY>=value, e.g. PODSHIM_UPSTREAM_ENDPOINT; lists are comma-separated."""
+    data: dict[str, dict[str, Any]] = {}
+    for section, keys in _SCHEMA.items():
+        for key, (_, kind) in keys.items():
+            name = f"PODSHIM_{section}_{key}".upper()
+            if name not in env:
+                continue
+            raw = env[name]
+            value: Any = raw
+            if kind is list:
+                value = [p for p in raw.split(",") if p]
+            elif kind is float:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    raise ConfigError(f"{name}: expected a number, got {raw!r}") from None
+            data.setdefault(section, {})[key] = value
+    for key in _RUNTIME_KEYS:
+        name = f"PODSHIM_RUNTIME_{key}".upper()
+        if name in env:
+            data.setdefault("runtime", {})[key] = env[name]
+    return data
+
+
+def _validate(cfg: Config) -> Config:
+    if cfg.log_format not in _LOG_FORMATS:
+        raise ConfigError(f"log.format: must be one of {', '.join(_LOG_FORMATS)}, got {cfg.log_format!r}")
+    if cfg.log_level not in _LOG_LEVELS:
+        raise ConfigError(f"log.level: must be one of {', '.join(_LOG_LEVELS)}, got {cfg.log_level!r}")
+    if not cfg.socket.startswith("/"):
+        raise ConfigError(f"server.socket: must be an absolute path, got {cfg.socket!r}")
+    if not cfg.upstream_endpoint.startswith(("unix://", "unix:")):
+        raise ConfigError(
+            f"upstream.endpoint: must be a unix socket URL (unix:///path), got {cfg.upstream_endpoint!r}"
+        )
+    for root in cfg.allowed_roots:
+        if not root.startswith("/"):
+            raise ConfigError(f"checkpoint.allowed_roots: {root!r} is not an absolute path")
+    if cfg.upstream_timeout <= 0:
+        raise ConfigError("upstream.timeout_seconds: must be positive")
+    if cfg.metrics_address and ":" not in cfg.metrics_address:
+        raise ConfigError(f"server.metrics_address: expected HOST:PORT, got {cfg.metrics_address!r}")
+    return cfg
+
+
+def load(
+    path: str | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Config:
+    """Build the effective config. `path` None means $PODSHIM_CONFIG or the default path if it exists."""
+    env = dict(os.environ) if env is None else env
+    cfg = Config()
+    explicit = path is not None or CONFIG_ENV in env
+    file_path = path or env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH
+    if explicit or Path(file_path).exists():
+        try:
+            with open(file_path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {file_path}: not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {file_path}: not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {file_path}: {e.strerror}") from None
+        try:
+            cfg = _apply_table(cfg, data)
+        except ConfigError as e:
+            raise ConfigError(f"config file {file_path}: {e}") from None
+    cfg = _apply_table(cfg, _from_env(env))
+    if overrides:
+        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    return _validate(cfg)

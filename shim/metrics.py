@@ -1,0 +1,47 @@
+"""Prometheus metrics (names follow KEP-5823's list), served over HTTP when configured."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_OP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_SIZE_BUCKETS = tuple(float(2**i) for i in range(20, 38, 2))  # 1 MiB .. 64 GiB
+
+proxy_requests = Counter(
+    "podshim_proxy_requests_total", "CRI calls passed to the upstream runtime", ["method", "code"]
+)
+proxy_latency = Histogram(
+    "podshim_proxy_request_duration_seconds",
+    "Latency of CRI calls passed to the upstream runtime",
+    ["method"],
+    buckets=_LATENCY_BUCKETS,
+)
+operations = Counter(
+    "podshim_operations_total",
+    "Checkpoint/restore operations by kind and result (gRPC code name)",
+    ["operation", "result"],
+)
+operation_duration = Histogram(
+    "podshim_operation_duration_seconds",
+    "Duration of checkpoint/restore operations",
+    ["operation"],
+    buckets=_OP_BUCKETS,
+)
+freeze_window = Histogram(
+    "podshim_checkpoint_freeze_window_seconds",
+    "Time the pod's containers were frozen during CheckpointPod/CheckpointContainer",
+    buckets=_OP_BUCKETS,
+)
+archive_size = Histogram(
+    "podshim_checkpoint_archive_bytes",
+    "Size of the written checkpoint",
+    ["operation"],
+    buckets=_SIZE_BUCKETS,
+)
+
+
+def serve(address: str) -> None:
+    """Start the /metrics endpoint on HOST:PORT (a daemon thread)."""
+    host, _, port = address.rpartition(":")
+    start_http_server(int(port), addr=host or "0.0.0.0")

@@ -1,0 +1,63 @@
+"""podshim-runc: the OCI runtime binary the upstream runtime is configured to call.
+
+Every invocation is an exec of the real runtime (runc or crun) with the same argv, environment
+and file descriptors, except `create`/`start` of a container that carries podshim's restore
+annotation (RestorePod), which become a CRIU restore. This module imports as little as possible:
+containerd calls it for every state/kill/delete/exec.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Global flags of runc/crun that take a value (everything else before the command is a switch).
+_VALUE_FLAGS = frozenset({"--root", "--log", "--log-format", "--criu", "--rootless", "--cgroup-manager"})
+
+
+def split_global(argv: list[str]) -> tuple[dict[str, str], str | None, list[str]]:
+    """Split `[global flags] COMMAND [args]` into (global flags, command, command args)."""
+    flags: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("-"):
+            return flags, arg, argv[i + 1 :]
+        if "=" in arg:
+            key, _, value = arg.partition("=")
+            flags[key] = value
+        elif arg in _VALUE_FLAGS and i + 1 < len(argv):
+            flags[arg] = argv[i + 1]
+            i += 1
+        else:
+            flags[arg] = ""
+        i += 1
+    return flags, None, []
+
+
+def real_runtime(flags: dict[str, str]) -> str:
+    """The real runtime binary for this invocation, told apart by the --root the shim passes."""
+    from shim import config
+
+    try:
+        cfg = config.load()
+    except config.ConfigError as e:
+        sys.stderr.write(f"podshim-runc: {e}\n")
+        raise SystemExit(2) from None
+    root = flags.get("--root")
+    return (cfg.runtime_for_root(root) if root else cfg.runtime).binary
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    flags, command, rest = split_global(argv)
+    binary = real_runtime(flags)
+    if command in ("create", "start"):
+        from shim import restore_hook
+
+        restore_hook.maybe_handle(binary, argv, flags, command, rest)  # returns if not a restore
+    os.execv(binary, [binary, *argv])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The gRPC layer: CRI servicers. No business logic here."""

@@ -1,0 +1,94 @@
+"""Builds and runs podshim's gRPC server on its unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import grpc
+
+from api.runtime.v1 import api_pb2 as cri
+from shim import logs, metrics
+from shim.config import Config
+from shim.server.proxy import CriHandler, Passthrough
+from shim.server.runtime import Engine, RuntimeHandlers
+from shim.upstream import Upstream
+
+log = logs.get("shim.server")
+MAX_MESSAGE = 16 * 1024 * 1024
+
+
+def streaming_methods() -> frozenset[str]:
+    """Server-streaming CRI methods, read from the proto so a new one is never proxied as unary."""
+    names = set()
+    for service in cri.DESCRIPTOR.services_by_name.values():
+        for m in service.methods:
+            if m.server_streaming:
+                names.add(f"/{service.full_name}/{m.name}")
+    return frozenset(names)
+
+
+def _prepare_socket(path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.unlink(path)  # a stale socket of a previous run
+    except FileNotFoundError:
+        pass
+
+
+class Server:
+    def __init__(
+        self, config: Config, engine: Engine | None = None, upstream: Upstream | None = None
+    ) -> None:
+        self.config = config
+        self.upstream = upstream or Upstream(config.upstream_endpoint)
+        passthrough = Passthrough(self.upstream)
+        self.handlers = RuntimeHandlers(passthrough, engine)
+        self.grpc = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+            ]
+        )
+        self.grpc.add_generic_rpc_handlers(
+            [CriHandler(passthrough, self.handlers.handlers(), streaming_methods())]
+        )
+
+    async def start(self) -> None:
+        _prepare_socket(self.config.socket)
+        self.grpc.add_insecure_port(f"unix://{self.config.socket}")
+        await self.grpc.start()
+        os.chmod(self.config.socket, 0o660)
+        log.info("serving", socket=self.config.socket, upstream=self.config.upstream_endpoint)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.grpc.stop(grace)
+        await self.upstream.close()
+        try:
+            os.unlink(self.config.socket)
+        except FileNotFoundError:
+            pass
+
+
+async def run(config: Config, engine_factory: object = None) -> None:
+    """Serve until SIGTERM/SIGINT."""
+    if config.metrics_address:
+        metrics.serve(config.metrics_address)
+    upstream = Upstream(config.upstream_endpoint)
+    engine = None
+    if callable(engine_factory):
+        engine = engine_factory(config, upstream)
+        recover = getattr(engine, "recover", None)
+        if recover is not None:
+            await recover()
+    server = Server(config, engine, upstream)
+    await server.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    log.info("stopping")
+    await server.stop()
