@@ -1,0 +1,393 @@
+"""CheckpointPod (KEP-5823): a consistent pod-wide checkpoint with the shortest freeze window.
+
+Order of work (DESIGN §3): validate -> pod view -> journal -> write what needs no frozen state
+-> freeze in one cut -> dump every container in parallel + capture rootfs diffs -> thaw (or kill
+for STOPPED) -> stats, checksums, manifest (the completion marker). Any failure or the deadline
+thaws the pod, removes what was written inside output_path and returns a typed error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from api.runtime.v1 import api_pb2 as cri
+from shim import __version__, errors, logs
+from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
+from shim.cgroups import PodCut, cgroup_procs
+from shim.config import Config
+from shim.criu.runtime import CriuOptions, OciRuntime, binary_version, read_dump_stats
+from shim.sandbox import ContainerView, PodView, build_pod_view
+from shim.state import Journal
+from shim.upstream import Upstream
+
+log = logs.get("shim.checkpoint")
+
+FREEZE_TIMEOUT = 5.0  # seconds to confirm a cgroup froze/thawed
+CLEANUP_MARGIN = 0.5  # seconds kept from the caller's deadline to thaw and clean up
+DEFAULT_DEADLINE = 600.0  # the CRI says the caller sets one; this bounds a caller that did not
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """The `options` map of CheckpointPodRequest, parsed. Unknown keys are rejected."""
+
+    criu: CriuOptions = field(default_factory=CriuOptions)
+    compress: bool = False  # gzip the rootfs diff
+
+    KEYS = {
+        "file-locks": "handle file locks (default true)",
+        "tcp-established": "dump established TCP connections (default false)",
+        "ext-unix-sk": "allow external unix sockets (default false)",
+        "shell-job": "allow a container attached to a terminal (default false)",
+        "rootfs-compression": "none (default) or gzip for rootfs-diff.tar",
+    }
+
+    @classmethod
+    def parse(cls, options: dict[str, str]) -> CheckpointOptions:
+        unknown = sorted(set(options) - set(cls.KEYS))
+        if unknown:
+            known = ", ".join(sorted(cls.KEYS))
+            raise errors.InvalidArgument(f"unknown checkpoint option(s) {', '.join(unknown)}; known: {known}")
+
+        def flag(key: str, default: bool) -> bool:
+            if key not in options:
+                return default
+            value = options[key].strip().lower()
+            if value in ("true", "1", "yes"):
+                return True
+            if value in ("false", "0", "no"):
+                return False
+            raise errors.InvalidArgument(f"option {key}={options[key]!r}: expected true or false")
+
+        compression = options.get("rootfs-compression", "none")
+        if compression not in ("none", "gzip"):
+            raise errors.InvalidArgument(f"option rootfs-compression={compression!r}: expected none or gzip")
+        return cls(
+            criu=CriuOptions(
+                file_locks=flag("file-locks", True),
+                tcp_established=flag("tcp-established", False),
+                ext_unix_sk=flag("ext-unix-sk", False),
+                shell_job=flag("shell-job", False),
+            ),
+            compress=compression == "gzip",
+        )
+
+
+def select_containers(pod: PodView, container_ids: list[str]) -> list[ContainerView]:
+    """The running containers to capture: all running ones when `container_ids` is empty."""
+    if not container_ids:
+        selected = [c for c in pod.containers if c.running]
+        if not selected:
+            raise errors.FailedPrecondition(
+                f"pod {pod.name} ({pod.id[:13]}) has no running container to checkpoint"
+            )
+        return selected
+    if len(set(container_ids)) != len(container_ids):
+        dup = sorted({c for c in container_ids if container_ids.count(c) > 1})
+        raise errors.InvalidArgument(f"container_ids lists {', '.join(dup)} more than once")
+    selected = []
+    for cid in container_ids:
+        if not cid:
+            raise errors.InvalidArgument("container_ids contains an empty id")
+        c = pod.by_id(cid)
+        if c is None:
+            raise errors.NotFound(f"container {cid!r} is not a container of pod {pod.name} ({pod.id[:13]})")
+        if not c.running:
+            raise errors.FailedPrecondition(
+                f"container {c.name!r} ({cid[:13]}) is {cri.ContainerState.Name(c.state)}, not running: "
+                "only running containers can be checkpointed"
+            )
+        selected.append(c)
+    return selected
+
+
+def recorded_containers(pod: PodView, selected: list[ContainerView]) -> list[ContainerView]:
+    """What the archive records: the selected containers, plus exited ones (completed init
+    containers, finished jobs) whose name no running container has — their status is kept,
+    they are not dumped. Of several exited attempts of one name the latest wins."""
+    running_names = {c.name for c in pod.containers if c.running}
+    exited: dict[str, ContainerView] = {}
+    for c in pod.containers:  # ordered by creation
+        if not c.running and c.name not in running_names:
+            exited[c.name] = c
+    keep = {c.id for c in selected} | {c.id for c in exited.values()}
+    return [c for c in pod.containers if c.id in keep]
+
+
+def check_dumpable(c: ContainerView) -> None:
+    """Refuse what CRIU cannot dump, before anything is frozen: processes in the container's
+    cgroup outside its process tree are exec sessions (they would fail the dump)."""
+    import psutil
+
+    try:
+        tree = {c.pid, *(p.pid for p in psutil.Process(c.pid).children(recursive=True))}
+    except psutil.Error:
+        raise errors.FailedPrecondition(f"container {c.name!r}: its process {c.pid} is gone") from None
+    extra = sorted(set(cgroup_procs(c.cgroups_path)) - tree)
+    if extra:
+        raise errors.FailedPrecondition(
+            f"container {c.name!r} has an exec session or stray process (pids {extra[:5]}): "
+            "CRIU cannot dump processes outside the container's tree; retry when it has ended"
+        )
+
+
+@dataclass
+class _Work:
+    """One container being captured."""
+
+    view: ContainerView
+    layout: layout.ContainerLayout
+    runtime: OciRuntime
+    dump_seconds: float = 0.0
+    diff_seconds: float = 0.0
+
+
+class PodCheckpointer:
+    def __init__(self, config: Config, upstream: Upstream, journal: Journal) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.journal = journal
+
+    def runtime_for(self, c: ContainerView) -> OciRuntime:
+        rt = self.config.runtime_for_root(c.runtime_root) if c.runtime_root else self.config.runtime
+        return OciRuntime(rt.binary, c.runtime_root or rt.root, rt.criu)
+
+    async def checkpoint(self, req: cri.CheckpointPodRequest, deadline: float | None) -> manifest.Manifest:
+        """Run CheckpointPod; `deadline` is the caller's remaining seconds (None: none set)."""
+        opts = CheckpointOptions.parse(dict(req.options))
+        post = req.post_checkpoint_state
+        if post not in (cri.POST_CHECKPOINT_STATE_RUNNING, cri.POST_CHECKPOINT_STATE_STOPPED):
+            raise errors.InvalidArgument(f"post_checkpoint_state {post} is not RUNNING (0) or STOPPED (1)")
+        out = await asyncio.to_thread(paths.validate_output_dir, req.output_path, self.config.allowed_roots)
+        pod = await build_pod_view(self.upstream, req.pod_sandbox_id)
+        if not pod.ready:
+            raise errors.FailedPrecondition(
+                f"pod {pod.name} ({pod.id[:13]}) is {cri.PodSandboxState.Name(pod.status.state)}, not ready"
+            )
+        selected = select_containers(pod, list(req.container_ids))
+        for c in selected:
+            check_dumpable(c)
+        budget = (deadline if deadline is not None else DEFAULT_DEADLINE) - CLEANUP_MARGIN
+        if budget <= 0:
+            raise errors.DeadlineExceeded(f"the deadline leaves no time to checkpoint pod {pod.name}")
+        archive = layout.ArchiveLayout(out)
+        rec = self.journal.begin(
+            "checkpoint",
+            pod.id,
+            {
+                "output_path": str(out),
+                "cgroups": [pod.cgroup_parent, *(c.cgroups_path for c in selected)],
+            },
+        )
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(budget):
+                result = await self._run(pod, selected, archive, opts, post, rec, started)
+        except TimeoutError:
+            self._abandon(archive, rec)
+            raise errors.DeadlineExceeded(
+                f"checkpoint of pod {pod.name} did not finish within the caller's deadline "
+                f"({budget + CLEANUP_MARGIN:.1f}s); the pod was thawed and partial files removed: "
+                "retry with a longer deadline"
+            ) from None
+        except BaseException:
+            self._abandon(archive, rec)
+            raise
+        self.journal.finish(rec)
+        return result
+
+    def _abandon(self, archive: layout.ArchiveLayout, rec: Any) -> None:
+        """Remove what this operation wrote inside output_path (never the dir itself)."""
+        try:
+            fsutil.clear_dir_contents(archive.root)
+        finally:
+            self.journal.finish(rec)
+
+    async def _run(
+        self,
+        pod: PodView,
+        selected: list[ContainerView],
+        archive: layout.ArchiveLayout,
+        opts: CheckpointOptions,
+        post: int,
+        rec: Any,
+        started: float,
+    ) -> manifest.Manifest:
+        timings: dict[str, float] = {}
+        # 1. Everything that needs no frozen state is written before the freeze.
+        work = await asyncio.to_thread(self._prepare, pod, selected, archive)
+        timings["prepare"] = time.monotonic() - started
+        log.info("checkpoint prepared", pod=pod.id, containers=[w.view.name for w in work])
+
+        # 2. Freeze in one cut, dump all in parallel with the rootfs diffs, thaw.
+        cut = PodCut(pod.cgroup_parent, [w.view.cgroups_path for w in work], timeout=FREEZE_TIMEOUT)
+        self.journal.update(rec, "frozen")
+        try:
+            await asyncio.to_thread(cut.freeze)
+            log.info("pod frozen", pod=pod.id, cut_seconds=round(cut.cut_seconds, 4))
+            dump_start = time.monotonic()
+            await asyncio.gather(
+                *(self._dump(w, opts) for w in work),
+                *(self._diff(w, opts) for w in work),
+            )
+            timings["dump"] = time.monotonic() - dump_start
+            if post == cri.POST_CHECKPOINT_STATE_STOPPED:
+                # Killed while still frozen: no instruction runs past the checkpoint.
+                await asyncio.to_thread(self._kill_frozen, work)
+        finally:
+            cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
+        timings["freeze_window"] = cut.window_seconds
+        timings["freeze_cut"] = cut.cut_seconds
+        log.info("pod thawed", pod=pod.id, freeze_window=round(cut.window_seconds, 4))
+        if post == cri.POST_CHECKPOINT_STATE_STOPPED:
+            await self._stop_upstream(work)
+
+        # 3. After the thaw: stats, checksums, manifest (completion marker).
+        self.journal.update(rec, "archiving")
+        archive_start = time.monotonic()
+        m = await asyncio.to_thread(self._finish_archive, pod, work, archive, opts, post, timings)
+        m.timings["archive"] = time.monotonic() - archive_start
+        m.timings["total"] = time.monotonic() - started
+        # Rewrite the timings into the final manifest (files are unchanged, so checksums stand).
+        fsutil.atomic_write(archive.manifest, m.to_json())
+        log.info(
+            "checkpoint complete",
+            pod=pod.id,
+            path=str(archive.root),
+            **{k: round(v, 4) for k, v in m.timings.items()},
+        )
+        return m
+
+    def _prepare(
+        self, pod: PodView, selected: list[ContainerView], archive: layout.ArchiveLayout
+    ) -> list[_Work]:
+        archive.create()
+        fsutil.write_private_file(archive.sandbox_config, _json(pod.config))
+        fsutil.write_private_file(archive.sandbox_status, _json(pod.to_record()))
+        fsutil.write_private_file(archive.sandbox_network, _json(pod.network))
+        work = []
+        for c in recorded_containers(pod, selected):
+            cl = archive.container(c.name)
+            if c in selected:
+                cl.create()
+            else:
+                fsutil.make_private_dir(cl.root)
+            fsutil.write_private_file(cl.config_dump, _json(c.to_record()))
+            fsutil.write_private_file(cl.spec_dump, _json(c.spec))
+            fsutil.write_private_file(cl.status_dump, _json(json_format.MessageToDict(c.status)))
+            if c in selected:
+                work.append(_Work(c, cl, self.runtime_for(c)))
+        return work
+
+    async def _dump(self, w: _Work, opts: CheckpointOptions) -> None:
+        w.dump_seconds = await w.runtime.checkpoint(
+            w.view.name, w.view.id, w.layout.checkpoint_dir, w.layout.root, opts.criu, leave_running=True
+        )
+        log.info("container dumped", container=w.view.name, seconds=round(w.dump_seconds, 4))
+
+    async def _diff(self, w: _Work, opts: CheckpointOptions) -> None:
+        upper = w.view.upperdir()
+        if upper is None:
+            raise errors.FailedPrecondition(
+                f"container {w.view.name!r}: cannot find its writable layer (overlayfs upperdir); "
+                "only the overlayfs snapshotter is supported"
+            )
+        start = time.monotonic()
+        summary = await asyncio.to_thread(
+            rootfs_diff.capture_rootfs_diff,
+            upper,
+            w.layout.rootfs_diff_tar,
+            rootfs_diff.default_excludes(w.view.mount_destinations),
+            opts.compress,
+        )
+        fsutil.write_private_file(w.layout.deleted_files, _json(sorted(summary.deleted)))
+        w.diff_seconds = time.monotonic() - start
+
+    def _kill_frozen(self, work: list[_Work]) -> None:
+        for w in work:
+            for pid in cgroup_procs(w.view.cgroups_path):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    async def _stop_upstream(self, work: list[_Work]) -> None:
+        """Let the upstream record the exits (the processes are already dead)."""
+        for w in work:
+            try:
+                await self.upstream.runtime.StopContainer(
+                    cri.StopContainerRequest(container_id=w.view.id, timeout=0), timeout=30
+                )
+            except grpc.aio.AioRpcError as e:
+                log.warning("stop after checkpoint failed", container=w.view.name, error=e.details())
+
+    def _finish_archive(
+        self,
+        pod: PodView,
+        work: list[_Work],
+        archive: layout.ArchiveLayout,
+        opts: CheckpointOptions,
+        post: int,
+        timings: dict[str, float],
+    ) -> manifest.Manifest:
+        rt = work[0].runtime
+        dumped = {w.view.id: w for w in work}
+        stats: dict[str, Any] = {}
+        for w in work:
+            s = read_dump_stats(w.layout.stats_dump)
+            s["dump_seconds"] = round(w.dump_seconds, 6)
+            s["rootfs_diff_seconds"] = round(w.diff_seconds, 6)
+            stats[w.view.name] = s
+        timings["dump_slowest"] = max(w.dump_seconds for w in work)
+        m = manifest.Manifest(
+            sandbox=manifest.SandboxInfo(
+                id=pod.id, metadata=json_format.MessageToDict(pod.status.metadata), config=pod.config
+            ),
+            containers=[
+                manifest.ContainerEntry(
+                    name=c.name,
+                    id=c.id,
+                    image=c.image,
+                    state=cri.ContainerState.Name(c.state),
+                    restart_count=c.restart_count,
+                    checkpointed=c.id in dumped,
+                    dir=archive.container(c.name).rel,
+                )
+                for c in recorded_containers(pod, [w.view for w in work])
+            ],
+            host=manifest.HostInfo(
+                podshim_version=__version__,
+                criu_version=binary_version(self.config.runtime.criu),
+                runtime_name=os.path.basename(rt.binary),
+                runtime_version=binary_version(rt.binary),
+            ),
+            timings=timings,
+            criu_stats=stats,
+            options={k: v for k, v in sorted(_options_record(opts).items())},
+            post_checkpoint_state="STOPPED" if post == cri.POST_CHECKPOINT_STATE_STOPPED else "RUNNING",
+        )
+        return manifest.write_manifest(archive.root, m, workers=4)
+
+
+def _options_record(opts: CheckpointOptions) -> dict[str, str]:
+    c = opts.criu
+    return {
+        "file-locks": str(c.file_locks).lower(),
+        "tcp-established": str(c.tcp_established).lower(),
+        "ext-unix-sk": str(c.ext_unix_sk).lower(),
+        "shell-job": str(c.shell_job).lower(),
+        "rootfs-compression": "gzip" if opts.compress else "none",
+    }
+
+
+def _json(value: Any) -> bytes:
+    return (json.dumps(value, indent=1, sort_keys=True, default=str) + "\n").encode()

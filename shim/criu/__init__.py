@@ -1,0 +1,1 @@
+"""The OCI runtime driver (runc, crun): checkpoint/restore argv, CRIU options, logs and stats."""

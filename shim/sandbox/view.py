@@ -1,0 +1,218 @@
+"""Builds the pod as podshim needs it from the upstream's CRI status (verbose info).
+
+containerd's verbose info carries, per sandbox and container: pid, the CRI config as JSON, the
+OCI runtime spec, and the runtime options (runc binary and root). podshim relies on nothing else
+from the upstream, so the same view can be built from CRI-O's equivalent info.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from api.runtime.v1 import api_pb2 as cri
+from shim import errors
+from shim.upstream import Upstream, upstream_error
+
+CRI_NAMESPACE = "k8s.io"  # containerd's namespace for CRI objects: the runc root's last element
+
+
+@dataclass
+class ContainerView:
+    id: str
+    name: str
+    state: int  # cri.ContainerState
+    status: cri.ContainerStatus
+    config: dict[str, Any]  # the CRI ContainerConfig it was created with (JSON form)
+    spec: dict[str, Any]  # the OCI runtime spec
+    pid: int
+    runtime_root: str  # the OCI runtime's --root holding this container's state
+    runtime_binary: str  # the binary the upstream calls (podshim-runc in front of runc/crun)
+
+    @property
+    def running(self) -> bool:
+        return self.state == cri.CONTAINER_RUNNING
+
+    @property
+    def cgroups_path(self) -> str:
+        return str(self.spec.get("linux", {}).get("cgroupsPath", ""))
+
+    @property
+    def restart_count(self) -> int:
+        return int(self.status.metadata.attempt)
+
+    @property
+    def image(self) -> str:
+        return self.status.image.image or str(self.config.get("image", {}).get("image", ""))
+
+    @property
+    def mount_destinations(self) -> list[str]:
+        """Where the runtime mounts things into the rootfs (never part of the writable layer)."""
+        return [str(m.get("destination", "")) for m in self.spec.get("mounts", [])]
+
+    def namespace_path(self, kind: str) -> str | None:
+        for ns in self.spec.get("linux", {}).get("namespaces", []):
+            if ns.get("type") == kind:
+                return ns.get("path")
+        return None
+
+    def upperdir(self) -> Path | None:
+        """The overlayfs upper dir of the container's rootfs, i.e. its writable layer."""
+        if self.pid <= 0:
+            return None
+        try:
+            with open(f"/proc/{self.pid}/mountinfo") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            pre, _, post = line.partition(" - ")
+            fields_ = pre.split()
+            if len(fields_) < 5 or fields_[4] != "/":
+                continue
+            fstype, _source, super_opts = (post.split(" ", 2) + ["", ""])[:3]
+            if fstype != "overlay":
+                continue
+            for opt in super_opts.split(","):
+                if opt.startswith("upperdir="):
+                    return Path(opt.removeprefix("upperdir="))
+        return None
+
+    def to_record(self) -> dict[str, Any]:
+        """What the archive keeps of this container (config.dump content)."""
+        return {
+            "id": self.id,
+            "name": self.name,
+            "state": cri.ContainerState.Name(self.state),
+            "image": self.image,
+            "image_ref": self.status.image_ref,
+            "restart_count": self.restart_count,
+            "created_at": self.status.created_at,
+            "started_at": self.status.started_at,
+            "finished_at": self.status.finished_at,
+            "exit_code": self.status.exit_code,
+            "log_path": self.status.log_path,
+            "labels": dict(self.status.labels),
+            "annotations": dict(self.status.annotations),
+            "config": self.config,
+            "status": json_format.MessageToDict(self.status),
+        }
+
+
+@dataclass
+class PodView:
+    id: str
+    status: cri.PodSandboxStatus
+    config: dict[str, Any]  # the PodSandboxConfig it was created with (JSON form)
+    spec: dict[str, Any]  # the sandbox (pause) container's OCI spec
+    pid: int
+    runtime_handler: str
+    network: dict[str, Any]  # the CNI result the upstream recorded
+    containers: list[ContainerView] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return self.status.state == cri.SANDBOX_READY
+
+    @property
+    def name(self) -> str:
+        md = self.status.metadata
+        return f"{md.namespace}/{md.name}"
+
+    @property
+    def cgroup_parent(self) -> str:
+        """The pod-level cgroup: parent of the sandbox's own cgroup (cgroupfs or systemd form)."""
+        path = str(self.spec.get("linux", {}).get("cgroupsPath", ""))
+        if ":" in path and not path.startswith("/"):  # systemd "slice:prefix:name": the slice
+            return path.split(":", 1)[0]
+        return os.path.dirname(path.rstrip("/")) or "/"
+
+    def by_id(self, container_id: str) -> ContainerView | None:
+        return next((c for c in self.containers if c.id == container_id), None)
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "metadata": json_format.MessageToDict(self.status.metadata),
+            "runtime_handler": self.runtime_handler,
+            "cgroup_parent": self.cgroup_parent,
+            "config": self.config,
+            "status": json_format.MessageToDict(self.status),
+        }
+
+
+def _info(info: Any) -> dict[str, Any]:
+    raw = info.get("info") if info else None
+    if not raw:
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {}
+
+
+def _runtime_root(info: dict[str, Any]) -> str:
+    root = str(info.get("runtimeOptions", {}).get("root", "") or "")
+    return os.path.join(root, CRI_NAMESPACE) if root else ""
+
+
+async def build_pod_view(upstream: Upstream, pod_id: str, timeout: float = 30.0) -> PodView:
+    """The pod and all its containers (running and exited), ordered by creation."""
+    if not pod_id:
+        raise errors.InvalidArgument("pod_sandbox_id is empty: name the pod to checkpoint")
+    try:
+        sresp = await upstream.runtime.PodSandboxStatus(
+            cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id, verbose=True), timeout=timeout
+        )
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            raise errors.NotFound(
+                f"pod sandbox {pod_id!r} not found: check the id with `podshim pods`"
+            ) from None
+        raise upstream_error(upstream.endpoint, e, f"reading pod {pod_id}") from None
+    sinfo = _info(sresp.info)
+    pod = PodView(
+        id=sresp.status.id,
+        status=sresp.status,
+        config=sinfo.get("config") or {},
+        spec=sinfo.get("runtimeSpec") or {},
+        pid=int(sinfo.get("pid") or 0),
+        runtime_handler=str(sinfo.get("runtimeHandler") or ""),
+        network=sinfo.get("cniResult") or {},
+    )
+    try:
+        listed = await upstream.runtime.ListContainers(
+            cri.ListContainersRequest(filter=cri.ContainerFilter(pod_sandbox_id=pod.id)), timeout=timeout
+        )
+    except grpc.aio.AioRpcError as e:
+        raise upstream_error(upstream.endpoint, e, f"listing containers of pod {pod_id}") from None
+    for c in sorted(listed.containers, key=lambda c: c.created_at):
+        try:
+            cresp = await upstream.runtime.ContainerStatus(
+                cri.ContainerStatusRequest(container_id=c.id, verbose=True), timeout=timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                continue  # removed meanwhile
+            raise upstream_error(upstream.endpoint, e, f"reading container {c.id}") from None
+        cinfo = _info(cresp.info)
+        pod.containers.append(
+            ContainerView(
+                id=c.id,
+                name=cresp.status.metadata.name,
+                state=cresp.status.state,
+                status=cresp.status,
+                config=cinfo.get("config") or {},
+                spec=cinfo.get("runtimeSpec") or {},
+                pid=int(cinfo.get("pid") or 0),
+                runtime_root=_runtime_root(cinfo),
+                runtime_binary=str(cinfo.get("runtimeOptions", {}).get("binary_name", "") or ""),
+            )
+        )
+    return pod

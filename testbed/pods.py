@@ -1,0 +1,149 @@
+"""Kubelet-like CRI requests for tests, benchmarks, the demo and the conformance suite.
+
+The configs mirror what a kubelet sends (cgroup parent per pod, log directory, namespace
+options, kubelet labels), so podshim is exercised the way a node exercises it.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from api.runtime.v1 import api_pb2 as cri
+from api.runtime.v1 import api_pb2_grpc
+
+PAUSE_IMAGE = "localhost/podshim/pause:1"
+BUSYBOX_IMAGE = "localhost/podshim/busybox:1"
+COUNTER_IMAGE = "localhost/podshim/counter:1"
+COUNT_RE = re.compile(rb"count=(\d+)")
+
+
+def stubs(socket: str | Path) -> tuple[api_pb2_grpc.RuntimeServiceStub, api_pb2_grpc.ImageServiceStub]:
+    channel = grpc.insecure_channel(
+        f"unix://{socket}", options=[("grpc.max_receive_message_length", 16 << 20)]
+    )
+    return api_pb2_grpc.RuntimeServiceStub(channel), api_pb2_grpc.ImageServiceStub(channel)
+
+
+def pod_config(
+    name: str, log_root: str | Path, namespace: str = "default", uid: str | None = None
+) -> cri.PodSandboxConfig:
+    uid = uid or secrets.token_hex(8)
+    log_dir = Path(log_root) / f"{namespace}_{name}_{uid}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return cri.PodSandboxConfig(
+        metadata=cri.PodSandboxMetadata(name=name, uid=uid, namespace=namespace, attempt=0),
+        hostname=name,
+        log_directory=str(log_dir),
+        labels={
+            "io.kubernetes.pod.name": name,
+            "io.kubernetes.pod.namespace": namespace,
+            "io.kubernetes.pod.uid": uid,
+        },
+        linux=cri.LinuxPodSandboxConfig(
+            cgroup_parent=f"/podshim-test/pod{uid}",
+            security_context=cri.LinuxSandboxSecurityContext(
+                namespace_options=cri.NamespaceOption(network=cri.POD, pid=cri.CONTAINER, ipc=cri.POD)
+            ),
+        ),
+    )
+
+
+def container_config(
+    name: str,
+    image: str = COUNTER_IMAGE,
+    args: list[str] | None = None,
+    command: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> cri.ContainerConfig:
+    return cri.ContainerConfig(
+        metadata=cri.ContainerMetadata(name=name, attempt=0),
+        image=cri.ImageSpec(image=image),
+        command=command or [],
+        args=args if args is not None else ["--mem-mib", "8", "--interval-ms", "100"],
+        envs=[cri.KeyValue(key=k, value=v) for k, v in (env or {}).items()],
+        log_path=f"{name}/0.log",
+        labels={"io.kubernetes.container.name": name},
+        linux=cri.LinuxContainerConfig(
+            security_context=cri.LinuxContainerSecurityContext(
+                namespace_options=cri.NamespaceOption(network=cri.POD, pid=cri.CONTAINER, ipc=cri.POD)
+            )
+        ),
+    )
+
+
+@dataclass
+class Pod:
+    id: str
+    config: cri.PodSandboxConfig
+    containers: dict[str, str]  # name -> container id
+
+    def log_path(self, container: str, attempt: int = 0) -> Path:
+        return Path(self.config.log_directory) / container / f"{attempt}.log"
+
+
+def run_pod(
+    rt: api_pb2_grpc.RuntimeServiceStub,
+    name: str,
+    log_root: str | Path,
+    containers: dict[str, cri.ContainerConfig] | None = None,
+    runtime_handler: str = "",
+    start: bool = True,
+) -> Pod:
+    """Run a sandbox and create (and start) its containers, as the kubelet does."""
+    config = pod_config(name, log_root)
+    pod_id = rt.RunPodSandbox(
+        cri.RunPodSandboxRequest(config=config, runtime_handler=runtime_handler)
+    ).pod_sandbox_id
+    ids = {}
+    for cname, cc in (containers or {"counter": container_config("counter")}).items():
+        cid = rt.CreateContainer(
+            cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config)
+        ).container_id
+        if start:
+            rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+        ids[cname] = cid
+    return Pod(pod_id, config, ids)
+
+
+def remove_pod(rt: api_pb2_grpc.RuntimeServiceStub, pod_id: str) -> None:
+    rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=pod_id))
+    rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=pod_id))
+
+
+def counts(log_path: Path) -> list[int]:
+    """Every counter value printed in a CRI log file."""
+    try:
+        return [int(m) for m in COUNT_RE.findall(log_path.read_bytes())]
+    except FileNotFoundError:
+        return []
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05, what: str = "condition"
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def wait_count(log_path: Path, at_least: int, timeout: float = 20.0) -> int:
+    """Wait until the counter log shows a value >= at_least; return the last value."""
+    wait_for(
+        lambda: (c := counts(log_path)) and c[-1] >= at_least,
+        timeout,
+        what=f"count>={at_least} in {log_path}",
+    )
+    return counts(log_path)[-1]

@@ -1,0 +1,108 @@
+"""Configuration precedence and errors, and podshim-runc's argv handling (unit tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shim import config
+from shim.runc_wrapper import split_global
+
+
+def write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "podshim.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_without_a_file() -> None:
+    cfg = config.load(None, env={})
+    assert cfg.socket == "/run/podshim/podshim.sock"
+    assert cfg.allowed_roots == ("/var/lib/kubelet/pod-checkpoints",)
+    assert cfg.log_format == "json"
+
+
+def test_file_env_flags_precedence(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        '[server]\nsocket = "/a.sock"\n[upstream]\nendpoint = "unix:///file.sock"\n'
+        '[checkpoint]\nallowed_roots = ["/r1", "/r2"]\n[runtime]\nbinary = "/usr/bin/crun"\n'
+        '[runtimes.kata]\nbinary = "/k"\nroot = "/run/k"\n',
+    )
+    cfg = config.load(
+        path, env={"PODSHIM_UPSTREAM_ENDPOINT": "unix:///env.sock"}, overrides={"socket": "/flag.sock"}
+    )
+    assert cfg.socket == "/flag.sock"
+    assert cfg.upstream_endpoint == "unix:///env.sock"
+    assert cfg.allowed_roots == ("/r1", "/r2")
+    assert cfg.runtime.binary == "/usr/bin/crun"
+    assert cfg.runtime_for_handler("kata") == config.RuntimeConfig(binary="/k", root="/run/k", criu="criu")
+    assert cfg.runtime_for_handler("unknown") is None
+    assert cfg.runtime_for_root("/run/k").binary == "/k"
+
+
+def test_config_env_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, '[log]\nformat = "console"\n')
+    assert config.load(None, env={"PODSHIM_CONFIG": path}).log_format == "console"
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[server]\nsockt = "/x"\n', "server.sockt"),
+        ('[srv]\nsocket = "/x"\n', "srv"),
+        ("[server]\nsocket = 3\n", "server.socket"),
+        ('[server]\nsocket = "relative.sock"\n', "server.socket"),
+        ('[log]\nlevel = "loud"\n', "log.level"),
+        ('[upstream]\nendpoint = "tcp://1.2.3.4:1"\n', "upstream.endpoint"),
+        ('[checkpoint]\nallowed_roots = "/one"\n', "checkpoint.allowed_roots"),
+        ('[checkpoint]\nallowed_roots = ["rel"]\n', "checkpoint.allowed_roots"),
+        ('[runtime]\nbinry = "/x"\n', "runtime.binry"),
+        ("[server\n", "not valid TOML"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(config.ConfigError) as err:
+        config.load(write(tmp_path, text), env={})
+    msg = str(err.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_missing_explicit_file_is_an_error() -> None:
+    with pytest.raises(config.ConfigError, match="not found"):
+        config.load("/nonexistent/podshim.toml", env={})
+
+
+def test_split_global_flags_of_containerd_calls() -> None:
+    argv = [
+        "--root",
+        "/run/r/k8s.io",
+        "--log",
+        "/b/log.json",
+        "--log-format",
+        "json",
+        "--criu",
+        "/c",
+        "create",
+        "--bundle",
+        "/b",
+        "--pid-file",
+        "/b/pid",
+        "abc",
+    ]
+    flags, command, rest = split_global(argv)
+    assert flags == {
+        "--root": "/run/r/k8s.io",
+        "--log": "/b/log.json",
+        "--log-format": "json",
+        "--criu": "/c",
+    }
+    assert command == "create"
+    assert rest == ["--bundle", "/b", "--pid-file", "/b/pid", "abc"]
+    assert split_global(["--systemd-cgroup", "--root=/x", "start", "id"]) == (
+        {"--systemd-cgroup": "", "--root": "/x"},
+        "start",
+        ["id"],
+    )
+    assert split_global(["--version"]) == ({"--version": ""}, None, [])
