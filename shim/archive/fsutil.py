@@ -1,0 +1,191 @@
+"""Durable file-system primitives: atomic writes, fsync of trees, hashing, emptying a directory.
+
+Every durable state file of podshim (journal records, manifest.json) goes through
+`atomic_write`, so a crash leaves either the old or the new content, never a torn file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import shutil
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from shim.errors import Internal, InvalidArgument, NotFound
+
+CHUNK_SIZE = 1 << 20  # 1 MiB: large enough to amortise syscalls, small enough to stream
+
+FILE_MODE = 0o600  # memory images hold secrets (DESIGN §6)
+DIR_MODE = 0o700
+
+_TMP_MARK = ".tmp-"
+
+
+def temp_name_for(name: str) -> str:
+    """The name atomic_write uses for the temporary sibling of `name`."""
+    return f".{name}{_TMP_MARK}{secrets.token_hex(6)}"
+
+
+def is_temp_name(name: str) -> bool:
+    """True for a leftover temporary file of atomic_write (a crash between write and rename)."""
+    return name.startswith(".") and _TMP_MARK in name
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that entries created, renamed or removed in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
+    """Replace `path` with `data` atomically: temp file in the same dir, fsync, rename, fsync dir.
+
+    The temp file is created with O_EXCL|O_NOFOLLOW so a planted symlink cannot redirect it.
+    """
+    path = Path(path)
+    parent = path.parent
+    tmp = parent / temp_name_for(path.name)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except FileNotFoundError as e:
+        raise NotFound(f"cannot write {path}: directory {parent} does not exist; create it first") from e
+    except OSError as e:
+        raise Internal(f"cannot create temporary file {tmp} to write {path}: {e}") from e
+    try:
+        try:
+            os.fchmod(fd, mode)  # the umask may have narrowed or the caller asked wider
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise Internal(f"cannot write {path}: {e}; check free space and permissions") from e
+        raise
+    fsync_dir(parent)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raise(e: OSError) -> None:
+    raise e
+
+
+def fsync_tree(root: Path, workers: int = 1, files: bool = True) -> None:
+    """fsync every regular file and directory under `root` (inclusive), children first.
+
+    Symlinks are not followed. `workers` > 1 fsyncs files in parallel, which lets the block
+    layer merge the flushes of many small files. files=False flushes the directories only
+    (for callers that already flushed the files).
+    """
+    paths: list[Path] = []
+    root = Path(root)
+    dirs: list[Path] = []
+    try:
+        for dirpath, _dirnames, filenames in os.walk(root, topdown=False, onerror=_raise):
+            d = Path(dirpath)
+            for name in filenames:
+                p = d / name
+                if files and stat.S_ISREG(os.lstat(p).st_mode):
+                    paths.append(p)
+            dirs.append(d)
+        if workers > 1 and len(paths) > 1:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                list(pool.map(_fsync_file, paths))
+        else:
+            for p in paths:
+                _fsync_file(p)
+        for d in dirs:  # bottom-up: a directory after its entries
+            fsync_dir(d)
+    except OSError as e:
+        raise Internal(f"cannot fsync {root}: {e}; check the disk") from e
+
+
+def clear_dir_contents(path: Path) -> None:
+    """Remove everything INSIDE `path`, never `path` itself (podshim never removes output_path).
+
+    Symlinks are removed, not followed; subdirectories are removed with shutil.rmtree, which
+    is symlink-attack safe on Linux (fd based).
+    """
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError as e:
+        raise NotFound(f"cannot clear {path}: it does not exist") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"cannot clear {path}: it is not a directory")
+    try:
+        with os.scandir(path) as it:
+            entries = list(it)
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        fsync_dir(path)
+    except OSError as e:
+        raise Internal(f"cannot remove the contents of {path}: {e}; remove them by hand") from e
+
+
+def hash_file(path: Path, chunk_size: int = CHUNK_SIZE, fsync: bool = False) -> tuple[int, str]:
+    """Stream `path` (not following a final symlink) and return (bytes read, sha256 hex).
+
+    fsync=True also flushes the file, so a writer hashes and persists in one pass.
+    """
+    h = hashlib.sha256()
+    size = 0
+    buf = bytearray(chunk_size)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        while n := os.readv(fd, [buf]):
+            h.update(view[:n])  # hashlib releases the GIL for large buffers: threads scale
+            size += n
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size, h.hexdigest()
+
+
+def sha256_file(path: Path, chunk_size: int = CHUNK_SIZE) -> str:
+    """sha256 hex digest of the file at `path`, read in `chunk_size` chunks."""
+    return hash_file(path, chunk_size)[1]
+
+
+def make_private_dir(path: Path, exist_ok: bool = True) -> Path:
+    """Create `path` (and missing parents) with mode 0700, whatever the umask."""
+    path = Path(path)
+    try:
+        path.mkdir(mode=DIR_MODE, parents=True, exist_ok=exist_ok)
+        os.chmod(path, DIR_MODE)
+    except FileExistsError as e:
+        raise InvalidArgument(f"cannot create directory {path}: it already exists") from e
+    except OSError as e:
+        raise Internal(f"cannot create directory {path}: {e}") from e
+    return path
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """Write a new 0600 file durably (atomic_write); the shape every archive file takes."""
+    atomic_write(path, data, FILE_MODE)

@@ -1,0 +1,394 @@
+"""manifest.json: the versioned description and completion marker of a pod checkpoint.
+
+`write_manifest` records size + sha256 of every other file of the tree, fsyncs the tree and
+only then writes manifest.json atomically: a directory without manifest.json is partial.
+`load_and_verify` refuses anything that does not match it, byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import stat
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from shim.archive.fsutil import atomic_write, fsync_tree, hash_file
+from shim.archive.layout import MANIFEST_FILE
+from shim.archive.paths import check_member_path, validate_archive_dir
+from shim.errors import (
+    DataLoss,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ShimError,
+)
+
+FORMAT = "podshim.checkpoint.v1"
+SUPPORTED_FORMATS = frozenset({FORMAT})
+FORMAT_PREFIX = "podshim.checkpoint."
+
+# A manifest lists one line per file; far beyond any real pod, small enough to parse safely.
+MAX_MANIFEST_BYTES = 64 << 20
+
+POST_CHECKPOINT_RUNNING = "RUNNING"
+POST_CHECKPOINT_STOPPED = "STOPPED"
+
+
+def rfc3339_now() -> str:
+    """Current UTC time as RFC 3339 with milliseconds, e.g. 2026-07-22T10:15:00.123Z."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class HostInfo:
+    """Versions of the checkpointing host; restore compares them to its own."""
+
+    podshim_version: str = ""
+    criu_version: str = ""
+    runtime_name: str = ""
+    runtime_version: str = ""
+    kernel: str = field(default_factory=lambda: platform.release())
+    arch: str = field(default_factory=lambda: platform.machine())
+
+
+@dataclass
+class SandboxInfo:
+    id: str
+    metadata: dict[str, Any]  # PodSandboxMetadata: name, uid, namespace, attempt
+    config: dict[str, Any]  # PodSandboxConfig as JSON (protobuf MessageToDict)
+
+
+@dataclass
+class ContainerEntry:
+    name: str
+    id: str
+    image: str
+    state: str  # CRI state at checkpoint time, e.g. CONTAINER_RUNNING
+    restart_count: int
+    checkpointed: bool  # False: recorded for the pod view only (e.g. exited)
+    dir: str  # relative to the archive root, e.g. "containers/app"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    sandbox: SandboxInfo
+    containers: list[ContainerEntry] = field(default_factory=list)
+    host: HostInfo = field(default_factory=HostInfo)
+    created: str = field(default_factory=rfc3339_now)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g. "freeze_window"
+    criu_stats: dict[str, Any] = field(default_factory=dict)  # per container name
+    options: dict[str, str] = field(default_factory=dict)
+    post_checkpoint_state: str = POST_CHECKPOINT_RUNNING
+    files: dict[str, FileEntry] = field(default_factory=dict)  # relpath -> size, sha256
+    format: str = FORMAT
+
+    def container(self, name: str) -> ContainerEntry:
+        for c in self.containers:
+            if c.name == name:
+                return c
+        raise NotFound(f"container {name!r} is not in this checkpoint")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "created": self.created,
+            "host": vars(self.host).copy(),
+            "sandbox": {
+                "id": self.sandbox.id,
+                "metadata": self.sandbox.metadata,
+                "config": self.sandbox.config,
+            },
+            "containers": [vars(c).copy() for c in self.containers],
+            "timings": self.timings,
+            "criu_stats": self.criu_stats,
+            "options": self.options,
+            "post_checkpoint_state": self.post_checkpoint_state,
+            "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
+        }
+
+    def to_json(self) -> bytes:
+        return (json.dumps(self.to_dict(), indent=1, ensure_ascii=False) + "\n").encode()
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = MANIFEST_FILE) -> Manifest:
+        """Parse a decoded manifest. Unknown format: FailedPrecondition; bad shape: DataLoss."""
+        p = _Parser(where)
+        if not isinstance(d, dict):
+            raise p.bad("top level", "an object")
+        fmt = d.get("format")
+        if not isinstance(fmt, str):
+            raise p.bad("format", "a string")
+        check_format(fmt, where)
+        sb = p.obj(d, "sandbox")
+        host = p.obj(d, "host")
+        containers = []
+        for i, c in enumerate(p.typed(d, "containers", list)):
+            cw = f"containers[{i}]"
+            if not isinstance(c, dict):
+                raise p.bad(cw, "an object")
+            containers.append(
+                ContainerEntry(
+                    name=p.typed(c, "name", str, cw),
+                    id=p.typed(c, "id", str, cw),
+                    image=p.typed(c, "image", str, cw),
+                    state=p.typed(c, "state", str, cw),
+                    restart_count=p.typed(c, "restart_count", int, cw),
+                    checkpointed=p.typed(c, "checkpointed", bool, cw),
+                    dir=p.typed(c, "dir", str, cw),
+                )
+            )
+        files = {}
+        for rel, fe in p.obj(d, "files").items():
+            fw = f"files[{rel!r}]"
+            if not isinstance(fe, dict):
+                raise p.bad(fw, "an object")
+            size = p.typed(fe, "size", int, fw)
+            digest = p.typed(fe, "sha256", str, fw)
+            if size < 0 or len(digest) != 64:
+                raise p.bad(fw, "a non-negative size and a 64-hex-digit sha256")
+            files[rel] = FileEntry(size=size, sha256=digest.lower())
+        timings = p.obj(d, "timings")
+        if not all(isinstance(v, int | float) for v in timings.values()):
+            raise p.bad("timings", "numbers")
+        options = p.obj(d, "options")
+        if not all(isinstance(v, str) for v in options.values()):
+            raise p.bad("options", "strings")
+        return cls(
+            format=fmt,
+            created=p.typed(d, "created", str),
+            host=HostInfo(**{k: p.typed(host, k, str, "host") for k in HostInfo.__dataclass_fields__}),
+            sandbox=SandboxInfo(
+                id=p.typed(sb, "id", str, "sandbox"),
+                metadata=p.obj(sb, "metadata", "sandbox"),
+                config=p.obj(sb, "config", "sandbox"),
+            ),
+            containers=containers,
+            timings=timings,
+            criu_stats=p.obj(d, "criu_stats"),
+            options=options,
+            post_checkpoint_state=p.typed(d, "post_checkpoint_state", str),
+            files=files,
+        )
+
+
+class _Parser:
+    """Field access that turns a malformed manifest into one clear DataLoss."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def bad(self, name: str, expected: str) -> DataLoss:
+        return DataLoss(
+            f"{self.where}: field {name} is missing or not {expected}: the checkpoint is "
+            "corrupt or was not written by podshim; take a new checkpoint"
+        )
+
+    def typed(self, d: dict[str, Any], key: str, typ: type, parent: str = "") -> Any:
+        v = d.get(key)
+        # bool is an int subclass: a count must not accept true/false
+        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+            raise self.bad(f"{parent}.{key}" if parent else key, f"a {typ.__name__}")
+        return v
+
+    def obj(self, d: dict[str, Any], key: str, parent: str = "") -> dict[str, Any]:
+        return self.typed(d, key, dict, parent)
+
+
+def check_format(fmt: str, where: str = MANIFEST_FILE) -> None:
+    if fmt in SUPPORTED_FORMATS:
+        return
+    known = ", ".join(sorted(SUPPORTED_FORMATS))
+    if fmt.startswith(FORMAT_PREFIX):
+        raise FailedPrecondition(
+            f"{where}: checkpoint format {fmt!r} is not supported by this podshim "
+            f"(supports {known}); restore it with a podshim version that writes that format"
+        )
+    raise FailedPrecondition(f"{where}: format {fmt!r} is not a podshim checkpoint (expected {known})")
+
+
+# ---------------------------------------------------------------------------- tree walking
+
+
+def _scan_tree(root: Path, err: Callable[[str], ShimError]) -> dict[str, int]:
+    """Regular files under `root` (relative posix path -> size), manifest.json excluded.
+
+    Anything but directories and regular files (symlinks, fifos, devices, sockets) raises
+    `err(message)`: an archive tree is plain data, and a symlink could point reads outside it.
+    """
+    out: dict[str, int] = {}
+    stack: list[tuple[Path, str]] = [(root, "")]
+    while stack:
+        d, prefix = stack.pop()
+        try:
+            with os.scandir(d) as it:
+                entries = list(it)
+        except OSError as e:
+            raise Internal(f"cannot list {d}: {e}") from e
+        for e in entries:
+            rel = f"{prefix}{e.name}"
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                stack.append((Path(e.path), rel + "/"))
+            elif stat.S_ISREG(st.st_mode):
+                if rel != MANIFEST_FILE:
+                    out[rel] = st.st_size
+            elif stat.S_ISLNK(st.st_mode):
+                raise err(f"{root}: {rel} is a symlink; a checkpoint holds no symlinks")
+            else:
+                raise err(f"{root}: {rel} is not a regular file or directory")
+    return out
+
+
+def _map(fn: Callable[[str], Any], items: list[str], workers: int) -> list[Any]:
+    if workers > 1 and len(items) > 1:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="podshim-hash") as pool:
+            return list(pool.map(fn, items))
+    return [fn(i) for i in items]
+
+
+def _check_members(root: Path, m: Manifest) -> None:
+    for rel in m.files:
+        norm = check_member_path(rel, f"{root}: manifest file entry")
+        if str(norm) != rel:
+            raise InvalidArgument(
+                f"{root}: manifest file entry {rel!r} is not in normal form ({str(norm)!r})"
+            )
+        if rel == MANIFEST_FILE:
+            raise InvalidArgument(f"{root}: manifest lists itself as a member")
+    names: set[str] = set()
+    for c in m.containers:
+        check_member_path(c.dir, f"{root}: container {c.name!r} dir")
+        if c.name in names:
+            raise DataLoss(f"{root}: container {c.name!r} appears twice in the manifest")
+        names.add(c.name)
+
+
+# ---------------------------------------------------------------------------- write / read
+
+
+def write_manifest(root: Path, manifest: Manifest, workers: int = 1) -> Manifest:
+    """Checksum every file under `root`, fsync the tree, then write manifest.json atomically.
+
+    Fills `manifest.files` (replacing any previous value) and returns the manifest.
+    """
+    root = Path(root)
+    _check_members(root, manifest)
+    sizes = _scan_tree(root, lambda msg: Internal(f"unexpected entry in checkpoint: {msg}"))
+    rels = sorted(sizes)
+    try:
+        results = _map(lambda rel: hash_file(root / rel, fsync=True), rels, workers)
+    except OSError as e:
+        raise Internal(f"cannot checksum/fsync checkpoint {root}: {e}; check the disk") from e
+    manifest.files = {rel: FileEntry(size=s, sha256=h) for rel, (s, h) in zip(rels, results, strict=True)}
+    fsync_tree(root, files=False)  # entries of every dir durable before the marker exists
+    atomic_write(root / MANIFEST_FILE, manifest.to_json())
+    return manifest
+
+
+def read_manifest(root: Path) -> Manifest:
+    """Parse `root`/manifest.json without checking the files (see load_and_verify)."""
+    root = Path(root)
+    path = root / MANIFEST_FILE
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError as e:
+        raise NotFound(
+            f"{root} has no {MANIFEST_FILE}: it is not a complete podshim checkpoint "
+            "(an interrupted checkpoint never gets one); take a new checkpoint"
+        ) from e
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument(f"{path} is not a regular file (symlink or special file)")
+    if st.st_size > MAX_MANIFEST_BYTES:
+        raise DataLoss(f"{path} is {st.st_size} bytes, over the {MAX_MANIFEST_BYTES} limit")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        raise Internal(f"cannot read {path}: {e}") from e
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataLoss(
+            f"{path} is truncated or not valid JSON ({e}): the checkpoint is corrupt; take a new checkpoint"
+        ) from e
+    return Manifest.from_dict(doc, str(path))
+
+
+def verify_files(root: Path, manifest: Manifest, workers: int = 1) -> None:
+    """Check the tree under `root` against `manifest.files`: exact set, sizes, sha256.
+
+    Sizes are compared before any byte is hashed, so truncation fails fast.
+    """
+    root = Path(root)
+    _check_members(root, manifest)
+    on_disk = _scan_tree(root, InvalidArgument)
+    expected = manifest.files
+    missing = sorted(set(expected) - set(on_disk))
+    if missing:
+        raise DataLoss(
+            f"checkpoint {root} is incomplete: {_names(missing)} listed in the manifest "
+            "are missing; take a new checkpoint"
+        )
+    extra = sorted(set(on_disk) - set(expected))
+    if extra:
+        raise DataLoss(
+            f"checkpoint {root} was modified: {_names(extra)} not listed in the manifest; "
+            "the archive cannot be trusted, take a new checkpoint"
+        )
+    wrong_size = [r for r in sorted(expected) if on_disk[r] != expected[r].size]
+    if wrong_size:
+        r = wrong_size[0]
+        raise DataLoss(
+            f"checkpoint {root} is corrupt: {r} is {on_disk[r]} bytes, the manifest says "
+            f"{expected[r].size}" + (f" (and {len(wrong_size) - 1} more)" if wrong_size[1:] else "")
+        )
+    rels = sorted(expected)
+    try:
+        results = _map(lambda rel: hash_file(root / rel), rels, workers)
+    except OSError as e:
+        raise Internal(f"cannot read checkpoint {root}: {e}") from e
+    bad = [
+        (rel, digest)
+        for rel, (size, digest) in zip(rels, results, strict=True)
+        if digest != expected[rel].sha256 or size != expected[rel].size
+    ]
+    if bad:
+        rel, digest = bad[0]
+        raise DataLoss(
+            f"checkpoint {root} is corrupt: {rel} has sha256 {digest}, the manifest says "
+            f"{expected[rel].sha256}"
+            + (f" (and {len(bad) - 1} more files differ)" if bad[1:] else "")
+            + "; take a new checkpoint"
+        )
+
+
+def _names(rels: list[str], limit: int = 5) -> str:
+    shown = ", ".join(rels[:limit])
+    return shown + (f" and {len(rels) - limit} more" if len(rels) > limit else "")
+
+
+def load_and_verify(path: str | Path, allowed_roots: Sequence[str], workers: int = 1) -> Manifest:
+    """Validate the archive dir, parse its manifest and verify every file; return the manifest.
+
+    NotFound: missing dir or manifest. DataLoss: truncated/unparseable manifest, size or
+    checksum mismatch (naming the file), missing or extra file. FailedPrecondition: unknown
+    format. InvalidArgument: path outside the roots, escaping member paths, symlinks inside.
+    """
+    root = validate_archive_dir(str(path), allowed_roots)
+    manifest = read_manifest(root)
+    verify_files(root, manifest, workers)
+    return manifest
