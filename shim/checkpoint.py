@@ -302,14 +302,14 @@ class PodCheckpointer:
                 "only the overlayfs snapshotter is supported"
             )
         start = time.monotonic()
-        summary = await asyncio.to_thread(
+        await asyncio.to_thread(
             rootfs_diff.capture_rootfs_diff,
             upper,
             w.layout.rootfs_diff_tar,
-            rootfs_diff.default_excludes(w.view.mount_destinations),
-            opts.compress,
+            exclude=w.view.mount_destinations,
+            compress=opts.compress,
+            deleted_files=w.layout.deleted_files,
         )
-        fsutil.write_private_file(w.layout.deleted_files, _json(sorted(summary.deleted)))
         w.diff_seconds = time.monotonic() - start
 
     def _kill_frozen(self, work: list[_Work]) -> None:

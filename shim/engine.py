@@ -16,6 +16,7 @@ from shim.archive import fsutil, layout
 from shim.cgroups import thaw_paths
 from shim.checkpoint import PodCheckpointer
 from shim.config import Config
+from shim.restore import PodRestorer
 from shim.state import Journal
 from shim.upstream import Upstream
 
@@ -52,6 +53,7 @@ class Engine:
         self.journal = Journal(Path(config.state_dir))
         self.locks = OperationLocks()
         self.checkpointer = PodCheckpointer(config, upstream, self.journal)
+        self.restorer = PodRestorer(config, upstream, self.journal)
 
     @contextlib.contextmanager
     def _operation(self, name: str, keys: list[str], **fields: str) -> Iterator[None]:
@@ -107,5 +109,7 @@ class Engine:
                 if out and not (Path(out) / layout.MANIFEST_FILE).exists():
                     with contextlib.suppress(OSError):
                         fsutil.clear_dir_contents(Path(out))
+            elif rec.kind == "restore" and data.get("sandbox_id"):
+                await self.restorer.rollback_sandbox(str(data["sandbox_id"]))
             self.journal.finish(rec)
             metrics.operations.labels(rec.kind.replace("-", "_"), "RECOVERED").inc()

@@ -1,11 +1,173 @@
-"""The restore side of podshim-runc: `create` of an annotated container becomes `restore`.
+"""The restore side of podshim-runc (DESIGN §4).
 
-Filled in by RestorePod; until then every container is created normally.
+RestorePod creates each container through the upstream with RESTORE_ANNOTATION naming its
+directory in the checkpoint. When the upstream later runs the OCI runtime's `create` for that
+container (at StartContainer), podshim-runc applies the rootfs diff onto the new rootfs and
+runs `restore --detach` instead, with the upstream's bundle, pid file and stdio, so the
+restored process lives in the new pod's namespaces and cgroups and logs into the new log.
+The following `start` is a no-op. Everything else is an exec of the real runtime.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RESTORE_ANNOTATION = "podshim.restore/checkpoint-dir"
+RESTORE_OPTIONS_ANNOTATION = "podshim.restore/criu-options"
+RESTORED_MARKER = "podshim-restored"  # in the runtime's state dir of the container
+WORK_DIR = "podshim-restore"  # in the bundle: CRIU's work dir and a writable view of the images
+CRIU_CONFIG_ANNOTATION = "org.criu.config"  # runc/crun read CRIU options from this file
+
+
+def _arg(rest: list[str], *names: str) -> str | None:
+    for i, a in enumerate(rest):
+        for n in names:
+            if a == n and i + 1 < len(rest):
+                return rest[i + 1]
+            if a.startswith(n + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def _fail(message: str, log_file: str | None) -> None:
+    """Report like runc does: a JSON line in the --log file (the upstream shows the last one)."""
+    sys.stderr.write(f"podshim-runc: {message}\n")
+    if log_file:
+        try:
+            with open(log_file, "a") as f:
+                f.write(json.dumps({"level": "error", "msg": f"podshim-runc: {message}"}) + "\n")
+        except OSError:
+            pass
+    raise SystemExit(1)
+
+
+def _image_view(images: Path, view: Path) -> None:
+    """A writable directory of symlinks to the archived images: CRIU writes its restore stats
+    next to the images, and a restore must never modify the archive."""
+    view.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for entry in os.scandir(images):
+        link = view / entry.name
+        if not link.exists():
+            os.symlink(entry.path, link)
+
 
 def maybe_handle(binary: str, argv: list[str], flags: dict[str, str], command: str, rest: list[str]) -> None:
     """Handle `create`/`start` of a container to restore (exits); return for any other container."""
-    return None
+    container_id = rest[-1] if rest else ""
+    root = flags.get("--root", "")
+    if command == "start":
+        if root and container_id and (Path(root) / container_id / RESTORED_MARKER).exists():
+            raise SystemExit(0)  # restored by `create` already: it is running
+        return
+    bundle = Path(_arg(rest, "--bundle", "-b") or os.getcwd())
+    try:
+        spec = json.loads((bundle / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # not ours to judge: the real runtime reports it
+    ckpt = spec.get("annotations", {}).get(RESTORE_ANNOTATION)
+    if not ckpt:
+        return
+    restore(binary, argv, flags, rest, container_id, bundle, spec, Path(ckpt))
+
+
+def restore(
+    binary: str,
+    argv: list[str],
+    flags: dict[str, str],
+    rest: list[str],
+    container_id: str,
+    bundle: Path,
+    spec: dict,
+    ckpt: Path,
+) -> None:
+    from shim import config
+    from shim.archive import layout, paths, rootfs_diff
+    from shim.criu.runtime import CriuOptions, criu_error_lines
+    from shim.errors import ShimError
+
+    log_file = flags.get("--log")
+    try:
+        cfg = config.load()
+        ckpt = paths.validate_archive_dir(str(ckpt), cfg.allowed_roots)
+    except (config.ConfigError, ShimError) as e:
+        _fail(f"restore of {container_id}: {e}", log_file)
+    cl = layout.ContainerLayout(root=ckpt, rel="")
+    rootfs = bundle / spec.get("root", {}).get("path", "rootfs")
+    try:
+        if cl.rootfs_diff_tar.exists():
+            deleted = json.loads(cl.deleted_files.read_text()) if cl.deleted_files.exists() else None
+            rootfs_diff.apply_rootfs_diff(cl.rootfs_diff_tar, rootfs, deleted)
+    except (ShimError, OSError, ValueError) as e:
+        _fail(f"restore of {container_id}: applying the rootfs diff of {ckpt} failed: {e}", log_file)
+
+    work = bundle / WORK_DIR
+    images = work / "images"
+    _image_view(cl.checkpoint_dir, images)
+    # Established TCP connections are closed on restore (KEP-5823 alpha): runc has no flag
+    # for it, so it goes through the CRIU config file the runtime reads from the spec.
+    criu_conf = work / "criu.conf"
+    criu_conf.write_text("tcp-close\n")
+    spec.setdefault("annotations", {})[CRIU_CONFIG_ANNOTATION] = str(criu_conf)
+    (bundle / "config.json").write_text(json.dumps(spec))
+
+    raw_opts = spec.get("annotations", {}).get(RESTORE_OPTIONS_ANNOTATION, "")
+    opt = {k: True for k in raw_opts.split(",") if k}
+    criu_opts = CriuOptions(
+        file_locks=opt.get("file-locks", False),
+        tcp_established=opt.get("tcp-established", False),
+        ext_unix_sk=opt.get("ext-unix-sk", False),
+        shell_job=opt.get("shell-job", False),
+    )
+    # Keep the upstream's global flags (--root, --log, --log-format, --criu ...) as they were.
+    global_args = argv[: len(argv) - len(rest) - 1]
+    cmd = [
+        binary,
+        *global_args,
+        "restore",
+        "--detach",
+        "--no-subreaper",
+        "--bundle",
+        str(bundle),
+        "--image-path",
+        str(images),
+        "--work-path",
+        str(work),
+    ]
+    for name in ("--pid-file", "--console-socket"):
+        value = _arg(rest, name)
+        if value:
+            cmd += [name, value]
+    cmd += [*criu_opts.flags(), container_id]
+    # stdio and every other descriptor the upstream gave us go to the restored process.
+    result = subprocess.run(cmd, close_fds=False, check=False)
+    if result.returncode != 0:
+        log_path = work / "restore.log"
+        kept = _keep_log(log_path, cfg.state_dir, container_id)
+        detail = "; ".join(criu_error_lines(log_path))
+        _fail(
+            f"CRIU restore of container {container_id} from {ckpt} failed (exit {result.returncode}): "
+            f"{detail} (CRIU log: {kept})",
+            log_file,
+        )
+    marker_dir = Path(flags.get("--root", "")) / container_id
+    try:
+        (marker_dir / RESTORED_MARKER).write_text(str(ckpt))
+    except OSError as e:
+        _fail(f"restored {container_id} but cannot record it in {marker_dir}: {e}", log_file)
+    raise SystemExit(0)
+
+
+def _keep_log(log_path: Path, state_dir: str, container_id: str) -> str:
+    """Copy the CRIU log out of the bundle (which the upstream deletes) for the operator."""
+    try:
+        dest_dir = Path(state_dir) / "logs"
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        dest = dest_dir / f"restore-{container_id}.log"
+        dest.write_bytes(log_path.read_bytes())
+        return str(dest)
+    except OSError:
+        return str(log_path)

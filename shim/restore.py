@@ -1,0 +1,306 @@
+"""RestorePod (KEP-5823): a new, fully managed pod from a checkpoint (DESIGN §4).
+
+Validate the archive and the request before touching anything; then RunPodSandbox and one
+CreateContainer per checkpointed container (in checkpoint order) through the upstream, each
+carrying RESTORE_ANNOTATION. The process state comes back at StartContainer, through
+podshim-runc. Any failure removes the sandbox (and its containers) this call created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from api.runtime.v1 import api_pb2 as cri
+from shim import errors, logs
+from shim.archive import layout, manifest, paths
+from shim.config import Config
+from shim.criu.runtime import binary_version
+from shim.restore_hook import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
+from shim.state import Journal
+from shim.upstream import Upstream, upstream_error
+
+log = logs.get("shim.restore")
+
+CLEANUP_MARGIN = 1.0
+DEFAULT_DEADLINE = 600.0
+# Kubelet annotation carrying the restart count shown by `kubectl get pods`.
+RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
+# CRIU options recorded at checkpoint that the restore must repeat.
+_RESTORE_FLAGS = ("file-locks", "tcp-established", "ext-unix-sk", "shell-job")
+
+
+@dataclass(frozen=True)
+class RestoreOptions:
+    start: bool = False  # start the containers (the KEP text's older walkthrough)
+
+    KEYS = {"start": "true: start the restored containers before returning (default false)"}
+
+    @classmethod
+    def parse(cls, options: dict[str, str]) -> RestoreOptions:
+        unknown = sorted(set(options) - set(cls.KEYS))
+        if unknown:
+            raise errors.InvalidArgument(
+                f"unknown restore option(s) {', '.join(unknown)}; known: {', '.join(sorted(cls.KEYS))}"
+            )
+        value = options.get("start", "false").strip().lower()
+        if value not in ("true", "false", "1", "0", "yes", "no"):
+            raise errors.InvalidArgument(f"option start={options['start']!r}: expected true or false")
+        return cls(start=value in ("true", "1", "yes"))
+
+
+def _criu_major_minor(version: str) -> tuple[int, int]:
+    try:
+        parts = version.split(".")
+        return int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):
+        return (0, 0)
+
+
+def check_host(m: manifest.Manifest, criu_version: str) -> None:
+    """The archive must come from a host this one can restore (FAILED_PRECONDITION otherwise)."""
+    here = platform.machine()
+    if m.host.arch and m.host.arch != here:
+        raise errors.FailedPrecondition(
+            f"checkpoint was taken on {m.host.arch}, this node is {here}: restore it on a {m.host.arch} node"
+        )
+    theirs, ours = _criu_major_minor(m.host.criu_version), _criu_major_minor(criu_version)
+    if theirs > ours:
+        raise errors.FailedPrecondition(
+            f"checkpoint was written by CRIU {m.host.criu_version}, this node has CRIU {criu_version}: "
+            "upgrade CRIU on this node"
+        )
+
+
+def _archived_config(record: dict[str, Any]) -> cri.ContainerConfig:
+    return json_format.ParseDict(
+        record.get("config") or {}, cri.ContainerConfig(), ignore_unknown_fields=True
+    )
+
+
+def _credentials(c: cri.ContainerConfig) -> dict[str, Any]:
+    sc = c.linux.security_context
+    return {
+        "run_as_user": sc.run_as_user.value if sc.HasField("run_as_user") else None,
+        "run_as_group": sc.run_as_group.value if sc.HasField("run_as_group") else None,
+        "run_as_username": sc.run_as_username,
+        "supplemental_groups": list(sc.supplemental_groups),
+    }
+
+
+def config_mismatch(name: str, requested: cri.ContainerConfig, archived: cri.ContainerConfig) -> str | None:
+    """The first field in which `requested` disagrees with the checkpoint (image is checked apart)."""
+    checks = {
+        "command": (list(requested.command), list(archived.command)),
+        "args": (list(requested.args), list(archived.args)),
+        "working_dir": (requested.working_dir, archived.working_dir),
+        "env": ([(e.key, e.value) for e in requested.envs], [(e.key, e.value) for e in archived.envs]),
+        "credentials": (_credentials(requested), _credentials(archived)),
+    }
+    for field, (want, have) in checks.items():
+        if want != have:
+            return (
+                f"container {name!r}: {field} differs from the checkpoint "
+                f"(request {want!r}, checkpoint {have!r})"
+            )
+    return None
+
+
+@dataclass
+class _Planned:
+    entry: manifest.ContainerEntry
+    config: cri.ContainerConfig
+    dir: Path
+
+
+class PodRestorer:
+    def __init__(self, config: Config, upstream: Upstream, journal: Journal) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.journal = journal
+
+    async def restore(self, req: cri.RestorePodRequest, deadline: float | None) -> cri.RestorePodResponse:
+        opts = RestoreOptions.parse(dict(req.options))
+        if not req.HasField("config") or not req.config.metadata.name:
+            raise errors.InvalidArgument("config (the new PodSandboxConfig with metadata) is required")
+        if req.runtime_handler and self.config.runtime_for_handler(req.runtime_handler) is None:
+            raise errors.InvalidArgument(
+                f"runtime_handler {req.runtime_handler!r} is not configured in podshim "
+                f"(known: runc{''.join(', ' + h for h in self.config.runtimes)})"
+            )
+        root = await asyncio.to_thread(
+            paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots
+        )
+        m = await asyncio.to_thread(manifest.load_and_verify, root, self.config.allowed_roots, 2)
+        await asyncio.to_thread(check_host, m, binary_version(self.config.runtime.criu))
+        plan = await self._plan(req, m, layout.ArchiveLayout(root))
+        budget = (deadline if deadline is not None else DEFAULT_DEADLINE) - CLEANUP_MARGIN
+        if budget <= 0:
+            raise errors.DeadlineExceeded("the deadline leaves no time to restore the pod")
+        md = req.config.metadata
+        rec = self.journal.begin("restore", f"{md.namespace}/{md.name}", {"checkpoint_path": str(root)})
+        created: dict[str, str] = {}
+        sandbox: list[str] = []
+        try:
+            async with asyncio.timeout(budget):
+                await self._create(req, m, plan, opts, rec, sandbox, created)
+        except BaseException as e:
+            await asyncio.shield(self._rollback(sandbox))
+            self.journal.finish(rec)
+            if isinstance(e, TimeoutError):
+                raise errors.DeadlineExceeded(
+                    f"restore of pod {md.namespace}/{md.name} did not finish within the caller's deadline; "
+                    "the new sandbox was removed: retry with a longer deadline"
+                ) from None
+            raise
+        self.journal.finish(rec)
+        return cri.RestorePodResponse(
+            pod_sandbox_id=sandbox[0],
+            restored_containers=[
+                cri.RestoredContainer(name=p.entry.name, container_id=created[p.entry.name]) for p in plan
+            ],
+        )
+
+    async def _plan(
+        self, req: cri.RestorePodRequest, m: manifest.Manifest, archive: layout.ArchiveLayout
+    ) -> list[_Planned]:
+        """Match the request's container configs to the checkpoint, exactly, before acting."""
+        dumped = [c for c in m.containers if c.checkpointed]
+        recorded_only = {c.name for c in m.containers if not c.checkpointed}
+        by_name: dict[str, cri.ContainerConfig] = {}
+        for cc in req.container_configs:
+            name = cc.metadata.name
+            if not name:
+                raise errors.InvalidArgument("a container config has no metadata.name")
+            if name in by_name:
+                raise errors.InvalidArgument(f"container config {name!r} appears twice")
+            by_name[name] = cc
+        missing = [c.name for c in dumped if c.name not in by_name]
+        extra = [n for n in by_name if n not in {c.name for c in dumped} and n not in recorded_only]
+        if missing or extra:
+            raise errors.InvalidArgument(
+                "container_configs must match the checkpointed containers "
+                f"({', '.join(c.name for c in dumped)}): "
+                + "; ".join(
+                    part
+                    for part in (
+                        f"missing {', '.join(missing)}" if missing else "",
+                        f"not in the checkpoint {', '.join(extra)}" if extra else "",
+                    )
+                    if part
+                )
+            )
+        plan = []
+        for entry in dumped:
+            cl = archive.container(entry.name)
+            record = json.loads(cl.config_dump.read_text())
+            requested = by_name[entry.name]
+            problem = config_mismatch(entry.name, requested, _archived_config(record))
+            if problem is None:
+                problem = await self._image_mismatch(entry, requested, record)
+            if problem:
+                raise errors.InvalidArgument(problem)
+            plan.append(_Planned(entry, requested, cl.root))
+        return plan
+
+    async def _image_mismatch(
+        self, entry: manifest.ContainerEntry, requested: cri.ContainerConfig, record: dict
+    ) -> str | None:
+        want = requested.image.image
+        if want in (entry.image, record.get("image_ref")):
+            return None
+        try:
+            st = await self.upstream.image.ImageStatus(
+                cri.ImageStatusRequest(image=cri.ImageSpec(image=want)), timeout=30
+            )
+        except grpc.aio.AioRpcError as e:
+            raise upstream_error(self.upstream.endpoint, e, f"looking up image {want}") from None
+        if st.HasField("image") and st.image.id == record.get("image_ref"):
+            return None
+        return (
+            f"container {entry.name!r}: image {want!r} differs from the checkpoint's "
+            f"{entry.image!r} ({record.get('image_ref')})"
+        )
+
+    def _container_config(self, p: _Planned, criu_flags: str) -> cri.ContainerConfig:
+        cc = cri.ContainerConfig()
+        cc.CopyFrom(p.config)
+        if cc.metadata.attempt == 0:
+            cc.metadata.attempt = p.entry.restart_count  # the restart count continues
+        cc.annotations[RESTORE_ANNOTATION] = str(p.dir)
+        cc.annotations[RESTORE_OPTIONS_ANNOTATION] = criu_flags
+        cc.annotations.setdefault(RESTART_COUNT_ANNOTATION, str(cc.metadata.attempt))
+        return cc
+
+    async def _create(
+        self,
+        req: cri.RestorePodRequest,
+        m: manifest.Manifest,
+        plan: list[_Planned],
+        opts: RestoreOptions,
+        rec: Any,
+        sandbox: list[str],
+        created: dict[str, str],
+    ) -> None:
+        up = self.upstream.runtime
+        started = time.monotonic()
+        criu_flags = ",".join(k for k in _RESTORE_FLAGS if m.options.get(k) == "true")
+        try:
+            resp = await up.RunPodSandbox(
+                cri.RunPodSandboxRequest(config=req.config, runtime_handler=req.runtime_handler), timeout=120
+            )
+        except grpc.aio.AioRpcError as e:
+            raise upstream_error(self.upstream.endpoint, e, "creating the new sandbox") from None
+        sandbox.append(resp.pod_sandbox_id)
+        self.journal.update(rec, "sandbox", sandbox_id=resp.pod_sandbox_id)
+        log.info("restore sandbox created", sandbox=resp.pod_sandbox_id)
+        for p in plan:
+            try:
+                c = await up.CreateContainer(
+                    cri.CreateContainerRequest(
+                        pod_sandbox_id=resp.pod_sandbox_id,
+                        config=self._container_config(p, criu_flags),
+                        sandbox_config=req.config,
+                    ),
+                    timeout=120,
+                )
+            except grpc.aio.AioRpcError as e:
+                raise upstream_error(
+                    self.upstream.endpoint, e, f"creating container {p.entry.name!r}"
+                ) from None
+            created[p.entry.name] = c.container_id
+            log.info("restore container created", container=p.entry.name, id=c.container_id)
+        if opts.start:
+            for p in plan:
+                try:
+                    await up.StartContainer(
+                        cri.StartContainerRequest(container_id=created[p.entry.name]), timeout=300
+                    )
+                except grpc.aio.AioRpcError as e:
+                    raise upstream_error(
+                        self.upstream.endpoint, e, f"starting restored container {p.entry.name!r}"
+                    ) from None
+        log.info("restore done", sandbox=resp.pod_sandbox_id, seconds=round(time.monotonic() - started, 4))
+
+    async def _rollback(self, sandbox: list[str]) -> None:
+        for sid in sandbox:
+            await self.rollback_sandbox(sid)
+
+    async def rollback_sandbox(self, sid: str) -> None:
+        """Remove a sandbox a restore created (which removes its containers)."""
+        for call, request in (
+            (self.upstream.runtime.StopPodSandbox, cri.StopPodSandboxRequest(pod_sandbox_id=sid)),
+            (self.upstream.runtime.RemovePodSandbox, cri.RemovePodSandboxRequest(pod_sandbox_id=sid)),
+        ):
+            try:
+                await call(request, timeout=60)
+            except grpc.aio.AioRpcError as e:
+                log.error("rollback of restore failed", sandbox=sid, error=e.details())
