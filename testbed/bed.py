@@ -1,0 +1,874 @@
+"""A private containerd (+ podshim) for end-to-end tests.
+
+``TestBed`` runs its own containerd with its own root, state, sockets, runc root, CNI bridge and
+cgroup subtree under one base directory, imports the locally built test images (``images/``),
+optionally starts podshim in front of it, and on ``stop()`` removes everything it created, even
+when containerd died on the way.  See ``TestBed.__init__`` for the knobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from testbed import _sys
+from testbed._cri import RawCRI, target
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = REPO / ".venv" / "bin"
+DEFAULT_IMAGE_CACHE = REPO / ".testbed" / "images"
+NAMESPACE = "k8s.io"
+
+PAUSE_IMAGE = "localhost/podshim/pause:1"
+BUSYBOX_IMAGE = "localhost/podshim/busybox:1"
+COUNTER_IMAGE = "localhost/podshim/counter:1"
+IMAGES = (PAUSE_IMAGE, BUSYBOX_IMAGE, COUNTER_IMAGE)
+
+REAL_RUNC = "/usr/sbin/runc"
+CRIU = "/usr/local/sbin/criu"
+CNI_BIN_DIR = "/usr/lib/cni"
+CNI_CACHE_DIR = Path("/var/lib/cni")  # libcni's cache; containerd 1.6 does not let us move it
+NETNS_DIRS = ("/run/netns", "/var/run/netns")  # containerd 1.6 CRI creates pod netns here
+SHIM_SOCKET_DIR = Path("/run/containerd/s")  # containerd 1.6 shims put their sockets here
+UNIX_PATH_MAX = 107
+
+
+class TestBedError(RuntimeError):
+    """The bed could not start, or could not clean up completely."""
+
+
+def _toml_str(value: str | os.PathLike[str]) -> str:
+    return json.dumps(os.fspath(value))  # a JSON string is a valid TOML basic string here
+
+
+def _toml_list(values: list[str]) -> str:
+    return "[" + ", ".join(_toml_str(v) for v in values) + "]"
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"(no {path})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _module_exists(dotted: str) -> bool:
+    rel = Path(*dotted.split("."))
+    return (REPO / rel).with_suffix(".py").is_file() or (REPO / rel / "__init__.py").is_file()
+
+
+def podshim_runc_available() -> bool:
+    """Whether the repo's ``podshim-runc`` wrapper is installed and has its module."""
+    return (VENV_BIN / "podshim-runc").is_file() and _module_exists("shim.runc_wrapper")
+
+
+def podshim_available() -> bool:
+    """Whether the repo's ``podshim`` command is installed and has its module."""
+    return (VENV_BIN / "podshim").is_file() and _module_exists("shim.cli")
+
+
+class TestBed:
+    """A private containerd with the CRI plugin (and optionally podshim in front of it).
+
+    Use as a context manager (``with TestBed() as bed: ...``) or call ``start()``/``stop()``.
+    """
+
+    __test__ = False  # not a pytest test class despite the name
+
+    def __init__(
+        self,
+        base_dir: str | os.PathLike[str] | None = None,
+        *,
+        start_podshim: bool = True,
+        runc_binary: str | os.PathLike[str] | None = None,
+        crun_binary: str | os.PathLike[str] | None = None,
+        podshim_command: list[str] | None = None,
+        import_images: bool = True,
+        image_cache: str | os.PathLike[str] | None = None,
+        timeout: float = 60.0,
+        log_level: str = "info",
+        save_logs_to: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """
+        base_dir: where everything lives; must not exist or be empty; removed by ``stop()``.
+            Default ``/run/podshim-testbed-<random>``.
+        start_podshim: also start ``podshim serve`` in front of containerd.
+        runc_binary: ``BinaryName`` of the ``runc`` runtime handler.  Default: the repo's
+            ``.venv/bin/podshim-runc`` when its module exists, else a generated script in the
+            base dir that execs ``/usr/sbin/runc``.
+        crun_binary: ``BinaryName`` of a second runtime handler ``crun``; None: no such handler.
+        podshim_command: the podshim command (default ``[.venv/bin/podshim]``); ``serve --config
+            <base>/podshim.toml`` is appended.
+        import_images: build (``images/build.py``, cached in ``image_cache``) and import the
+            pause, busybox and counter images.
+        image_cache: where built image tarballs are kept (default ``<repo>/.testbed/images``).
+        timeout: bound on each wait at start-up (sockets answering, images visible).
+        log_level: containerd's log level.
+        save_logs_to: before ``stop()`` removes the base dir, copy the containerd/podshim logs
+            and the pod logs to ``<save_logs_to>/<base dir name>/`` (default: the environment
+            variable ``PODSHIM_TESTBED_LOGS``, else the logs go with the base dir).
+        """
+        self.base_dir = Path(base_dir or f"/run/podshim-testbed-{secrets.token_hex(4)}").absolute()
+        self.start_podshim = start_podshim
+        self.crun_binary = Path(crun_binary) if crun_binary else None
+        self.podshim_command = podshim_command or [str(VENV_BIN / "podshim")]
+        self.import_images = import_images
+        self.image_cache = Path(image_cache) if image_cache else DEFAULT_IMAGE_CACHE
+        self.timeout = timeout
+        self.log_level = log_level
+        logs_env = os.environ.get("PODSHIM_TESTBED_LOGS")
+        self.save_logs_to = Path(save_logs_to) if save_logs_to else Path(logs_env) if logs_env else None
+        self.namespace = NAMESPACE
+
+        b = self.base_dir
+        self.containerd_socket = b / "containerd.sock"
+        self.podshim_socket = b / "podshim.sock"
+        self.containerd_config = b / "containerd.toml"
+        self.podshim_config = b / "podshim.toml"
+        self.containerd_root = b / "containerd" / "root"
+        self.containerd_state = b / "containerd" / "state"
+        self.runc_root_base = b / "runc"  # the runc options' Root ...
+        self.runc_root = self.runc_root_base / NAMESPACE  # ... which the shim suffixes with the ns
+        self.crun_root_base = b / "crun"
+        self.crun_root = self.crun_root_base / NAMESPACE
+        self.checkpoint_root = b / "checkpoints"
+        self.podshim_state_dir = b / "podshim-state"
+        self.log_dir = b / "logs"
+        self.pod_logs_dir = b / "pod-logs"
+        self.containerd_log = self.log_dir / "containerd.log"
+        self.podshim_log = self.log_dir / "podshim.log"
+        self.cni_conf_dir = b / "cni" / "net.d"
+        self.cni_ipam_dir = b / "cni" / "ipam"
+        self.runc_binary = Path(runc_binary) if runc_binary else None
+
+        # network and cgroup identity, chosen at start
+        self.bed_id = ""
+        self.bridge = ""
+        self.subnet: ipaddress.IPv4Network | None = None
+        self.cni_network = ""
+        self.cgroup_root = ""
+
+        self._containerd: subprocess.Popen[bytes] | None = None
+        self._podshim: subprocess.Popen[bytes] | None = None
+        self._containerd_pid: int | None = None
+        self._podshim_pid: int | None = None
+        self._channels: dict[str, grpc.Channel] = {}
+        self._started = False
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def log_paths(self) -> dict[str, Path]:
+        return {"containerd": self.containerd_log, "podshim": self.podshim_log}
+
+    @property
+    def podshim_running(self) -> bool:
+        return self._podshim_pid is not None and _sys.alive(self._podshim_pid)
+
+    @property
+    def containerd_running(self) -> bool:
+        return self._containerd_pid is not None and _sys.alive(self._containerd_pid)
+
+    @property
+    def containerd_pid(self) -> int | None:
+        return self._containerd_pid
+
+    @property
+    def podshim_pid(self) -> int | None:
+        return self._podshim_pid
+
+    @property
+    def default_socket(self) -> Path:
+        """podshim's socket when podshim was started, else containerd's."""
+        return self.podshim_socket if self._podshim_pid is not None else self.containerd_socket
+
+    def cgroup_parent(self, pod_uid: str) -> str:
+        """A kubelet-like (cgroupfs) ``linux.cgroup_parent`` for a pod, inside this bed's subtree."""
+        return f"{self.cgroup_root}/pod{pod_uid}"
+
+    def pod_log_dir(self, name: str) -> Path:
+        """A fresh ``log_directory`` for a pod, under the base dir."""
+        d = self.pod_logs_dir / name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def channel(self, socket: str | os.PathLike[str] | None = None) -> grpc.Channel:
+        """A cached gRPC channel to ``socket`` (default ``default_socket``); closed by ``stop()``."""
+        t = target(socket or self.default_socket)
+        if t not in self._channels:
+            self._channels[t] = grpc.insecure_channel(t)
+        return self._channels[t]
+
+    def runtime_stub(self, socket: str | os.PathLike[str] | None = None) -> Any:
+        """``api_pb2_grpc.RuntimeServiceStub`` on ``socket`` (default ``default_socket``)."""
+        return _api()[1].RuntimeServiceStub(self.channel(socket))
+
+    def image_stub(self, socket: str | os.PathLike[str] | None = None) -> Any:
+        """``api_pb2_grpc.ImageServiceStub`` on ``socket`` (default ``default_socket``)."""
+        return _api()[1].ImageServiceStub(self.channel(socket))
+
+    def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run ``ctr`` against this bed's containerd in namespace k8s.io."""
+        cmd = ["ctr", "--address", str(self.containerd_socket), "-n", self.namespace, *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if check and res.returncode != 0:
+            raise TestBedError(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr.strip()}")
+        return res
+
+    def import_image(self, tarball: str | os.PathLike[str]) -> None:
+        """Import an OCI/docker archive into namespace k8s.io (names from the archive)."""
+        self.ctr("images", "import", "--all-platforms", os.fspath(tarball))
+
+    def __enter__(self) -> TestBed:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        if self._started:
+            raise TestBedError("test bed already started")
+        if os.geteuid() != 0:
+            raise TestBedError("the test bed needs root")
+        self._started = True
+        try:
+            self._make_base_dir()
+            images = self._build_images() if self.import_images else []
+            self._setup_network()
+            self._write_files()
+            self._start_containerd()
+            for tarball in images:
+                self.import_image(tarball)
+            if images:
+                self._wait_images()
+            if self.start_podshim:
+                self._start_podshim()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.stop()
+            raise
+
+    def _make_base_dir(self) -> None:
+        b = self.base_dir
+        if b == Path("/") or len(b.parts) < 3:
+            raise TestBedError(f"refusing base dir {b}")
+        if b.exists() and (not b.is_dir() or any(b.iterdir())):
+            raise TestBedError(f"base dir {b} exists and is not an empty directory")
+        longest = str(self.containerd_socket) + ".ttrpc"
+        if len(longest) > UNIX_PATH_MAX:
+            raise TestBedError(f"base dir {b} too long for unix sockets ({longest})")
+        b.mkdir(parents=True, exist_ok=True)
+        os.chmod(b, 0o711)
+        for d in (
+            self.log_dir,
+            self.pod_logs_dir,
+            self.cni_conf_dir,
+            self.cni_ipam_dir,
+            self.checkpoint_root,
+            self.podshim_state_dir,
+            self.runc_root_base,
+        ):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def _build_images(self) -> list[Path]:
+        cmd = [sys.executable, str(REPO / "images" / "build.py"), str(self.image_cache)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            raise TestBedError(f"building test images failed:\n{res.stdout}\n{res.stderr}")
+        listing = json.loads((self.image_cache / "images.json").read_text())
+        return [self.image_cache / entry["file"] for entry in listing]
+
+    def _setup_network(self) -> None:
+        """Pick a free bridge name / cgroup name / 10.x.y.0/24 and create the bridge with its
+        gateway address right away, so that a concurrent bed sees both as taken."""
+        rng = random.SystemRandom()
+        for _ in range(500):
+            bed_id = secrets.token_hex(2)
+            bridge = f"psbr{bed_id}"
+            if _sys.link_exists(bridge) or _sys.cgroup_dirs(f"/podshim-test-{bed_id}"):
+                continue
+            subnet = ipaddress.IPv4Network(f"10.{rng.randrange(100, 200)}.{rng.randrange(256)}.0/24")
+            if any(subnet.overlaps(n) for n in _used_networks()):
+                continue
+            if subprocess.run(
+                ["ip", "link", "add", bridge, "type", "bridge"], capture_output=True
+            ).returncode:
+                continue  # lost a race for the name
+            self.bed_id, self.bridge, self.subnet = bed_id, bridge, subnet
+            gateway = f"{subnet.network_address + 1}/{subnet.prefixlen}"
+            _sys.ip("addr", "add", gateway, "dev", bridge)
+            _sys.ip("link", "set", bridge, "up")
+            if any(subnet.overlaps(n) for n in _used_networks(exclude_dev=bridge)):
+                _sys.delete_link(bridge)  # lost a race for the subnet
+                self.bridge = ""
+                continue
+            self.cni_network = f"podshim-{bridge}"
+            self.cgroup_root = f"/podshim-test-{bed_id}"
+            return
+        raise TestBedError("no free bridge name / subnet found")
+
+    def _runc_binary(self) -> Path:
+        if self.runc_binary is None:
+            if podshim_runc_available():
+                self.runc_binary = VENV_BIN / "podshim-runc"
+            else:
+                script = self.base_dir / "runc-wrapper"
+                script.write_text(f'#!/bin/sh\nexec {REAL_RUNC} "$@"\n')
+                script.chmod(0o755)
+                self.runc_binary = script
+        return self.runc_binary
+
+    def _write_files(self) -> None:
+        assert self.subnet is not None
+        gateway = self.subnet.network_address + 1
+        conflist = {
+            "cniVersion": "1.0.0",
+            "name": self.cni_network,
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": self.bridge,
+                    "isGateway": True,
+                    "ipMasq": False,
+                    "hairpinMode": True,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{"subnet": str(self.subnet), "gateway": str(gateway)}]],
+                        "routes": [{"dst": "0.0.0.0/0"}],
+                        "dataDir": str(self.cni_ipam_dir),
+                    },
+                },
+                {"type": "portmap", "capabilities": {"portMappings": True}},
+                {"type": "loopback"},
+            ],
+        }
+        (self.cni_conf_dir / "10-podshim.conflist").write_text(json.dumps(conflist, indent=2) + "\n")
+
+        cri = 'plugins."io.containerd.grpc.v1.cri"'
+        runtimes = [("runc", self._runc_binary(), self.runc_root_base)]
+        if self.crun_binary is not None:
+            runtimes.append(("crun", self.crun_binary, self.crun_root_base))
+        runtime_blocks = []
+        for name, binary, root in runtimes:
+            criu = f"\n          CriuPath = {_toml_str(CRIU)}" if Path(CRIU).exists() else ""
+            runtime_blocks.append(
+                f"""
+      [{cri}.containerd.runtimes.{name}]
+        runtime_type = "io.containerd.runc.v2"
+        container_annotations = ["podshim.*"]
+        pod_annotations = ["podshim.*"]
+        [{cri}.containerd.runtimes.{name}.options]
+          BinaryName = {_toml_str(binary)}
+          Root = {_toml_str(root)}{criu}
+          SystemdCgroup = false
+"""
+            )
+        config = f"""# written by testbed/bed.py
+version = 2
+root = {_toml_str(self.containerd_root)}
+state = {_toml_str(self.containerd_state)}
+oom_score = 0
+
+[grpc]
+  address = {_toml_str(self.containerd_socket)}
+
+[ttrpc]
+  address = {_toml_str(str(self.containerd_socket) + ".ttrpc")}
+
+[debug]
+  address = ""
+  level = {_toml_str(self.log_level)}
+
+[metrics]
+  address = ""
+
+[plugins]
+  [plugins."io.containerd.internal.v1.opt"]
+    path = {_toml_str(self.base_dir / "containerd" / "opt")}
+
+  [{cri}]
+    sandbox_image = {_toml_str(PAUSE_IMAGE)}
+    restrict_oom_score_adj = true
+    enable_selinux = false
+    disable_apparmor = true
+    stream_server_address = "127.0.0.1"
+    stream_server_port = "0"
+    enable_tls_streaming = false
+
+    [{cri}.containerd]
+      snapshotter = "overlayfs"
+      default_runtime_name = "runc"
+{"".join(runtime_blocks)}
+    [{cri}.cni]
+      bin_dir = {_toml_str(CNI_BIN_DIR)}
+      conf_dir = {_toml_str(self.cni_conf_dir)}
+      max_conf_num = 1
+"""
+        self.containerd_config.write_text(config)
+
+        b = self.base_dir
+        podshim = f"""# written by testbed/bed.py
+[server]
+socket = {_toml_str(self.podshim_socket)}
+state_dir = {_toml_str(self.podshim_state_dir)}
+metrics_address = ""
+
+[upstream]
+endpoint = {_toml_str("unix://" + str(self.containerd_socket))}
+
+[runtime]
+binary = {_toml_str(REAL_RUNC)}
+root = {_toml_str(self.runc_root)}
+criu = {_toml_str(CRIU)}
+
+[checkpoint]
+allowed_roots = {_toml_list([str(self.checkpoint_root)])}
+
+[log]
+format = "json"
+level = "info"
+"""
+        self.podshim_config.write_text(podshim)
+        (b / "bed.json").write_text(json.dumps(self.describe(), indent=2) + "\n")
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PODSHIM_CONFIG"] = str(self.podshim_config)
+        path = env.get("PATH", "")
+        for p in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+            if p not in path.split(":"):
+                path = f"{path}:{p}" if path else p
+        env["PATH"] = path
+        return env
+
+    def _spawn(self, cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "ab") as out:
+            return subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+                cwd=self.base_dir,
+                start_new_session=True,  # survives the launcher; no terminal signals
+                close_fds=True,
+            )
+
+    def _wait_version(self, socket: Path, name: str, pid: int, log: Path) -> dict[str, str]:
+        deadline = time.monotonic() + self.timeout
+        last = ""
+        while True:
+            if not _sys.alive(pid):
+                raise TestBedError(f"{name} exited during start-up; log tail:\n{_tail(log)}")
+            if socket.exists():
+                cri = RawCRI(socket)
+                try:
+                    return cri.version(timeout=2.0)
+                except grpc.RpcError as e:
+                    last = f"{e.code()}: {e.details()}"
+                finally:
+                    cri.close()
+            if time.monotonic() >= deadline:
+                raise TestBedError(
+                    f"{name} did not answer CRI Version on {socket} within {self.timeout}s "
+                    f"(last error: {last or 'no socket'}); log tail:\n{_tail(log)}"
+                )
+            time.sleep(0.1)
+
+    def _start_containerd(self) -> None:
+        cmd = ["containerd", "--config", str(self.containerd_config)]
+        self._containerd = self._spawn(cmd, self.containerd_log)
+        self._containerd_pid = self._containerd.pid
+        self._save_description()
+        self._wait_version(self.containerd_socket, "containerd", self._containerd_pid, self.containerd_log)
+
+    def _wait_images(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        cri = RawCRI(self.containerd_socket)
+        try:
+            while True:
+                missing = [i for i in IMAGES if not cri.image_present(i)]
+                if not missing:
+                    return
+                if time.monotonic() >= deadline:
+                    raise TestBedError(f"CRI does not see imported images {missing}")
+                time.sleep(0.1)
+        finally:
+            cri.close()
+
+    def _start_podshim(self) -> None:
+        cmd = [*self.podshim_command, "serve", "--config", str(self.podshim_config)]
+        self._podshim = self._spawn(cmd, self.podshim_log)
+        self._podshim_pid = self._podshim.pid
+        self._save_description()
+        self._wait_version(self.podshim_socket, "podshim", self._podshim_pid, self.podshim_log)
+
+    # ------------------------------------------------------------------ state (for the CLI)
+
+    def describe(self) -> dict[str, Any]:
+        """What ``attach()`` needs to find and tear down this bed from another process."""
+        return {
+            "base_dir": str(self.base_dir),
+            "podshim_socket": str(self.podshim_socket),
+            "containerd_socket": str(self.containerd_socket),
+            "bed_id": self.bed_id,
+            "bridge": self.bridge,
+            "subnet": str(self.subnet) if self.subnet else "",
+            "cni_network": self.cni_network,
+            "cgroup_root": self.cgroup_root,
+            "containerd_pid": self._containerd_pid,
+            "podshim_pid": self._podshim_pid,
+            "start_podshim": self.start_podshim,
+            "runc_binary": str(self.runc_binary) if self.runc_binary else None,
+            "crun_binary": str(self.crun_binary) if self.crun_binary else None,
+        }
+
+    def _save_description(self) -> None:
+        with contextlib.suppress(OSError):
+            (self.base_dir / "bed.json").write_text(json.dumps(self.describe(), indent=2) + "\n")
+
+    @classmethod
+    def attach(cls, description: dict[str, Any]) -> TestBed:
+        """A handle on a bed started by another process (from ``describe()``), e.g. to stop it."""
+        bed = cls(
+            description["base_dir"],
+            start_podshim=bool(description.get("start_podshim")),
+            runc_binary=description.get("runc_binary"),
+            crun_binary=description.get("crun_binary"),
+        )
+        bed.bed_id = description.get("bed_id", "")
+        bed.bridge = description.get("bridge", "")
+        subnet = description.get("subnet")
+        bed.subnet = ipaddress.IPv4Network(subnet) if subnet else None
+        bed.cni_network = description.get("cni_network", "")
+        bed.cgroup_root = description.get("cgroup_root", "")
+        bed._containerd_pid = description.get("containerd_pid")
+        bed._podshim_pid = description.get("podshim_pid")
+        bed._started = True
+        return bed
+
+    # ------------------------------------------------------------------ stop
+
+    def stop(self) -> None:
+        """Tear everything down; raises ``TestBedError`` listing whatever could not be removed."""
+        errors: list[str] = []
+
+        def step(name: str, fn: Callable[[], None]) -> None:
+            try:
+                fn()
+            except Exception as e:  # keep cleaning; report at the end
+                errors.append(f"{name}: {type(e).__name__}: {e}")
+
+        step("channels", self._close_channels)
+        step("podshim", self._stop_podshim)
+        step("pods", self._remove_pods)
+        ids = self._known_task_ids()
+        shim_sockets = self._shim_sockets(ids)
+        netns: set[str] = set()
+        step("netns discovery", lambda: netns.update(self._bed_netns(ids)))
+        step("containerd", self._stop_containerd)
+        step("processes", self._kill_bed_processes)
+        step("mounts", self._unmount_base)
+        step("netns", lambda: _remove_netns(netns))
+        step("cni cache", lambda: self._remove_cni_cache(ids))
+        step("shim sockets", lambda: _remove_sockets(shim_sockets))
+        step("bridge", lambda: _sys.delete_link(self.bridge) if self.bridge else None)
+        step("cgroups", self._remove_cgroups)
+        step("save logs", self._save_logs)
+        step("base dir", self._remove_base_dir)
+        step("shared dirs", _remove_shared_dirs_if_unused)
+        self._started = False
+        left = self.leftovers()
+        if errors or left:
+            raise TestBedError("test bed cleanup incomplete:\n  " + "\n  ".join(errors + left))
+
+    def _close_channels(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+
+    def _own_pid(self, pid: int | None, marker: str) -> bool:
+        """``pid`` is alive and still the process we started (its argv mentions ``marker``)."""
+        return pid is not None and _sys.alive(pid) and any(marker in a for a in _sys.read_cmdline(pid))
+
+    def _stop_podshim(self) -> None:
+        pid = self._podshim_pid
+        if pid is not None and self._own_pid(pid, str(self.podshim_config)):
+            left = _sys.terminate({pid}, timeout=10.0)
+            if left:
+                raise TestBedError(f"podshim {pid} did not die")
+        if self._podshim is not None:
+            with contextlib.suppress(Exception):
+                self._podshim.wait(timeout=1)
+
+    def _remove_pods(self) -> None:
+        if not self.containerd_running or not self.containerd_socket.exists():
+            return
+        cri = RawCRI(self.containerd_socket)
+        try:
+            problems = []
+            for pod_id in cri.list_pod_ids():
+                try:
+                    cri.stop_pod(pod_id)
+                    cri.remove_pod(pod_id)
+                except grpc.RpcError as e:
+                    problems.append(f"{pod_id[:12]}: {e.code()}: {e.details()}")
+            if problems:
+                raise TestBedError("could not remove pods: " + "; ".join(problems))
+        finally:
+            cri.close()
+
+    def _task_dir(self) -> Path:
+        return self.containerd_state / "io.containerd.runtime.v2.task" / NAMESPACE
+
+    def _known_task_ids(self) -> set[str]:
+        """Sandbox and container ids this bed's containerd knows on disk (works when it is dead)."""
+        ids: set[str] = set()
+        for d in (
+            self._task_dir(),
+            self.containerd_state / "io.containerd.grpc.v1.cri" / "sandboxes",
+            self.containerd_root / "io.containerd.grpc.v1.cri" / "sandboxes",
+            self.containerd_root / "io.containerd.grpc.v1.cri" / "containers",
+            self.runc_root,
+            self.crun_root,
+        ):
+            with contextlib.suppress(OSError):
+                ids.update(p.name for p in d.iterdir() if p.is_dir())
+        return ids
+
+    def _shim_sockets(self, ids: set[str]) -> set[str]:
+        """The ttrpc sockets of this bed's shims (containerd 1.6 puts them in /run/containerd/s)."""
+        found = set()
+        for task_id in ids:
+            with contextlib.suppress(OSError):
+                addr = (self._task_dir() / task_id / "address").read_text().strip()
+                path = addr.removeprefix("unix://")
+                if Path(path).parent == SHIM_SOCKET_DIR:
+                    found.add(path)
+        return found
+
+    def _bed_pids(self) -> set[int]:
+        """Every live process of this bed: whatever mentions the base dir in its argv (containerd,
+        shims, runc, podshim), their descendants, and whatever sits in the bed's cgroup subtree."""
+        roots = {p for p in _sys.pids_mentioning(str(self.base_dir)) if _is_bed_program(p)}
+        pids = roots | _sys.descendants(roots)
+        if self.cgroup_root:
+            pids |= _sys.cgroup_pids(self.cgroup_root)
+        pids.discard(os.getpid())
+        return {p for p in pids if _sys.alive(p)}
+
+    def _bed_netns(self, ids: set[str]) -> set[str]:
+        """Network namespace files (bind mounts in /run/netns) of this bed's pods."""
+        paths: set[str] = set()
+        # 1. from libcni's result cache of our networks: interfaces[].sandbox is the netns path
+        for f in self._cni_cache_files(ids):
+            with contextlib.suppress(OSError, ValueError):
+                cached = json.loads(f.read_text())
+                for itf in (cached.get("result") or {}).get("interfaces") or []:
+                    if itf.get("sandbox"):
+                        paths.add(itf["sandbox"])
+        # 2. from live processes of the bed: match their netns inode with nsfs mounts
+        inodes = set()
+        for pid in self._bed_pids():
+            with contextlib.suppress(OSError):
+                inodes.add(os.stat(f"/proc/{pid}/ns/net").st_ino)
+        for m in _sys.mounts():
+            if m.fstype == "nsfs" and any(_sys.is_under(m.mount_point, d) for d in NETNS_DIRS):
+                ino = m.root.removeprefix("net:[").rstrip("]")
+                if ino.isdigit() and int(ino) in inodes:
+                    paths.add(m.mount_point)
+        return {p for p in paths if any(_sys.is_under(p, d) for d in NETNS_DIRS)}
+
+    def _cni_cache_files(self, ids: set[str]) -> list[Path]:
+        results = CNI_CACHE_DIR / "results"
+        out = []
+        with contextlib.suppress(OSError):
+            for f in results.iterdir():
+                if (self.cni_network and f.name.startswith(self.cni_network + "-")) or any(
+                    f"-{i}-" in f.name for i in ids
+                ):
+                    out.append(f)
+        return out
+
+    def _stop_containerd(self) -> None:
+        pid = self._containerd_pid
+        if pid is not None and self._own_pid(pid, str(self.containerd_config)):
+            if _sys.terminate({pid}, timeout=15.0):
+                raise TestBedError(f"containerd {pid} did not die")
+        if self._containerd is not None:
+            with contextlib.suppress(Exception):
+                self._containerd.wait(timeout=1)
+
+    def _kill_bed_processes(self) -> None:
+        for _ in range(5):
+            pids = self._bed_pids()
+            if not pids:
+                return
+            _sys.thaw_pid_cgroups(pids)
+            if self.cgroup_root:
+                _sys.thaw(self.cgroup_root)
+            for pid in pids:
+                _sys.kill(pid, signal.SIGKILL)
+            _sys.wait_gone(pids, 5.0)
+        left = self._bed_pids()
+        if left:
+            raise TestBedError(f"processes survived SIGKILL: {sorted(left)}")
+
+    def _unmount_base(self) -> None:
+        if self.base_dir.exists():
+            left = _sys.unmount_all_under(self.base_dir)
+            if left:
+                raise TestBedError(f"still mounted: {left}")
+
+    def _remove_cni_cache(self, ids: set[str]) -> None:
+        for f in self._cni_cache_files(ids):
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+
+    def _remove_cgroups(self) -> None:
+        if self.cgroup_root:
+            left = _sys.remove_cgroup_tree(self.cgroup_root)
+            if left:
+                raise TestBedError(f"cgroups left: {left}")
+
+    def _save_logs(self) -> None:
+        if self.save_logs_to is None or not self.base_dir.exists():
+            return
+        dest = self.save_logs_to / self.base_dir.name
+        for src in (self.log_dir, self.pod_logs_dir):
+            if src.is_dir():
+                shutil.copytree(src, dest / src.name, dirs_exist_ok=True, symlinks=True)
+        for f in (self.containerd_config, self.podshim_config, self.cni_conf_dir / "10-podshim.conflist"):
+            if f.is_file():
+                dest.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, dest / f.name)
+
+    def _remove_base_dir(self) -> None:
+        if not self.base_dir.exists():
+            return
+        if _sys.mounts_under(self.base_dir):
+            raise TestBedError(f"not removing {self.base_dir}: something is still mounted there")
+        shutil.rmtree(self.base_dir)
+
+    def leftovers(self) -> list[str]:
+        """Everything of this bed still on the host (empty once ``stop()`` did its job)."""
+        left = []
+        if self.base_dir.exists():
+            left.append(f"base dir {self.base_dir} exists")
+        left += [f"mount {m.mount_point}" for m in _sys.mounts_under(self.base_dir)]
+        left += [f"process {p}: {' '.join(_sys.read_cmdline(p))[:120]}" for p in sorted(self._bed_pids())]
+        if self.bridge and _sys.link_exists(self.bridge):
+            left.append(f"link {self.bridge}")
+        if self.cgroup_root:
+            left += [f"cgroup {d}" for d in _sys.cgroup_dirs(self.cgroup_root)]
+        if self.cni_network:
+            left += [f"cni cache {f}" for f in self._cni_cache_files(set())]
+        return left
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _api() -> tuple[Any, Any]:
+    """The generated CRI stubs (``api.runtime.v1``)."""
+    try:
+        from api.runtime.v1 import api_pb2, api_pb2_grpc
+    except ImportError:
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
+        from api.runtime.v1 import api_pb2, api_pb2_grpc
+    return api_pb2, api_pb2_grpc
+
+
+def _used_networks(exclude_dev: str = "") -> Iterator[ipaddress.IPv4Network]:
+    """IPv4 networks in use on the host: interface addresses and routes."""
+    for entry in json.loads(_sys.ip("-j", "-4", "addr", "show")):
+        if entry.get("ifname") == exclude_dev:
+            continue
+        for a in entry.get("addr_info", []):
+            yield ipaddress.IPv4Network(f"{a['local']}/{a['prefixlen']}", strict=False)
+    for r in json.loads(_sys.ip("-j", "-4", "route", "show", "table", "all")):
+        dst, dev = r.get("dst", ""), r.get("dev", "")
+        if dev == exclude_dev or dst in ("", "default") or r.get("type") in ("local", "broadcast"):
+            continue
+        with contextlib.suppress(ValueError):
+            yield ipaddress.IPv4Network(dst, strict=False)
+
+
+_BED_PROGRAMS = {
+    "containerd",
+    "containerd-shim",
+    "containerd-shim-runc-v1",
+    "containerd-shim-runc-v2",
+    "runc",
+    "crun",
+    "criu",
+    "podshim",
+    "podshim-runc",
+    "runc-wrapper",
+}
+
+
+def _is_bed_program(pid: int) -> bool:
+    """Whether ``pid`` runs one of the programs a bed starts (not, say, a shell tailing a log)."""
+    argv = _sys.read_cmdline(pid)
+    names = {os.path.basename(a) for a in argv[:2]}  # argv[1]: the script of an interpreter
+    return bool(names & _BED_PROGRAMS) and pid not in _sys.ancestors(os.getpid())
+
+
+# Directories containerd, its shims and libcni create on first use outside any configurable
+# root; removed (deepest first) when empty and no containerd runs on the host any more.
+_SHARED_DIRS = (
+    SHIM_SOCKET_DIR,
+    SHIM_SOCKET_DIR.parent,
+    Path("/run/netns"),
+    CNI_CACHE_DIR / "results",
+    CNI_CACHE_DIR,
+)
+
+
+def _remove_shared_dirs_if_unused() -> None:
+    if _sys.programs_running({"containerd", "containerd-shim-runc-v2", "containerd-shim"}):
+        return  # another bed (or a system containerd) may be using them
+    for d in _SHARED_DIRS:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def _remove_netns(paths: set[str]) -> None:
+    for p in paths:
+        _sys.umount_lazy(p)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+def _remove_sockets(paths: set[str]) -> None:
+    for p in paths:
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(p).st_mode):
+                os.unlink(p)

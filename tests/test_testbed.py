@@ -1,0 +1,266 @@
+"""The test bed itself: a private containerd runs a pod with the counter image through CRI, and
+stopping the bed leaves nothing behind on the host, even after containerd was SIGKILLed."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from testbed import _sys
+from testbed._cri import field_bool, field_bytes, field_str, messages, parse, strings
+from testbed.bed import BUSYBOX_IMAGE, COUNTER_IMAGE, IMAGES, REPO, TestBed
+
+NEEDS_ROOT = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("containerd") is None,
+    reason="needs root and containerd",
+)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _api() -> tuple[object, object]:
+    from api.runtime.v1 import api_pb2, api_pb2_grpc
+
+    return api_pb2, api_pb2_grpc
+
+
+def _wait(pred: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _counts(log: Path) -> list[int]:
+    try:
+        text = log.read_text()
+    except FileNotFoundError:
+        return []
+    return [int(m) for m in re.findall(r" stdout F count=(\d+) ts=", text)]
+
+
+def _run_pod(bed: TestBed, name: str, image: str, args: list[str]) -> dict[str, object]:
+    """RunPodSandbox + CreateContainer + StartContainer on containerd's socket, kubelet-style."""
+    pb, _ = _api()
+    rt = bed.runtime_stub(bed.containerd_socket)
+    uid = uuid.uuid4().hex
+    # As kubelet does: CRI's default (0) is POD, a PID namespace shared with the pause process.
+    ns_options = pb.NamespaceOption(pid=pb.CONTAINER)
+    log_dir = bed.pod_log_dir(f"{name}_{uid}")
+    pod_config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name=name, namespace="default", uid=uid, attempt=0),
+        hostname=name,
+        log_directory=str(log_dir),
+        labels={"io.kubernetes.pod.name": name},
+        linux=pb.LinuxPodSandboxConfig(
+            cgroup_parent=bed.cgroup_parent(uid),
+            security_context=pb.LinuxSandboxSecurityContext(namespace_options=ns_options),
+        ),
+    )
+    pod_id = rt.RunPodSandbox(pb.RunPodSandboxRequest(config=pod_config), timeout=60).pod_sandbox_id
+    ctr_config = pb.ContainerConfig(
+        metadata=pb.ContainerMetadata(name="main", attempt=0),
+        image=pb.ImageSpec(image=image),
+        args=args,
+        log_path="main/0.log",
+        linux=pb.LinuxContainerConfig(
+            security_context=pb.LinuxContainerSecurityContext(namespace_options=ns_options)
+        ),
+    )
+    cid = rt.CreateContainer(
+        pb.CreateContainerRequest(pod_sandbox_id=pod_id, config=ctr_config, sandbox_config=pod_config),
+        timeout=60,
+    ).container_id
+    rt.StartContainer(pb.StartContainerRequest(container_id=cid), timeout=60)
+    status = rt.ContainerStatus(pb.ContainerStatusRequest(container_id=cid, verbose=True), timeout=10)
+    pid = json.loads(status.info["info"])["pid"]
+    pod_status = rt.PodSandboxStatus(pb.PodSandboxStatusRequest(pod_sandbox_id=pod_id, verbose=True))
+    pod_info = json.loads(pod_status.info["info"])
+    netns = [n["path"] for n in pod_info["runtimeSpec"]["linux"]["namespaces"] if n["type"] == "network"][0]
+    return {
+        "pod_id": pod_id,
+        "cid": cid,
+        "uid": uid,
+        "pid": pid,
+        "pause_pid": pod_info["pid"],
+        "netns": netns,
+        "log": log_dir / "main" / "0.log",
+        "ip": pod_status.status.network.ip,
+        "cgroup_parent": bed.cgroup_parent(uid),
+    }
+
+
+def _assert_nothing_left(bed: TestBed, pod: dict[str, object]) -> None:
+    assert bed.leftovers() == []
+    assert not bed.base_dir.exists()
+    assert not _sys.mounts_under(bed.base_dir)
+    for pid in (pod["pid"], pod["pause_pid"], bed.containerd_pid):
+        assert isinstance(pid, int) and not _sys.alive(pid), f"process {pid} survived"
+    assert not _sys.link_exists(bed.bridge)
+    assert not os.path.exists(str(pod["netns"]))
+    assert not [m for m in _sys.mounts() if m.mount_point == pod["netns"]]
+    assert not _sys.cgroup_dirs(bed.cgroup_root)
+    assert not [p for p in Path("/var/lib/cni/results").glob(f"*{pod['pod_id']}*")]
+    assert not [p for p in _sys.all_pids() if str(bed.base_dir) in " ".join(_sys.read_cmdline(p))]
+
+
+@pytest.fixture
+def private_bed() -> Iterator[TestBed]:
+    """A bed of this test's own, containerd only (podshim off): the test stops it itself."""
+    bed = TestBed(start_podshim=False)
+    bed.start()
+    try:
+        yield bed
+    finally:
+        if bed.base_dir.exists():
+            bed.stop()
+
+
+# ---------------------------------------------------------------------------- e2e
+
+
+@pytest.mark.e2e
+@NEEDS_ROOT
+def test_counter_pod_runs_and_stop_leaves_nothing(private_bed: TestBed) -> None:
+    bed = private_bed
+    pb, _ = _api()
+    rt = bed.runtime_stub(bed.containerd_socket)
+    version = rt.Version(pb.VersionRequest())
+    assert version.runtime_name == "containerd" and version.runtime_api_version == "v1"
+
+    # The three locally built images are visible to CRI under their full names.
+    tags = {
+        t
+        for i in bed.image_stub(bed.containerd_socket).ListImages(pb.ListImagesRequest()).images
+        for t in i.repo_tags
+    }
+    assert set(IMAGES) <= tags
+
+    pod = _run_pod(
+        bed,
+        "counter",
+        COUNTER_IMAGE,
+        ["--interval-ms", "100", "--mem-mib", "8", "--state-file", "/tmp/count"],
+    )
+    log = Path(str(pod["log"]))
+    _wait(lambda: len(_counts(log)) >= 3, what="three counter lines")
+    first = _counts(log)
+    assert first[:3] == [0, 1, 2]
+    time.sleep(0.5)
+    assert len(_counts(log)) > len(first), "the counter's log grows"
+    assert "ready mem_mib=8" in log.read_text()
+
+    # The pod got an address of the bed's subnet, on the bed's bridge.
+    assert bed.subnet is not None and ipaddress.ip_address(str(pod["ip"])) in bed.subnet
+    # The container lives in the kubelet-style cgroup parent.
+    cgroups = Path(f"/proc/{pod['pid']}/cgroup").read_text()
+    assert f"memory:{pod['cgroup_parent']}/{pod['cid']}" in cgroups
+    # containerd's runc shim uses the bed's private runc root, suffixed with the namespace.
+    assert (bed.runc_root / str(pod["cid"]) / "state.json").is_file()
+    # The rootfs is writable (state file) and busybox works inside for ExecSync.
+    r = rt.ExecSync(pb.ExecSyncRequest(container_id=pod["cid"], cmd=["cat", "/tmp/count"], timeout=10))
+    assert r.exit_code == 0 and int(r.stdout) >= 2
+    # SIGUSR1 makes the counter check its memory pattern.
+    r = rt.ExecSync(pb.ExecSyncRequest(container_id=pod["cid"], cmd=["kill", "-USR1", "1"], timeout=10))
+    assert r.exit_code == 0
+    _wait(lambda: "verify ok mem_mib=8" in log.read_text(), what="verify line")
+
+    bed.stop()
+    _assert_nothing_left(bed, pod)
+
+
+@pytest.mark.e2e
+@NEEDS_ROOT
+def test_stop_cleans_up_after_containerd_was_killed(private_bed: TestBed) -> None:
+    bed = private_bed
+    pod = _run_pod(bed, "orphan", BUSYBOX_IMAGE, ["sleep", "3600"])
+    # A frozen container (as a checkpoint leaves it) and a containerd that died.
+    freezer = Path("/sys/fs/cgroup/freezer") / f"{str(pod['cgroup_parent']).strip('/')}/{pod['cid']}"
+    if freezer.is_dir():
+        (freezer / "freezer.state").write_text("FROZEN")
+    assert bed.containerd_pid is not None
+    os.kill(bed.containerd_pid, signal.SIGKILL)
+    _wait(lambda: not bed.containerd_running, what="containerd to die")
+    assert _sys.alive(int(str(pod["pid"]))), "the container outlives containerd (its shim holds it)"
+
+    bed.stop()
+    _assert_nothing_left(bed, pod)
+
+
+@pytest.mark.e2e
+@NEEDS_ROOT
+def test_cli_up_env_down(tmp_path: Path) -> None:
+    state = Path("/run/podshim-testbed/current.json")
+    if state.exists():
+        pytest.skip("a bed started with `python -m testbed up` is running")
+    base = Path(f"/run/podshim-testbed-cli-{uuid.uuid4().hex[:6]}")
+    cmd = [sys.executable, "-m", "testbed"]
+    up = subprocess.run(
+        [*cmd, "up", "--dir", str(base), "--no-podshim"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        assert up.returncode == 0, up.stderr
+        assert up.stdout.splitlines() == [
+            f"PODSHIM_SOCKET={base}/podshim.sock",
+            f"CONTAINERD_SOCKET={base}/containerd.sock",
+        ]
+        desc = json.loads(state.read_text())
+        assert _sys.alive(desc["containerd_pid"]), "containerd keeps running after `up` returned"
+        env = subprocess.run([*cmd, "env"], cwd=REPO, capture_output=True, text=True, timeout=30)
+        assert env.stdout == up.stdout
+    finally:
+        down = subprocess.run([*cmd, "down"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert not base.exists() and not state.exists()
+    assert not _sys.alive(desc["containerd_pid"])
+    assert not _sys.link_exists(desc["bridge"])
+
+
+# ---------------------------------------------------------------------------- no root needed
+
+
+def test_wire_codec_round_trip() -> None:
+    msg = field_str(1, "pod-a") + field_bool(2, True) + field_bytes(3, field_str(1, "inner"))
+    fields = parse(msg)
+    assert fields[0] == (1, b"pod-a") and fields[1] == (2, 1)
+    assert strings(messages(msg, 3)[0], 1) == ["inner"]
+    assert field_bool(2, False) == b""
+    pb, _ = _api()
+    # Same bytes as the generated stubs produce.
+    ref = pb.ImageStatusRequest(image=pb.ImageSpec(image=COUNTER_IMAGE), verbose=True).SerializeToString()
+    assert ref == field_bytes(1, field_str(1, COUNTER_IMAGE)) + field_bool(2, True)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_images_build_is_deterministic_and_cached(tmp_path: Path) -> None:
+    build = [sys.executable, str(REPO / "images" / "build.py")]
+    for out in ("a", "b"):
+        subprocess.run([*build, str(tmp_path / out)], check=True, capture_output=True, timeout=300)
+    for name in ("pause.tar", "busybox.tar", "counter.tar"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    listing = json.loads((tmp_path / "a" / "images.json").read_text())
+    assert [i["name"] for i in listing] == list(IMAGES)
+    before = (tmp_path / "a" / "counter.tar").stat().st_mtime_ns
+    subprocess.run([*build, str(tmp_path / "a")], check=True, capture_output=True, timeout=300)
+    assert (tmp_path / "a" / "counter.tar").stat().st_mtime_ns == before, "unchanged inputs: no rebuild"
