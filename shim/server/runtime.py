@@ -18,6 +18,7 @@ from shim.server.proxy import Passthrough
 
 log = logs.get("shim.server")
 SERVICE = "/runtime.v1.RuntimeService/"
+RESERVED_ANNOTATION_PREFIX = "podshim."
 
 
 class Engine(Protocol):
@@ -97,6 +98,24 @@ class RuntimeHandlers:
 
         return grpc.unary_unary_rpc_method_handler(self.passthrough.unary(SERVICE + method, gone_is_stopped))
 
+    def guarded_create(self) -> grpc.RpcMethodHandler:
+        """CreateContainer: podshim's restore annotations are reserved — only RestorePod sets them,
+        so a client cannot make podshim-runc restore an arbitrary directory. The request is
+        decoded to check, and forwarded as the original bytes."""
+        forward = self.passthrough.unary(SERVICE + "CreateContainer")
+
+        async def create(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            req = cri.CreateContainerRequest.FromString(request)
+            reserved = [k for k in req.config.annotations if k.startswith(RESERVED_ANNOTATION_PREFIX)]
+            if reserved:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"annotation {reserved[0]!r} is reserved for podshim's RestorePod: remove it",
+                )
+            return await forward(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(create)
+
     def _engine_call(self, name: str) -> Handler:
         async def call(request: Message, context: grpc.aio.ServicerContext) -> Message:
             if self.engine is None:
@@ -113,6 +132,7 @@ class RuntimeHandlers:
             ),
             SERVICE + "StopPodSandbox": self.idempotent_stop("StopPodSandbox"),
             SERVICE + "StopContainer": self.idempotent_stop("StopContainer"),
+            SERVICE + "CreateContainer": self.guarded_create(),
         }
         for name in ("CheckpointPod", "RestorePod"):
             req_cls = getattr(cri, f"{name}Request")
