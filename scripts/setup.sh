@@ -1,0 +1,548 @@
+#!/usr/bin/env bash
+# podshim set-up: idempotent, for a fresh Debian 12 machine and for one already set up.
+#
+#   bash scripts/setup.sh            (from anywhere; `make setup` calls it)
+#
+# What it does, each step skipped quickly when already done:
+#   1. apt: a deb-src entry for Debian's newer release (trixie), mirror taken from the
+#      machine's own apt sources; installs containerd, runc, CNI plugins, iptables and the
+#      build dependencies of CRIU and crun. `apt-get update` only when something is missing.
+#   2. CRIU >= 4.1 built from the trixie source package (upstream orig tarball) into
+#      /usr/local: /usr/local/sbin/criu, libcriu (+ headers, criu.pc) under
+#      /usr/local/lib/<multiarch>. Debian 12's CRIU 3.17 fails `criu check` on new kernels.
+#   3. crun with CRIU support from the trixie source package: /usr/local/bin/crun.
+#      (Debian 12's crun 1.8 has no CRIU.) A failure here is a warning, not an error.
+#   4. Python: .venv, `pip install -e '.[dev]'` when pyproject.toml changed, and pycriu
+#      (from CRIU's source, *_pb2 regenerated with the venv's grpc_tools) into the venv.
+#
+# Environment:
+#   PODSHIM_BUILD_DIR   where sources are fetched and built (default /var/cache/podshim/build)
+#   PODSHIM_FORCE_BUILD=1  rebuild and reinstall CRIU and crun even if they look fine
+#   PODSHIM_SKIP_SYSTEM=1  (non-root only) skip steps 1-3 instead of running them via sudo
+#
+# Steps 1-3 need root; run as another user, they go through sudo.
+set -euo pipefail
+
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO_ROOT"
+
+BUILD_DIR=${PODSHIM_BUILD_DIR:-/var/cache/podshim/build}
+FORCE_BUILD=${PODSHIM_FORCE_BUILD:-0}
+PREFIX=/usr/local
+NEW_SUITE=trixie
+CRIU_MIN=4.1
+CRUN_MIN=1.21
+APT_SRC_FILE=/etc/apt/sources.list.d/podshim-src.sources
+PYCRIU_SRC_DIR=$PREFIX/share/podshim/pycriu-src
+VENV=$REPO_ROOT/.venv
+export DEBIAN_FRONTEND=noninteractive
+export PATH="$PREFIX/sbin:$PREFIX/bin:$PATH"
+
+APT_PACKAGES=(
+  # runtime: the container stack podshim drives
+  containerd runc iptables iproute2 containernetworking-plugins busybox-static
+  # toolchain
+  build-essential dpkg-dev pkgconf xz-utils ca-certificates python3 python3-venv
+  # CRIU 4.1 build dependencies (trixie's criu source package, without docs)
+  libbsd-dev libcap-dev libgnutls28-dev libnet1-dev libnftables-dev libnl-3-dev
+  libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev
+  python3-protobuf
+  # crun 1.21 build dependencies (upstream tarball: vendored libocispec, no go-md2man)
+  libseccomp-dev libyajl-dev libsystemd-dev gperf automake autoconf libtool
+)
+
+T0=$(date +%s)
+step() { printf '==> %s\n' "$*"; }
+info() { printf '    %s\n' "$*"; }
+warn() { printf 'WARNING: %s\n' "$*" >&2; }
+die() { printf 'ERROR: %s\n' "$*" >&2; exit 1; }
+
+# version_ge A B: true when version A >= B (sort -V order).
+version_ge() { [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" = "$2" ]; }
+
+# run_logged LOG CMD...: run CMD with its output in LOG; on failure show the log's tail.
+run_logged() {
+  local log=$1; shift
+  if ! "$@" >>"$log" 2>&1; then
+    warn "command failed: $* (log: $log)"
+    tail -n 40 "$log" >&2 || true
+    return 1
+  fi
+}
+
+multiarch() {
+  dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || gcc -print-multiarch
+}
+
+# ---------------------------------------------------------------------------------------
+# 1. apt
+# ---------------------------------------------------------------------------------------
+APT_UPDATED=0
+apt_update() {
+  if [ "$APT_UPDATED" = 0 ]; then
+    info "apt-get update"
+    apt-get update -qq
+    APT_UPDATED=1
+  fi
+}
+
+# The machine's Debian mirror URI, read from its own apt sources (never hard-coded here).
+mirror_uri() {
+  local codename uri=""
+  codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
+  if [ -r /etc/apt/sources.list.d/debian.sources ]; then
+    # deb822: the URIs of the stanza whose Suites name the release itself.
+    uri=$(awk -v c="$codename" '
+      BEGIN { RS = ""; FS = "\n" }
+      { u = ""; s = 0
+        for (i = 1; i <= NF; i++) {
+          if ($i ~ /^URIs:/)   { split($i, a, /[ \t]+/); u = a[2] }
+          if ($i ~ /^Suites:/) { n = split($i, b, /[ \t]+/); for (j = 2; j <= n; j++) if (b[j] == c) s = 1 }
+        }
+        if (s && u != "") { print u; exit } }' /etc/apt/sources.list.d/debian.sources)
+    if [ -z "$uri" ]; then
+      uri=$(awk '/^URIs:/ { print $2; exit }' /etc/apt/sources.list.d/debian.sources)
+    fi
+  fi
+  if [ -z "$uri" ] && [ -r /etc/apt/sources.list ]; then
+    # one-line format: deb [opts] URI suite components...
+    uri=$(awk -v c="$codename" '
+      $1 == "deb" { i = 2; if ($i ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
+                    if ($(i + 1) == c) { print $i; exit } }' /etc/apt/sources.list)
+  fi
+  [ -n "$uri" ] || die "cannot find the Debian mirror URI in /etc/apt/sources.list.d/debian.sources or /etc/apt/sources.list"
+  printf '%s\n' "${uri%/}"
+}
+
+step_apt() {
+  step "apt: $NEW_SUITE deb-src entry and packages"
+  local uri want
+  uri=$(mirror_uri)
+  want="# Managed by podshim scripts/setup.sh: source packages of Debian's $NEW_SUITE, used only
+# to build CRIU and crun from source. No binary packages come from this entry.
+Types: deb-src
+URIs: $uri
+Suites: $NEW_SUITE
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg"
+  if [ "$(cat "$APT_SRC_FILE" 2>/dev/null)" != "$want" ]; then
+    printf '%s\n' "$want" >"$APT_SRC_FILE"
+    info "wrote $APT_SRC_FILE"
+    apt_update
+  fi
+
+  local missing=() p installed
+  # dpkg-query prints nothing for packages it has never heard of: compare names.
+  installed=" $({ dpkg-query -W -f='${db:Status-Abbrev} ${Package}\n' "${APT_PACKAGES[@]}" 2>/dev/null || true; } |
+    awk '$1 == "ii" { printf "%s ", $2 }')"
+  for p in "${APT_PACKAGES[@]}"; do
+    [[ "$installed" == *" $p "* ]] || missing+=("$p")
+  done
+  if [ "${#missing[@]}" -gt 0 ]; then
+    info "installing: ${missing[*]}"
+    apt_update
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    info "all ${#APT_PACKAGES[@]} packages installed"
+  fi
+}
+
+# ---------------------------------------------------------------------------------------
+# Source packages from the newer release: fetch the orig (upstream) tarball with apt-get
+# source (apt checks it against the signed Sources index; we check its SHA256 again) and
+# unpack it. We build upstream's source as released, not Debian's packaging, so only the
+# orig tarball is needed (the mirror proxy here serves it, but not always the .dsc).
+# ---------------------------------------------------------------------------------------
+# src_version PKG: newest version of source package PKG that apt knows.
+src_version() {
+  apt-cache showsrc --only-source "$1" 2>/dev/null | awk '/^Version:/ { print $2 }' | sort -V | tail -n1
+}
+
+# orig_sha256 PKG VERSION FILE: the SHA256 of FILE listed in PKG's Sources stanza.
+orig_sha256() {
+  apt-cache showsrc --only-source "$1" 2>/dev/null | awk -v v="$2" -v f="$3" '
+    BEGIN { RS = ""; FS = "\n" }
+    { ok = 0; for (i = 1; i <= NF; i++) if ($i == "Version: " v) ok = 1
+      if (!ok) next
+      in_sums = 0
+      for (i = 1; i <= NF; i++) {
+        if ($i ~ /^Checksums-Sha256:/) { in_sums = 1; continue }
+        if (in_sums && $i ~ /^ /) { split($i, a, " "); if (a[3] == f && !done) { print a[1]; done = 1 } }
+        else in_sums = 0
+      } }'
+}
+
+# find_orig DIR PKG UPVER: the orig tarball of PKG UPVER in DIR, if there.
+find_orig() {
+  local f
+  for f in "$1/${2}_${3}".orig.tar.*; do
+    case $f in *.asc) ;; *) [ -f "$f" ] && { printf '%s\n' "$f"; return 0; } ;; esac
+  done
+  return 0
+}
+
+# fetch_source PKG MINVER: unpack PKG's upstream source into $BUILD_DIR/PKG-UPVER and
+# print that directory.
+fetch_source() {
+  local pkg=$1 min=$2 ver upver dl orig sum want top tmp
+  ver=$(src_version "$pkg")
+  if [ -z "$ver" ] || ! version_ge "${ver#*:}" "$min"; then
+    apt_update >&2
+    ver=$(src_version "$pkg")
+  fi
+  [ -n "$ver" ] || { warn "apt knows no source package '$pkg' (is the $NEW_SUITE deb-src entry working?)"; return 1; }
+  upver=${ver#*:}; upver=${upver%-*}
+  version_ge "$upver" "$min" || { warn "$pkg source $ver is older than $min"; return 1; }
+
+  if [ -f "$BUILD_DIR/$pkg-$upver/.podshim-unpacked" ]; then
+    printf '%s\n' "$BUILD_DIR/$pkg-$upver"
+    return 0
+  fi
+  dl=$BUILD_DIR/downloads
+  mkdir -p "$dl" || return 1
+  orig=$(find_orig "$dl" "$pkg" "$upver")
+  if [ -z "$orig" ]; then
+    info "apt-get source --download-only $pkg=$ver" >&2
+    # Non-fatal: only the orig tarball matters (see above); checked just below.
+    (cd "$dl" && apt-get source -qq --download-only -o APT::Sandbox::User=root "$pkg=$ver") \
+      >>"$BUILD_DIR/logs/fetch-$pkg.log" 2>&1 || true
+    orig=$(find_orig "$dl" "$pkg" "$upver")
+    if [ -z "$orig" ]; then
+      apt_update >&2
+      (cd "$dl" && apt-get source -qq --download-only -o APT::Sandbox::User=root "$pkg=$ver") \
+        >>"$BUILD_DIR/logs/fetch-$pkg.log" 2>&1 || true
+      orig=$(find_orig "$dl" "$pkg" "$upver")
+    fi
+  fi
+  [ -n "$orig" ] || { warn "could not fetch ${pkg}_${upver}.orig.tar.* (log: $BUILD_DIR/logs/fetch-$pkg.log)"; return 1; }
+  want=$(orig_sha256 "$pkg" "$ver" "$(basename "$orig")")
+  sum=$(sha256sum "$orig" | cut -d' ' -f1)
+  if [ -z "$want" ] || [ "$sum" != "$want" ]; then
+    rm -f "$orig"
+    warn "SHA256 of $(basename "$orig") does not match the Sources index"; return 1
+  fi
+
+  # (set -e does not reach in here: callers run this as `src=$(fetch_source ..) || ..`.)
+  tmp=$(mktemp -d "$BUILD_DIR/unpack.XXXXXX") || return 1
+  tar -xf "$orig" -C "$tmp" || { rm -rf "$tmp"; warn "cannot unpack $orig"; return 1; }
+  top=$(ls "$tmp")
+  if [ -z "$top" ] || [ "$(printf '%s\n' "$top" | wc -l)" != 1 ] || [ ! -d "$tmp/$top" ]; then
+    rm -rf "$tmp"; warn "unexpected layout of $orig"; return 1
+  fi
+  rm -rf "${BUILD_DIR:?}/$pkg-$upver"
+  mv "$tmp/$top" "$BUILD_DIR/$pkg-$upver" && rmdir "$tmp" || return 1
+  printf '%s\n' "$ver" >"$BUILD_DIR/$pkg-$upver/.podshim-unpacked" || return 1
+  printf '%s\n' "$BUILD_DIR/$pkg-$upver"
+}
+
+# ---------------------------------------------------------------------------------------
+# 2. CRIU
+# ---------------------------------------------------------------------------------------
+criu_version() { "$1" --version 2>/dev/null | awk '/^Version:/ { print $2 }'; }
+
+# criu_state: prints "ok VERSION" or the reason it is not ok.
+criu_state() {
+  local bin=$PREFIX/sbin/criu ma v pcv out
+  ma=$(multiarch)
+  [ -x "$bin" ] || { echo "$bin missing"; return; }
+  v=$(criu_version "$bin")
+  { [ -n "$v" ] && version_ge "$v" "$CRIU_MIN"; } || { echo "$bin is version '${v:-?}' (< $CRIU_MIN)"; return; }
+  [ -e "$PREFIX/lib/$ma/libcriu.so.2" ] || { echo "libcriu.so.2 missing in $PREFIX/lib/$ma"; return; }
+  pcv=$(PKG_CONFIG_PATH=$PREFIX/lib/$ma/pkgconfig pkg-config --modversion criu 2>/dev/null || true)
+  [ "$pcv" = "$v" ] || { echo "criu.pc says '${pcv:-none}', binary says $v"; return; }
+  { [ -f "$PYCRIU_SRC_DIR/VERSION" ] && [ "$(cat "$PYCRIU_SRC_DIR/VERSION")" = "$v" ]; } ||
+    { echo "pycriu sources for $v missing in $PYCRIU_SRC_DIR"; return; }
+  out=$("$bin" check 2>&1 || true)
+  [[ "$out" == *"Looks good"* ]] || { echo "'criu check' fails: ${out##*$'\n'}"; return; }
+  echo "ok $v"
+}
+
+step_criu() {
+  step "CRIU >= $CRIU_MIN in $PREFIX"
+  local state src log ma t
+  state=$(criu_state)
+  if [ "$FORCE_BUILD" != 1 ] && [ "${state%% *}" = ok ]; then
+    info "criu ${state#ok } at $PREFIX/sbin/criu, 'criu check': Looks good"
+  else
+    [ "$FORCE_BUILD" = 1 ] && state="PODSHIM_FORCE_BUILD=1 (was: $state)"
+    info "building CRIU: $state"
+    t=$(date +%s)
+    mkdir -p "$BUILD_DIR/logs"
+    src=$(fetch_source criu "$CRIU_MIN") || die "cannot get CRIU's source"
+    log=$BUILD_DIR/logs/criu-build.log
+    : >"$log"
+    info "make -j2 criu lib in $src (log: $log)"
+    # No docs (asciidoc/xmlto), no plugins; SKIP_PIP_INSTALL keeps pycriu out of the
+    # system Python (the venv gets its own copy in the Python step).
+    run_logged "$log" make -C "$src" -j2 PREFIX="$PREFIX" SKIP_PIP_INSTALL=1 criu lib ||
+      die "CRIU build failed"
+    run_logged "$log" make -C "$src" PREFIX="$PREFIX" SKIP_PIP_INSTALL=1 install-criu install-lib ||
+      die "CRIU install failed"
+    ldconfig
+
+    # Keep what the venv's pycriu is made from (python sources, image .proto files).
+    rm -rf "$PYCRIU_SRC_DIR"
+    mkdir -p "$PYCRIU_SRC_DIR/pycriu/images" "$PYCRIU_SRC_DIR/proto"
+    cp "$src"/lib/pycriu/__init__.py "$src"/lib/pycriu/criu.py "$src"/lib/pycriu/version.py \
+      "$PYCRIU_SRC_DIR/pycriu/"
+    cp "$src"/lib/pycriu/images/__init__.py "$src"/lib/pycriu/images/images.py \
+      "$src"/lib/pycriu/images/pb2dict.py "$src"/lib/pycriu/images/magic.py \
+      "$PYCRIU_SRC_DIR/pycriu/images/"
+    cp "$src"/images/*.proto "$PYCRIU_SRC_DIR/proto/"
+    criu_version "$src/criu/criu" >"$PYCRIU_SRC_DIR/VERSION"
+    info "installed in $(( $(date +%s) - t ))s"
+
+    state=$(criu_state)
+    [ "${state%% *}" = ok ] || die "CRIU still not usable after install: $state"
+    info "criu ${state#ok } at $PREFIX/sbin/criu, 'criu check': Looks good"
+  fi
+  ma=$(multiarch)
+  ldconfig -p | grep "libcriu.so.2 .*=> $PREFIX/lib/$ma/libcriu.so.2" >/dev/null ||
+    warn "the dynamic linker does not resolve libcriu.so.2 to $PREFIX/lib/$ma (run ldconfig)"
+  if [ "$(command -v criu)" != "$PREFIX/sbin/criu" ]; then
+    warn "'criu' on PATH is $(command -v criu || echo nothing), not $PREFIX/sbin/criu: put $PREFIX/sbin first in PATH or pass --criu/CriuPath"
+  fi
+}
+
+# ---------------------------------------------------------------------------------------
+# 3. crun with CRIU
+# ---------------------------------------------------------------------------------------
+CRUN_WARNING=""
+crun_state() {
+  local bin=$PREFIX/bin/crun v out
+  [ -x "$bin" ] || { echo "$bin missing"; return; }
+  out=$("$bin" --version 2>/dev/null || true)
+  v=$(awk '/^crun version/ { print $3 }' <<<"$out")
+  { [ -n "$v" ] && version_ge "$v" "$CRUN_MIN"; } || { echo "$bin is version '${v:-?}' (< $CRUN_MIN)"; return; }
+  [[ "$out" == *"+CRIU"* ]] || { echo "$bin built without CRIU"; return; }
+  "$bin" checkpoint --help >/dev/null 2>&1 || { echo "'$bin checkpoint --help' fails"; return; }
+  echo "ok $v"
+}
+
+build_crun() {
+  local src log ma
+  ma=$(multiarch)
+  src=$(fetch_source crun "$CRUN_MIN") || { CRUN_WARNING="cannot get crun's source"; return 1; }
+  log=$BUILD_DIR/logs/crun-build.log
+  : >"$log"
+  info "configure && make -j2 crun in $src (log: $log)"
+  # The release tarball carries libocispec with its JSON schemas and generated C, so the
+  # golang-github-opencontainers-*-dev packages Debian's packaging wants are not needed.
+  # crun dlopen()s libcriu.so.2: the rpath makes it find ours, not a distro one.
+  if ! (cd "$src" &&
+        run_logged "$log" env PKG_CONFIG_PATH="$PREFIX/lib/$ma/pkgconfig" \
+          ./configure --prefix="$PREFIX" LDFLAGS="-Wl,-rpath,$PREFIX/lib/$ma"); then
+    CRUN_WARNING="crun configure failed (log: $log)"; return 1
+  fi
+  if ! grep -q '^#define HAVE_CRIU 1' "$src/config.h"; then
+    CRUN_WARNING="crun's configure did not find libcriu (criu.pc in $PREFIX/lib/$ma/pkgconfig); log: $log"
+    return 1
+  fi
+  # `make crun` alone skips BUILT_SOURCES (git-version.h comes from the tarball's copy).
+  { run_logged "$log" make -C "$src" git-version.h .version &&
+    run_logged "$log" make -C "$src" -j2 crun; } || { CRUN_WARNING="crun build failed (log: $log)"; return 1; }
+  install -m 0755 "$src/crun" "$PREFIX/bin/crun" || { CRUN_WARNING="cannot install $PREFIX/bin/crun"; return 1; }
+}
+
+step_crun() {
+  step "crun >= $CRUN_MIN with CRIU at $PREFIX/bin/crun"
+  local state t
+  state=$(crun_state)
+  if [ "$FORCE_BUILD" != 1 ] && [ "${state%% *}" = ok ]; then
+    info "crun ${state#ok } (+CRIU)"
+    return 0
+  fi
+  [ "$FORCE_BUILD" = 1 ] && state="PODSHIM_FORCE_BUILD=1 (was: $state)"
+  info "building crun: $state"
+  t=$(date +%s)
+  mkdir -p "$BUILD_DIR/logs"
+  if build_crun; then
+    state=$(crun_state)
+    if [ "${state%% *}" = ok ]; then
+      info "crun ${state#ok } (+CRIU) installed in $(( $(date +%s) - t ))s"
+      return 0
+    fi
+    CRUN_WARNING="crun installed but not usable: $state"
+  fi
+  warn "crun with CRIU is NOT available: $CRUN_WARNING. podshim can still use runc."
+}
+
+# ---------------------------------------------------------------------------------------
+# 4. Python: venv, project, pycriu
+# ---------------------------------------------------------------------------------------
+step_python() {
+  step "Python venv $VENV"
+  if [ ! -x "$VENV/bin/python" ]; then
+    info "python3 -m venv .venv"
+    python3 -m venv "$VENV"
+  fi
+  local stamp=$VENV/.podshim-pyproject.sha256 want
+  want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    info "pip install -e '.[dev]' (pyproject.toml changed since last install)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[dev]'
+    printf '%s\n' "$want" >"$stamp"
+  else
+    info "project installed, pyproject.toml unchanged"
+  fi
+
+  step "pycriu in the venv"
+  [ -f "$PYCRIU_SRC_DIR/VERSION" ] || die "no pycriu sources in $PYCRIU_SRC_DIR (CRIU step not done?)"
+  local criu_v have pstamp=$VENV/.podshim-pycriu.stamp
+  criu_v=$(cat "$PYCRIU_SRC_DIR/VERSION")
+  # One interpreter start: the versions pycriu's generated code depends on, and whether
+  # pycriu imports at all.
+  have=$("$VENV/bin/python" - <<'EOF'
+from importlib.metadata import version
+state = "ok"
+try:
+    import pycriu
+    from pycriu import images  # noqa: F401
+except Exception as e:  # any failure means: reinstall
+    state = "broken:" + type(e).__name__
+print(f"protobuf={version('protobuf')} grpcio-tools={version('grpcio-tools')} {state}")
+EOF
+  )
+  want="criu=$criu_v ${have% *}"
+  if [ "${have##* }" = ok ] && [ "$(cat "$pstamp" 2>/dev/null)" = "$want" ]; then
+    info "pycriu $criu_v installed (${have% *})"
+    return 0
+  fi
+  info "installing pycriu $criu_v (${have% *})"
+  local stage=$VENV/.podshim-build/pycriu wkt protos=() p
+  rm -rf "$stage"
+  mkdir -p "$stage"
+  cp -r "$PYCRIU_SRC_DIR/pycriu" "$stage/"
+  wkt=$("$VENV/bin/python" -c 'import grpc_tools, os; print(os.path.join(os.path.dirname(grpc_tools.__file__), "_proto"))')
+  for p in "$PYCRIU_SRC_DIR"/proto/*.proto; do
+    [ "$(basename "$p")" = rpc.proto ] || protos+=("$p")
+  done
+  "$VENV/bin/python" -m grpc_tools.protoc -I "$PYCRIU_SRC_DIR/proto" -I "$wkt" \
+    --python_out="$stage/pycriu/images" "${protos[@]}"
+  "$VENV/bin/python" -m grpc_tools.protoc -I "$PYCRIU_SRC_DIR/proto" -I "$wkt" \
+    --python_out="$stage/pycriu" "$PYCRIU_SRC_DIR/proto/rpc.proto"
+  # protobuf >= 7 dropped FieldDescriptor.label, which CRIU 4.1's pb2dict.py still uses.
+  "$VENV/bin/python" - "$stage/pycriu/images/pb2dict.py" <<'EOF'
+import re, sys
+path = sys.argv[1]
+src = open(path).read()
+helper = """
+
+def _is_repeated(field):
+    # Added by podshim's setup.sh: protobuf >= 7 has no FieldDescriptor.label.
+    if hasattr(field, "is_repeated"):
+        return field.is_repeated
+    return field.label == FD.LABEL_REPEATED
+"""
+anchor = "from google.protobuf.descriptor import FieldDescriptor as FD\n"
+assert anchor in src, "pb2dict.py: FD import not found"
+src = src.replace("field.label == FD.LABEL_REPEATED", "_is_repeated(field)")
+assert not re.search(r"\.label\b", src), "pb2dict.py: unpatched .label use"
+src = src.replace(anchor, anchor + helper, 1)
+open(path, "w").write(src)
+EOF
+  # pb.py re-exports every image message, as CRIU's lib/pycriu/images/Makefile does.
+  {
+    echo "# Autogenerated by podshim scripts/setup.sh. Do not edit!"
+    for p in "$stage"/pycriu/images/*_pb2.py; do
+      p=$(basename "$p" .py)
+      [ "$p" = opts_pb2 ] || echo "from .$p import *"
+    done
+  } >"$stage/pycriu/images/pb.py"
+  cat >"$stage/pyproject.toml" <<EOF
+[build-system]
+requires = ["setuptools"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "pycriu"
+version = "$criu_v"
+description = "CRIU's Python bindings, built by podshim's setup.sh from CRIU $criu_v's source"
+license = { text = "GPL-2.0-only" }
+requires-python = ">=3.6"
+dependencies = ["protobuf"]
+
+[tool.setuptools]
+packages = ["pycriu", "pycriu.images"]
+EOF
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+    --no-build-isolation --force-reinstall "$stage"
+  rm -rf "$VENV/.podshim-build"
+  "$VENV/bin/python" -c 'import pycriu; from pycriu import images' ||
+    die "pycriu does not import after install"
+  pycriu_smoke_test
+  printf '%s\n' "$want" >"$pstamp"
+}
+
+# Decode a real CRIU image with the venv's pycriu: dump a sleeping process (left running).
+pycriu_smoke_test() {
+  if [ "$(id -u)" != 0 ]; then
+    info "not root: skipping the criu dump / pycriu decode test"
+    return 0
+  fi
+  local dir pid out
+  dir=$(mktemp -d /tmp/podshim-pycriu-test.XXXXXX)
+  setsid sleep 1000 </dev/null >/dev/null 2>&1 &
+  pid=$!
+  sleep 0.2
+  if ! "$PREFIX/sbin/criu" dump -t "$pid" --leave-running --shell-job -D "$dir" -o dump.log >/dev/null 2>&1; then
+    kill "$pid" 2>/dev/null || true
+    warn "criu dump for the pycriu test failed, decode not tested: $(tail -n 3 "$dir/dump.log" 2>/dev/null)"
+    rm -rf "$dir"
+    return 0
+  fi
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  out=$("$VENV/bin/python" - "$dir" <<'EOF'
+import sys
+import pycriu
+d = sys.argv[1]
+st = pycriu.images.load(open(d + "/stats-dump", "rb"))
+assert st["magic"] == "STATS", st["magic"]
+dump = st["entries"][0]["dump"]
+pid = pycriu.images.load(open(d + "/pstree.img", "rb"))["entries"][0]["pid"]
+core = pycriu.images.load(open("%s/core-%d.img" % (d, pid), "rb"))
+# and back: dict -> binary must give the same bytes
+import io
+for name in ("stats-dump", "core-%d.img" % pid):
+    raw = open(d + "/" + name, "rb").read()
+    out = io.BytesIO()
+    pycriu.images.dump(pycriu.images.load(io.BytesIO(raw)), out)
+    assert out.getvalue() == raw, "round trip of %s differs" % name
+print("stats-dump: frozen_time=%sus pages_written=%s; core-%d.img: comm=%s" % (
+    dump["frozen_time"], dump["pages_written"], pid, core["entries"][0]["tc"]["comm"]))
+EOF
+  ) || { rm -rf "$dir"; die "pycriu could not decode CRIU's images"; }
+  rm -rf "$dir"
+  info "decoded (and re-encoded) a real dump: $out"
+}
+
+# ---------------------------------------------------------------------------------------
+system_steps() {
+  mkdir -p "$BUILD_DIR/logs"
+  step_apt
+  step_criu
+  step_crun
+}
+
+if [ "${1:-}" = "--system-only" ]; then
+  system_steps
+  exit 0
+fi
+
+if [ "$(id -u)" = 0 ]; then
+  system_steps
+elif [ "${PODSHIM_SKIP_SYSTEM:-0}" = 1 ]; then
+  step "system steps skipped (PODSHIM_SKIP_SYSTEM=1)"
+else
+  command -v sudo >/dev/null || die "steps 1-3 need root: run as root or install sudo"
+  sudo env PODSHIM_BUILD_DIR="$BUILD_DIR" PODSHIM_FORCE_BUILD="$FORCE_BUILD" \
+    bash "$REPO_ROOT/scripts/setup.sh" --system-only
+fi
+step_python
+
+step "done in $(( $(date +%s) - T0 ))s: criu $(criu_version "$PREFIX/sbin/criu") ($PREFIX/sbin/criu), $(
+  "$PREFIX/bin/crun" --version 2>/dev/null | awk 'NR == 1' || echo 'crun: not built') ($PREFIX/bin/crun)"
+if [ -n "$CRUN_WARNING" ]; then
+  warn "crun with CRIU is NOT available: $CRUN_WARNING"
+fi
