@@ -170,6 +170,7 @@ class TestBed:
         self._containerd_pid: int | None = None
         self._podshim_pid: int | None = None
         self._channels: dict[str, grpc.Channel] = {}
+        self._container_cgroups: set[str] = set()
         self._started = False
 
     # ------------------------------------------------------------------ public API
@@ -586,6 +587,9 @@ level = "info"
 
         step("channels", self._close_channels)
         step("podshim", self._stop_podshim)
+        # runc's state says where each container's cgroup is, also for pods whose cgroup parent
+        # is outside the bed's subtree; runc delete removes that state, so read it first
+        step("container cgroups", lambda: self._container_cgroups.update(self._runtime_cgroups()))
         step("pods", self._remove_pods)
         ids = self._known_task_ids()
         shim_sockets = self._shim_sockets(ids)
@@ -677,8 +681,8 @@ level = "info"
         shims, runc, podshim), their descendants, and whatever sits in the bed's cgroup subtree."""
         roots = {p for p in _sys.pids_mentioning(str(self.base_dir)) if _is_bed_program(p)}
         pids = roots | _sys.descendants(roots)
-        if self.cgroup_root:
-            pids |= _sys.cgroup_pids(self.cgroup_root)
+        for rel in filter(None, (self.cgroup_root, *self._container_cgroups)):
+            pids |= _sys.cgroup_pids(rel)
         pids.discard(os.getpid())
         return {p for p in pids if _sys.alive(p)}
 
@@ -750,11 +754,32 @@ level = "info"
             with contextlib.suppress(FileNotFoundError):
                 f.unlink()
 
+    def _runtime_cgroups(self) -> set[str]:
+        """The cgroups (relative paths) of the containers in the bed's runc/crun roots."""
+        found = set()
+        for root in (self.runc_root, self.crun_root):
+            for state in root.glob("*/state.json"):
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    path = json.loads(state.read_text())["config"]["cgroups"]["path"]
+                    if path and path.strip("/"):
+                        found.add("/" + path.strip("/"))
+        return found
+
     def _remove_cgroups(self) -> None:
+        left: list[str] = []
+        for rel in sorted(self._container_cgroups):
+            left += _sys.remove_cgroup_tree(rel)
+            # the pod level (kubelet-style per-pod parent): only if empty, never recursively,
+            # since a parent outside the bed's subtree may be shared
+            parent = os.path.dirname(rel)
+            if parent.strip("/") and not (self.cgroup_root and _sys.is_under(parent, self.cgroup_root)):
+                for d in _sys.cgroup_dirs(parent):
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
         if self.cgroup_root:
-            left = _sys.remove_cgroup_tree(self.cgroup_root)
-            if left:
-                raise TestBedError(f"cgroups left: {left}")
+            left += _sys.remove_cgroup_tree(self.cgroup_root)
+        if left:
+            raise TestBedError(f"cgroups left: {left}")
 
     def _save_logs(self) -> None:
         if self.save_logs_to is None or not self.base_dir.exists():
@@ -784,8 +809,8 @@ level = "info"
         left += [f"process {p}: {' '.join(_sys.read_cmdline(p))[:120]}" for p in sorted(self._bed_pids())]
         if self.bridge and _sys.link_exists(self.bridge):
             left.append(f"link {self.bridge}")
-        if self.cgroup_root:
-            left += [f"cgroup {d}" for d in _sys.cgroup_dirs(self.cgroup_root)]
+        for rel in filter(None, (self.cgroup_root, *self._container_cgroups)):
+            left += [f"cgroup {d}" for d in _sys.cgroup_dirs(rel)]
         if self.cni_network:
             left += [f"cni cache {f}" for f in self._cni_cache_files(set())]
         return left

@@ -56,7 +56,9 @@ def _counts(log: Path) -> list[int]:
     return [int(m) for m in re.findall(r" stdout F count=(\d+) ts=", text)]
 
 
-def _run_pod(bed: TestBed, name: str, image: str, args: list[str]) -> dict[str, object]:
+def _run_pod(
+    bed: TestBed, name: str, image: str, args: list[str], cgroup_parent: str | None = None
+) -> dict[str, object]:
     """RunPodSandbox + CreateContainer + StartContainer on containerd's socket, kubelet-style."""
     pb, _ = _api()
     rt = bed.runtime_stub(bed.containerd_socket)
@@ -64,13 +66,14 @@ def _run_pod(bed: TestBed, name: str, image: str, args: list[str]) -> dict[str, 
     # As kubelet does: CRI's default (0) is POD, a PID namespace shared with the pause process.
     ns_options = pb.NamespaceOption(pid=pb.CONTAINER)
     log_dir = bed.pod_log_dir(f"{name}_{uid}")
+    cgroup_parent = cgroup_parent or bed.cgroup_parent(uid)
     pod_config = pb.PodSandboxConfig(
         metadata=pb.PodSandboxMetadata(name=name, namespace="default", uid=uid, attempt=0),
         hostname=name,
         log_directory=str(log_dir),
         labels={"io.kubernetes.pod.name": name},
         linux=pb.LinuxPodSandboxConfig(
-            cgroup_parent=bed.cgroup_parent(uid),
+            cgroup_parent=cgroup_parent,
             security_context=pb.LinuxSandboxSecurityContext(namespace_options=ns_options),
         ),
     )
@@ -103,7 +106,7 @@ def _run_pod(bed: TestBed, name: str, image: str, args: list[str]) -> dict[str, 
         "netns": netns,
         "log": log_dir / "main" / "0.log",
         "ip": pod_status.status.network.ip,
-        "cgroup_parent": bed.cgroup_parent(uid),
+        "cgroup_parent": cgroup_parent,
     }
 
 
@@ -191,6 +194,9 @@ def test_counter_pod_runs_and_stop_leaves_nothing(private_bed: TestBed) -> None:
 def test_stop_cleans_up_after_containerd_was_killed(private_bed: TestBed) -> None:
     bed = private_bed
     pod = _run_pod(bed, "orphan", BUSYBOX_IMAGE, ["sleep", "3600"])
+    # A pod whose cgroup parent is outside the bed's subtree (a shared /podshim-test parent).
+    outside = f"/podshim-test/pod{uuid.uuid4().hex[:16]}"
+    other = _run_pod(bed, "outside", BUSYBOX_IMAGE, ["sleep", "3600"], cgroup_parent=outside)
     # A frozen container (as a checkpoint leaves it) and a containerd that died.
     freezer = Path("/sys/fs/cgroup/freezer") / f"{str(pod['cgroup_parent']).strip('/')}/{pod['cid']}"
     if freezer.is_dir():
@@ -202,6 +208,9 @@ def test_stop_cleans_up_after_containerd_was_killed(private_bed: TestBed) -> Non
 
     bed.stop()
     _assert_nothing_left(bed, pod)
+    _assert_nothing_left(bed, other)
+    assert not _sys.cgroup_dirs(outside), "the pod-level cgroup outside the bed is gone too"
+    assert not _sys.cgroup_dirs(f"{outside}/{other['cid']}")
 
 
 @pytest.mark.e2e
