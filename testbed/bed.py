@@ -99,6 +99,7 @@ class TestBed:
         start_podshim: bool = True,
         runc_binary: str | os.PathLike[str] | None = None,
         crun_binary: str | os.PathLike[str] | None = None,
+        crun_runtime: str | os.PathLike[str] | None = None,
         podshim_command: list[str] | None = None,
         import_images: bool = True,
         image_cache: str | os.PathLike[str] | None = None,
@@ -113,7 +114,10 @@ class TestBed:
         runc_binary: ``BinaryName`` of the ``runc`` runtime handler.  Default: the repo's
             ``.venv/bin/podshim-runc`` when its module exists, else a generated script in the
             base dir that execs ``/usr/sbin/runc``.
-        crun_binary: ``BinaryName`` of a second runtime handler ``crun``; None: no such handler.
+        crun_binary: ``BinaryName`` of a second runtime handler ``crun`` (Root ``<base>/crun``);
+            None: no such handler.  It may be the real crun or ``.venv/bin/podshim-runc``.
+        crun_runtime: the real crun, written to podshim.toml as ``[runtimes.crun] binary`` when
+            the crun handler exists (default: ``crun`` on PATH, else /usr/local/bin/crun).
         podshim_command: the podshim command (default ``[.venv/bin/podshim]``); ``serve --config
             <base>/podshim.toml`` is appended.
         import_images: build (``images/build.py``, cached in ``image_cache``) and import the
@@ -128,6 +132,7 @@ class TestBed:
         self.base_dir = Path(base_dir or f"/run/podshim-testbed-{secrets.token_hex(4)}").absolute()
         self.start_podshim = start_podshim
         self.crun_binary = Path(crun_binary) if crun_binary else None
+        self.crun_runtime = Path(crun_runtime or shutil.which("crun") or "/usr/local/bin/crun")
         self.podshim_command = podshim_command or [str(VENV_BIN / "podshim")]
         self.import_images = import_images
         self.image_cache = Path(image_cache) if image_cache else DEFAULT_IMAGE_CACHE
@@ -376,7 +381,10 @@ class TestBed:
             runtimes.append(("crun", self.crun_binary, self.crun_root_base))
         runtime_blocks = []
         for name, binary, root in runtimes:
-            criu = f"\n          CriuPath = {_toml_str(CRIU)}" if Path(CRIU).exists() else ""
+            # the shim passes CriuPath as a global `--criu PATH`, which crun rejects (exit 64)
+            criu = ""
+            if name == "runc" and Path(CRIU).exists():
+                criu = f"\n          CriuPath = {_toml_str(CRIU)}"
             runtime_blocks.append(
                 f"""
       [{cri}.containerd.runtimes.{name}]
@@ -433,6 +441,14 @@ oom_score = 0
         self.containerd_config.write_text(config)
 
         b = self.base_dir
+        crun_section = ""
+        if self.crun_binary is not None:
+            crun_section = f"""
+[runtimes.crun]
+binary = {_toml_str(self.crun_runtime)}
+root = {_toml_str(self.crun_root)}
+criu = {_toml_str(CRIU)}
+"""
         podshim = f"""# written by testbed/bed.py
 [server]
 socket = {_toml_str(self.podshim_socket)}
@@ -447,6 +463,7 @@ binary = {_toml_str(REAL_RUNC)}
 root = {_toml_str(self.runc_root)}
 criu = {_toml_str(CRIU)}
 
+{crun_section}
 [checkpoint]
 allowed_roots = {_toml_list([str(self.checkpoint_root)])}
 
@@ -547,6 +564,7 @@ level = "info"
             "start_podshim": self.start_podshim,
             "runc_binary": str(self.runc_binary) if self.runc_binary else None,
             "crun_binary": str(self.crun_binary) if self.crun_binary else None,
+            "crun_runtime": str(self.crun_runtime),
         }
 
     def _save_description(self) -> None:
@@ -561,6 +579,7 @@ level = "info"
             start_podshim=bool(description.get("start_podshim")),
             runc_binary=description.get("runc_binary"),
             crun_binary=description.get("crun_binary"),
+            crun_runtime=description.get("crun_runtime"),
         )
         bed.bed_id = description.get("bed_id", "")
         bed.bridge = description.get("bridge", "")
