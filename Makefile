@@ -10,7 +10,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m shim.demo
+	$(PY) -m testbed.demo
 
 test: setup
 	$(PYTEST) -ra

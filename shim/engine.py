@@ -91,7 +91,10 @@ class Engine:
     async def restore_pod(
         self, req: cri.RestorePodRequest, context: grpc.aio.ServicerContext
     ) -> cri.RestorePodResponse:
-        raise errors.Unimplemented("podshim: RestorePod is not implemented yet")
+        md = req.config.metadata
+        keys = [f"pod {md.namespace}/{md.name}", f"path {req.checkpoint_path}"]
+        with self._operation("restore_pod", keys, pod=f"{md.namespace}/{md.name}", path=req.checkpoint_path):
+            return await self.restorer.restore(req, context.time_remaining())
 
     async def checkpoint_container(
         self, req: cri.CheckpointContainerRequest, context: grpc.aio.ServicerContext

@@ -16,10 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESTORE_ANNOTATION = "podshim.restore/checkpoint-dir"
-RESTORE_OPTIONS_ANNOTATION = "podshim.restore/criu-options"
+RESTORE_ANNOTATION = "podshim.restore.checkpoint-dir"  # no "/": containerd matches with filepath.Match
+RESTORE_OPTIONS_ANNOTATION = "podshim.restore.criu-options"
 RESTORED_MARKER = "podshim-restored"  # in the runtime's state dir of the container
-WORK_DIR = "podshim-restore"  # in the bundle: CRIU's work dir and a writable view of the images
+WORK_DIR = "podshim-restore"  # in the bundle: CRIU's work dir (log, restore stats, config)
 CRIU_CONFIG_ANNOTATION = "org.criu.config"  # runc/crun read CRIU options from this file
 
 
@@ -43,16 +43,6 @@ def _fail(message: str, log_file: str | None) -> None:
         except OSError:
             pass
     raise SystemExit(1)
-
-
-def _image_view(images: Path, view: Path) -> None:
-    """A writable directory of symlinks to the archived images: CRIU writes its restore stats
-    next to the images, and a restore must never modify the archive."""
-    view.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for entry in os.scandir(images):
-        link = view / entry.name
-        if not link.exists():
-            os.symlink(entry.path, link)
 
 
 def maybe_handle(binary: str, argv: list[str], flags: dict[str, str], command: str, rest: list[str]) -> None:
@@ -104,9 +94,10 @@ def restore(
     except (ShimError, OSError, ValueError) as e:
         _fail(f"restore of {container_id}: applying the rootfs diff of {ckpt} failed: {e}", log_file)
 
+    # CRIU only reads the image dir on restore (its log and restore stats go to the work dir, its
+    # cwd), so the archive is used in place and never modified.
     work = bundle / WORK_DIR
-    images = work / "images"
-    _image_view(cl.checkpoint_dir, images)
+    work.mkdir(mode=0o700, exist_ok=True)
     # Established TCP connections are closed on restore (KEP-5823 alpha): runc has no flag
     # for it, so it goes through the CRIU config file the runtime reads from the spec.
     criu_conf = work / "criu.conf"
@@ -133,7 +124,7 @@ def restore(
         "--bundle",
         str(bundle),
         "--image-path",
-        str(images),
+        str(cl.checkpoint_dir),
         "--work-path",
         str(work),
     ]

@@ -6,6 +6,8 @@ options, kubelet labels), so podshim is exercised the way a node exercises it.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import secrets
 import time
@@ -23,6 +25,7 @@ PAUSE_IMAGE = "localhost/podshim/pause:1"
 BUSYBOX_IMAGE = "localhost/podshim/busybox:1"
 COUNTER_IMAGE = "localhost/podshim/counter:1"
 COUNT_RE = re.compile(rb"count=(\d+)")
+CGROUP_ROOT = "/podshim-test"  # pod cgroups go below it, as under a kubelet's /kubepods
 
 
 def stubs(socket: str | Path) -> tuple[api_pb2_grpc.RuntimeServiceStub, api_pb2_grpc.ImageServiceStub]:
@@ -48,7 +51,7 @@ def pod_config(
             "io.kubernetes.pod.uid": uid,
         },
         linux=cri.LinuxPodSandboxConfig(
-            cgroup_parent=f"/podshim-test/pod{uid}",
+            cgroup_parent=f"{CGROUP_ROOT}/pod{uid}",
             security_context=cri.LinuxSandboxSecurityContext(
                 namespace_options=cri.NamespaceOption(network=cri.POD, pid=cri.CONTAINER, ipc=cri.POD)
             ),
@@ -114,8 +117,21 @@ def run_pod(
 
 
 def remove_pod(rt: api_pb2_grpc.RuntimeServiceStub, pod_id: str) -> None:
+    """Stop and remove a pod, then its pod-level cgroup (the kubelet's job: containerd leaves it)."""
+    parent = ""
+    try:
+        st = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id, verbose=True))
+        parent = (
+            json.loads(st.info.get("info", "{}")).get("config", {}).get("linux", {}).get("cgroup_parent", "")
+        )
+    except (grpc.RpcError, ValueError):
+        pass
     rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=pod_id))
     rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=pod_id))
+    if parent.startswith(CGROUP_ROOT + "/"):
+        for hierarchy in Path("/sys/fs/cgroup").iterdir():
+            with contextlib.suppress(OSError):
+                (hierarchy / parent.lstrip("/")).rmdir()
 
 
 def counts(log_path: Path) -> list[int]:

@@ -153,8 +153,25 @@ def test_images(img: api_pb2_grpc.ImageServiceStub, bed: TestBed) -> None:
 
 
 def test_container_events_stream(
-    rt: api_pb2_grpc.RuntimeServiceStub, log_root: Path, pod_cleanup: list[str]
+    rt: api_pb2_grpc.RuntimeServiceStub,
+    direct_rt: api_pb2_grpc.RuntimeServiceStub,
+    log_root: Path,
+    pod_cleanup: list[str],
 ) -> None:
+    """Server-streaming passthrough: events flow when the upstream has them; when it does not
+    (containerd 1.6), the stream ends with exactly the upstream's status."""
+    direct = direct_rt.GetContainerEvents(cri.GetEventsRequest(), timeout=2)
+    try:
+        next(iter(direct))
+        upstream_code = None
+    except grpc.RpcError as e:
+        upstream_code = e.code(), e.details()
+    if upstream_code is not None and upstream_code[0] != grpc.StatusCode.DEADLINE_EXCEEDED:
+        proxied = rt.GetContainerEvents(cri.GetEventsRequest(), timeout=5)
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(proxied))
+        assert (err.value.code(), err.value.details()) == upstream_code
+        return
     events: list[cri.ContainerEventResponse] = []
     stream = rt.GetContainerEvents(cri.GetEventsRequest())
 

@@ -82,19 +82,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"podshim: bad configuration: {e}", file=sys.stderr)
         return 2
     logs.configure(cfg.log_format, cfg.log_level)
+    from shim.engine import Engine
     from shim.server import app
 
     try:
-        asyncio.run(app.run(cfg, _engine_factory()))
+        asyncio.run(app.run(cfg, Engine))
     except KeyboardInterrupt:
         pass
     return 0
-
-
-def _engine_factory() -> object:
-    """The checkpoint/restore engine, when present."""
-    try:
-        from shim.engine import Engine
-    except ImportError:
-        return None
-    return Engine

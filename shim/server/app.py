@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -72,17 +73,13 @@ class Server:
             pass
 
 
-async def run(config: Config, engine_factory: object = None) -> None:
-    """Serve until SIGTERM/SIGINT."""
+async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engine]) -> None:
+    """Recover from a previous crash, then serve until SIGTERM/SIGINT."""
     if config.metrics_address:
         metrics.serve(config.metrics_address)
     upstream = Upstream(config.upstream_endpoint)
-    engine = None
-    if callable(engine_factory):
-        engine = engine_factory(config, upstream)
-        recover = getattr(engine, "recover", None)
-        if recover is not None:
-            await recover()
+    engine = engine_factory(config, upstream)
+    await engine.recover()
     server = Server(config, engine, upstream)
     await server.start()
     stopping = asyncio.Event()

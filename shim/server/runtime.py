@@ -36,6 +36,8 @@ class Engine(Protocol):
         self, req: cri.CheckpointContainerRequest, context: grpc.aio.ServicerContext
     ) -> cri.CheckpointContainerResponse: ...
 
+    async def recover(self) -> None: ...
+
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
 

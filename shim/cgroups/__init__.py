@@ -1,0 +1,40 @@
+"""cgroups: host freezer detection (v1/v2), cgroupsPath resolution (cgroupfs and systemd
+drivers), the freezer, and the pod-wide freeze in one cut. Everything lives in `freezer`."""
+
+from shim.cgroups.freezer import (
+    CgroupMode,
+    CutTimings,
+    Freezer,
+    FreezerState,
+    Hierarchy,
+    PodCut,
+    cgroup_procs,
+    default_freezer,
+    detect_hierarchy,
+    detect_mode,
+    expand_slice,
+    is_frozen_anywhere,
+    parse_mountinfo,
+    pod_cut,
+    resolve_cgroups_path,
+    thaw_paths,
+)
+
+__all__ = [
+    "CgroupMode",
+    "CutTimings",
+    "Freezer",
+    "FreezerState",
+    "Hierarchy",
+    "PodCut",
+    "cgroup_procs",
+    "default_freezer",
+    "detect_hierarchy",
+    "detect_mode",
+    "expand_slice",
+    "is_frozen_anywhere",
+    "parse_mountinfo",
+    "pod_cut",
+    "resolve_cgroups_path",
+    "thaw_paths",
+]
