@@ -546,6 +546,32 @@ level = "info"
         self._save_description()
         self._wait_version(self.podshim_socket, "podshim", self._podshim_pid, self.podshim_log)
 
+    # ------------------------------------------------------------------ restarts (tests)
+
+    def stop_containerd(self) -> None:
+        """Stop containerd only (its shims and containers keep running, as on a real node)."""
+        self._stop_containerd()
+        self._containerd = None
+
+    def start_containerd(self) -> None:
+        """Start containerd again after stop_containerd(); it picks up its running containers."""
+        self._start_containerd()
+
+    def kill_podshim(self, sig: int = signal.SIGKILL) -> None:
+        """Kill podshim (SIGKILL by default: a crash) and wait until it is gone."""
+        pid = self._podshim_pid
+        if pid is not None and self._own_pid(pid, str(self.podshim_config)):
+            os.kill(pid, sig)
+            if _sys.wait_gone({pid}, timeout=15.0):
+                raise TestBedError(f"podshim {pid} did not die on signal {sig}")
+        if self._podshim is not None:
+            with contextlib.suppress(Exception):
+                self._podshim.wait(timeout=1)
+
+    def start_podshim_again(self) -> None:
+        """Start podshim again (after kill_podshim), with the same config and state dir."""
+        self._start_podshim()
+
     # ------------------------------------------------------------------ state (for the CLI)
 
     def describe(self) -> dict[str, Any]:

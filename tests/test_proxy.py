@@ -239,3 +239,38 @@ def test_bad_config_is_one_line_naming_the_key(tmp_path: Path) -> None:
         [str(podshim), "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=30
     )
     assert r.returncode == 2 and "log.format" in r.stderr
+
+
+def test_upstream_down_is_unavailable_and_recovers(
+    rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    """containerd stops: podshim answers UNAVAILABLE naming the upstream (and stays up); containerd
+    comes back: podshim serves again by itself, and running pods were not disturbed."""
+    pod = pods.run_pod(
+        rt, "upstream-restart", log_root, containers={"counter": pods.container_config("counter")}
+    )
+    pod_cleanup.append(pod.id)
+    bed.stop_containerd()
+    try:
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "upstream runtime" in err.value.details() and str(bed.containerd_socket) in err.value.details()
+        assert time.monotonic() - start < 5, "fails fast, no hang"
+        assert bed.podshim_running
+    finally:
+        bed.start_containerd()
+    pods.wait_for(
+        lambda: _answers(rt, pod.id), timeout=10, what="podshim serving again after containerd came back"
+    )
+    before = pods.counts(pod.log_path("counter"))[-1]
+    assert pods.wait_count(pod.log_path("counter"), before + 3) > before  # the container kept running
+
+
+def _answers(rt: api_pb2_grpc.RuntimeServiceStub, pod_id: str) -> bool:
+    try:
+        st = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id), timeout=2)
+    except grpc.RpcError:
+        return False
+    return st.status.state == cri.SANDBOX_READY
