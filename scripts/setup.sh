@@ -518,9 +518,34 @@ EOF
 }
 
 # ---------------------------------------------------------------------------------------
+# crun refuses a hybrid cgroup layout whose cgroup2 mount still offers controllers ("cgroups in
+# hybrid mode not supported"). On this kind of machine every controller is a v1 hierarchy except
+# hugetlb, left on the cgroup2 mount; mount the leftovers as v1 hierarchies too, as a systemd
+# hybrid layout does. No-op on a pure v1 or pure v2 host.
+step_cgroups() {
+  step "cgroup layout"
+  local unified=/sys/fs/cgroup/unified ctrl
+  if [ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" = cgroup2fs ] || [ ! -r "$unified/cgroup.controllers" ]; then
+    info "not a hybrid layout: nothing to do"
+    return
+  fi
+  for ctrl in $(cat "$unified/cgroup.controllers"); do
+    if [ -n "$(cat "$unified/cgroup.subtree_control")" ]; then
+      warn "cgroup2 controllers are in use ($(cat "$unified/cgroup.subtree_control")): crun will not run here"
+      return
+    fi
+    mkdir -p "/sys/fs/cgroup/$ctrl"
+    mount -t cgroup -o "$ctrl" cgroup "/sys/fs/cgroup/$ctrl" || warn "could not mount the $ctrl v1 hierarchy"
+    info "mounted the $ctrl controller as a v1 hierarchy (was on the cgroup2 mount)"
+  done
+  info "cgroup2 mount offers no controllers: crun accepts the layout"
+}
+
+# ---------------------------------------------------------------------------------------
 system_steps() {
   mkdir -p "$BUILD_DIR/logs"
   step_apt
+  step_cgroups
   step_criu
   step_crun
 }
