@@ -76,7 +76,7 @@ def restore(
 ) -> None:
     from shim import config
     from shim.archive import layout, paths, rootfs_diff
-    from shim.criu.runtime import CriuOptions, criu_error_lines
+    from shim.criu.runtime import CriuOptions, OciRuntime, criu_error_lines
     from shim.errors import ShimError
 
     log_file = flags.get("--log")
@@ -114,25 +114,16 @@ def restore(
         shell_job=opt.get("shell-job", False),
     )
     # Keep the upstream's global flags (--root, --log, --log-format, --criu ...) as they were.
-    global_args = argv[: len(argv) - len(rest) - 1]
-    cmd = [
-        binary,
-        *global_args,
-        "restore",
-        "--detach",
-        "--no-subreaper",
-        "--bundle",
+    cmd = OciRuntime(binary, flags.get("--root", "")).restore_argv(
+        container_id,
         str(bundle),
-        "--image-path",
         str(cl.checkpoint_dir),
-        "--work-path",
         str(work),
-    ]
-    for name in ("--pid-file", "--console-socket"):
-        value = _arg(rest, name)
-        if value:
-            cmd += [name, value]
-    cmd += [*criu_opts.flags(), container_id]
+        criu_opts,
+        pid_file=_arg(rest, "--pid-file"),
+        console_socket=_arg(rest, "--console-socket"),
+        global_args=argv[: len(argv) - len(rest) - 1],
+    )
     # stdio and every other descriptor the upstream gave us go to the restored process.
     result = subprocess.run(cmd, close_fds=False, check=False)
     if result.returncode != 0:

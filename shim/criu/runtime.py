@@ -131,25 +131,24 @@ class OciRuntime:
         bundle: str,
         image_dir: str,
         work_dir: str,
-        pid_file: str | None,
         opts: CriuOptions,
-        extra: list[str] | None = None,
+        *,
+        pid_file: str | None = None,
+        console_socket: str | None = None,
+        global_args: list[str] | None = None,
     ) -> list[str]:
-        argv = [
-            *self.global_args(),
-            "restore",
-            "--detach",
-            "--no-subreaper",
-            "--bundle",
-            bundle,
-            "--image-path",
-            image_dir,
-            "--work-path",
-            work_dir,
-        ]
+        """`restore --detach` into `bundle`. `global_args` replaces --root/--criu with the flags
+        the upstream passed (podshim-runc keeps its --log, --log-format, --systemd-cgroup...)."""
+        head = [self.binary, *global_args] if global_args is not None else self.global_args()
+        argv = [*head, "restore", "--detach"]
+        if self.is_runc:
+            argv.append("--no-subreaper")  # crun has no such flag (and no subreaper to disable)
+        argv += ["--bundle", bundle, "--image-path", image_dir, "--work-path", work_dir]
         if pid_file:
             argv += ["--pid-file", pid_file]
-        return [*argv, *opts.flags(), *(extra or []), container_id]
+        if console_socket:
+            argv += ["--console-socket", console_socket]
+        return [*argv, *opts.flags(), container_id]
 
 
 def binary_version(binary: str) -> str:
