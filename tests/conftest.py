@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,11 +22,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+PODSHIM_RUNC = Path(__file__).resolve().parents[1] / ".venv/bin/podshim-runc"
+CRUN = Path("/usr/local/bin/crun")  # built with CRIU by the set-up
+
+
+def crun_usable() -> bool:
+    if not CRUN.exists():
+        return False
+    out = subprocess.run([str(CRUN), "--version"], capture_output=True, text=True).stdout
+    return "+CRIU" in out
+
+
 @pytest.fixture(scope="session")
 def bed() -> Iterator[TestBed]:
-    """containerd + podshim, shared by the session (tests clean up their own pods)."""
-    with TestBed() as b:
+    """containerd + podshim, shared by the session (tests clean up their own pods). Runtime
+    handlers: runc (default) and, when the set-up built it, crun — both behind podshim-runc."""
+    with TestBed(crun_binary=PODSHIM_RUNC if crun_usable() else None, crun_runtime=CRUN) as b:
         yield b
+
+
+@pytest.fixture(params=["runc", "crun"])
+def runtime_handler(request: pytest.FixtureRequest, bed: TestBed) -> str:
+    """The CRI runtime handler to run a test's pods with: every e2e checkpoint/restore test that
+    takes this fixture runs once with runc and once with crun."""
+    if request.param == "crun" and bed.crun_binary is None:
+        pytest.skip("crun with CRIU is not installed (scripts/setup.sh builds it)")
+    return "" if request.param == "runc" else request.param
 
 
 @pytest.fixture(scope="session")
