@@ -12,15 +12,17 @@ import asyncio
 import json
 import os
 import signal
+import stat
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, errors, logs
+from shim import __version__, errors, faults, logs
 from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
 from shim.cgroups import PodCut, cgroup_procs
 from shim.config import Config
@@ -233,6 +235,7 @@ class PodCheckpointer:
         self.journal.update(rec, "frozen")
         try:
             await asyncio.to_thread(cut.freeze)
+            faults.hit("checkpoint.after-freeze")
             log.info("pod frozen", pod=pod.id, cut_seconds=round(cut.cut_seconds, 4))
             dump_start = time.monotonic()
             await asyncio.gather(
@@ -253,6 +256,7 @@ class PodCheckpointer:
 
         # 3. After the thaw: stats, checksums, manifest (completion marker).
         self.journal.update(rec, "archiving")
+        faults.hit("checkpoint.archive")
         archive_start = time.monotonic()
         m = await asyncio.to_thread(self._finish_archive, pod, work, archive, opts, post, timings)
         m.timings["archive"] = time.monotonic() - archive_start
@@ -339,6 +343,7 @@ class PodCheckpointer:
         post: int,
         timings: dict[str, float],
     ) -> manifest.Manifest:
+        _make_private(archive.root)
         rt = work[0].runtime
         dumped = {w.view.id: w for w in work}
         stats: dict[str, Any] = {}
@@ -376,6 +381,20 @@ class PodCheckpointer:
             post_checkpoint_state="STOPPED" if post == cri.POST_CHECKPOINT_STATE_STOPPED else "RUNNING",
         )
         return manifest.write_manifest(archive.root, m, workers=4)
+
+
+def _make_private(root: Path) -> None:
+    """Files 0600, directories 0700 (DESIGN §6): runc and CRIU create theirs with the umask's
+    0644/0755. Symlinks are left alone (write_manifest refuses them)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            p = os.path.join(dirpath, name)
+            if stat.S_ISDIR(os.lstat(p).st_mode):
+                os.chmod(p, layout.DIR_MODE)
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if stat.S_ISREG(os.lstat(p).st_mode):
+                os.chmod(p, layout.FILE_MODE)
 
 
 def _options_record(opts: CheckpointOptions) -> dict[str, str]:

@@ -20,7 +20,7 @@ import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import errors, logs
+from shim import errors, faults, logs
 from shim.archive import layout, manifest, paths
 from shim.config import Config
 from shim.criu.runtime import binary_version
@@ -261,6 +261,7 @@ class PodRestorer:
             raise upstream_error(self.upstream.endpoint, e, "creating the new sandbox") from None
         sandbox.append(resp.pod_sandbox_id)
         self.journal.update(rec, "sandbox", sandbox_id=resp.pod_sandbox_id)
+        faults.hit("restore.after-sandbox")
         log.info("restore sandbox created", sandbox=resp.pod_sandbox_id)
         for p in plan:
             try:
@@ -277,6 +278,7 @@ class PodRestorer:
                     self.upstream.endpoint, e, f"creating container {p.entry.name!r}"
                 ) from None
             created[p.entry.name] = c.container_id
+            faults.hit("restore.after-container")
             log.info("restore container created", container=p.entry.name, id=c.container_id)
         if opts.start:
             for p in plan:

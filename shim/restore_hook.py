@@ -74,7 +74,7 @@ def restore(
     spec: dict,
     ckpt: Path,
 ) -> None:
-    from shim import config
+    from shim import config, faults
     from shim.archive import layout, paths, rootfs_diff
     from shim.criu.runtime import CriuOptions, OciRuntime, criu_error_lines
     from shim.errors import ShimError
@@ -125,6 +125,7 @@ def restore(
         global_args=argv[: len(argv) - len(rest) - 1],
     )
     # stdio and every other descriptor the upstream gave us go to the restored process.
+    faults.hit("runc-wrapper.before-restore")
     result = subprocess.run(cmd, close_fds=False, check=False)
     if result.returncode != 0:
         log_path = work / "restore.log"

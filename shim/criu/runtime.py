@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shim import errors
+from shim import errors, faults
 
 CRIU_LOG_TAIL = 6
 
@@ -107,6 +107,7 @@ class OciRuntime:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # so a cancel can kill runc and the CRIU it started
         )
+        faults.hit("checkpoint.mid-dump")
         try:
             out, _ = await proc.communicate()
         except BaseException:
