@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shim.cli import serve
+from shim.cli import client, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,8 +13,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="podshim",
         description="CRI runtime shim with Pod checkpoint/restore, in front of containerd or CRI-O.",
     )
+    client.add_global_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.register(sub)
+    client.register(sub)
     return parser
 
 
