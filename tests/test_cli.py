@@ -1,0 +1,469 @@
+"""The crictl-style `podshim` client: argument handling, rendering and config derivation as unit
+tests; checkpointpod → restorepod → ps/pods end to end through the session bed's containerd."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from api.runtime.v1 import api_pb2 as cri
+from api.runtime.v1 import api_pb2_grpc
+from shim import cli
+from shim.cli import client, output
+from testbed import pods
+from testbed.bed import TestBed
+
+REPO = Path(__file__).resolve().parents[1]
+PODSHIM = REPO / ".venv" / "bin" / "podshim"
+
+
+def podshim(
+    *args: str, endpoint: str | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """Run the installed console script with pipes (so: not a terminal)."""
+    cmd = [str(PODSHIM)]
+    if endpoint:
+        cmd += ["-r", endpoint]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_clean_error(res: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout
+    for n in needles:
+        assert n in res.stderr, res.stderr
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def test_duration_accepts_seconds_and_units() -> None:
+    assert client.duration("30") == 30
+    assert client.duration("2.5s") == 2.5
+    assert client.duration("2m") == 120
+    assert client.duration("500ms") == 0.5
+    for bad in ("", "x", "-1", "0", "3d"):
+        with pytest.raises(Exception, match="invalid duration"):
+            client.duration(bad)
+
+
+def test_key_value_and_name_file() -> None:
+    assert client.key_value("tcp-established=true") == ("tcp-established", "true")
+    assert client.key_value("k=") == ("k", "")
+    assert client.key_value("k=a=b") == ("k", "a=b")
+    assert client.name_file("app=/tmp/c.yaml") == ("app", "/tmp/c.yaml")
+    for bad in ("novalue", "=v"):
+        with pytest.raises(Exception, match="KEY=VALUE"):
+            client.key_value(bad)
+    for bad in ("app", "app=", "=f"):
+        with pytest.raises(Exception, match="NAME=FILE"):
+            client.name_file(bad)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["checkpointpod", "pod", "/tmp/x", "--option", "no-equals-sign"],
+        ["checkpointpod", "pod"],  # PATH missing
+        ["restorepod", "/tmp/x", "--container-config", "nofile"],
+        ["pods", "-o", "xml"],
+        ["--timeout", "soon", "pods"],
+        ["nosuchcommand"],
+    ],
+)
+def test_usage_errors_exit_2_without_traceback(argv: list[str]) -> None:
+    res = podshim(*argv, endpoint="unix:///nonexistent/podshim.sock")
+    assert_clean_error(res, 2)
+    assert "usage:" in res.stderr
+
+
+def test_global_options_before_or_after_the_command() -> None:
+    parser = cli.build_parser()
+    a = parser.parse_args(["-r", "unix:///a.sock", "--timeout", "5", "-o", "json", "pods"])
+    b = parser.parse_args(["pods", "-r", "unix:///a.sock", "--timeout", "5", "-o", "json"])
+    for ns in (a, b):
+        assert client.endpoint(ns) == "unix:///a.sock"
+        assert client.timeout_of(ns) == 5
+        assert client.output_of(ns) == "json"
+    c = parser.parse_args(["pods"])
+    assert client.timeout_of(c) == client.SHORT_TIMEOUT
+    assert client.timeout_of(c, long=True) == client.LONG_TIMEOUT
+    assert client.output_of(c) == "table"
+
+
+def test_endpoint_from_environment_and_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = cli.build_parser()
+    monkeypatch.delenv(client.ENDPOINT_ENV, raising=False)
+    assert client.endpoint(parser.parse_args(["pods"])) == client.DEFAULT_ENDPOINT
+    monkeypatch.setenv(client.ENDPOINT_ENV, "unix:///env.sock")
+    assert client.endpoint(parser.parse_args(["pods"])) == "unix:///env.sock"
+    assert client.endpoint(parser.parse_args(["-r", "/flag.sock", "pods"])) == "/flag.sock"
+    assert client.grpc_target("/flag.sock") == "unix:///flag.sock"
+    assert client.grpc_target("unix:///a.sock") == "unix:///a.sock"
+    assert client.grpc_target("tcp://127.0.0.1:1234") == "127.0.0.1:1234"
+
+
+def test_unreachable_runtime_is_exit_1_unavailable(tmp_path: Path) -> None:
+    res = podshim("pods", endpoint=f"unix://{tmp_path}/none.sock")
+    assert_clean_error(res, 1, "podshim pods: UNAVAILABLE", "cannot reach the runtime")
+    assert res.stdout == ""
+
+
+def test_inspect_container_without_an_id_is_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    assert client.inspect_container(argparse.Namespace()) == 2
+    assert "no container id" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+def test_table_aligns_columns() -> None:
+    text = output.table(["POD ID", "NAME"], [["abc", "x"], ["abcdefgh", "longer-name"]])
+    lines = text.splitlines()
+    assert lines[0] == "POD ID     NAME"
+    assert lines[2] == "abcdefgh   longer-name"
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_message_dict_keeps_zero_enums() -> None:
+    d = output.message_dict(cri.PodSandbox(id="p", state=cri.SANDBOX_READY))
+    assert d["state"] == "SANDBOX_READY"
+    d = output.message_dict(cri.Container(id="c", state=cri.CONTAINER_CREATED))
+    assert d["state"] == "CONTAINER_CREATED"
+
+
+def test_render_json_yaml_table() -> None:
+    data = {"items": [{"id": "a", "n": 1}]}
+    for fmt, parse in (("json", json.loads), ("yaml", yaml.safe_load)):
+        buf = io.StringIO()
+        output.render(data, fmt, lambda _d: "TABLE", out=buf)
+        assert parse(buf.getvalue()) == data
+    buf = io.StringIO()
+    output.render(data, "table", lambda _d: "TABLE", out=buf)
+    assert buf.getvalue() == "TABLE\n"
+
+
+def test_human_duration_and_bytes() -> None:
+    assert output.human_duration(0.2) == "Less than a second"
+    assert output.human_duration(42) == "42 seconds"
+    assert output.human_duration(90) == "About a minute"
+    assert output.human_duration(3 * 3600) == "3 hours"
+    assert output.ago(0) == "Unknown"
+    assert output.human_bytes(512) == "512 B"
+    assert output.human_bytes(3 * 2**20) == "3.0 MiB"
+    assert output.timestamp(0) == ""
+    assert output.timestamp(1_700_000_000_123_000_000) == "2023-11-14T22:13:20.123Z"
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class SlowFuture:
+    """A grpc future that completes after `delay` seconds."""
+
+    def __init__(self, delay: float, value: Any = "done") -> None:
+        self.done_at = time.monotonic() + delay
+        self.value = value
+        self.cancelled = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        left = self.done_at - time.monotonic()
+        if timeout is not None and left > timeout:
+            time.sleep(timeout)
+            raise grpc.FutureTimeoutError()
+        time.sleep(max(0.0, left))
+        return self.value
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class SlowMethod:
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def future(self, request: Any, timeout: float | None = None) -> SlowFuture:
+        return SlowFuture(self.delay)
+
+
+def test_progress_on_a_terminal_shows_elapsed_and_bytes(tmp_path: Path) -> None:
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "pages.img").write_bytes(b"x" * 3 * 2**20)
+    tty = FakeTTY()
+    progress = output.Progress("checkpointpod abc", watch=tmp_path, stream=tty)
+    assert client.long_call(SlowMethod(1.1), cri.CheckpointPodRequest(), 5, progress) == "done"
+    frames = [f for f in tty.getvalue().split("\r") if f.strip()]
+    assert len(frames) >= 3, frames  # ~4 refreshes a second
+    assert frames[-1].startswith("checkpointpod abc: ")
+    assert "3.0 MiB written" in frames[-1]
+    assert tty.getvalue().endswith("\r")  # the line is cleared at the end
+
+
+def test_progress_is_silent_when_not_a_terminal(tmp_path: Path) -> None:
+    pipe = io.StringIO()
+    progress = output.Progress("restorepod x", watch=tmp_path, stream=pipe)
+    client.long_call(SlowMethod(0.6), cri.RestorePodRequest(), 5, progress)
+    assert pipe.getvalue() == ""
+
+
+# ---------------------------------------------------------------------------- config derivation
+
+
+def fake_archive(root: Path, uid: str = "0609a4ed92945fc9") -> Path:
+    """The parts of a podshim checkpoint the client reads (manifest, sandbox status, config.dump)."""
+    sandbox_config = {
+        "metadata": {"name": "web", "uid": uid, "namespace": "shop", "attempt": 2},
+        "hostname": "web",
+        "log_directory": f"/var/log/pods/shop_web_{uid}",
+        "labels": {"io.kubernetes.pod.name": "web", "io.kubernetes.pod.uid": uid, "app": "web"},
+        "linux": {
+            "cgroup_parent": f"/kubepods/burstable/pod{uid}",
+            "security_context": {"namespace_options": {"pid": 1}},
+        },
+        "a_field_from_a_newer_cri": True,
+    }
+    manifest = {
+        "format": "podshim.checkpoint.v1",
+        "sandbox": {"id": "f" * 64, "metadata": sandbox_config["metadata"], "config": sandbox_config},
+        "containers": [
+            {"name": "app", "id": "a" * 64, "checkpointed": True, "dir": "containers/app"},
+            {"name": "done", "id": "b" * 64, "checkpointed": False, "dir": "containers/done"},
+        ],
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    (root / "sandbox").mkdir(exist_ok=True)
+    (root / "sandbox" / "status.json").write_text(json.dumps({"runtime_handler": "crun"}))
+    for c in ("app", "done"):
+        (root / "containers" / c).mkdir(parents=True, exist_ok=True)
+        record = {
+            "name": c,
+            "config": {
+                "metadata": {"name": c, "attempt": 1},
+                "image": {"image": "localhost/podshim/counter:1"},
+                "args": ["--interval-ms", "100"],
+                "log_path": f"{c}/1.log",
+                "unknown_future_field": 1,
+            },
+        }
+        (root / "containers" / c / "config.dump").write_text(json.dumps(record))
+    return root
+
+
+def test_derive_pod_config_is_a_new_pod(tmp_path: Path) -> None:
+    m = client.read_archive_manifest(fake_archive(tmp_path / "a"))
+    cfg = client.derive_pod_config(m, uid="11111111-2222-3333-4444-555555555555")
+    new = "11111111-2222-3333-4444-555555555555"
+    assert cfg.metadata.name == "web-restored"
+    assert cfg.metadata.namespace == "shop"
+    assert cfg.metadata.uid == new
+    assert cfg.metadata.attempt == 0
+    assert cfg.log_directory == f"/var/log/pods/shop_web-restored_{new}"
+    assert cfg.linux.cgroup_parent == f"/kubepods/burstable/pod{new}"
+    assert cfg.labels["io.kubernetes.pod.uid"] == new
+    assert cfg.labels["io.kubernetes.pod.name"] == "web-restored"
+    assert cfg.labels["app"] == "web"
+    assert cfg.hostname == "web"  # the processes may know it
+    assert cfg.linux.security_context.namespace_options.pid == cri.CONTAINER
+    named = client.derive_pod_config(m, name="other")
+    assert named.metadata.name == "other" and named.metadata.uid not in (
+        "",
+        m["sandbox"]["config"]["metadata"],
+    )
+
+
+def test_derive_pod_config_systemd_cgroup_and_foreign_log_dir(tmp_path: Path) -> None:
+    uid = "0a1b-2c3d"
+    m = client.read_archive_manifest(fake_archive(tmp_path / "a", uid=uid))
+    m["sandbox"]["config"]["linux"]["cgroup_parent"] = "kubepods-burstable-pod0a1b_2c3d.slice"
+    m["sandbox"]["config"]["log_directory"] = "/logs/web"
+    cfg = client.derive_pod_config(m, uid="9f8e-7d6c")
+    assert cfg.linux.cgroup_parent == "kubepods-burstable-pod9f8e_7d6c.slice"
+    assert cfg.log_directory == "/logs/web-restored"  # never the original pod's directory
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_restorepod_print_request_derives_configs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    archive = fake_archive(tmp_path / "cp")
+    code, out, err = run_main(
+        ["restorepod", str(archive), "--print-request", "--start", "-o", "yaml"], capsys
+    )
+    assert code == 0, err
+    req = yaml.safe_load(out)
+    assert req["checkpointPath"] == str(archive)
+    assert req["config"]["metadata"]["name"] == "web-restored"
+    assert req["runtimeHandler"] == "crun"  # the checkpointed pod's handler
+    assert req["options"] == {"start": "true"}
+    # only the checkpointed container; unknown fields of the dump are ignored
+    assert [c["metadata"]["name"] for c in req["containerConfigs"]] == ["app"]
+    assert req["containerConfigs"][0]["args"] == ["--interval-ms", "100"]
+    assert req["containerConfigs"][0]["logPath"] == "app/1.log"
+
+
+def test_restorepod_given_configs_json_and_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    archive = fake_archive(tmp_path / "cp")
+    pod = tmp_path / "pod.json"
+    pod.write_text(json.dumps({"metadata": {"name": "mine", "uid": "u1", "namespace": "ns"}}))
+    app = tmp_path / "app.yaml"
+    app.write_text("image:\n  image: localhost/podshim/counter:1\nargs: [a, b]\n")
+    argv = ["restorepod", str(archive), "--print-request", "--config", str(pod)]
+    code, out, err = run_main([*argv, "--container-config", f"app={app}", "--runtime-handler", ""], capsys)
+    assert code == 0, err
+    req = json.loads(out)
+    assert req["config"]["metadata"] == {"name": "mine", "uid": "u1", "namespace": "ns", "attempt": 0}
+    assert req["runtimeHandler"] == ""
+    assert req["containerConfigs"][0]["metadata"]["name"] == "app"  # from NAME=
+    assert req["containerConfigs"][0]["args"] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("setup", "needle"),
+    [
+        (lambda d: (d / "pod.json").write_text("{not json"), "not valid JSON/YAML"),
+        (lambda d: (d / "pod.json").write_text('{"metadata": {"nmae": "typo"}}'), "nmae"),
+        (lambda d: None, "No such file"),
+    ],
+)
+def test_restorepod_bad_config_file_is_usage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], setup: Any, needle: str
+) -> None:
+    archive = fake_archive(tmp_path / "cp")
+    setup(tmp_path)
+    code, _out, err = run_main(
+        ["restorepod", str(archive), "--print-request", "--config", str(tmp_path / "pod.json")], capsys
+    )
+    assert code == 2
+    assert needle in err and "Traceback" not in err
+
+
+def test_restorepod_unknown_container_config_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    archive = fake_archive(tmp_path / "cp")
+    app = tmp_path / "x.json"
+    app.write_text("{}")
+    code, _o, err = run_main(
+        ["restorepod", str(archive), "--print-request", "--container-config", f"db={app}"], capsys
+    )
+    assert code == 2
+    assert "no such container in the checkpoint (it has app)" in err
+
+
+def test_restorepod_without_manifest_is_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _o, err = run_main(["restorepod", str(tmp_path), "--print-request"], capsys)
+    assert code == 1
+    assert "manifest.json: not found" in err
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+def _json(res: subprocess.CompletedProcess[str]) -> Any:
+    assert res.returncode == 0, (res.returncode, res.stderr)
+    return json.loads(res.stdout)
+
+
+@pytest.mark.e2e
+def test_checkpointpod_restorepod_ps_pods_end_to_end(
+    bed: TestBed, rt: api_pb2_grpc.RuntimeServiceStub, pod_cleanup: list[str], log_root: Path
+) -> None:
+    ep = f"unix://{bed.podshim_socket}"
+    src = pods.run_pod(rt, "cli-counter", log_root)
+    pod_cleanup.append(src.id)
+    pods.wait_count(src.log_path("counter"), 5)
+
+    out = Path(bed.checkpoint_root) / f"cli-{src.id[:12]}"  # created by the CLI
+    res = podshim("checkpointpod", src.id[:12], str(out), endpoint=ep)  # a unique prefix is enough
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""  # piped: no progress lines
+    assert res.stdout.strip() == str(out)
+    assert (out / "manifest.json").is_file()
+    saved = pods.counts(src.log_path("counter"))[-1]
+
+    res = podshim("restorepod", str(out), "--start", "-o", "json", endpoint=ep)
+    assert res.stderr == ""
+    restored = _json(res)
+    pod_cleanup.append(restored["podSandboxId"])
+    assert restored["name"] == "cli-counter-restored"
+    assert [c["name"] for c in restored["restoredContainers"]] == ["counter"]
+    cid = restored["restoredContainers"][0]["containerId"]
+
+    listed = _json(podshim("ps", "-o", "json", endpoint=ep))["containers"]
+    mine = [c for c in listed if c["id"] == cid]
+    assert mine and mine[0]["state"] == "CONTAINER_RUNNING"
+    assert mine[0]["podSandboxId"] == restored["podSandboxId"]
+    in_pod = _json(podshim("ps", "-a", "-p", restored["podSandboxId"][:12], "-o", "json", endpoint=ep))
+    assert [c["id"] for c in in_pod["containers"]] == [cid]
+
+    items = _json(podshim("pods", "-o", "json", endpoint=ep))["items"]
+    new = [p for p in items if p["id"] == restored["podSandboxId"]]
+    assert new and new[0]["metadata"]["name"] == "cli-counter-restored"
+    assert new[0]["state"] == "SANDBOX_READY"
+    assert new[0]["metadata"]["uid"] != src.config.metadata.uid
+    assert yaml.safe_load(podshim("pods", "-o", "yaml", endpoint=ep).stdout)["items"]
+
+    table = podshim("pods", "--name", "^cli-counter", endpoint=ep)
+    assert table.returncode == 0
+    assert table.stdout.splitlines()[0].split() == [
+        "POD", "ID", "CREATED", "STATE", "NAME", "NAMESPACE", "ATTEMPT", "RUNTIME",
+    ]  # fmt: skip
+    assert restored["podSandboxId"][:13] in table.stdout and "cli-counter-restored" in table.stdout
+
+    # the restored counter resumes from the checkpoint, not from 0
+    log_path = Path(rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status.log_path)
+    first = pods.wait_for(lambda: pods.counts(log_path), what="restored counter output")[0]
+    assert first > 0
+    assert first >= saved - 5
+    pods.wait_count(log_path, first + 3)
+
+    status = _json(podshim("inspectp", restored["podSandboxId"], endpoint=ep))
+    assert status["status"]["id"] == restored["podSandboxId"]
+    assert status["status"]["state"] == "SANDBOX_READY"
+    assert isinstance(status["info"], dict)
+    # the container half of `inspect` (the archive inspector falls back to it)
+    import argparse
+
+    ns = argparse.Namespace(runtime_endpoint=ep, timeout=None, output="json")
+    assert client.inspect_container(ns, cid[:12]) == 0
+
+
+@pytest.mark.e2e
+def test_checkpointpod_errors(bed: TestBed, rt: api_pb2_grpc.RuntimeServiceStub, tmp_path: Path) -> None:
+    ep = f"unix://{bed.podshim_socket}"
+    out = Path(bed.checkpoint_root) / "cli-unknown-pod"
+    res = podshim("checkpointpod", "0123456789abcdef" * 4, str(out), endpoint=ep)
+    assert_clean_error(res, 1, "podshim checkpointpod: NOT_FOUND:")
+    assert not out.exists()  # the directory the CLI created is removed again
+
+    res = podshim("checkpointpod", "somepod", str(out), "--option", "tcp-established", endpoint=ep)
+    assert_clean_error(res, 2, "expected KEY=VALUE")
+
+    # outside podshim's allowed roots: the runtime refuses, the created directory goes away
+    outside = tmp_path / "not-allowed"
+    pods_list = rt.ListPodSandbox(cri.ListPodSandboxRequest()).items
+    if pods_list:
+        res = podshim("checkpointpod", pods_list[0].id, str(outside), endpoint=ep)
+        assert_clean_error(res, 1, "INVALID_ARGUMENT")
+        assert not outside.exists()
+
+    res = podshim("checkpointpod", "x", str(out), "--option", "no-such-option=1", endpoint=ep)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+
+    res = podshim("inspectp", "does-not-exist", endpoint=ep)
+    assert_clean_error(res, 1, "NOT_FOUND")
