@@ -41,7 +41,14 @@ archive_size = Histogram(
 )
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """HOST:PORT, :PORT (all addresses) or [IPv6]:PORT -> (host, port)."""
+    host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    return host or "0.0.0.0", int(port)
+
+
 def serve(address: str) -> None:
     """Start the /metrics endpoint on HOST:PORT (a daemon thread)."""
-    host, _, port = address.rpartition(":")
-    start_http_server(int(port), addr=host or "0.0.0.0")
+    host, port = split_address(address)
+    start_http_server(port, addr=host)
