@@ -97,7 +97,8 @@ def parse_mountinfo(text: str) -> list[MountInfo]:
 
 def detect_hierarchy(mountinfo: Path = MOUNTINFO, unified_mountpoint: str = UNIFIED_MOUNTPOINT) -> Hierarchy:
     """V2 when the mount on `unified_mountpoint` is cgroup2 (as runc decides); else V1 at the
-    mount point of the hierarchy carrying the freezer controller. FailedPrecondition if neither."""
+    mount point of the hierarchy carrying the freezer controller (the one under
+    `unified_mountpoint`, else the first mounted). FailedPrecondition if neither."""
     try:
         mounts = parse_mountinfo(Path(mountinfo).read_text())
     except OSError as e:
@@ -108,7 +109,11 @@ def detect_hierarchy(mountinfo: Path = MOUNTINFO, unified_mountpoint: str = UNIF
         return Hierarchy(CgroupMode.V2, Path(unified_mountpoint))
     freezers = [m for m in mounts if m.fstype == "cgroup" and "freezer" in m.super_options]
     if freezers:
-        return Hierarchy(CgroupMode.V1, Path(freezers[-1].mountpoint))
+        # Other mounts of the same hierarchy come and go (CRIU mounts a transient
+        # ".criu.cgyard.*" copy during a restore): prefer the system one under the unified
+        # mount point's directory, else the first mounted.
+        system = [m for m in freezers if m.mountpoint.startswith(unified_mountpoint.rstrip("/") + "/")]
+        return Hierarchy(CgroupMode.V1, Path((system or freezers)[0].mountpoint))
     raise FailedPrecondition(
         f"no cgroup freezer on this host: {unified_mountpoint} is not cgroup2 and no cgroup v1 "
         f"hierarchy has the freezer controller (see {mountinfo}); mount one to checkpoint pods"
@@ -293,6 +298,10 @@ class Freezer:
             if delay:
                 time.sleep(min(delay, max(deadline - now, 0.0)))
 
+    def wait_state(self, cgroup: str, want: FreezerState, timeout: float = DEFAULT_TIMEOUT) -> float:
+        """Poll until `cgroup` is in state `want`; seconds taken, or DeadlineExceeded naming it."""
+        return self._wait(cgroup, want, timeout, nudge=None)
+
     def freeze(self, cgroup: str, timeout: float = DEFAULT_TIMEOUT) -> float:
         """Freeze `cgroup` and confirm FROZEN; returns seconds taken.
 
@@ -465,11 +474,14 @@ class PodCut:
             self.timings.parent_thaw = f.thaw(self.parent, self._left(deadline))
             self._parent_frozen = False
             for c in self.containers:
-                s = f.state(c)
-                if s is not FreezerState.FROZEN:
+                # each container must now hold itself frozen (normally true at the first read)
+                try:
+                    f.wait_state(c, FreezerState.FROZEN, self._left(deadline))
+                except DeadlineExceeded as e:
                     raise Internal(
-                        f"container cgroup {c} is {s} after the pod cgroup was thawed; expected FROZEN"
-                    )
+                        f"container cgroup {c} did not stay frozen when the pod cgroup was thawed: "
+                        f"{e.message}"
+                    ) from e
             self.timings.cut_done_monotonic = time.monotonic()
         except BaseException:
             self.thaw_all()  # raises its own error only if thawing fails; the cause is kept

@@ -1,0 +1,517 @@
+"""shim.cgroups: mountinfo detection, cgroupsPath resolution, the freezer and the pod cut.
+
+The v1 tests drive this machine's real freezer hierarchy (root): a throwaway pod cgroup with
+two container cgroups, one `sleep` in each. The v2 paths run against a fake cgroup2 tree in
+tmp_path whose `cgroup.events` a small thread keeps up to date, as the kernel would.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shim.cgroups import (
+    CgroupMode,
+    Freezer,
+    FreezerState,
+    Hierarchy,
+    PodCut,
+    cgroup_procs,
+    detect_hierarchy,
+    expand_slice,
+    is_frozen_anywhere,
+    parse_mountinfo,
+    pod_cut,
+    resolve_cgroups_path,
+    thaw_paths,
+)
+from shim.errors import DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, NotFound
+
+# ---------------------------------------------------------------------------- path resolution
+
+
+@pytest.mark.parametrize(
+    "given,want",
+    [
+        ("/kubepods/besteffort/pod123/abc", "/kubepods/besteffort/pod123/abc"),
+        ("//kubepods//burstable/./pod1/", "/kubepods/burstable/pod1"),
+        (
+            "kubepods-besteffort-pod123.slice:cri-containerd:abc",
+            "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod123.slice/cri-containerd-abc.scope",
+        ),
+        ("kubepods-pod9.slice:crio:x", "/kubepods.slice/kubepods-pod9.slice/crio-x.scope"),
+        ("system.slice:docker:abc", "/system.slice/docker-abc.scope"),
+        (":runc:abc", "/system.slice/runc-abc.scope"),  # runc's default slice
+        ("-.slice:p:n", "/p-n.scope"),
+        ("kubepods.slice::n", "/kubepods.slice/n.scope"),
+        ("kubepods.slice:p:child.slice", "/kubepods.slice/child.slice"),  # a slice unit as is
+        (
+            "kubepods-burstable-pod1.slice",  # a pod's cgroup parent: the bare slice
+            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice",
+        ),
+    ],
+)
+def test_resolve_cgroups_path(given: str, want: str) -> None:
+    assert resolve_cgroups_path(given) == want
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "relative/path",
+        "/a/../b",
+        "a:b",
+        "a:b:c:d",
+        "foo:p:n",  # slice must end in .slice
+        "a--b.slice:p:n",
+        "-a.slice:p:n",
+        "a/b.slice:p:n",
+        "kubepods.slice:p:",
+        "kubepods.slice:p:x/y",
+        ".slice",
+        "/x\x00",
+    ],
+)
+def test_resolve_cgroups_path_rejects(bad: str) -> None:
+    with pytest.raises(InvalidArgument):
+        resolve_cgroups_path(bad)
+
+
+def test_expand_slice() -> None:
+    assert expand_slice("-.slice") == "/"
+    assert expand_slice("a-b-c.slice") == "/a.slice/a-b.slice/a-b-c.slice"
+    with pytest.raises(InvalidArgument):
+        expand_slice("a-.slice")
+
+
+# ---------------------------------------------------------------------------- detection
+
+V1_MOUNTINFO = """\
+23 1 254:0 / / rw,relatime - ext4 /dev/vda rw
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct
+37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+"""
+
+V2_MOUNTINFO = """\
+23 1 254:0 / / rw,relatime - ext4 /dev/vda rw
+30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate
+"""
+
+
+def _mi(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "mountinfo"
+    p.write_text(text)
+    return p
+
+
+def test_detect_v1_hybrid(tmp_path: Path) -> None:
+    h = detect_hierarchy(_mi(tmp_path, V1_MOUNTINFO))
+    assert h == Hierarchy(CgroupMode.V1, Path("/sys/fs/cgroup/freezer"))
+
+
+def test_detect_v2(tmp_path: Path) -> None:
+    assert detect_hierarchy(_mi(tmp_path, V2_MOUNTINFO)) == Hierarchy(CgroupMode.V2, Path("/sys/fs/cgroup"))
+
+
+def test_detect_freezer_comounted_and_escaped(tmp_path: Path) -> None:
+    text = "40 31 0:40 / /mnt/my\\040cgroups rw - cgroup cgroup rw,cpu,freezer\n"
+    assert detect_hierarchy(_mi(tmp_path, text)).root == Path("/mnt/my cgroups")
+
+
+def test_detect_ignores_transient_freezer_mounts(tmp_path: Path) -> None:
+    # seen on this host: a CRIU restore mounts its own copy of the hierarchy for a while
+    text = V1_MOUNTINFO + (
+        "900 41 0:34 / /run/x/podshim-restore/.criu.cgyard.XByTJP/freezer rw - cgroup none rw,freezer\n"
+    )
+    assert detect_hierarchy(_mi(tmp_path, text)).root == Path("/sys/fs/cgroup/freezer")
+    elsewhere = (
+        "50 1 0:34 / /cg/freezer rw - cgroup c rw,freezer\n51 1 0:34 / /tmp/late rw - cgroup c rw,freezer\n"
+    )
+    assert detect_hierarchy(_mi(tmp_path, elsewhere)).root == Path("/cg/freezer")
+
+
+def test_detect_none(tmp_path: Path) -> None:
+    with pytest.raises(FailedPrecondition, match="no cgroup freezer"):
+        detect_hierarchy(_mi(tmp_path, "23 1 254:0 / / rw - ext4 /dev/vda rw\nbroken line\n"))
+
+
+def test_detect_overmounted_unified(tmp_path: Path) -> None:
+    # a tmpfs mounted over a cgroup2 /sys/fs/cgroup hides it: the visible mount decides
+    text = V2_MOUNTINFO + "31 30 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"
+    text += "37 31 0:34 / /sys/fs/cgroup/freezer rw - cgroup cgroup rw,freezer\n"
+    assert detect_hierarchy(_mi(tmp_path, text)).mode is CgroupMode.V1
+
+
+def test_parse_mountinfo_fields() -> None:
+    (m,) = parse_mountinfo("37 31 0:34 /sub /sys/fs/cgroup/freezer rw shared:9 - cgroup cgroup rw,freezer")
+    assert (m.mountpoint, m.root, m.fstype, m.super_options) == (
+        "/sys/fs/cgroup/freezer",
+        "/sub",
+        "cgroup",
+        ("rw", "freezer"),
+    )
+
+
+def test_detect_this_host() -> None:
+    h = detect_hierarchy()
+    assert h.root.is_dir()
+
+
+# ---------------------------------------------------------------------------- fake cgroup v2
+
+
+class FakeV2Kernel:
+    """Keeps cgroup.events in step with cgroup.freeze in a tmp tree, like the v2 kernel:
+    a cgroup is frozen when it or an ancestor asks to be and no task below it is stuck."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.stuck: set[Path] = set()  # cgroups with a task that never freezes
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the test thread may tick too
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def mkcg(self, rel: str) -> Path:
+        d = self.root / rel.strip("/")
+        d.mkdir(parents=True)
+        (d / "cgroup.freeze").write_text("0\n")
+        (d / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+        (d / "cgroup.procs").write_text("")
+        return d
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.tick()
+            time.sleep(0.0005)
+
+    def tick(self) -> None:
+        with self._lock:
+            self._tick()
+
+    def _tick(self) -> None:
+        # bottom-up, as the kernel: a parent reads frozen only once everything below it does;
+        # one snapshot of the requests per pass keeps the pass consistent
+        cgs = [Path(dp) for dp, _, files in os.walk(self.root, topdown=False) if "cgroup.freeze" in files]
+        asks = {d: self._ask(d) for d in cgs}
+        for d in cgs:
+            wants = any(asks.get(a, False) for a in (d, *d.parents))
+            stuck = any(s == d or s.is_relative_to(d) for s in self.stuck)
+            frozen = "1" if wants and not stuck else "0"
+            text = f"populated 1\nfrozen {frozen}\n"
+            if (d / "cgroup.events").read_text() != text:
+                tmp = d / ".events.tmp"
+                tmp.write_text(text)
+                os.replace(tmp, d / "cgroup.events")  # readers never see a half-written file
+
+    @staticmethod
+    def _ask(d: Path) -> bool:
+        # a plain file is truncated then written (the kernel's file is atomic): skip the gap
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            raw = (d / "cgroup.freeze").read_text().strip()
+            if raw:
+                return raw == "1"
+            time.sleep(0.0001)
+        raise AssertionError(f"{d}/cgroup.freeze stayed empty")
+
+    def __enter__(self) -> FakeV2Kernel:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture
+def v2(tmp_path: Path) -> Iterator[tuple[Freezer, FakeV2Kernel]]:
+    k = FakeV2Kernel(tmp_path / "unified")
+    k.root.mkdir()
+    for rel in ("pod1", "pod1/c1", "pod1/c2", "pod1/c1/nested"):
+        k.mkcg(rel)
+    with k:
+        yield Freezer(Hierarchy(CgroupMode.V2, k.root), poll_interval=0.001), k
+
+
+def _freeze_file(k: FakeV2Kernel, rel: str) -> str:
+    return (k.root / rel.strip("/") / "cgroup.freeze").read_text().strip()
+
+
+def test_v2_freeze_thaw(v2: tuple[Freezer, FakeV2Kernel]) -> None:
+    f, k = v2
+    assert f.state("/pod1/c1") is FreezerState.THAWED
+    f.freeze("/pod1/c1", timeout=2)
+    assert f.state("/pod1/c1") is FreezerState.FROZEN and f.self_frozen("/pod1/c1")
+    assert f.state("/pod1/c1/nested") is FreezerState.FROZEN and not f.self_frozen("/pod1/c1/nested")
+    f.thaw("/pod1/c1", timeout=2)
+    assert f.state("/pod1/c1") is FreezerState.THAWED and _freeze_file(k, "pod1/c1") == "0"
+
+
+def test_v2_pod_cut(v2: tuple[Freezer, FakeV2Kernel]) -> None:
+    f, k = v2
+    with pod_cut("/pod1", ["/pod1/c1", "/pod1/c2"], timeout=2, freezer=f) as cut:
+        assert _freeze_file(k, "pod1") == "0"
+        assert f.state("/pod1") is FreezerState.THAWED
+        for c in ("/pod1/c1", "/pod1/c2"):
+            assert f.state(c) is FreezerState.FROZEN and _freeze_file(k, c) == "1"
+        assert cut.frozen == ["/pod1/c1", "/pod1/c2"] and cut.cut_seconds > 0
+    for c in ("/pod1", "/pod1/c1", "/pod1/c2"):
+        assert f.state(c) is FreezerState.THAWED
+    assert cut.window_seconds > 0 and set(cut.timings.thaw) == {"/pod1/c1", "/pod1/c2"}
+
+
+def test_v2_stuck_freeze_times_out_and_rolls_back(v2: tuple[Freezer, FakeV2Kernel]) -> None:
+    f, k = v2
+    k.stuck.add(k.root / "pod1" / "c2")
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="/pod1/c2"):
+        f.freeze("/pod1/c2", timeout=0.1)
+    assert time.monotonic() - t0 < 1.0
+    assert _freeze_file(k, "pod1/c2") == "0"  # never left half frozen
+
+
+def test_v2_cut_with_stuck_container_thaws_everything(v2: tuple[Freezer, FakeV2Kernel]) -> None:
+    f, k = v2
+    k.stuck.add(k.root / "pod1" / "c2")
+    with pytest.raises(DeadlineExceeded, match="pod1"):
+        with pod_cut("/pod1", ["/pod1/c1", "/pod1/c2"], timeout=0.2, freezer=f):
+            pytest.fail("the cut must not succeed")
+    for c in ("pod1", "pod1/c1", "pod1/c2"):
+        assert _freeze_file(k, c) == "0"
+    k.tick()  # descendants of a thawed parent catch up (the fake lags the writes a little)
+    assert not is_frozen_anywhere(["/pod1", "/pod1/c1", "/pod1/c2"], freezer=f)
+
+
+def test_v2_thaw_under_frozen_ancestor_names_it(v2: tuple[Freezer, FakeV2Kernel]) -> None:
+    f, _ = v2
+    f.freeze("/pod1", timeout=2)
+    with pytest.raises(DeadlineExceeded, match="ancestor"):
+        f.thaw("/pod1/c1", timeout=0.05)
+    f.thaw("/pod1", timeout=2)
+
+
+def test_v2_missing_cgroup(v2: tuple[Freezer, FakeV2Kernel]) -> None:
+    f, _ = v2
+    with pytest.raises(NotFound, match="/pod1/gone"):
+        f.freeze("/pod1/gone", timeout=5)
+    assert f.thaw("/pod1/gone", missing_ok=True) == 0.0
+
+
+def test_cut_validates_membership(v2: tuple[Freezer, FakeV2Kernel]) -> None:
+    f, _ = v2
+    with pytest.raises(InvalidArgument, match="not under"):
+        PodCut("/pod1", ["/other/c1"], freezer=f)
+    with pytest.raises(InvalidArgument, match="twice"):
+        PodCut("/pod1", ["/pod1/c1", "//pod1/c1"], freezer=f)
+    with pytest.raises(InvalidArgument, match="root cgroup"):
+        f.freeze("/")
+
+
+# ---------------------------------------------------------------------------- real cgroup v1
+
+
+def _host_v1() -> Hierarchy | None:
+    if os.geteuid() != 0:
+        return None
+    try:
+        h = detect_hierarchy()
+    except Exception:
+        return None
+    return h if h.mode is CgroupMode.V1 else None
+
+
+HOST_V1 = _host_v1()
+needs_v1 = pytest.mark.skipif(HOST_V1 is None, reason="needs root and a cgroup v1 freezer hierarchy")
+
+
+@dataclass
+class V1Pod:
+    freezer: Freezer
+    parent: str
+    containers: list[str]
+    procs: dict[str, subprocess.Popen[bytes]]
+
+    def raw(self, cg: str, name: str = "freezer.state") -> str:
+        return (self.freezer.path(cg) / name).read_text().strip()
+
+
+@pytest.fixture
+def v1pod() -> Iterator[V1Pod]:
+    assert HOST_V1 is not None
+    f = Freezer(HOST_V1)
+    parent = f"/podshim-unittest-{secrets.token_hex(4)}"
+    containers = [f"{parent}/c1", f"{parent}/c2"]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    f.path(parent).mkdir()
+    try:
+        for c in containers:
+            f.path(c).mkdir()
+            p = subprocess.Popen(["sleep", "300"])
+            procs[c] = p
+            (f.path(c) / "cgroup.procs").write_text(str(p.pid))
+        yield V1Pod(f, parent, containers, procs)
+    finally:
+        # thaw first: a frozen task cannot act on SIGKILL
+        for cg in (parent, *containers):
+            try:
+                (f.path(cg) / "freezer.state").write_text("THAWED")
+            except OSError:
+                pass
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        for cg in (*containers, parent):
+            for _ in range(100):
+                try:
+                    f.path(cg).rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)
+
+
+def _task_frozen(pid: int) -> bool:
+    wchan = Path(f"/proc/{pid}/wchan").read_text()
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    # a frozen task sleeps in the refrigerator (state D on 6.x kernels, T on older ones)
+    return "refrigerator" in wchan or state in ("D", "T")
+
+
+@needs_v1
+def test_v1_pod_cut(v1pod: V1Pod) -> None:
+    f, parent, cs = v1pod.freezer, v1pod.parent, v1pod.containers
+    before = time.time()
+    with pod_cut(parent, cs, timeout=5, freezer=f) as cut:
+        assert v1pod.raw(parent) == "THAWED"
+        for c in cs:
+            assert v1pod.raw(c) == "FROZEN" and v1pod.raw(c, "freezer.self_freezing") == "1"
+            assert _task_frozen(v1pod.procs[c].pid)
+        assert is_frozen_anywhere([parent, *cs], freezer=f)
+        t = cut.timings
+        assert t.cut_wall is not None and before <= t.cut_wall <= time.time()
+        assert t.parent_freeze > 0 and set(t.containers_freeze) == set(cs) and t.parent_thaw > 0
+        assert 0 < cut.cut_seconds < 5
+    for cg in (parent, *cs):
+        assert v1pod.raw(cg) == "THAWED"
+    for c in cs:
+        assert not _task_frozen(v1pod.procs[c].pid)
+    assert not is_frozen_anywhere([parent, *cs], freezer=f)
+    assert t.started_monotonic is not None and t.cut_monotonic is not None
+    assert t.cut_done_monotonic is not None and t.thawed_monotonic is not None
+    assert t.started_monotonic <= t.cut_monotonic <= t.cut_done_monotonic <= t.thawed_monotonic
+    assert cut.window_seconds == t.thawed_monotonic - t.cut_monotonic
+    cut.thaw_all()  # idempotent
+    cut.thaw_all()
+
+
+@needs_v1
+def test_v1_exception_inside_thaws(v1pod: V1Pod) -> None:
+    f, parent, cs = v1pod.freezer, v1pod.parent, v1pod.containers
+    with pytest.raises(RuntimeError, match="dump failed"):
+        with PodCut(parent, cs, timeout=5, freezer=f):
+            assert all(v1pod.raw(c) == "FROZEN" for c in cs)
+            raise RuntimeError("dump failed")
+    assert all(v1pod.raw(cg) == "THAWED" for cg in (parent, *cs))
+
+
+@needs_v1
+def test_v1_failure_during_cut_thaws_what_was_frozen(v1pod: V1Pod) -> None:
+    f, parent, cs = v1pod.freezer, v1pod.parent, v1pod.containers
+    cut = PodCut(parent, [*cs, f"{parent}/vanished"], timeout=5, freezer=f)
+    with pytest.raises(NotFound, match="vanished"):
+        cut.freeze()
+    for cg in (parent, *cs):
+        assert v1pod.raw(cg) == "THAWED" and v1pod.raw(cg, "freezer.self_freezing") == "0"
+    assert not any(_task_frozen(p.pid) for p in v1pod.procs.values())
+
+
+@needs_v1
+def test_v1_nonexistent_cgroup(v1pod: V1Pod) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(NotFound, match="does not exist"):
+        v1pod.freezer.freeze(f"{v1pod.parent}/nope", timeout=2)
+    assert time.monotonic() - t0 < 1  # not a timeout: a clear NotFound at once
+    with pytest.raises(NotFound):
+        v1pod.freezer.state("/podshim-unittest-does-not-exist")
+
+
+@needs_v1
+def test_v1_parent_already_frozen_is_refused(v1pod: V1Pod) -> None:
+    f, parent, cs = v1pod.freezer, v1pod.parent, v1pod.containers
+    f.freeze(parent, timeout=2)
+    with pytest.raises(FailedPrecondition, match="already frozen"):
+        PodCut(parent, cs, freezer=f).freeze()
+    assert v1pod.raw(parent) == "FROZEN"  # found frozen, left as found
+    assert all(v1pod.raw(c, "freezer.self_freezing") == "0" for c in cs)
+    f.thaw(parent)
+
+
+@needs_v1
+def test_v1_paused_container_left_paused(v1pod: V1Pod) -> None:
+    f, parent, (c1, c2) = v1pod.freezer, v1pod.parent, v1pod.containers
+    f.freeze(c1)
+    with PodCut(parent, [c1, c2], freezer=f) as cut:
+        assert cut.preexisting == [c1] and cut.frozen == [c2]
+    assert v1pod.raw(c1) == "FROZEN" and v1pod.raw(c2) == "THAWED"
+    f.thaw(c1)
+
+
+@needs_v1
+def test_v1_recovery_thaw_paths(v1pod: V1Pod) -> None:
+    f, parent, cs = v1pod.freezer, v1pod.parent, v1pod.containers
+    # what a crash in the middle of a cut leaves: the parent and the containers frozen
+    f.freeze(parent)
+    for c in cs:
+        f.freeze(c)
+    assert is_frozen_anywhere([f"{parent}/gone", *cs], freezer=f)
+    # children listed before the parent on purpose: ancestors are thawed first
+    thawed = thaw_paths([*cs, f"{parent}/gone", parent], timeout=2, freezer=f)
+    assert sorted(thawed) == sorted([parent, *cs])
+    assert all(v1pod.raw(cg) == "THAWED" for cg in (parent, *cs))
+    assert thaw_paths([parent, *cs], freezer=f) == []
+
+
+@needs_v1
+def test_v1_cgroup_procs(v1pod: V1Pod) -> None:
+    c1 = v1pod.containers[0]
+    assert cgroup_procs(c1, freezer=v1pod.freezer) == [v1pod.procs[c1].pid]
+
+
+@needs_v1
+def test_v1_cut_twice_is_refused(v1pod: V1Pod) -> None:
+    cut = PodCut(v1pod.parent, v1pod.containers, freezer=v1pod.freezer)
+    with cut:
+        pass
+    with pytest.raises(FailedPrecondition):
+        cut.freeze()
+
+
+def test_thaw_all_reports_failures(v2: tuple[Freezer, FakeV2Kernel], monkeypatch: pytest.MonkeyPatch) -> None:
+    f, _ = v2
+    cut = PodCut("/pod1", ["/pod1/c1", "/pod1/c2"], timeout=2, freezer=f).freeze()
+    real = f.thaw
+
+    def flaky(cg: str, *a: object, **kw: object) -> float:
+        if cg == "/pod1/c1":
+            raise DeadlineExceeded("could not thaw /pod1/c1")
+        return real(cg, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(f, "thaw", flaky)
+    with pytest.raises(Internal, match="/pod1/c1"):
+        cut.thaw_all()
+    assert cut.frozen == ["/pod1/c1"] and f.state("/pod1/c2") is FreezerState.THAWED
+    monkeypatch.setattr(f, "thaw", real)
+    cut.thaw_all()
+    assert cut.frozen == [] and f.state("/pod1/c1") is FreezerState.THAWED
