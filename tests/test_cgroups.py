@@ -481,6 +481,10 @@ def test_v1_recovery_thaw_paths(v1pod: V1Pod) -> None:
     assert sorted(thawed) == sorted([parent, *cs])
     assert all(v1pod.raw(cg) == "THAWED" for cg in (parent, *cs))
     assert thaw_paths([parent, *cs], freezer=f) == []
+    f.freeze(cs[0])
+    with pytest.raises(Internal, match="relative"):  # a bad entry is reported, the rest thawed
+        thaw_paths(["relative/bad", cs[0]], freezer=f)
+    assert v1pod.raw(cs[0]) == "THAWED"
 
 
 @needs_v1

@@ -560,9 +560,16 @@ def thaw_paths(
     Returns those it thawed. Tries all, then raises Internal naming any it could not thaw.
     """
     f = freezer or default_freezer()
-    thawed, failures = [], []
+    thawed: list[str] = []
+    failures: list[str] = []
+    depth: dict[str, int] = {}
+    for cg in cgroups:
+        try:
+            depth[cg] = resolve_cgroups_path(cg).count("/")
+        except ShimError as e:  # one bad path in a journal must not stop the others' thaw
+            failures.append(e.message)
     # ancestors first: a child cannot thaw under a frozen parent
-    for cg in sorted(cgroups, key=lambda c: resolve_cgroups_path(c).count("/")):
+    for cg in sorted(depth, key=lambda c: depth[c]):
         try:
             if f.state(cg) is FreezerState.THAWED and not f.self_frozen(cg):
                 continue
