@@ -89,4 +89,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(app.run(cfg, Engine))
     except KeyboardInterrupt:
         pass
+    except app.StartupError as e:
+        print(f"podshim: cannot start: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -39,6 +39,10 @@ def _prepare_socket(path: str) -> None:
         pass
 
 
+class StartupError(Exception):
+    """podshim cannot start (port busy, socket path unusable): a one-line message naming the key."""
+
+
 class Server:
     def __init__(
         self, config: Config, engine: Engine | None = None, upstream: Upstream | None = None
@@ -58,8 +62,11 @@ class Server:
         )
 
     async def start(self) -> None:
-        _prepare_socket(self.config.socket)
-        self.grpc.add_insecure_port(f"unix://{self.config.socket}")
+        try:
+            _prepare_socket(self.config.socket)
+            self.grpc.add_insecure_port(f"unix://{self.config.socket}")
+        except (OSError, RuntimeError) as e:
+            raise StartupError(f"server.socket {self.config.socket}: cannot listen: {e}") from None
         await self.grpc.start()
         os.chmod(self.config.socket, 0o660)
         log.info("serving", socket=self.config.socket, upstream=self.config.upstream_endpoint)
@@ -76,7 +83,12 @@ class Server:
 async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engine]) -> None:
     """Recover from a previous crash, then serve until SIGTERM/SIGINT."""
     if config.metrics_address:
-        metrics.serve(config.metrics_address)
+        try:
+            metrics.serve(config.metrics_address)
+        except OSError as e:
+            raise StartupError(
+                f"server.metrics_address {config.metrics_address}: {e.strerror or e}"
+            ) from None
     upstream = Upstream(config.upstream_endpoint)
     engine = engine_factory(config, upstream)
     await engine.recover()
