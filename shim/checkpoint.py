@@ -238,10 +238,18 @@ class PodCheckpointer:
             faults.hit("checkpoint.after-freeze")
             log.info("pod frozen", pod=pod.id, cut_seconds=round(cut.cut_seconds, 4))
             dump_start = time.monotonic()
-            await asyncio.gather(
-                *(self._dump(w, opts) for w in work),
-                *(self._diff(w, opts) for w in work),
-            )
+            dumps = [asyncio.ensure_future(self._dump(w, opts)) for w in work]
+            diffs = [asyncio.ensure_future(self._diff(w, opts)) for w in work]
+            try:
+                await asyncio.gather(*dumps, *diffs)
+            except BaseException:
+                # gather leaves the others running: a dump still going after the thaw below
+                # would freeze its container again (CRIU restores the FROZEN state it found)
+                # and write into the cleared output_path. Stop them and wait before thawing.
+                for t in dumps:
+                    t.cancel()
+                await asyncio.gather(*dumps, *diffs, return_exceptions=True)
+                raise
             timings["dump"] = time.monotonic() - dump_start
             if post == cri.POST_CHECKPOINT_STATE_STOPPED:
                 # Killed while still frozen: no instruction runs past the checkpoint.
@@ -293,10 +301,31 @@ class PodCheckpointer:
         return work
 
     async def _dump(self, w: _Work, opts: CheckpointOptions) -> None:
-        w.dump_seconds = await w.runtime.checkpoint(
-            w.view.name, w.view.id, w.layout.checkpoint_dir, w.layout.root, opts.criu, leave_running=True
-        )
+        try:
+            w.dump_seconds = await w.runtime.checkpoint(
+                w.view.name, w.view.id, w.layout.checkpoint_dir, w.layout.root, opts.criu, leave_running=True
+            )
+        except errors.Internal as e:
+            # the failure removes output_path, CRIU log included: keep a copy for the operator
+            # (as the restore hook does) and name that one in the message
+            kept = self._keep_log(w)
+            if kept is None:
+                raise
+            log_path = str(w.layout.dump_log)
+            if log_path in e.message:
+                raise errors.Internal(e.message.replace(log_path, kept)) from None
+            raise errors.Internal(f"{e.message} (CRIU log: {kept})") from None
         log.info("container dumped", container=w.view.name, seconds=round(w.dump_seconds, 4))
+
+    def _keep_log(self, w: _Work) -> str | None:
+        try:
+            dest_dir = Path(self.config.state_dir) / "logs"
+            dest_dir.mkdir(mode=layout.DIR_MODE, parents=True, exist_ok=True)
+            dest = dest_dir / f"checkpoint-{w.view.id}.log"
+            fsutil.write_private_file(dest, w.layout.dump_log.read_bytes())
+            return str(dest)
+        except (OSError, errors.ShimError):
+            return None
 
     async def _diff(self, w: _Work, opts: CheckpointOptions) -> None:
         upper = w.view.upperdir()

@@ -1,0 +1,651 @@
+"""CheckpointPod end to end: podshim's socket in front of the test bed's containerd + runc + CRIU.
+
+Every test runs real pods (the counter workload of images/counter.c), calls CheckpointPod
+through podshim like a kubelet would, and checks what the issue asks: the archive on disk, the
+pod still running and unfrozen, the freeze being one pod-wide cut, and each refusal with its
+gRPC code, a message naming the problem, the pod untouched and the output directory empty.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import stat
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from api.runtime.v1 import api_pb2_grpc
+from shim.archive import manifest as mf
+from shim.archive import rootfs_diff
+from testbed import pods
+from testbed.bed import TestBed
+
+pytestmark = pytest.mark.e2e
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+# CRI log line: "<rfc3339> <stream> <P|F> <text>"; the counter prints "count=N ts=<s>.<ms>"
+LOG_LINE = re.compile(rb"^\S+ (?:stdout|stderr) [PF] count=(\d+) ts=(\d+\.\d+)$", re.M)
+CALL_TIMEOUT = 60.0
+
+Rt = api_pb2_grpc.RuntimeServiceStub
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def counter(name: str, mem_mib: int = 8, interval_ms: int = 100, extra: list[str] | None = None) -> Any:
+    args = ["--mem-mib", str(mem_mib), "--interval-ms", str(interval_ms), *(extra or [])]
+    return pods.container_config(name, args=args)
+
+
+def busybox(name: str, script: str) -> Any:
+    return pods.container_config(name, image=pods.BUSYBOX_IMAGE, command=["sh", "-c", script], args=[])
+
+
+def start_pod(
+    rt: Rt, name: str, log_root: Path, cleanup: list[str], containers: dict[str, Any], handler: str = ""
+) -> pods.Pod:
+    pod = pods.run_pod(
+        rt, f"{name}-{secrets.token_hex(3)}", log_root, containers=containers, runtime_handler=handler
+    )
+    cleanup.append(pod.id)
+    return pod
+
+
+def wait_counting(pod: pods.Pod, name: str, ticks: int = 3, timeout: float = 20.0) -> int:
+    """Wait until the counter of `name` printed `ticks` more lines than it has now."""
+    now = pods.counts(pod.log_path(name))
+    start = now[-1] if now else -1
+    return pods.wait_count(pod.log_path(name), start + ticks, timeout=timeout)
+
+
+def empty_dir(bed: TestBed, name: str) -> Path:
+    d = Path(bed.checkpoint_root) / f"{name}-{secrets.token_hex(4)}"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def checkpoint(
+    rt: Rt,
+    pod_id: str,
+    out: Path | str,
+    timeout: float = CALL_TIMEOUT,
+    **fields: Any,
+) -> cri.CheckpointPodResponse:
+    return rt.CheckpointPod(
+        cri.CheckpointPodRequest(pod_sandbox_id=pod_id, output_path=str(out), **fields), timeout=timeout
+    )
+
+
+def expect_error(code: grpc.StatusCode, call: Callable[[], Any], *words: str) -> str:
+    """Run `call`, expect an RpcError with `code` whose message contains every word."""
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == code, (err.value.code(), err.value.details())
+    details = err.value.details() or ""
+    for w in words:
+        assert w in details, f"{w!r} not in error message {details!r}"
+    return details
+
+
+def verbose_info(rt: Rt, container_id: str) -> dict[str, Any]:
+    resp = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=container_id, verbose=True))
+    return json.loads(resp.info["info"])
+
+
+def container_cgroup(rt: Rt, container_id: str) -> str:
+    return str(verbose_info(rt, container_id)["runtimeSpec"]["linux"]["cgroupsPath"])
+
+
+def freezer_state(cgroup: str) -> str:
+    return (FREEZER / cgroup.lstrip("/") / "freezer.state").read_text().strip()
+
+
+def container_state(rt: Rt, container_id: str) -> int:
+    return rt.ContainerStatus(cri.ContainerStatusRequest(container_id=container_id)).status.state
+
+
+def assert_pod_alive(rt: Rt, pod: pods.Pod, counters: list[str]) -> None:
+    """The pod is READY, its containers RUNNING, their cgroups and the pod's THAWED, and every
+    counter keeps counting."""
+    st = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=pod.id)).status
+    assert st.state == cri.SANDBOX_READY
+    assert freezer_state(pod.config.linux.cgroup_parent) == "THAWED"
+    for name in counters:
+        cid = pod.containers[name]
+        assert container_state(rt, cid) == cri.CONTAINER_RUNNING, name
+        assert freezer_state(container_cgroup(rt, cid)) == "THAWED", name
+    for name in counters:
+        wait_counting(pod, name, ticks=2, timeout=10)
+
+
+def assert_empty(d: Path) -> None:
+    assert d.is_dir() and not d.is_symlink()
+    assert list(d.iterdir()) == []
+
+
+def root_listing(bed: TestBed) -> set[str]:
+    return {p.name for p in Path(bed.checkpoint_root).iterdir()}
+
+
+def log_ticks(log_path: Path) -> list[tuple[int, float]]:
+    """(count, printed unix time) of every counter line of a CRI log."""
+    return [(int(n), float(ts)) for n, ts in LOG_LINE.findall(log_path.read_bytes())]
+
+
+Tick = tuple[int, float]
+
+
+def freeze_gap(ticks: list[Tick], t0: float, t1: float) -> tuple[Tick, Tick]:
+    """The widest pause between two consecutive counter lines that overlaps the call [t0, t1]:
+    the last line printed before the freeze and the first one after the thaw."""
+    pairs = [(a, b) for a, b in zip(ticks, ticks[1:], strict=False) if b[1] >= t0 and a[1] <= t1]
+    assert pairs, (t0, t1, ticks[-5:])
+    return max(pairs, key=lambda ab: ab[1][1] - ab[0][1])
+
+
+def walk_modes(root: Path) -> tuple[list[str], list[str]]:
+    """Relative paths under root whose mode is not 0600 (files) / 0700 (dirs); also the root."""
+    bad_files, bad_dirs = [], []
+    if stat.S_IMODE(root.stat().st_mode) != 0o700:
+        bad_dirs.append(".")
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames:
+            p = Path(dirpath) / n
+            if stat.S_IMODE(p.lstat().st_mode) != 0o700:
+                bad_dirs.append(f"{p.relative_to(root)} {oct(stat.S_IMODE(p.lstat().st_mode))}")
+        for n in filenames:
+            p = Path(dirpath) / n
+            st = p.lstat()
+            if not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) != 0o600:
+                bad_files.append(f"{p.relative_to(root)} {oct(st.st_mode)}")
+    return bad_files, bad_dirs
+
+
+def verified(bed: TestBed, out: Path) -> mf.Manifest:
+    """The archive's manifest after checking every listed file's size and sha256 (and that no
+    file is unlisted), and every file 0600, every directory 0700."""
+    m = mf.load_and_verify(out, [str(bed.checkpoint_root)])
+    assert m.format == "podshim.checkpoint.v1"
+    raw = json.loads((out / "manifest.json").read_text())
+    assert raw["format"] == "podshim.checkpoint.v1"
+    assert raw["files"] and all(set(f) == {"size", "sha256"} for f in raw["files"].values())
+    bad_files, bad_dirs = walk_modes(out)
+    assert (bad_files, bad_dirs) == ([], []), "\n".join(bad_files + bad_dirs)
+    assert_no_pending_ops(bed)
+    return m
+
+
+def assert_no_pending_ops(bed: TestBed) -> None:
+    """Every operation was closed in podshim's journal (nothing left for crash recovery)."""
+    assert list((Path(bed.podshim_state_dir) / "ops").glob("*.json")) == []
+
+
+def counter_pid(rt: Rt, container_id: str) -> int:
+    return int(verbose_info(rt, container_id)["pid"])
+
+
+def assert_memory_intact(rt: Rt, pod: pods.Pod, name: str) -> None:
+    """SIGUSR1 makes the counter check every word of its memory pattern and print the result."""
+    log = pod.log_path(name)
+    seen = log.read_bytes().count(b"verify ")
+    os.kill(counter_pid(rt, pod.containers[name]), signal.SIGUSR1)
+    pods.wait_for(lambda: log.read_bytes().count(b"verify ") > seen, timeout=20, what=f"{name} verify")
+    assert log.read_bytes().count(b"verify ok") > seen, log.read_bytes()[-300:]
+
+
+def assert_dumped(out: Path, m: mf.Manifest, name: str) -> None:
+    """Container `name` has a complete dump: CRIU images, dumps, diff, log, stats."""
+    c = out / "containers" / name
+    for f in ("spec.dump", "config.dump", "status.dump", "rootfs-diff.tar", "dump.log", "stats-dump"):
+        assert (c / f).is_file(), f"{name}: {f} missing"
+        assert f"containers/{name}/{f}" in m.files
+    images = c / "checkpoint"
+    assert (images / "inventory.img").is_file(), f"{name}: no inventory.img"
+    assert list(images.glob("pages-*.img")), f"{name}: no pages-*.img"
+    assert m.container(name).checkpointed
+
+
+# ---------------------------------------------------------------------------- success paths
+
+
+def test_single_counter_pod(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
+) -> None:
+    c = {"counter": counter("counter", mem_mib=16)}
+    pod = start_pod(rt, "single", log_root, pod_cleanup, c, runtime_handler)
+    wait_counting(pod, "counter", 3)
+    out = empty_dir(bed, "single")
+    checkpoint(rt, pod.id, out)
+    after_call = pods.counts(pod.log_path("counter"))[-1]
+
+    # the pod keeps counting after the call returned, unfrozen
+    assert_pod_alive(rt, pod, ["counter"])
+    assert pods.wait_count(pod.log_path("counter"), after_call + 3) > after_call
+
+    m = verified(bed, out)
+    assert [c.name for c in m.containers] == ["counter"]
+    assert m.container("counter").id == pod.containers["counter"]
+    assert m.post_checkpoint_state == "RUNNING"
+    assert_dumped(out, m, "counter")
+    for f in ("sandbox/config.json", "sandbox/status.json", "sandbox/network.json"):
+        assert f in m.files
+
+    assert {"freeze_window", "dump", "total"} <= set(m.timings)
+    assert 0 < m.timings["freeze_window"] < m.timings["total"]
+    stats = m.criu_stats["counter"]
+    assert stats["pages_written"] > 0
+    assert stats["frozen_time"] > 0
+    assert m.host.criu_version and m.host.runtime_version and m.host.kernel and m.host.arch
+    assert m.host.runtime_name == (runtime_handler or "runc")
+
+
+def test_rootfs_diff_has_written_and_deleted_files(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    c = counter("counter", interval_ms=20, extra=["--state-file", "/tmp/state"])
+    pod = start_pod(rt, "diff", log_root, pod_cleanup, {"counter": c})
+    cid = pod.containers["counter"]
+    r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["rm", "/bin/ls"], timeout=10))
+    assert r.exit_code == 0, r.stderr
+    wait_counting(pod, "counter", 10)
+    out = empty_dir(bed, "diff")
+    t0 = time.time()
+    checkpoint(rt, pod.id, out)
+    t1 = time.time()
+    wait_counting(pod, "counter", 5)
+
+    verified(bed, out)
+    tar_path = out / "containers/counter/rootfs-diff.tar"
+    names = rootfs_diff.member_names(tar_path)
+    assert "tmp/state" in names
+    assert "bin/.wh.ls" in names
+    assert "bin/busybox" not in names  # only the writable layer, not the image
+    assert "/bin/ls" in json.loads((out / "containers/counter/deleted.files").read_text())
+
+    # the diff is the frozen state: the state file holds the count printed just before the
+    # freeze (or the one before, when the freeze fell between the print and the rename)
+    saved = saved_state(out, "counter")
+    before, _after = freeze_gap(log_ticks(pod.log_path("counter")), t0, t1)
+    assert saved in (before[0], before[0] - 1), (saved, before)
+
+
+def saved_state(out: Path, name: str) -> int:
+    """The counter's --state-file as captured in the archive's rootfs diff."""
+    with tarfile.open(out / "containers" / name / "rootfs-diff.tar") as tar:
+        f = tar.extractfile("tmp/state")
+        assert f is not None
+        return int(f.read())
+
+
+def test_post_checkpoint_state_stopped(rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]) -> None:
+    c = counter("counter", interval_ms=20, extra=["--state-file", "/tmp/state"])
+    pod = start_pod(rt, "stopped", log_root, pod_cleanup, {"counter": c})
+    cid = pod.containers["counter"]
+    wait_counting(pod, "counter", 5)
+    out = empty_dir(bed, "stopped")
+    checkpoint(rt, pod.id, out, post_checkpoint_state=cri.POST_CHECKPOINT_STATE_STOPPED)
+
+    status = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status
+    assert status.state == cri.CONTAINER_EXITED
+    assert status.exit_code == 137  # SIGKILLed while frozen, not a SIGTERM it could react to
+    m = verified(bed, out)
+    assert m.post_checkpoint_state == "STOPPED"
+    assert_dumped(out, m, "counter")
+    # nothing ran past the checkpoint: the last count printed is the one the frozen state
+    # file holds (or one more, when the freeze fell between the print and the rename) — a
+    # thaw before the kill would have printed more — and no "stopping" line (not a SIGTERM)
+    last = pods.counts(pod.log_path("counter"))[-1]
+    assert last - saved_state(out, "counter") in (0, 1), (last, saved_state(out, "counter"))
+    time.sleep(0.2)
+    assert pods.counts(pod.log_path("counter"))[-1] == last
+    assert b"stopping" not in pod.log_path("counter").read_bytes()
+    assert freezer_state(pod.config.linux.cgroup_parent) == "THAWED"
+
+
+def test_three_containers_frozen_in_one_cut(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    names = ["a", "b", "c"]
+    pod = start_pod(
+        rt, "three", log_root, pod_cleanup, {n: counter(n, mem_mib=64, interval_ms=20) for n in names}
+    )
+    for n in names:
+        wait_counting(pod, n, 10)
+    out = empty_dir(bed, "three")
+    t0 = time.time()
+    checkpoint(rt, pod.id, out)
+    t1 = time.time()
+    assert_pod_alive(rt, pod, names)
+    for n in names:
+        wait_counting(pod, n, 10)
+
+    m = verified(bed, out)
+    assert [c.name for c in m.containers] == names
+    for n in names:
+        assert_dumped(out, m, n)
+    window = m.timings["freeze_window"]
+    assert window > 0.05, m.timings  # 3 x 64 MiB: long enough to see in 20 ms ticks
+
+    gaps = {}
+    for n in names:
+        before, after = freeze_gap(log_ticks(pod.log_path(n)), t0, t1)
+        gaps[n] = (before, after)
+        # each container stopped printing for (about) the whole freeze window
+        assert after[1] - before[1] >= window - 0.03, (n, before, after, window)
+    # the gaps overlap: every container's last line before the freeze precedes the first line
+    # after the thaw of every other one, i.e. all were frozen at once, not one after the other
+    last_before = max(g[0][1] for g in gaps.values())
+    first_after = min(g[1][1] for g in gaps.values())
+    assert last_before < first_after, gaps
+    assert first_after - last_before >= window / 2, (gaps, window)  # overlap ~ the window
+
+
+def test_exited_container_is_recorded_not_dumped(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    pod = start_pod(
+        rt,
+        "exited",
+        log_root,
+        pod_cleanup,
+        {"done": busybox("done", "exit 0"), "counter": counter("counter")},
+    )
+    done = pod.containers["done"]
+    pods.wait_for(lambda: container_state(rt, done) == cri.CONTAINER_EXITED, what="done to exit")
+    wait_counting(pod, "counter", 2)
+    out = empty_dir(bed, "exited")
+    checkpoint(rt, pod.id, out)
+    assert_pod_alive(rt, pod, ["counter"])
+
+    m = verified(bed, out)
+    assert {c.name for c in m.containers} == {"done", "counter"}
+    entry = m.container("done")
+    assert not entry.checkpointed and entry.state == "CONTAINER_EXITED" and entry.id == done
+    d = out / "containers/done"
+    assert (d / "config.dump").is_file() and (d / "status.dump").is_file() and (d / "spec.dump").is_file()
+    assert json.loads((d / "status.dump").read_text())["state"] == "CONTAINER_EXITED"
+    assert not (d / "checkpoint").exists()
+    assert not (d / "rootfs-diff.tar").exists()
+    assert_dumped(out, m, "counter")
+
+
+def test_container_ids_select_one_of_two(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    pod = start_pod(rt, "select", log_root, pod_cleanup, {"one": counter("one"), "two": counter("two")})
+    wait_counting(pod, "one", 2)
+    wait_counting(pod, "two", 2)
+    out = empty_dir(bed, "select")
+    checkpoint(rt, pod.id, out, container_ids=[pod.containers["two"]])
+    assert_pod_alive(rt, pod, ["one", "two"])
+
+    m = verified(bed, out)
+    assert [c.name for c in m.containers] == ["two"]
+    assert_dumped(out, m, "two")
+    assert sorted(p.name for p in (out / "containers").iterdir()) == ["two"]
+    assert not any(f.startswith("containers/one/") for f in m.files)
+    assert set(m.criu_stats) == {"two"}
+
+
+# ---------------------------------------------------------------------------- failure paths
+
+
+def assert_refused_cleanly(
+    rt: Rt,
+    bed: TestBed,
+    pod: pods.Pod,
+    out: Path,
+    code: grpc.StatusCode,
+    call: Callable[[], Any],
+    *words: str,
+    counters: tuple[str, ...] = ("counter",),
+) -> str:
+    """The call fails with `code` and a message naming the problem; nothing is left behind in
+    the output dir or the checkpoint root; the pod keeps running, thawed."""
+    before = root_listing(bed)
+    details = expect_error(code, call, *words)
+    assert root_listing(bed) == before
+    assert_empty(out)
+    assert_no_pending_ops(bed)
+    assert_pod_alive(rt, pod, list(counters))
+    return details
+
+
+def test_deadline_too_short(rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]) -> None:
+    pod = start_pod(rt, "deadline", log_root, pod_cleanup, {"counter": counter("counter", mem_mib=256)})
+    wait_counting(pod, "counter", 2, timeout=60)
+    out = empty_dir(bed, "deadline")
+    assert_refused_cleanly(
+        rt,
+        bed,
+        pod,
+        out,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        lambda: checkpoint(rt, pod.id, out, timeout=0.3),
+        "deadline leaves no time",
+        pod.config.metadata.name,
+    )
+    # a deadline that runs out in the middle of the dump: aborted, thawed, cleaned up
+    out2 = empty_dir(bed, "deadline-mid")
+    details = assert_refused_cleanly(
+        rt,
+        bed,
+        pod,
+        out2,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        lambda: checkpoint(rt, pod.id, out2, timeout=1.0),
+        "did not finish within the caller's deadline",
+        pod.config.metadata.name,
+    )
+    assert "thawed" in details and "partial files removed" in details
+    # CRIU was killed in the middle of its dump: the process is intact, every page of it
+    assert_memory_intact(rt, pod, "counter")
+
+
+def test_criu_failure_is_internal_and_cleaned(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    # An established TCP connection inside the pod: CRIU refuses it without tcp-established.
+    # Real CRIU, real reason, no fake binary. The counter has enough memory that its dump is
+    # still running when the other one fails: it must be stopped and the container thawed.
+    script = "sleep 1000 | nc -l -p 7777 & sleep 0.2; exec nc 127.0.0.1 7777 </dev/zero >/dev/null"
+    pod = start_pod(
+        rt,
+        "criu-fail",
+        log_root,
+        pod_cleanup,
+        {"tcp": busybox("tcp", script), "counter": counter("counter", mem_mib=192)},
+    )
+    wait_counting(pod, "counter", 3, timeout=60)
+    out = empty_dir(bed, "criu-fail")
+    details = assert_refused_cleanly(
+        rt,
+        bed,
+        pod,
+        out,
+        grpc.StatusCode.INTERNAL,
+        lambda: checkpoint(rt, pod.id, out),
+        "'tcp'",
+        "CRIU log",
+    )
+    assert "--tcp-established" in details  # CRIU's own reason, from its log
+    assert container_state(rt, pod.containers["tcp"]) == cri.CONTAINER_RUNNING
+    # the CRIU log the message names outlives the removed archive
+    named = re.search(r"CRIU log: (/\S+)\)", details)
+    assert named, details
+    kept = Path(named.group(1))
+    assert not kept.is_relative_to(out)
+    assert "Connected TCP socket" in kept.read_text()
+    assert_memory_intact(rt, pod, "counter")  # its dump was stopped half way
+
+
+@pytest.fixture
+def counter_pod(rt: Rt, log_root: Path, pod_cleanup: list[str]) -> pods.Pod:
+    pod = start_pod(rt, "guard", log_root, pod_cleanup, {"counter": counter("counter")})
+    wait_counting(pod, "counter", 1)
+    return pod
+
+
+def test_bad_options_and_hostile_paths(rt: Rt, bed: TestBed, counter_pod: pods.Pod, tmp_path: Path) -> None:
+    """Refused before anything is touched: nothing is created, followed or removed anywhere."""
+    root = Path(bed.checkpoint_root)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    link = root / f"escape-{secrets.token_hex(4)}"
+    link.symlink_to(outside)
+    full = empty_dir(bed, "full")
+    (full / "keep").write_text("caller data")
+    good = empty_dir(bed, "good")  # a valid path, for the cases that are about something else
+    INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+    cases: list[tuple[grpc.StatusCode, str, dict[str, Any], list[str]]] = [
+        (INVALID, "checkpoints/x", {}, ["not absolute"]),
+        (INVALID, f"{good}/../{good.name}", {}, ["'..'"]),
+        (INVALID, str(link), {}, ["symlink", "outside the allowed"]),
+        (INVALID, str(link) + "/", {}, ["symlink", "outside the allowed"]),
+        (INVALID, str(outside), {}, ["outside the allowed"]),
+        (INVALID, str(root), {}, ["checkpoint root", "itself"]),
+        (INVALID, str(full), {}, ["not empty", "keep"]),
+        (INVALID, "", {}, ["empty"]),
+        (NOT_FOUND, str(root / "no-such-dir"), {}, ["does not exist"]),
+        (INVALID, str(good), {"options": {"tcp-establishd": "true"}}, ["tcp-establishd", "tcp-established"]),
+        (INVALID, str(good), {"options": {"rootfs-compression": "zstd"}}, ["rootfs-compression", "zstd"]),
+        (INVALID, str(good), {"post_checkpoint_state": 7}, ["post_checkpoint_state"]),
+    ]
+    for code, path, fields, words in cases:
+        before = root_listing(bed)
+        expect_error(code, lambda p=path, f=fields: checkpoint(rt, counter_pod.id, p, **f), *words)
+        assert root_listing(bed) == before, path
+        assert list(outside.iterdir()) == [], path
+        assert [p.name for p in full.iterdir()] == ["keep"], path
+        assert (full / "keep").read_text() == "caller data"
+        assert_empty(good)
+    assert not (root / "no-such-dir").exists()
+    assert link.is_symlink()
+    assert_pod_alive(rt, counter_pod, ["counter"])
+
+
+def test_unknown_sandbox(rt: Rt, bed: TestBed) -> None:
+    out = empty_dir(bed, "unknown")
+    expect_error(
+        grpc.StatusCode.NOT_FOUND,
+        lambda: checkpoint(rt, "no-such-pod-" + secrets.token_hex(4), out),
+        "not found",
+    )
+    assert_empty(out)
+
+
+def test_not_ready_sandbox(rt: Rt, bed: TestBed, counter_pod: pods.Pod) -> None:
+    rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=counter_pod.id))
+    out = empty_dir(bed, "notready")
+    expect_error(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        lambda: checkpoint(rt, counter_pod.id, out),
+        "not ready",
+        counter_pod.config.metadata.name,
+    )
+    assert_empty(out)
+
+
+def test_bad_container_ids(rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]) -> None:
+    pod = start_pod(
+        rt, "ids", log_root, pod_cleanup, {"counter": counter("counter"), "gone": counter("gone")}
+    )
+    other = start_pod(rt, "ids-other", log_root, pod_cleanup, {"counter": counter("counter")})
+    gone = pod.containers["gone"]
+    rt.StopContainer(cri.StopContainerRequest(container_id=gone, timeout=2))
+    assert container_state(rt, gone) == cri.CONTAINER_EXITED
+    wait_counting(pod, "counter", 1)
+    mine = pod.containers["counter"]
+    foreign = other.containers["counter"]
+    cases = [
+        ("stopped", grpc.StatusCode.FAILED_PRECONDITION, [mine, gone], ["'gone'", "not running"]),
+        ("foreign", grpc.StatusCode.NOT_FOUND, [mine, foreign], [foreign, "not a container of pod"]),
+        ("duplicate", grpc.StatusCode.INVALID_ARGUMENT, [mine, mine], [mine, "more than once"]),
+    ]
+    for _what, code, ids, words in cases:
+        out = empty_dir(bed, "ids")
+        assert_refused_cleanly(
+            rt, bed, pod, out, code, lambda i=ids, o=out: checkpoint(rt, pod.id, o, container_ids=i), *words
+        )
+    assert_pod_alive(rt, other, ["counter"])
+
+
+def test_concurrent_requests_on_one_pod(rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]) -> None:
+    pod = start_pod(rt, "concurrent", log_root, pod_cleanup, {"counter": counter("counter", mem_mib=512)})
+    wait_counting(pod, "counter", 2, timeout=60)
+    outs = [empty_dir(bed, "concurrent-a"), empty_dir(bed, "concurrent-b")]
+    results: list[Any] = [None, None]
+    go = threading.Barrier(2)
+
+    def call(i: int) -> None:
+        go.wait()
+        try:
+            results[i] = checkpoint(rt, pod.id, outs[i])
+        except grpc.RpcError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(CALL_TIMEOUT + 5)
+    errs = [r for r in results if isinstance(r, grpc.RpcError)]
+    oks = [i for i, r in enumerate(results) if isinstance(r, cri.CheckpointPodResponse)]
+    assert len(oks) == 1 and len(errs) == 1, results
+    assert errs[0].code() == grpc.StatusCode.ABORTED
+    assert "another operation" in (errs[0].details() or "") and pod.id in (errs[0].details() or "")
+    winner, loser = outs[oks[0]], outs[1 - oks[0]]
+    assert_empty(loser)
+    assert_dumped(winner, verified(bed, winner), "counter")
+    assert_pod_alive(rt, pod, ["counter"])
+
+
+def test_exec_session_is_refused(rt: Rt, bed: TestBed, counter_pod: pods.Pod) -> None:
+    cid = counter_pod.containers["counter"]
+    cgroup = FREEZER / container_cgroup(rt, cid).lstrip("/")
+    before = set((cgroup / "cgroup.procs").read_text().split())
+    result: list[Any] = []
+
+    def exec_sleep() -> None:
+        try:
+            result.append(rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["sleep", "5"], timeout=20)))
+        except grpc.RpcError as e:
+            result.append(e)
+
+    t = threading.Thread(target=exec_sleep)
+    t.start()
+    pids: set[str] = set()
+    try:
+        pids = pods.wait_for(
+            lambda: set((cgroup / "cgroup.procs").read_text().split()) - before, what="the exec process"
+        )
+        out = empty_dir(bed, "exec")
+        assert_refused_cleanly(
+            rt,
+            bed,
+            counter_pod,
+            out,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            lambda: checkpoint(rt, counter_pod.id, out),
+            "'counter'",
+            "exec session",
+        )
+    finally:
+        for pid in pids:
+            try:
+                os.kill(int(pid), 9)
+            except ProcessLookupError:
+                pass
+        t.join(20)
