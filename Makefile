@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 PYTEST := .venv/bin/pytest
 
-.PHONY: setup demo test test-fast lint proto up down bench bench-proxy bench-checkpoint bench-restore bench-load
+.PHONY: setup demo test test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load
 
 setup:
 	bash scripts/setup.sh
@@ -25,6 +25,11 @@ lint:
 
 proto:
 	bash scripts/gen_proto.sh
+
+# The pod checkpoint conformance suite against a running endpoint: make conformance ENDPOINT=unix:///run/podshim/podshim.sock
+ENDPOINT ?= unix:///run/podshim/podshim.sock
+conformance: setup
+	$(PY) -m conformance --runtime-endpoint $(ENDPOINT)
 
 # A private containerd + podshim in the background; prints PODSHIM_SOCKET=… and CONTAINERD_SOCKET=….
 up: setup
