@@ -12,6 +12,7 @@ import asyncio
 import json
 import platform
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,17 @@ def config_mismatch(name: str, requested: cri.ContainerConfig, archived: cri.Con
     return None
 
 
+_BACKGROUND: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
+
+
+def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """Run `coro` in a task that outlives a cancellation of its caller."""
+    task = asyncio.ensure_future(coro)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
+
+
 @dataclass
 class _Planned:
     entry: manifest.ContainerEntry
@@ -153,8 +165,10 @@ class PodRestorer:
             async with asyncio.timeout(budget):
                 await self._create(req, m, plan, opts, rec, sandbox, created)
         except BaseException as e:
-            await asyncio.shield(self._rollback(sandbox))
-            self.journal.finish(rec)
+            # In a task of its own: when the caller's deadline passes (or it goes away) during
+            # the rollback, gRPC cancels this handler, but the sandbox must still be removed and
+            # the journal record closed (a hung CRIU restore makes StopPodSandbox take seconds).
+            await asyncio.shield(_background(self._abandon(sandbox, rec)))
             if isinstance(e, TimeoutError):
                 raise errors.DeadlineExceeded(
                     f"restore of pod {md.namespace}/{md.name} did not finish within the caller's deadline; "
@@ -291,6 +305,12 @@ class PodRestorer:
                         self.upstream.endpoint, e, f"starting restored container {p.entry.name!r}"
                     ) from None
         log.info("restore done", sandbox=resp.pod_sandbox_id, seconds=round(time.monotonic() - started, 4))
+
+    async def _abandon(self, sandbox: list[str], rec: Any) -> None:
+        try:
+            await self._rollback(sandbox)
+        finally:
+            self.journal.finish(rec)
 
     async def _rollback(self, sandbox: list[str]) -> None:
         for sid in sandbox:

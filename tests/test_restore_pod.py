@@ -1,0 +1,902 @@
+"""RestorePod end to end (issue 4): through podshim's socket, on the real containerd + runc + CRIU.
+
+A checkpoint is taken with CheckpointPod from a running counter pod, then restored into new pods
+(new uid, name, cgroup parent and log directory) the way a kubelet does it: RestorePod returns
+CREATED containers, StartContainer brings the process state back. The failure paths check the
+gRPC code, a message naming the problem, and that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from api.runtime.v1 import api_pb2_grpc
+from shim.archive import manifest
+from testbed import _sys, pods
+from testbed.bed import REAL_RUNC, TestBed
+
+pytestmark = pytest.mark.e2e
+
+Stub = api_pb2_grpc.RuntimeServiceStub
+
+BIG_ARGS = ["--mem-mib", "64", "--interval-ms", "50"]  # the warm-start workload of the issue
+SMALL_ARGS = ["--mem-mib", "4", "--interval-ms", "50"]
+SOURCE_ATTEMPT = 2  # the source container's restart count, which a restore must continue
+RPC_TIMEOUT = 120
+POD_NAME_LABEL = "io.kubernetes.pod.name"
+ENTRY_RE = re.compile(rb"count=(\d+) ts=(\d+\.\d+)")
+CNI_RESULTS = "/var/lib/cni/results"
+PAGES_IMG = "containers/counter/checkpoint/pages-1.img"
+PAGEMAP_IMG = "containers/counter/checkpoint/pagemap-1.img"
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def counter_config(name: str, args: list[str], attempt: int = 0) -> cri.ContainerConfig:
+    cc = pods.container_config(name, args=list(args))
+    cc.metadata.attempt = attempt
+    return cc
+
+
+def entries(log_path: Path) -> list[tuple[int, float]]:
+    """(count, wall-clock ts) of every counter line in a CRI log file."""
+    try:
+        raw = log_path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return [(int(c), float(t)) for c, t in ENTRY_RE.findall(raw)]
+
+
+def log_text(log_path: Path) -> str:
+    try:
+        return log_path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def container_log(config: cri.PodSandboxConfig, name: str) -> Path:
+    return Path(config.log_directory) / name / "0.log"
+
+
+def status(rt: Stub, cid: str, verbose: bool = False) -> cri.ContainerStatusResponse:
+    return rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=verbose))
+
+
+def container_pid(rt: Stub, cid: str) -> int:
+    info = json.loads(status(rt, cid, verbose=True).info["info"])
+    pid = int(info["pid"])
+    assert pid > 0, f"container {cid[:13]} has no pid in its verbose status"
+    return pid
+
+
+def pod_containers(rt: Stub, pod_id: str) -> list[cri.Container]:
+    f = cri.ContainerFilter(pod_sandbox_id=pod_id)
+    return list(rt.ListContainers(cri.ListContainersRequest(filter=f)).containers)
+
+
+def pods_named(rt: Stub, name: str) -> list[cri.PodSandbox]:
+    f = cri.PodSandboxFilter(label_selector={POD_NAME_LABEL: name})
+    return list(rt.ListPodSandbox(cri.ListPodSandboxRequest(filter=f)).items)
+
+
+def restore(
+    rt: Stub,
+    path: Path | str,
+    config: cri.PodSandboxConfig,
+    containers: list[cri.ContainerConfig],
+    options: dict[str, str] | None = None,
+    runtime_handler: str = "",
+) -> cri.RestorePodResponse:
+    return rt.RestorePod(
+        cri.RestorePodRequest(
+            checkpoint_path=str(path),
+            config=config,
+            container_configs=containers,
+            runtime_handler=runtime_handler,
+            options=options or {},
+        ),
+        timeout=RPC_TIMEOUT,
+    )
+
+
+def wait_counting(log_path: Path, after: int, timeout: float = 20.0) -> int:
+    """Wait for the counter in `log_path` to print a value > `after`; return the last value."""
+    return pods.wait_count(log_path, after + 1, timeout=timeout)
+
+
+def cgroup_paths(pid: int) -> dict[str, str]:
+    """controller -> cgroup path of `pid` (cgroup v1 lines; the v2 line is keyed "")."""
+    out = {}
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, ctrls, path = line.split(":", 2)
+        for c in ctrls.split(",") if ctrls else [""]:
+            out[c] = path
+    return out
+
+
+def remove_pod_cgroup(config: cri.PodSandboxConfig) -> None:
+    """The pod-level cgroup is the kubelet's (containerd leaves it): remove it if it is empty."""
+    parent = config.linux.cgroup_parent.strip("/")
+    for d in _sys.cgroup_dirs(parent):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    source: pods.Pod
+    containers: list[cri.ContainerConfig]  # as a kubelet sends them at restore (attempt 0)
+    before: dict[str, int]  # last value logged before CheckpointPod
+    after: dict[str, int]  # last value logged when CheckpointPod returned
+    resumed: dict[str, int]  # first value the source logged after the freeze (= the dumped state)
+
+
+def take_checkpoint(
+    rt: Stub,
+    bed: TestBed,
+    log_root: Path,
+    name: str,
+    containers: dict[str, cri.ContainerConfig],
+    cleanup: list[str],
+    runtime_handler: str = "",
+) -> Checkpoint:
+    """A running counter pod and its CheckpointPod archive under bed.checkpoint_root."""
+    src = pods.run_pod(rt, name, log_root, containers, runtime_handler=runtime_handler)
+    cleanup.append(src.id)
+    for cname in containers:
+        pods.wait_count(src.log_path(cname), 10)
+    out = Path(bed.checkpoint_root) / f"{name}-{secrets.token_hex(3)}"
+    out.mkdir(mode=0o700)
+    before = {c: pods.counts(src.log_path(c))[-1] for c in containers}
+    t0 = time.time()
+    rt.CheckpointPod(
+        cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
+    )
+    t1 = time.time()
+    after = {c: pods.counts(src.log_path(c))[-1] for c in containers}
+    assert (out / "manifest.json").is_file()
+    resumed = {}
+    for cname in containers:
+        wait_counting(src.log_path(cname), after[cname] + 3)  # the source keeps running
+        # The pod was frozen for the dump: the biggest gap between two lines logged during the
+        # call is the freeze, and the line after it is the first of the state that was dumped.
+        log = entries(src.log_path(cname))
+        gaps = [
+            (b[1] - a[1], b[0]) for a, b in zip(log, log[1:], strict=False) if t0 - 0.1 <= b[1] <= t1 + 0.5
+        ]
+        assert gaps, f"no line of {cname} logged during CheckpointPod ({t0:.3f}..{t1:.3f})"
+        gap, resumed[cname] = max(gaps)
+        assert gap >= 0.1, f"no freeze visible in {cname}'s log (largest gap {gap:.3f}s)"
+    restore_configs = [counter_config(cname, list(cc.args), attempt=0) for cname, cc in containers.items()]
+    return Checkpoint(out, src, restore_configs, before, after, resumed)
+
+
+def assert_resumed(log_path: Path, ckpt: Checkpoint, cname: str, slack: int = 3) -> int:
+    """The restored counter's first value continues the checkpointed one (never 0); returns it."""
+    first = pods.wait_for(lambda: pods.counts(log_path), what=f"restored output in {log_path}")[0]
+    assert first > 0, f"{cname} restarted from 0 instead of resuming: {log_text(log_path)[:400]}"
+    assert ckpt.before[cname] <= first <= ckpt.after[cname] + slack, (first, ckpt.before, ckpt.after)
+    assert abs(first - ckpt.resumed[cname]) <= slack, (
+        f"{cname} resumed at {first}, the checkpointed state continued at {ckpt.resumed[cname]}"
+    )
+    assert "ready mem_mib" not in log_text(log_path), "the restored process ran its start-up again"
+    return first
+
+
+@dataclass
+class HostState:
+    """What a failed restore must not leave: sandboxes, containers, mounts, runc state, CNI state
+    (libcni's result cache of the bed's network names each attachment and its netns; the
+    host-local IPAM dir holds each allocated address), journal records."""
+
+    sandboxes: set[str]
+    containers: set[str]
+    mounts: set[str]
+    cni: set[str]
+    ipam: set[str]
+    runc_state: set[str]
+    journal: set[str]
+
+    @classmethod
+    def take(cls, rt: Stub, bed: TestBed) -> HostState:
+        def listdir(d: Path | str) -> set[str]:
+            try:
+                return set(os.listdir(d))
+            except FileNotFoundError:
+                return set()
+
+        return cls(
+            sandboxes={p.id for p in rt.ListPodSandbox(cri.ListPodSandboxRequest()).items},
+            containers={c.id for c in rt.ListContainers(cri.ListContainersRequest()).containers},
+            mounts={m.mount_point for m in _sys.mounts_under(bed.base_dir)},
+            cni={f for f in listdir(CNI_RESULTS) if f.startswith(bed.cni_network + "-")},
+            ipam={str(p.relative_to(bed.cni_ipam_dir)) for p in Path(bed.cni_ipam_dir).rglob("*")},
+            runc_state=listdir(bed.runc_root),
+            journal=listdir(Path(bed.podshim_state_dir) / "ops"),
+        )
+
+
+def expect_failure(
+    rt: Stub,
+    bed: TestBed,
+    log_root: Path,
+    cleanup: list[str],
+    path: Path | str,
+    containers: list[cri.ContainerConfig],
+    code: grpc.StatusCode,
+    *needles: str,
+    options: dict[str, str] | None = None,
+    runtime_handler: str = "",
+) -> str:
+    """RestorePod fails with `code`, a message containing every needle, and leaves nothing."""
+    name = f"fail-{secrets.token_hex(3)}"
+    config = pods.pod_config(name, log_root)
+    before = HostState.take(rt, bed)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            resp = restore(rt, path, config, containers, options, runtime_handler)
+            cleanup.append(resp.pod_sandbox_id)
+        left = pods_named(rt, name)
+        cleanup.extend(p.id for p in left)
+        assert err.value.code() == code, err.value.details()
+        message = err.value.details()
+        for needle in needles:
+            assert needle in message, f"{needle!r} not in {message!r}"
+        assert left == [], f"the failed restore left sandbox(es) {[p.id[:13] for p in left]}"
+        after = HostState.take(rt, bed)
+        assert after == before, f"the failed restore left something behind: {before} -> {after}"
+        pid_left = _sys.cgroup_pids(config.linux.cgroup_parent)
+        assert not pid_left, f"processes left in the new pod's cgroup: {sorted(pid_left)}"
+        return message
+    finally:
+        remove_pod_cgroup(config)
+
+
+def copy_archive(src: Path, bed: TestBed, tag: str) -> Path:
+    dest = Path(bed.checkpoint_root) / f"{src.name}-{tag}-{secrets.token_hex(3)}"
+    shutil.copytree(src, dest)
+    return dest
+
+
+def tree_fingerprint(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry under `root`: (mode, size, mtime_ns) by relative path."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = Path(d, n)
+            st = p.lstat()
+            out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def good(rt: Stub, bed: TestBed) -> Iterator[Checkpoint]:
+    """The shared good archive: one 64 MiB counter (restart count 2) checkpointed while it runs.
+
+    Module-scoped (pod_cleanup is per test): its source pod is removed at the module's end. Tests
+    that corrupt an archive work on a copy; no test modifies this one."""
+    log_root = Path(bed.base_dir) / "pod-logs"
+    created: list[str] = []
+    try:
+        yield take_checkpoint(
+            rt,
+            bed,
+            log_root,
+            "restore-src",
+            {"counter": counter_config("counter", BIG_ARGS, attempt=SOURCE_ATTEMPT)},
+            created,
+        )
+    finally:
+        for pod_id in created:
+            with contextlib.suppress(Exception):
+                pods.remove_pod(rt, pod_id)
+
+
+@pytest.fixture
+def scratch(bed: TestBed) -> Iterator[list[Path]]:
+    """Archive copies made by a test; removed after it."""
+    made: list[Path] = []
+    yield made
+    for p in made:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- restore
+
+
+def test_warm_start_resumes_from_checkpoint(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    before = tree_fingerprint(good.path)
+    config = pods.pod_config("warm-restored", log_root)
+    resp = restore(rt, good.path, config, good.containers)
+    pod_cleanup.append(resp.pod_sandbox_id)
+    assert resp.pod_sandbox_id and resp.pod_sandbox_id != good.source.id
+    assert [c.name for c in resp.restored_containers] == ["counter"]
+    cid = resp.restored_containers[0].container_id
+    assert cid != good.source.containers["counter"]
+
+    # CREATED, as the merged CRI says: the process state comes back at StartContainer.
+    st = status(rt, cid).status
+    assert st.state == cri.CONTAINER_CREATED
+    assert st.metadata.name == "counter"
+    new_log = container_log(config, "counter")
+    assert pods.counts(new_log) == [], "the restored container ran before StartContainer"
+
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid))  # as the kubelet does
+    first = assert_resumed(new_log, good, "counter")
+    wait_counting(new_log, first + 10)  # it keeps counting
+    assert status(rt, cid).status.state == cri.CONTAINER_RUNNING
+
+    # The source pod keeps running, independently.
+    src_log = good.source.log_path("counter")
+    src_now = pods.counts(src_log)[-1]
+    wait_counting(src_log, src_now + 3)
+    assert status(rt, good.source.containers["counter"]).status.state == cri.CONTAINER_RUNNING
+
+    # The 64 MiB pattern survived the round trip: the counter checks every word on SIGUSR1
+    # (pid 1 of its own PID namespace).
+    r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["kill", "-USR1", "1"], timeout=10))
+    assert r.exit_code == 0, r.stderr
+    pods.wait_for(lambda: "verify " in log_text(new_log), what="the restored counter's verify line")
+    assert "verify ok mem_mib=64" in log_text(new_log), log_text(new_log)[-600:]
+    assert "verify FAILED" not in log_text(new_log)
+
+    # The restored process lives in the NEW pod's cgroups, not the source's.
+    pid = container_pid(rt, cid)
+    parent = config.linux.cgroup_parent
+    cgroups = cgroup_paths(pid)
+    for ctrl in ("memory", "cpu", "pids", "freezer"):
+        assert cgroups[ctrl].startswith(parent + "/"), (ctrl, cgroups[ctrl], parent)
+    assert good.source.config.linux.cgroup_parent not in "".join(cgroups.values())
+
+    # The new pod is a regular, ready pod with its own address from CNI.
+    pst = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=resp.pod_sandbox_id)).status
+    assert pst.state == cri.SANDBOX_READY
+    assert pst.metadata.uid == config.metadata.uid and pst.metadata.name == "warm-restored"
+    src_ip = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=good.source.id)).status.network.ip
+    assert pst.network.ip and pst.network.ip != src_ip
+
+    # The restore used the archive in place and changed nothing in it.
+    assert tree_fingerprint(good.path) == before
+
+
+def test_restart_count_continues_from_checkpoint(
+    rt: Stub, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    config = pods.pod_config("restart-count", log_root)
+    assert all(c.metadata.attempt == 0 for c in good.containers)
+    resp = restore(rt, good.path, config, good.containers)
+    pod_cleanup.append(resp.pod_sandbox_id)
+    st = status(rt, resp.restored_containers[0].container_id).status
+    assert st.metadata.attempt == SOURCE_ATTEMPT
+    assert st.annotations.get("io.kubernetes.container.restartCount") == str(SOURCE_ATTEMPT)
+    assert st.state == cri.CONTAINER_CREATED
+
+
+def test_option_start_returns_running_containers(
+    rt: Stub, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    config = pods.pod_config("start-opt", log_root)
+    resp = restore(rt, good.path, config, good.containers, options={"start": "true"})
+    pod_cleanup.append(resp.pod_sandbox_id)
+    cid = resp.restored_containers[0].container_id
+    assert status(rt, cid).status.state == cri.CONTAINER_RUNNING  # no StartContainer was called
+    first = assert_resumed(container_log(config, "counter"), good, "counter")
+    wait_counting(container_log(config, "counter"), first + 3)
+
+
+def test_multi_container_pod(rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str]) -> None:
+    names = ["alpha", "beta", "gamma"]
+    ckpt = take_checkpoint(
+        rt,
+        bed,
+        log_root,
+        "multi-src",
+        {n: counter_config(n, SMALL_ARGS) for n in names},
+        pod_cleanup,
+    )
+    config = pods.pod_config("multi-restored", log_root)
+    resp = restore(rt, ckpt.path, config, ckpt.containers)
+    pod_id = resp.pod_sandbox_id
+    pod_cleanup.append(pod_id)
+    ids = {c.name: c.container_id for c in resp.restored_containers}
+    assert list(ids) == names  # checkpoint order
+    for cid in ids.values():
+        rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+
+    listed = {c.metadata.name: c for c in pod_containers(rt, pod_id)}
+    assert set(listed) == set(names)
+    for n in names:
+        assert listed[n].id == ids[n]
+        assert listed[n].state == cri.CONTAINER_RUNNING, (n, listed[n].state)
+        r = rt.ExecSync(
+            cri.ExecSyncRequest(
+                container_id=ids[n], cmd=["sh", "-c", f"echo exec-in-{n}; exit 7"], timeout=10
+            )
+        )
+        assert (r.stdout, r.exit_code) == (f"exec-in-{n}\n".encode(), 7), r.stderr
+        # logs continue in the new pod's log paths, from the checkpointed values
+        new_log = container_log(config, n)
+        first = assert_resumed(new_log, ckpt, n)
+        wait_counting(new_log, first + 5)
+    # the source's logs are its own: the restored processes write only to the new paths
+    for n in names:
+        assert not (Path(ckpt.source.config.log_directory) / n / "1.log").exists()
+
+    # Stop and remove through podshim like any pod: nothing of it is left.
+    pids = {n: container_pid(rt, ids[n]) for n in names}
+    cgroups = {n: cgroup_paths(pids[n])["memory"] for n in names}
+    # As the kubelet does: stop each container with a grace period (SIGTERM reaches the restored
+    # counter, which exits 0), then the sandbox (containerd kills whatever is left).
+    for n in names:
+        rt.StopContainer(cri.StopContainerRequest(container_id=ids[n], timeout=10))
+        st = status(rt, ids[n]).status
+        assert (st.state, st.exit_code) == (cri.CONTAINER_EXITED, 0), (n, st.state, st.exit_code)
+        assert "stopping count=" in log_text(container_log(config, n)), f"{n} did not get SIGTERM"
+    rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=pod_id))
+    rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=pod_id))
+    assert pod_containers(rt, pod_id) == []
+    assert pods_named(rt, "multi-restored") == []
+    with pytest.raises(grpc.RpcError) as err:
+        rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    pods.wait_for(lambda: not any(_sys.alive(p) for p in pids.values()), 10, what="restored processes gone")
+    leftovers = [
+        m.mount_point
+        for m in _sys.mounts_under(bed.base_dir)
+        if any(i in m.mount_point for i in ids.values())
+    ]
+    assert leftovers == []
+    assert not any((Path(bed.runc_root) / i).exists() for i in ids.values())
+    for n in names:
+        assert _sys.cgroup_dirs(cgroups[n]) == [], f"cgroup of {n} left: {cgroups[n]}"
+    remove_pod_cgroup(config)  # the kubelet's part
+    assert _sys.cgroup_dirs(config.linux.cgroup_parent) == []
+
+
+def test_restore_twice_and_after_source_removed(
+    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
+) -> None:
+    """Runs with runc and with crun (the runtime_handler fixture)."""
+    ckpt = take_checkpoint(
+        rt,
+        bed,
+        log_root,
+        "twice-src",
+        {"counter": counter_config("counter", SMALL_ARGS)},
+        pod_cleanup,
+        runtime_handler,
+    )
+    assert manifest.read_manifest(ckpt.path).host.runtime_name == (runtime_handler or "runc")
+    fingerprint = tree_fingerprint(ckpt.path)
+    restored = []
+    for i in range(2):
+        if i == 1:  # the second restore comes after the source pod is gone
+            pods.remove_pod(rt, ckpt.source.id)
+            with pytest.raises(grpc.RpcError):
+                rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=ckpt.source.id))
+        config = pods.pod_config(f"twice-{i}", log_root)
+        resp = restore(rt, ckpt.path, config, ckpt.containers, runtime_handler=runtime_handler)
+        pod_cleanup.append(resp.pod_sandbox_id)
+        rt.StartContainer(cri.StartContainerRequest(container_id=resp.restored_containers[0].container_id))
+        restored.append((config, resp))
+    # Both resume from the same state, and run side by side.
+    for config, resp in restored:
+        log = container_log(config, "counter")
+        first = assert_resumed(log, ckpt, "counter")
+        wait_counting(log, first + 5)
+        cid = resp.restored_containers[0].container_id
+        assert status(rt, cid).status.state == cri.CONTAINER_RUNNING
+        # restored by the runtime the pod asked for
+        runtime_root = Path(bed.crun_root if runtime_handler == "crun" else bed.runc_root)
+        assert (runtime_root / cid).is_dir(), f"{cid[:13]} is not in {runtime_root}"
+    ips = [
+        rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=r.pod_sandbox_id)).status.network.ip
+        for _, r in restored
+    ]
+    assert all(ips) and ips[0] != ips[1]
+    # The archive is untouched: same tree, and every checksum still verifies.
+    assert tree_fingerprint(ckpt.path) == fingerprint
+    m = manifest.load_and_verify(ckpt.path, [str(bed.checkpoint_root)])
+    assert [c.name for c in m.containers] == ["counter"]
+
+
+def test_create_container_with_podshim_annotation_is_refused(
+    rt: Stub, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    # (pods.run_pod with containers={} would create its default counter)
+    config = pods.pod_config("reserved-annot", log_root)
+    pod_id = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=config)).pod_sandbox_id
+    pod_cleanup.append(pod_id)
+    cc = counter_config("counter", BIG_ARGS)
+    cc.annotations["podshim.restore.checkpoint-dir"] = str(good.path / "containers" / "counter")
+    with pytest.raises(grpc.RpcError) as err:
+        rt.CreateContainer(
+            cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config)
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "podshim.restore.checkpoint-dir" in err.value.details()
+    assert pod_containers(rt, pod_id) == []
+
+
+def test_passthrough_pod_behaves_as_plain_runc(
+    rt: Stub, direct_rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    pod = pods.run_pod(rt, "plain", log_root, {"counter": counter_config("counter", SMALL_ARGS)})
+    pod_cleanup.append(pod.id)
+    cid = pod.containers["counter"]
+    log = pod.log_path("counter")
+    pods.wait_count(log, 3)
+    assert pods.counts(log)[0] == 0 and "ready mem_mib=4" in log_text(log)  # a fresh start
+    assert status(rt, cid).status.state == cri.CONTAINER_RUNNING
+    # A normal container of the real runc, with no podshim restore marker.
+    assert (Path(bed.runc_root) / cid / "state.json").is_file()
+    assert not (Path(bed.runc_root) / cid / "podshim-restored").exists()
+    # Exec through podshim answers exactly what containerd answers.
+    cmd = ["sh", "-c", "echo out; cat /proc/1/cmdline | tr '\\0' ' '; echo err >&2; exit 5"]
+    ours = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=cmd, timeout=10))
+    theirs = direct_rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=cmd, timeout=10))
+    assert (ours.stdout, ours.stderr, ours.exit_code) == (theirs.stdout, theirs.stderr, theirs.exit_code)
+    assert ours.exit_code == 5 and ours.stdout.startswith(b"out\n") and b"--mem-mib 4" in ours.stdout
+    assert (
+        status(rt, cid).status
+        == direct_rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status
+    )
+    # Stop: SIGTERM reaches the counter, which exits 0; remove leaves no container.
+    rt.StopContainer(cri.StopContainerRequest(container_id=cid, timeout=10))
+    st = status(rt, cid).status
+    assert (st.state, st.exit_code) == (cri.CONTAINER_EXITED, 0)
+    assert "stopping count=" in log_text(log)
+    rt.RemoveContainer(cri.RemoveContainerRequest(container_id=cid))
+    assert pod_containers(rt, pod.id) == []
+    assert not (Path(bed.runc_root) / cid).exists()
+
+
+# ---------------------------------------------------------------------------- failure paths
+
+
+def test_missing_archive_is_not_found(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    missing = Path(bed.checkpoint_root) / "no-such-checkpoint"
+    expect_failure(
+        rt, bed, log_root, pod_cleanup, missing, good.containers, grpc.StatusCode.NOT_FOUND, str(missing)
+    )
+    # a directory that is not a complete checkpoint (no manifest.json) is not found either
+    empty = Path(bed.checkpoint_root) / f"empty-{secrets.token_hex(3)}"
+    empty.mkdir()
+    try:
+        expect_failure(
+            rt, bed, log_root, pod_cleanup, empty, good.containers, grpc.StatusCode.NOT_FOUND, "manifest.json"
+        )
+    finally:
+        empty.rmdir()
+
+
+def test_path_outside_allowed_roots_is_invalid(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    # a real checkpoint, but outside the allowed roots
+    outside = Path(bed.base_dir) / f"outside-{secrets.token_hex(3)}"
+    shutil.copytree(good.path, outside)
+    scratch.append(outside)
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        outside,
+        good.containers,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "outside the allowed checkpoint roots",
+    )
+    # a symlink inside the root that points outside it
+    link = Path(bed.checkpoint_root) / f"link-{secrets.token_hex(3)}"
+    link.symlink_to(outside)
+    try:
+        expect_failure(
+            rt,
+            bed,
+            log_root,
+            pod_cleanup,
+            link,
+            good.containers,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "outside the allowed checkpoint roots",
+        )
+    finally:
+        link.unlink()
+    # `..` is refused before anything is resolved
+    dotdot = f"{bed.checkpoint_root}/../{outside.name}"
+    expect_failure(
+        rt, bed, log_root, pod_cleanup, dotdot, good.containers, grpc.StatusCode.INVALID_ARGUMENT, "'..'"
+    )
+
+
+def test_corrupted_memory_image_is_data_loss(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    copy = copy_archive(good.path, bed, "flip")
+    scratch.append(copy)
+    img = copy / PAGES_IMG
+    with open(img, "r+b") as f:
+        f.seek(img.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+    expect_failure(
+        rt, bed, log_root, pod_cleanup, copy, good.containers, grpc.StatusCode.DATA_LOSS, PAGES_IMG, "sha256"
+    )
+    # an extra file is a modified archive too
+    copy2 = copy_archive(good.path, bed, "extra")
+    scratch.append(copy2)
+    (copy2 / "containers" / "counter" / "stray.img").write_bytes(b"x")
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        copy2,
+        good.containers,
+        grpc.StatusCode.DATA_LOSS,
+        "containers/counter/stray.img",
+    )
+
+
+def test_truncated_manifest_is_data_loss(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    copy = copy_archive(good.path, bed, "trunc")
+    scratch.append(copy)
+    m = copy / "manifest.json"
+    raw = m.read_bytes()
+    m.write_bytes(raw[: len(raw) // 2])
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        copy,
+        good.containers,
+        grpc.StatusCode.DATA_LOSS,
+        "manifest.json",
+        "truncated",
+    )
+
+
+def test_unknown_format_version_is_failed_precondition(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    copy = copy_archive(good.path, bed, "fmt")
+    scratch.append(copy)
+    doc = json.loads((copy / "manifest.json").read_text())
+    assert doc["format"] == manifest.FORMAT
+    doc["format"] = "podshim.checkpoint.v99"
+    (copy / "manifest.json").write_text(json.dumps(doc))
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        copy,
+        good.containers,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "podshim.checkpoint.v99",
+    )
+
+
+def test_container_configs_must_match_the_checkpoint(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    base = good.containers[0]
+
+    def variant(**changes: object) -> cri.ContainerConfig:
+        cc = cri.ContainerConfig()
+        cc.CopyFrom(base)
+        for field, value in changes.items():
+            if field == "envs":
+                cc.envs.append(cri.KeyValue(key="EXTRA", value="1"))
+            elif field == "image":
+                cc.image.image = str(value)
+            else:
+                del getattr(cc, field)[:]
+                getattr(cc, field).extend(value)  # type: ignore[attr-defined]
+        return cc
+
+    expect_failure(rt, bed, log_root, pod_cleanup, good.path, [], bad, "missing counter")
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        good.path,
+        [base, counter_config("sidecar", SMALL_ARGS)],
+        bad,
+        "not in the checkpoint sidecar",
+    )
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        good.path,
+        [variant(args=["--mem-mib", "8"])],
+        bad,
+        "'counter'",
+        "args",
+    )
+    expect_failure(rt, bed, log_root, pod_cleanup, good.path, [variant(envs=True)], bad, "'counter'", "env")
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        good.path,
+        [variant(image=pods.BUSYBOX_IMAGE)],
+        bad,
+        "'counter'",
+        "image",
+        pods.BUSYBOX_IMAGE,
+    )
+
+
+def test_unknown_runtime_handler_is_invalid(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        good.path,
+        good.containers,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "'no-such-handler'",
+        runtime_handler="no-such-handler",
+    )
+
+
+def test_unknown_option_is_invalid(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        good.path,
+        good.containers,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "bogus",
+        options={"bogus": "1"},
+    )
+
+
+def test_criu_failure_names_the_log_and_removes_the_sandbox(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    # A damaged memory image the manifest vouches for: validation passes, CRIU fails. (The
+    # header of pagemap-1.img: a truncated pages-1.img makes CRIU 4.1.1's restorer loop forever.)
+    copy = copy_archive(good.path, bed, "criu")
+    scratch.append(copy)
+    img = copy / PAGEMAP_IMG
+    raw = bytearray(img.read_bytes())
+    raw[:8] = bytes(b ^ 0xFF for b in raw[:8])
+    img.write_bytes(bytes(raw))
+    m = manifest.read_manifest(copy)
+    manifest.write_manifest(copy, m)
+    manifest.load_and_verify(copy, [str(bed.checkpoint_root)])  # the archive looks sound
+    message = expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        copy,
+        good.containers,
+        grpc.StatusCode.INTERNAL,
+        "'counter'",
+        "pagemap-1.img",
+        "CRIU log",
+        options={"start": "true"},
+    )
+    kept = re.search(r"CRIU log: (/[^)\s]+)", message)
+    assert kept, message
+    assert Path(kept.group(1)).is_file(), f"the CRIU log {kept.group(1)} was not kept"
+    assert "Error" in Path(kept.group(1)).read_text(errors="replace")
+
+
+def kill_restores_of(archive: Path) -> list[str]:
+    """SIGKILL whatever still restores from `archive` (runc restore, CRIU, the half-restored
+    task, which is runc's child); returns a description of what was killed."""
+    roots = _sys.pids_mentioning(str(archive))
+    pids = {p for p in roots | _sys.descendants(roots) if _sys.alive(p)}
+    found = [f"{p} {' '.join(_sys.read_cmdline(p))[:60] or '(no cmdline)'}" for p in sorted(pids)]
+    _sys.thaw_pid_cgroups(pids)
+    for p in pids:
+        _sys.kill(p, signal.SIGKILL)
+    assert not _sys.wait_gone(pids, 10.0)
+    return found
+
+
+def test_deadline_during_a_hung_criu_restore(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    """The caller's deadline passes while CRIU hangs: DEADLINE_EXCEEDED; the new sandbox is still
+    removed and the journal record closed although the rollback outlasts the deadline (gRPC
+    cancels podshim's handler at the deadline, in the middle of the rollback).
+
+    CRIU 4.1.1's restorer loops forever on a short pages-1.img (the manifest is rewritten to vouch
+    for it: podshim's own size check would refuse it). Should a CRIU fail cleanly instead, the
+    call ends INTERNAL and this test fails: then hang the restore some other way."""
+    copy = copy_archive(good.path, bed, "hang")
+    scratch.append(copy)
+    img = copy / PAGES_IMG
+    os.truncate(img, img.stat().st_size // 2)
+    manifest.write_manifest(copy, manifest.read_manifest(copy))
+    config = pods.pod_config("hang", log_root)
+    before = HostState.take(rt, bed)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            resp = rt.RestorePod(
+                cri.RestorePodRequest(
+                    checkpoint_path=str(copy),
+                    config=config,
+                    container_configs=good.containers,
+                    options={"start": "true"},
+                ),
+                timeout=6,
+            )
+            pod_cleanup.append(resp.pod_sandbox_id)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+
+        def rolled_back() -> bool:
+            left = pods_named(rt, "hang")
+            pod_cleanup.extend(p.id for p in left if p.id not in pod_cleanup)
+            now = HostState.take(rt, bed)
+            return not left and (now.sandboxes, now.containers, now.cni, now.ipam, now.journal) == (
+                before.sandboxes,
+                before.containers,
+                before.cni,
+                before.ipam,
+                before.journal,
+            )
+
+        pods.wait_for(rolled_back, timeout=40, interval=0.5, what="the rollback of the timed-out restore")
+        # Known leak, not podshim's rollback: containerd kills podshim-runc when StartContainer is
+        # cancelled, but `runc restore`, CRIU and the half-restored task live on (reparented to
+        # init; CRIU keeps spinning and logging), with CRIU's cgroup-yard mounts and runc's state.
+        leaked = kill_restores_of(copy)
+        if leaked:
+            pytest.xfail(f"a cancelled StartContainer leaves the CRIU restore running: {leaked}")
+    finally:
+        kill_restores_of(copy)
+        now = HostState.take(rt, bed)
+        for mount in sorted(now.mounts - before.mounts, key=len, reverse=True):
+            _sys.umount_lazy(mount)
+        for cid in now.runc_state - before.runc_state:
+            subprocess.run(
+                [REAL_RUNC, "--root", str(bed.runc_root), "delete", "--force", cid], capture_output=True
+            )
+        remove_pod_cgroup(config)
