@@ -1,0 +1,284 @@
+"""bench/checkpoint: CheckpointPod vs plain ``runc checkpoint`` of the same containers (issue 3).
+
+For pods of N counter containers x M MiB resident memory each (default 1,2,4 x 64,256,1024), in
+one run, per repeat:
+
+* podshim: CheckpointPod of the whole pod; from the archive's manifest.json ``timings`` the
+  freeze window and total (plus the wall time of the call as the client saw it);
+* raw (the floor): the same containers dumped one after the other with
+  ``runc --root <bed runc root> --criu /usr/local/sbin/criu checkpoint --leave-running
+  --image-path X --work-path Y <id>``, each dump timed.
+
+Both write to the bed's checkpoint root (one filesystem). Before each measurement the previous
+output is deleted and the disk synced, and the order (podshim first / raw first) alternates
+between repeats and cells, so neither side inherits the other's page cache or writeback.
+
+Per cell: freeze_window / slowest single raw dump, and total / (sum of raw dumps + 0.2 s)
+(per repeat, then the median over repeats). Targets (reported, not enforced): freeze <= 1.25,
+total <= 1.15. Ends with ``RESULT freeze_window_ratio=… total_ratio=…`` (worst cell).
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from api.runtime.v1 import api_pb2_grpc
+from bench.common import (
+    bench_bed,
+    checkpoint_pod,
+    counter_config,
+    disk_free_mib,
+    machine_summary,
+    median,
+    meminfo_mib,
+    remove_pod,
+    remove_tree,
+    result_line,
+    runc_argv,
+    runtime_stub,
+    say,
+    start_counter_pod,
+    sync_disk,
+    table,
+    worst,
+)
+from testbed import pods
+from testbed.bed import TestBed
+
+RAW_SLACK = 0.2  # seconds allowed on top of the sum of raw dumps (issue 3)
+FREEZE_TARGET = 1.25
+TOTAL_TARGET = 1.15
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__.split("\n\n")[0])
+    p.add_argument("--containers", default="1,2,4", help="containers per pod (default 1,2,4)")
+    p.add_argument("--mem", default="64,256,1024", help="MiB resident per container (default 64,256,1024)")
+    p.add_argument("--repeat", type=int, default=3, help="repeats per cell (default 3)")
+    p.add_argument("--timeout", type=float, default=900.0, help="CheckpointPod deadline, seconds")
+    return p.parse_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+@dataclass
+class Sample:
+    """One repeat of one cell."""
+
+    order: str
+    freeze: float  # manifest timings.freeze_window
+    total: float  # manifest timings.total
+    wall: float  # CheckpointPod call as the client saw it
+    dump: float  # manifest timings.dump (parallel dumps + diffs, pod frozen)
+    archive: float  # manifest timings.archive (stats, checksums, fsync, manifest)
+    raw: list[float] = field(default_factory=list)  # per container, in order
+
+    @property
+    def freeze_ratio(self) -> float:
+        return self.freeze / max(self.raw)
+
+    @property
+    def total_ratio(self) -> float:
+        return self.total / (sum(self.raw) + RAW_SLACK)
+
+
+def raw_dumps(bed: TestBed, container_ids: list[str], base: Path) -> list[float]:
+    """Plain runc checkpoints of the containers, one after the other; wall seconds of each."""
+    times = []
+    for i, cid in enumerate(container_ids):
+        images, work = base / f"c{i}" / "images", base / f"c{i}" / "work"
+        images.mkdir(parents=True, mode=0o700)
+        work.mkdir(parents=True, mode=0o700)
+        argv = runc_argv(
+            bed,
+            "checkpoint",
+            "--leave-running",
+            "--image-path",
+            str(images),
+            "--work-path",
+            str(work),
+            cid,
+        )
+        start = time.perf_counter()
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        times.append(time.perf_counter() - start)
+        if res.returncode != 0:
+            tail = (work / "dump.log").read_text(errors="replace").splitlines()[-5:] if work.exists() else []
+            raise RuntimeError(f"runc checkpoint {cid[:13]} failed: {res.stderr.strip()} {tail}")
+    return times
+
+
+def measure_once(
+    rt: api_pb2_grpc.RuntimeServiceStub,
+    bed: TestBed,
+    pod: pods.Pod,
+    tag: str,
+    podshim_first: bool,
+    timeout: float,
+) -> Sample:
+    ids = list(pod.containers.values())
+    root = Path(bed.checkpoint_root)
+    result: dict[str, Any] = {}
+
+    def podshim() -> None:
+        out = root / f"podshim-{tag}"
+        sync_disk()
+        wall, m = checkpoint_pod(rt, pod.id, out, timeout)
+        result["podshim"] = (wall, m["timings"])
+        remove_tree(out)
+
+    def raw() -> None:
+        base = root / f"raw-{tag}"
+        sync_disk()
+        result["raw"] = raw_dumps(bed, ids, base)
+        remove_tree(base)
+
+    steps = (podshim, raw) if podshim_first else (raw, podshim)
+    for step in steps:
+        step()
+    sync_disk()
+    wall, t = result["podshim"]
+    return Sample(
+        order="podshim-first" if podshim_first else "raw-first",
+        freeze=t["freeze_window"],
+        total=t["total"],
+        wall=wall,
+        dump=t.get("dump", float("nan")),
+        archive=t.get("archive", float("nan")),
+        raw=result["raw"],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    counts, mems = _ints(args.containers), _ints(args.mem)
+    cells = [(n, m) for m in mems for n in counts]
+    print("bench/checkpoint: CheckpointPod vs sequential plain runc checkpoint", flush=True)
+    print(machine_summary(), flush=True)
+    biggest = max(n * m for n, m in cells)
+    # the pod itself + both outputs' page cache (one at a time) + room for the rest of the host
+    if meminfo_mib() < biggest * 2 + 2048:
+        print(f"not enough memory for a {biggest} MiB pod: {meminfo_mib()} MiB available", flush=True)
+        return 2
+    results: dict[tuple[int, int], list[Sample]] = {}
+    failures: dict[tuple[int, int], str] = {}
+    with bench_bed() as bed:
+        if disk_free_mib(bed.checkpoint_root) < biggest * 3:
+            print(f"not enough disk under {bed.checkpoint_root} for {biggest} MiB dumps", flush=True)
+            return 2
+        rt = runtime_stub(bed.podshim_socket)
+        say("warm-up: a 1 x 64 MiB pod, one podshim checkpoint and one raw dump (not counted)")
+        pod = start_counter_pod(rt, bed, "ckpt-warmup", {"c0": counter_config("c0", 64)})
+        measure_once(rt, bed, pod, "warmup", True, args.timeout)
+        remove_pod(rt, pod.id)
+
+        for idx, (n, mem) in enumerate(cells):
+            key = (n, mem)
+            if meminfo_mib() < n * mem * 2 + 1024:
+                failures[key] = f"skipped: only {meminfo_mib()} MiB available"
+                say(f"cell {n} x {mem} MiB {failures[key]}")
+                continue
+            say(f"cell {n} x {mem} MiB: starting the pod")
+            configs = {f"c{i}": counter_config(f"c{i}", mem) for i in range(n)}
+            try:
+                pod = start_counter_pod(rt, bed, f"ckpt-{n}x{mem}", configs)
+            except (grpc.RpcError, TimeoutError) as e:
+                failures[key] = f"pod did not start: {e}"
+                say(f"cell {n} x {mem} MiB: {failures[key]}")
+                continue
+            time.sleep(1.0)  # let the fill's writeback and the pod start settle
+            samples = []
+            try:
+                for r in range(args.repeat):
+                    podshim_first = (idx + r) % 2 == 0
+                    s = measure_once(
+                        rt, bed, pod, f"{n}x{mem}-{r}-{secrets.token_hex(2)}", podshim_first, args.timeout
+                    )
+                    samples.append(s)
+                    say(
+                        f"  {n} x {mem} MiB rep {r + 1} ({s.order}): podshim freeze {s.freeze:.3f}s "
+                        f"dump {s.dump:.3f}s archive {s.archive:.3f}s total {s.total:.3f}s "
+                        f"(call {s.wall:.3f}s); raw {' + '.join(f'{x:.3f}' for x in s.raw)} s; "
+                        f"ratios freeze {s.freeze_ratio:.2f} total {s.total_ratio:.2f}"
+                    )
+            except (grpc.RpcError, RuntimeError, subprocess.TimeoutExpired) as e:
+                detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+                failures[key] = f"failed: {detail}"
+                say(f"cell {n} x {mem} MiB {failures[key]}")
+            finally:
+                remove_pod(rt, pod.id)
+            if samples:
+                results[key] = samples
+
+    rows = []
+    freeze_ratios, total_ratios = [], []
+    for n, mem in cells:
+        samples = results.get((n, mem), [])
+        if not samples:
+            rows.append([f"{n} x {mem} MiB", *(["n/a"] * 10)])
+            continue
+        fr = median([s.freeze_ratio for s in samples])
+        tr = median([s.total_ratio for s in samples])
+        freeze_ratios.append(fr)
+        total_ratios.append(tr)
+        rows.append(
+            [
+                f"{n} x {mem} MiB",
+                len(samples),
+                median([s.freeze for s in samples]),
+                median([s.dump for s in samples]),
+                median([s.archive for s in samples]),
+                median([s.total for s in samples]),
+                median([s.wall for s in samples]),
+                median([max(s.raw) for s in samples]),
+                median([sum(s.raw) for s in samples]),
+                fr,
+                tr,
+            ]
+        )
+    print()
+    print(f"CheckpointPod vs sequential raw runc checkpoint, seconds (median of {args.repeat} repeats)")
+    print(
+        table(
+            [
+                "pod",
+                "n",
+                "freeze",
+                "dump",
+                "archive",
+                "total",
+                "call",
+                "raw slowest",
+                "raw sum",
+                "freeze/slowest",
+                "total/(sum+0.2)",
+            ],
+            rows,
+        )
+    )
+    print(
+        "freeze, dump, archive, total: podshim's manifest timings (dump = all containers in parallel "
+        "while frozen;\narchive = CRIU stats + sha256 + fsync + manifest after the thaw); call: "
+        "CheckpointPod wall time at the client."
+    )
+    for key, why in failures.items():
+        print(f"cell {key[0]} x {key[1]} MiB: {why}")
+    print()
+    print(f"targets (issue 3): freeze/slowest <= {FREEZE_TARGET}, total/(sum+0.2) <= {TOTAL_TARGET}")
+    print(result_line(freeze_window_ratio=worst(freeze_ratios), total_ratio=worst(total_ratios)), flush=True)
+    return 1 if failures and not results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Shared helpers of the benchmarks: statistics, tables, the bed, counter pods, CRI logs, runc."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from api.runtime.v1 import api_pb2 as cri
+from api.runtime.v1 import api_pb2_grpc
+from testbed import pods
+from testbed.bed import CRIU, REAL_RUNC, TestBed
+
+READY_RE = re.compile(rb"\bready mem_mib=\d+")
+COUNT_RE = re.compile(rb"\bcount=(\d+) ts=(\d+\.\d+)")
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def say(msg: str) -> None:
+    """A progress line (prefixed with '#', so tables and the RESULT line stand out)."""
+    print(f"# {time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        pairs = enumerate(zip(r, widths, strict=True))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
+
+
+def result_line(**values: float) -> str:
+    parts = []
+    for k, v in values.items():
+        parts.append(f"{k}=" + ("n/a" if math.isnan(v) else f"{v:.3f}"))
+    return "RESULT " + " ".join(parts)
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
+
+
+def worst(values: Sequence[float]) -> float:
+    vals = [v for v in values if not math.isnan(v)]
+    return max(vals) if vals else math.nan
+
+
+# ---------------------------------------------------------------------------- the machine
+
+
+def meminfo_mib(key: str = "MemAvailable") -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def disk_free_mib(path: str | os.PathLike[str]) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize // MIB
+
+
+def _first_line(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return next((line.strip() for line in out.splitlines() if line.strip()), "unknown")
+
+
+def machine_summary() -> str:
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return (
+        f"host: {os.cpu_count()} cpus, {meminfo_mib('MemTotal')} MiB RAM "
+        f"({meminfo_mib()} MiB available), load {load}, kernel {platform.release()}; "
+        f"runc {_first_line([REAL_RUNC, '--version']).removeprefix('runc version ')}, "
+        f"criu {_first_line([CRIU, '--version']).removeprefix('Version: ')}\n{code_summary()}"
+    )
+
+
+def code_summary() -> str:
+    """Which podshim was measured: HEAD, and whether shim/ had uncommitted changes then."""
+    repo = Path(__file__).resolve().parent.parent
+    head = _first_line(["git", "-C", str(repo), "log", "-1", "--format=%h %s"])[:72]
+    dirty = _first_line(["git", "-C", str(repo), "status", "--porcelain", "--", "shim", "api", "testbed"])
+    return f"code: HEAD {head}" + (
+        " (+ uncommitted changes under shim/api/testbed)" if dirty != "unknown" else ""
+    )
+
+
+def sync_disk() -> None:
+    """Flush dirty pages so one measurement's writeback does not land in the next one."""
+    os.sync()
+
+
+def remove_tree(path: str | os.PathLike[str]) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- bed and pods
+
+
+@contextlib.contextmanager
+def bench_bed() -> Iterator[TestBed]:
+    """A private containerd + podshim for one benchmark run (removed at the end)."""
+    say("starting the test bed (private containerd + podshim)")
+    with TestBed() as bed:
+        say(f"bed at {bed.base_dir}: podshim {bed.podshim_socket}, containerd {bed.containerd_socket}")
+        yield bed
+        say("stopping the test bed")
+
+
+def runtime_stub(socket: str | os.PathLike[str]) -> api_pb2_grpc.RuntimeServiceStub:
+    return pods.stubs(socket)[0]
+
+
+def counter_config(
+    name: str, mem_mib: int, interval_ms: int = 100, init_seconds: int = 0
+) -> cri.ContainerConfig:
+    args = ["--mem-mib", str(mem_mib), "--interval-ms", str(interval_ms)]
+    if init_seconds:
+        args += ["--init-seconds", str(init_seconds)]
+    return pods.container_config(name, args=args)
+
+
+class CriLog:
+    """Follows a CRI log file (``<RFC3339> stdout F <text>`` lines) from a byte offset."""
+
+    def __init__(self, path: Path, from_end: bool = False) -> None:
+        self.path = path
+        self.offset = 0
+        self._buf = b""
+        if from_end:
+            with contextlib.suppress(FileNotFoundError):
+                self.offset = path.stat().st_size
+
+    def _new_lines(self) -> list[bytes]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        self._buf += data
+        *lines, self._buf = self._buf.split(b"\n")
+        return lines
+
+    def wait(
+        self, pattern: re.Pattern[bytes], timeout: float, interval: float = 0.005
+    ) -> tuple[float, bytes]:
+        """Poll until a new line matches; returns (perf_counter when seen, the line)."""
+        deadline = time.perf_counter() + timeout
+        while True:
+            for line in self._new_lines():
+                if pattern.search(line):
+                    return time.perf_counter(), line
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"no line matching {pattern.pattern!r} in {self.path} within {timeout}s")
+            time.sleep(interval)
+
+
+def start_counter_pod(
+    rt: api_pb2_grpc.RuntimeServiceStub,
+    bed: TestBed,
+    name: str,
+    configs: dict[str, cri.ContainerConfig],
+    timeout: float = 300.0,
+) -> pods.Pod:
+    """Run a pod of counter containers (as the kubelet would) and wait until each is ready."""
+    pod = pods.run_pod(rt, name, bed.pod_logs_dir, configs)
+    for cname in configs:
+        CriLog(pod.log_path(cname)).wait(READY_RE, timeout)
+    return pod
+
+
+def remove_pod(rt: api_pb2_grpc.RuntimeServiceStub, pod_id: str) -> None:
+    try:
+        pods.remove_pod(rt, pod_id)
+    except grpc.RpcError as e:
+        say(f"warning: removing pod {pod_id[:13]} failed: {e.code()}: {e.details()}")
+
+
+def checkpoint_pod(
+    rt: api_pb2_grpc.RuntimeServiceStub, pod_id: str, out: Path, timeout: float = 900.0
+) -> tuple[float, dict[str, Any]]:
+    """CheckpointPod into a fresh ``out`` (0700); returns (wall seconds of the call, manifest)."""
+    out.mkdir(mode=0o700, parents=True)
+    start = time.perf_counter()
+    rt.CheckpointPod(cri.CheckpointPodRequest(pod_sandbox_id=pod_id, output_path=str(out)), timeout=timeout)
+    wall = time.perf_counter() - start
+    return wall, json.loads((out / "manifest.json").read_text())
+
+
+def runc_argv(bed: TestBed, *args: str) -> list[str]:
+    """Plain runc on the bed's runc root (the containers containerd runs), with CRIU 4.1."""
+    return [REAL_RUNC, "--root", str(bed.runc_root), "--criu", CRIU, *args]
+
+
+def read_criu_stats(path: Path, kind: str) -> dict[str, int]:
+    """CRIU's ``stats-dump``/``stats-restore`` entry (``kind`` = dump or restore), via pycriu."""
+    try:
+        import pycriu
+
+        with open(path, "rb") as f:
+            img = pycriu.images.load(f)
+        return {k: int(v) for k, v in img["entries"][0].get(kind, {}).items()}
+    except Exception:  # missing file, no pycriu, unknown format: the figure is just absent
+        return {}

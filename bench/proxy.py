@@ -1,0 +1,260 @@
+"""bench/proxy: what podshim's proxy adds to a unary CRI call (issue 2).
+
+* Latency: ListPodSandbox (with a few pods present), ContainerStatus (of a running container)
+  and Version, podshim vs containerd direct, after warm-up, in interleaved blocks (the order of
+  the two targets alternates per round, so drift and background noise hit both alike).
+  Requests are pre-serialized and responses not decoded (bytes in, bytes out), so the client's
+  own cost is the same small constant on both sides. GC is off inside a block.
+* Throughput (calls/s) of ListPodSandbox at 1 and 16 concurrent clients, podshim vs direct:
+  each client is its own process with its own channel (so the client GIL does not cap both
+  sides alike), all released by one barrier; trials alternate the target order.
+
+Ends with ``RESULT p50_added_ms=… p99_added_ms=… throughput_ratio_16=…``: the latency figures
+are the worst (largest) over the three methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import multiprocessing as mp
+import os
+import sys
+import time
+from multiprocessing.synchronize import Barrier
+from typing import Any
+
+import grpc
+
+from api.runtime.v1 import api_pb2 as cri
+from bench.common import (
+    bench_bed,
+    counter_config,
+    machine_summary,
+    median,
+    percentile,
+    ratio,
+    remove_pod,
+    result_line,
+    runtime_stub,
+    say,
+    start_counter_pod,
+    table,
+    worst,
+)
+from testbed._cri import target
+
+SERVICE = "/runtime.v1.RuntimeService/"
+TARGETS = ("podshim", "direct")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.proxy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pods", type=int, default=4, help="pods present for ListPodSandbox (default 4)")
+    p.add_argument("--warmup", type=int, default=300, help="warm-up calls per method and target")
+    p.add_argument("--rounds", type=int, default=60, help="interleaved rounds (default 60)")
+    p.add_argument("--block", type=int, default=40, help="calls per block (default 40)")
+    p.add_argument("--clients", default="1,16", help="concurrency levels for throughput (default 1,16)")
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per throughput trial")
+    p.add_argument("--trials", type=int, default=4, help="throughput trials per target (default 4)")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------- latency
+
+
+def measure_latency(
+    targets: dict[str, str], requests: dict[str, bytes], args: argparse.Namespace
+) -> dict[tuple[str, str], list[float]]:
+    """Per (method, target): per-call latencies in seconds."""
+    channels = {name: grpc.insecure_channel(t) for name, t in targets.items()}
+    calls = {(m, name): ch.unary_unary(SERVICE + m) for m in requests for name, ch in channels.items()}
+    say(f"latency warm-up: {args.warmup} calls per method and target")
+    for (m, _name), fn in calls.items():
+        for _ in range(args.warmup):
+            fn(requests[m], timeout=10)
+    samples: dict[tuple[str, str], list[float]] = {k: [] for k in calls}
+    say(f"latency: {args.rounds} rounds x {args.block} calls per method and target, interleaved")
+    clock = time.perf_counter
+    for r in range(args.rounds):
+        order = TARGETS if r % 2 == 0 else TARGETS[::-1]
+        for m in requests:
+            req = requests[m]
+            for name in order:
+                fn = calls[(m, name)]
+                out = samples[(m, name)]
+                gc.collect()
+                gc.disable()
+                try:
+                    for _ in range(args.block):
+                        t0 = clock()
+                        fn(req, timeout=10)
+                        out.append(clock() - t0)
+                finally:
+                    gc.enable()
+    for ch in channels.values():
+        ch.close()
+    return samples
+
+
+# ---------------------------------------------------------------------------- throughput
+
+
+def _client(
+    targets: dict[str, str],
+    method: str,
+    request: bytes,
+    barrier: Barrier,
+    commands: Any,
+    results: Any,
+) -> None:
+    """One client process: its own channels, runs one trial per command, after the barrier."""
+    channels = {name: grpc.insecure_channel(t) for name, t in targets.items()}
+    calls = {name: ch.unary_unary(SERVICE + method) for name, ch in channels.items()}
+    for fn in calls.values():  # connect before the first trial
+        fn(request, timeout=10)
+    results.put(("ready", 0, 0, 0.0))
+    while True:
+        cmd = commands.get()
+        if cmd is None:
+            break
+        name, duration = cmd
+        fn = calls[name]
+        barrier.wait()
+        n = errs = 0
+        start = time.perf_counter()
+        end = start + duration
+        now = start
+        while now < end:
+            try:
+                fn(request, timeout=10)
+            except grpc.RpcError:
+                errs += 1
+            n += 1
+            now = time.perf_counter()
+        results.put((name, n, errs, now - start))
+    for ch in channels.values():
+        ch.close()
+
+
+def measure_throughput(
+    targets: dict[str, str], request: bytes, clients: int, args: argparse.Namespace
+) -> dict[str, list[float]]:
+    """calls/s of ListPodSandbox per target, one value per trial."""
+    ctx = mp.get_context("spawn")  # no fork after gRPC started: each client builds its own
+    barrier = ctx.Barrier(clients)
+    commands = ctx.Queue()
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_client,
+            args=(targets, "ListPodSandbox", request, barrier, commands, results),
+            daemon=True,
+        )
+        for _ in range(clients)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            results.get(timeout=120)
+
+        def trial(name: str, duration: float) -> tuple[float, int]:
+            for _ in procs:
+                commands.put((name, duration))
+            got = [results.get(timeout=duration + 120) for _ in procs]
+            rate = sum(n / el for _, n, _, el in got if el > 0)
+            return rate, sum(e for _, _, e, _ in got)
+
+        for name in TARGETS:  # warm-up
+            trial(name, 1.0)
+        rates: dict[str, list[float]] = {name: [] for name in TARGETS}
+        for t in range(args.trials):
+            for name in TARGETS if t % 2 == 0 else TARGETS[::-1]:
+                rate, errs = trial(name, args.duration)
+                rates[name].append(rate)
+                say(f"  {clients:2d} client(s) {name:7s} trial {t + 1}: {rate:8.0f} calls/s ({errs} errors)")
+        return rates
+    finally:
+        for _ in procs:
+            commands.put(None)
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    levels = [int(x) for x in args.clients.split(",") if x.strip()]
+    print("bench/proxy: podshim vs containerd direct, unary CRI calls", flush=True)
+    print(machine_summary(), flush=True)
+    with bench_bed() as bed:
+        rt = runtime_stub(bed.podshim_socket)
+        say(f"starting {args.pods} counter pods")
+        pod_ids = []
+        cid = ""
+        for i in range(args.pods):
+            pod = start_counter_pod(rt, bed, f"proxy-{i}", {"counter": counter_config("counter", 8, 1000)})
+            pod_ids.append(pod.id)
+            cid = cid or pod.containers["counter"]
+        targets = {"podshim": target(bed.podshim_socket), "direct": target(bed.containerd_socket)}
+        requests = {
+            "ListPodSandbox": cri.ListPodSandboxRequest().SerializeToString(),
+            "ContainerStatus": cri.ContainerStatusRequest(container_id=cid).SerializeToString(),
+            "Version": cri.VersionRequest(version="v1").SerializeToString(),
+        }
+        lat = measure_latency(targets, requests, args)
+        rates: dict[int, dict[str, list[float]]] = {}
+        for c in levels:
+            say(f"throughput: ListPodSandbox, {c} client process(es), {args.trials} x {args.duration}s")
+            rates[c] = measure_throughput(targets, requests["ListPodSandbox"], c, args)
+        for pid in pod_ids:
+            remove_pod(rt, pid)
+
+    rows = []
+    p50_added: list[float] = []
+    p99_added: list[float] = []
+    for m in requests:
+        d, s = lat[(m, "direct")], lat[(m, "podshim")]
+        d50, d99 = percentile(d, 50) * 1e3, percentile(d, 99) * 1e3
+        s50, s99 = percentile(s, 50) * 1e3, percentile(s, 99) * 1e3
+        p50_added.append(s50 - d50)
+        p99_added.append(s99 - d99)
+        rows.append([m, len(s), d50, s50, s50 - d50, d99, s99, s99 - d99])
+    print()
+    print(f"Latency per call, ms ({args.rounds} interleaved rounds x {args.block} calls, after warm-up)")
+    print(
+        table(
+            ["method", "n", "direct p50", "shim p50", "added p50", "direct p99", "shim p99", "added p99"],
+            rows,
+        )
+    )
+    rows = []
+    ratios: dict[int, float] = {}
+    for c in levels:
+        d, s = median(rates[c]["direct"]), median(rates[c]["podshim"])
+        ratios[c] = ratio(s, d)
+        rows.append([f"ListPodSandbox x{c}", d, s, ratios[c]])
+    print()
+    print(f"Throughput, calls/s (median of {args.trials} trials of {args.duration}s; client processes)")
+    print(table(["workload", "direct", "podshim", "podshim/direct"], rows))
+    print()
+    print("targets (issue 2): p50 added <= 0.3 ms, p99 added <= 2 ms, throughput >= 0.70 of direct at 16")
+    print(
+        result_line(
+            p50_added_ms=worst(p50_added),
+            p99_added_ms=worst(p99_added),
+            throughput_ratio_16=ratios.get(16, float("nan")),
+        ),
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+    sys.exit(main())

@@ -1,0 +1,490 @@
+"""bench/restore: warm start through RestorePod, and restore time vs plain ``runc restore`` (issue 4).
+
+1. Warm start. A counter that spends ``--init-seconds`` (10) initialising ``--warm-mem`` (512)
+   MiB. Cold: from the RunPodSandbox request (then CreateContainer, StartContainer, as a kubelet
+   does) until its ``ready`` line is in the CRI log. Restored: from the RestorePod request (then
+   StartContainer of each returned container, as a kubelet does) until the restored counter's
+   next ``count=`` line is in the new pod's log. Cold and restored runs alternate; one
+   CheckpointPod of the first cold pod serves all restores. Target: restored/cold <= 0.15.
+2. Restore time vs memory size (``--mem``, default 64,256,1024 MiB). For each size one counter
+   pod is checkpointed with CheckpointPod; then, alternating the order per repeat:
+   * podshim: RestorePod + StartContainer until the first new ``count=`` line in the new log;
+   * raw: ``runc --root <bed runc root> --criu /usr/local/sbin/criu restore --detach
+     --image-path <copy of the archive's CRIU images> --work-path <fresh dir> --bundle <B>``
+     where B holds the checkpointed container's ``spec.dump`` (root = a copy of the source
+     container's rootfs, cgroupsPath = a fresh cgroup in the bed's subtree; it joins the still
+     running source pod's network/IPC/UTS namespaces, as the spec says), until the restored
+     process writes its first new ``count=`` line to the stdout pipe runc hands it.
+   Both read images that are in the page cache (the archive was just written, the copy just
+   made); the disk is synced before each measurement. CRIU's own ``restore_time`` (from the
+   ``stats-restore`` each restore leaves in its work dir) is shown for both.
+
+Ends with ``RESULT warm_start_ratio=… restore_ratio_vs_runc=…`` (medians; the runc ratio is the
+worst over the sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from api.runtime.v1 import api_pb2 as cri
+from api.runtime.v1 import api_pb2_grpc
+from bench.common import (
+    COUNT_RE,
+    READY_RE,
+    CriLog,
+    bench_bed,
+    checkpoint_pod,
+    counter_config,
+    machine_summary,
+    median,
+    meminfo_mib,
+    ratio,
+    read_criu_stats,
+    remove_pod,
+    remove_tree,
+    result_line,
+    runc_argv,
+    runtime_stub,
+    say,
+    start_counter_pod,
+    sync_disk,
+    table,
+    worst,
+)
+from testbed import pods
+from testbed.bed import NAMESPACE, TestBed
+
+WARM_TARGET = 0.15
+RESTORE_WORK_DIR = "podshim-restore"  # podshim-runc's CRIU work dir inside the container bundle
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.restore", description=__doc__.split("\n\n")[0])
+    p.add_argument("--warm-mem", type=int, default=512, help="MiB of the warm-start workload (512)")
+    p.add_argument("--init-seconds", type=int, default=10, help="its initialisation time (10)")
+    p.add_argument("--mem", default="64,256,1024", help="sizes for podshim vs runc restore (MiB)")
+    p.add_argument("--repeat", type=int, default=3, help="repeats of every measurement (default 3)")
+    p.add_argument("--skip-warm", action="store_true", help="skip part 1 (warm start)")
+    p.add_argument("--skip-sizes", action="store_true", help="skip part 2 (podshim vs runc restore)")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------- podshim's restore
+
+
+@dataclass
+class Restored:
+    pod_id: str
+    call: float  # RestorePod
+    start: float  # StartContainer (all)
+    first: float  # request -> first new count line
+    count: int  # the value it resumed at
+    criu_restore_s: float  # CRIU's restore_time from stats-restore
+
+
+def task_dir(bed: TestBed, cid: str) -> Path:
+    return Path(bed.containerd_state) / "io.containerd.runtime.v2.task" / NAMESPACE / cid
+
+
+def podshim_restore(
+    rt: api_pb2_grpc.RuntimeServiceStub,
+    bed: TestBed,
+    archive: Path,
+    configs: dict[str, cri.ContainerConfig],
+    name: str,
+) -> Restored:
+    """RestorePod, then StartContainer of every returned container (as the kubelet does), until
+    the first restored container prints its next count line in the new pod's log."""
+    new = pods.pod_config(name, bed.pod_logs_dir)
+    first_name = next(iter(configs))
+    log = CriLog(Path(new.log_directory) / configs[first_name].log_path)
+    sync_disk()
+    t0 = time.perf_counter()
+    resp = rt.RestorePod(
+        cri.RestorePodRequest(
+            checkpoint_path=str(archive), config=new, container_configs=list(configs.values())
+        ),
+        timeout=600,
+    )
+    t1 = time.perf_counter()
+    for c in resp.restored_containers:
+        rt.StartContainer(cri.StartContainerRequest(container_id=c.container_id), timeout=600)
+    t2 = time.perf_counter()
+    seen, line = log.wait(COUNT_RE, 120)
+    m = COUNT_RE.search(line)
+    cid = next(c.container_id for c in resp.restored_containers if c.name == first_name)
+    stats = read_criu_stats(task_dir(bed, cid) / RESTORE_WORK_DIR / "stats-restore", "restore")
+    return Restored(
+        pod_id=resp.pod_sandbox_id,
+        call=t1 - t0,
+        start=t2 - t1,
+        first=seen - t0,
+        count=int(m.group(1)) if m else -1,
+        criu_restore_s=stats.get("restore_time", 0) / 1e6 if stats else float("nan"),
+    )
+
+
+# ---------------------------------------------------------------------------- warm start
+
+
+def warm_start(rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed, args: argparse.Namespace) -> dict:
+    cc = counter_config("app", args.warm_mem, 100, args.init_seconds)
+    configs = {"app": cc}
+    colds: list[float] = []
+    restores: list[Restored] = []
+
+    def cold(i: int) -> pods.Pod:
+        config = pods.pod_config(f"warm-cold-{i}", bed.pod_logs_dir)
+        log = CriLog(Path(config.log_directory) / cc.log_path)
+        sync_disk()
+        t0 = time.perf_counter()
+        pod_id = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=config), timeout=300).pod_sandbox_id
+        cid = rt.CreateContainer(
+            cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config), timeout=300
+        ).container_id
+        rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=300)
+        seen, _ = log.wait(READY_RE, args.init_seconds * 4 + 120)
+        colds.append(seen - t0)
+        say(f"  cold start {i + 1}: ready after {colds[-1]:.3f}s")
+        return pods.Pod(pod_id, config, {"app": cid})
+
+    def restore(i: int) -> None:
+        r = podshim_restore(rt, bed, archive, configs, f"warm-restored-{i}")
+        restores.append(r)
+        say(
+            f"  restore {i + 1}: RestorePod {r.call:.3f}s + StartContainer {r.start:.3f}s, "
+            f"count={r.count} after {r.first:.3f}s (CRIU restore_time {r.criu_restore_s:.3f}s)"
+        )
+        remove_pod(rt, r.pod_id)
+
+    say(f"warm start: {args.warm_mem} MiB, {args.init_seconds}s init; cold 1 is the checkpoint's source")
+    source = cold(0)
+    pods.wait_count(source.log_path("app"), 3, timeout=60)
+    archive = Path(bed.checkpoint_root) / "warm"
+    wall, m = checkpoint_pod(rt, source.id, archive)
+    say(f"  CheckpointPod of the source: {wall:.3f}s (freeze {m['timings']['freeze_window']:.3f}s)")
+    for i in range(args.repeat):
+        if i % 2 == 0:
+            restore(i)
+            remove_pod(rt, cold(i + 1).id)
+        else:
+            remove_pod(rt, cold(i + 1).id)
+            restore(i)
+    remove_pod(rt, source.id)
+    remove_tree(archive)
+    return {"cold": colds, "restored": restores}
+
+
+# ---------------------------------------------------------------------------- raw runc restore
+
+
+@dataclass
+class RawRestore:
+    runc: float  # runc restore --detach until it exited
+    first: float  # request -> first new count line on the pipe
+    count: int
+    criu_restore_s: float
+
+
+@dataclass
+class RawBundle:
+    """Everything a plain runc restore needs, built once per size from podshim's archive."""
+
+    base: Path
+    images: Path
+    spec: dict
+    source_rootfs: Path
+    runs: list[str] = field(default_factory=list)
+
+
+def build_raw_bundle(bed: TestBed, archive: Path, source_cid: str, container: str) -> RawBundle:
+    base = Path(bed.checkpoint_root) / f"raw-{secrets.token_hex(3)}"
+    base.mkdir(mode=0o700)
+    images = base / "images"
+    shutil.copytree(archive / "containers" / container / "checkpoint", images, symlinks=True)
+    spec = json.loads((archive / "containers" / container / "spec.dump").read_text())
+    rootfs = task_dir(bed, source_cid) / "rootfs"  # the source container's live overlay mount
+    if not (rootfs / "counter").exists() and not any(rootfs.iterdir()):
+        raise RuntimeError(f"source rootfs {rootfs} is not mounted")
+    return RawBundle(base, images, spec, rootfs)
+
+
+def raw_restore(bed: TestBed, rb: RawBundle, index: int) -> RawRestore:
+    """One plain ``runc restore --detach`` into a fresh bundle; killed and deleted afterwards."""
+    raw_id = f"benchraw-{secrets.token_hex(4)}"
+    bundle = rb.base / f"bundle-{index}"
+    work = rb.base / f"work-{index}"
+    work.mkdir(mode=0o700)
+    bundle.mkdir(mode=0o700)
+    subprocess.run(["cp", "-a", str(rb.source_rootfs), str(bundle / "rootfs")], check=True)
+    spec = json.loads(json.dumps(rb.spec))
+    spec["root"] = {"path": str(bundle / "rootfs"), "readonly": bool(spec.get("root", {}).get("readonly"))}
+    spec.setdefault("linux", {})["cgroupsPath"] = f"{bed.cgroup_root}/bench-raw/{raw_id}"
+    (bundle / "config.json").write_text(json.dumps(spec))
+    argv = runc_argv(
+        bed,
+        "restore",
+        "--detach",
+        "--image-path",
+        str(rb.images),
+        "--work-path",
+        str(work),
+        "--bundle",
+        str(bundle),
+        raw_id,
+    )
+    r_fd, w_fd = os.pipe()
+    seen: list[tuple[float, bytes]] = []
+    got = threading.Event()
+
+    def reader() -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(r_fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if not seen and COUNT_RE.search(line):
+                    seen.append((time.perf_counter(), line))
+                    got.set()
+        got.set()
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    rb.runs.append(raw_id)
+    stderr = open(work / "runc-stderr.log", "wb")  # runc's and the restored stderr
+    try:
+        sync_disk()
+        t0 = time.perf_counter()
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=w_fd, stderr=stderr, timeout=600)
+        t1 = time.perf_counter()
+        os.close(w_fd)
+        w_fd = -1
+        if proc.returncode != 0:
+            tail = (work / "restore.log").read_text(errors="replace").splitlines()[-6:]
+            err = (work / "runc-stderr.log").read_text(errors="replace").strip()[-400:]
+            raise RuntimeError(f"runc restore failed ({proc.returncode}): {err} | {' | '.join(tail)}")
+        got.wait(120)
+        if not seen:
+            raise RuntimeError("the raw-restored counter printed no count line within 120s")
+        t2, line = seen[0]
+        m = COUNT_RE.search(line)
+        stats = read_criu_stats(work / "stats-restore", "restore")
+        return RawRestore(
+            runc=t1 - t0,
+            first=t2 - t0,
+            count=int(m.group(1)) if m else -1,
+            criu_restore_s=stats.get("restore_time", 0) / 1e6 if stats else float("nan"),
+        )
+    finally:
+        if w_fd >= 0:
+            os.close(w_fd)
+        stderr.close()
+        delete_raw(bed, raw_id)
+        os.close(r_fd)
+        thread.join(timeout=5)
+        remove_tree(bundle)
+
+
+def delete_raw(bed: TestBed, raw_id: str) -> None:
+    subprocess.run(runc_argv(bed, "kill", raw_id, "KILL"), capture_output=True, timeout=30)
+    for _ in range(50):
+        res = subprocess.run(runc_argv(bed, "delete", "--force", raw_id), capture_output=True, timeout=30)
+        if res.returncode == 0 or not (Path(bed.runc_root) / raw_id).exists():
+            return
+        time.sleep(0.1)
+    say(f"warning: runc delete {raw_id} failed: {res.stderr.decode(errors='replace').strip()}")
+
+
+def sandbox_alone(rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed, name: str) -> float:
+    """Reference: RunPodSandbox of an empty pod (pause + CNI), the part of a restore into a new pod
+    that a raw runc restore into an existing pod's namespaces does not pay."""
+    config = pods.pod_config(name, bed.pod_logs_dir)
+    sync_disk()
+    t0 = time.perf_counter()
+    pod_id = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=config), timeout=300).pod_sandbox_id
+    took = time.perf_counter() - t0
+    remove_pod(rt, pod_id)
+    return took
+
+
+def size_sweep(rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed, args: argparse.Namespace) -> dict:
+    results: dict[int, dict[str, list]] = {}
+    for idx, mem in enumerate(int(x) for x in args.mem.split(",") if x.strip()):
+        if meminfo_mib() < mem * 4 + 1024:
+            say(f"size {mem} MiB skipped: only {meminfo_mib()} MiB available")
+            continue
+        say(f"restore vs runc: {mem} MiB")
+        cc = counter_config("counter", mem, 100)
+        configs = {"counter": cc}
+        source = start_counter_pod(rt, bed, f"rs-src-{mem}", configs)
+        pods.wait_count(source.log_path("counter"), 3, timeout=60)
+        archive = Path(bed.checkpoint_root) / f"sweep-{mem}"
+        wall, m = checkpoint_pod(rt, source.id, archive)
+        say(f"  CheckpointPod: {wall:.3f}s")
+        rb = build_raw_bundle(bed, archive, source.containers["counter"], "counter")
+        res: dict[str, list] = {"podshim": [], "raw": [], "sandbox": []}
+        try:
+            for r in range(args.repeat):
+                podshim_first = (idx + r) % 2 == 0
+                for which in ("podshim", "raw") if podshim_first else ("raw", "podshim"):
+                    if which == "podshim":
+                        p = podshim_restore(rt, bed, archive, configs, f"rs-{mem}-{r}")
+                        res["podshim"].append(p)
+                        remove_pod(rt, p.pod_id)
+                        say(
+                            f"  rep {r + 1} podshim: RestorePod {p.call:.3f}s + StartContainer "
+                            f"{p.start:.3f}s, count={p.count} after {p.first:.3f}s "
+                            f"(CRIU restore_time {p.criu_restore_s:.3f}s)"
+                        )
+                    else:
+                        q = raw_restore(bed, rb, r)
+                        res["raw"].append(q)
+                        say(
+                            f"  rep {r + 1} raw:     runc restore {q.runc:.3f}s, count={q.count} after "
+                            f"{q.first:.3f}s (CRIU restore_time {q.criu_restore_s:.3f}s)"
+                        )
+                res["sandbox"].append(sandbox_alone(rt, bed, f"rs-sandbox-{mem}-{r}"))
+        except (grpc.RpcError, RuntimeError, TimeoutError, subprocess.SubprocessError) as e:
+            detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+            say(f"  size {mem} MiB failed: {detail}")
+            res["error"] = [detail]
+        finally:
+            remove_pod(rt, source.id)
+            remove_tree(rb.base)
+            remove_tree(archive)
+        results[mem] = res
+    return results
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print("bench/restore: warm start via RestorePod, and podshim restore vs plain runc restore", flush=True)
+    print(machine_summary(), flush=True)
+    warm: dict = {}
+    sweep: dict = {}
+    with bench_bed() as bed:
+        rt = runtime_stub(bed.podshim_socket)
+        say("warm-up: a small pod, CheckpointPod, RestorePod + StartContainer (not counted)")
+        cc = counter_config("counter", 16, 100)
+        pod = start_counter_pod(rt, bed, "rs-warmup", {"counter": cc})
+        archive = Path(bed.checkpoint_root) / "warmup"
+        checkpoint_pod(rt, pod.id, archive)
+        r = podshim_restore(rt, bed, archive, {"counter": cc}, "rs-warmup-restored")
+        remove_pod(rt, r.pod_id)
+        remove_pod(rt, pod.id)
+        remove_tree(archive)
+        if not args.skip_warm:
+            warm = warm_start(rt, bed, args)
+        if not args.skip_sizes:
+            sweep = size_sweep(rt, bed, args)
+
+    warm_ratio = float("nan")
+    if warm:
+        colds, rest = warm["cold"], warm["restored"]
+        warm_ratio = ratio(median([r.first for r in rest]), median(colds))
+        print()
+        print(
+            f"Warm start: {args.warm_mem} MiB, --init-seconds {args.init_seconds}, seconds "
+            f"(median of {len(colds)} cold / {len(rest)} restored)"
+        )
+        print(
+            table(
+                ["path", "to ready / next count", "RestorePod", "StartContainer", "CRIU restore_time"],
+                [
+                    ["cold (RunPodSandbox..ready)", median(colds), "", "", ""],
+                    [
+                        "restored (RestorePod..count)",
+                        median([r.first for r in rest]),
+                        median([r.call for r in rest]),
+                        median([r.start for r in rest]),
+                        median([r.criu_restore_s for r in rest]),
+                    ],
+                    ["restored / cold", warm_ratio, "", "", ""],
+                ],
+            )
+        )
+    ratios = []
+    if sweep:
+        rows = []
+        for mem, res in sweep.items():
+            ps, raw = res["podshim"], res["raw"]
+            rr = ratio(median([p.first for p in ps]), median([q.first for q in raw]))
+            if ps and raw:
+                ratios.append(rr)
+            rows.append(
+                [
+                    f"{mem} MiB",
+                    f"{len(ps)}/{len(raw)}",
+                    median([p.call for p in ps]),
+                    median([p.start for p in ps]),
+                    median([p.first for p in ps]),
+                    median([p.criu_restore_s for p in ps]),
+                    median([q.runc for q in raw]),
+                    median([q.first for q in raw]),
+                    median([q.criu_restore_s for q in raw]),
+                    rr,
+                    median(res["sandbox"]),
+                ]
+            )
+        print()
+        print(
+            "Restore vs memory size, seconds (medians); 'to count' = request until the first new count line"
+        )
+        print(
+            table(
+                [
+                    "size",
+                    "n shim/raw",
+                    "RestorePod",
+                    "StartCtr",
+                    "shim to count",
+                    "shim CRIU",
+                    "runc restore",
+                    "raw to count",
+                    "raw CRIU",
+                    "shim/raw",
+                    "sandbox ref",
+                ],
+                rows,
+            )
+        )
+        print(
+            "shim = RestorePod (archive checksums, new sandbox + CNI, CreateContainer) + StartContainer "
+            "(podshim-runc: rootfs diff,\nrunc restore); raw = runc restore --detach of a copy of the same "
+            "images into a prepared bundle; CRIU = restore_time\nfrom each restore's stats-restore; "
+            "sandbox ref = RunPodSandbox of an empty pod alone (pause + CNI), which a\n"
+            "restore into a new pod pays and a raw restore into the source pod's namespaces does not."
+        )
+        for mem, res in sweep.items():
+            if "error" in res:
+                print(f"size {mem} MiB: {res['error'][0]}")
+    print()
+    print(f"target (issue 4): restored/cold <= {WARM_TARGET}")
+    print(result_line(warm_start_ratio=warm_ratio, restore_ratio_vs_runc=worst(ratios)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
