@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,9 @@ RESTORE_OPTIONS_ANNOTATION = "podshim.restore.criu-options"
 RESTORED_MARKER = "podshim-restored"  # in the runtime's state dir of the container
 WORK_DIR = "podshim-restore"  # in the bundle: CRIU's work dir (log, restore stats, config)
 CRIU_CONFIG_ANNOTATION = "org.criu.config"  # runc/crun read CRIU options from this file
+# <state_dir>/imports: container checkpoint tars extracted by podshim's CreateContainer
+# (shim/container_checkpoint.py); podshim-owned, so accepted like the allowed roots.
+IMPORTS_DIR = "imports"
 
 
 def _arg(rest: list[str], *names: str) -> str | None:
@@ -82,7 +86,8 @@ def restore(
     log_file = flags.get("--log")
     try:
         cfg = config.load()
-        ckpt = paths.validate_archive_dir(str(ckpt), cfg.allowed_roots)
+        roots = [*cfg.allowed_roots, str(Path(cfg.state_dir) / IMPORTS_DIR)]
+        ckpt = paths.validate_archive_dir(str(ckpt), roots)
     except (config.ConfigError, ShimError) as e:
         _fail(f"restore of {container_id}: {e}", log_file)
     cl = layout.ContainerLayout(root=ckpt, rel="")
@@ -126,13 +131,14 @@ def restore(
     )
     # stdio and every other descriptor the upstream gave us go to the restored process.
     faults.hit("runc-wrapper.before-restore")
-    result = subprocess.run(cmd, close_fds=False, check=False)
-    if result.returncode != 0:
+    state_dir = Path(flags.get("--root", "")) / container_id
+    returncode = _run_guarded(cmd, spec.get("linux", {}).get("cgroupsPath", ""), work, state_dir)
+    if returncode != 0:
         log_path = work / "restore.log"
         kept = _keep_log(log_path, cfg.state_dir, container_id)
         detail = "; ".join(criu_error_lines(log_path))
         _fail(
-            f"CRIU restore of container {container_id} from {ckpt} failed (exit {result.returncode}): "
+            f"CRIU restore of container {container_id} from {ckpt} failed (exit {returncode}): "
             f"{detail} (CRIU log: {kept})",
             log_file,
         )
@@ -142,6 +148,56 @@ def restore(
     except OSError as e:
         _fail(f"restored {container_id} but cannot record it in {marker_dir}: {e}", log_file)
     raise SystemExit(0)
+
+
+def _run_guarded(cmd: list[str], cgroups_path: str, work: Path, state_dir: Path) -> int:
+    """Run the restore with a watchdog: the upstream kills podshim-runc (SIGKILL) when
+    StartContainer is cancelled, and runc's CRIU and the half-restored tasks must not go on
+    unowned. The watchdog waits on a pipe; if podshim-runc dies before the restore ended, it
+    kills the restore's process group and every process in the container's cgroup, detaches the
+    mounts CRIU left under the work dir and the runtime's state dir, and removes a state dir the
+    killed restore never completed (so the upstream's `delete` finds nothing to trip on)."""
+    # stdio and every other descriptor the upstream gave us go to the restored process.
+    child = subprocess.Popen(cmd, close_fds=False, start_new_session=True)
+    read_end, write_end = os.pipe()
+    if os.fork() == 0:  # the watchdog
+        try:
+            os.close(write_end)
+            os.closerange(0, read_end)  # hold none of the upstream's stdio open
+            os.closerange(read_end + 1, 4096)
+            if os.read(read_end, 1) == b"":  # EOF: podshim-runc died mid-restore
+                _kill_restore(child.pid, cgroups_path, [work, state_dir])
+        finally:
+            os._exit(0)
+    os.close(read_end)
+    returncode = child.wait()
+    os.write(write_end, b"d")  # done: the watchdog leaves everything alone
+    os.close(write_end)
+    return returncode
+
+
+def _kill_restore(pgid: int, cgroups_path: str, dirs: list[Path]) -> None:
+    import contextlib
+
+    from shim.cgroups import cgroup_procs
+
+    with contextlib.suppress(OSError):
+        os.killpg(pgid, signal.SIGKILL)
+    if cgroups_path:
+        with contextlib.suppress(Exception):
+            for pid in cgroup_procs(cgroups_path):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+    prefixes = tuple(f"{d}/" for d in dirs)
+    with contextlib.suppress(OSError):
+        mounts = [line.split()[4] for line in open("/proc/self/mountinfo")]
+        for target in sorted((m for m in mounts if m.startswith(prefixes)), key=len, reverse=True):
+            subprocess.run(["umount", "-l", target], check=False, capture_output=True)
+    state_dir = dirs[-1]
+    if state_dir.is_dir() and not (state_dir / "state.json").exists():
+        import shutil
+
+        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def _keep_log(log_path: Path, state_dir: str, container_id: str) -> str:

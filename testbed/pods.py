@@ -106,7 +106,9 @@ def run_pod(
         cri.RunPodSandboxRequest(config=config, runtime_handler=runtime_handler)
     ).pod_sandbox_id
     ids = {}
-    for cname, cc in (containers or {"counter": container_config("counter")}).items():
+    if containers is None:
+        containers = {"counter": container_config("counter")}
+    for cname, cc in containers.items():
         cid = rt.CreateContainer(
             cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config)
         ).container_id

@@ -884,12 +884,21 @@ def test_deadline_during_a_hung_criu_restore(
             )
 
         pods.wait_for(rolled_back, timeout=40, interval=0.5, what="the rollback of the timed-out restore")
-        # Known leak, not podshim's rollback: containerd kills podshim-runc when StartContainer is
-        # cancelled, but `runc restore`, CRIU and the half-restored task live on (reparented to
-        # init; CRIU keeps spinning and logging), with CRIU's cgroup-yard mounts and runc's state.
-        leaked = kill_restores_of(copy)
-        if leaked:
-            pytest.xfail(f"a cancelled StartContainer leaves the CRIU restore running: {leaked}")
+        # containerd kills podshim-runc when StartContainer is cancelled; podshim-runc's watchdog
+        # then kills `runc restore`, CRIU and the half-restored task and detaches CRIU's mounts.
+        assert not kill_restores_of(copy), "a cancelled StartContainer left the CRIU restore running"
+
+        def host_clean() -> bool:
+            now = HostState.take(rt, bed)
+            return (now.mounts, now.runc_state) == (before.mounts, before.runc_state)
+
+        try:
+            pods.wait_for(host_clean, timeout=30, interval=0.5, what="no mounts or runc state left")
+        except TimeoutError:
+            now = HostState.take(rt, bed)
+            raise AssertionError(
+                f"left: mounts {now.mounts - before.mounts}, runc state {now.runc_state - before.runc_state}"
+            ) from None
     finally:
         kill_restores_of(copy)
         now = HostState.take(rt, bed)
