@@ -39,6 +39,9 @@ class Config:
     # Timeout for upstream calls made by podshim itself when the caller set no deadline.
     upstream_timeout: float = 120.0
     allowed_roots: tuple[str, ...] = ("/var/lib/kubelet/pod-checkpoints",)
+    # CheckpointContainer: "fallback" asks the upstream first and checkpoints itself only when
+    # the upstream answers UNIMPLEMENTED; "always" never asks the upstream.
+    container_checkpoint: str = "fallback"
     log_format: str = "json"
     log_level: str = "info"
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -72,11 +75,15 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
         "endpoint": ("upstream_endpoint", str),
         "timeout_seconds": ("upstream_timeout", float),
     },
-    "checkpoint": {"allowed_roots": ("allowed_roots", list)},
+    "checkpoint": {
+        "allowed_roots": ("allowed_roots", list),
+        "container_checkpoint": ("container_checkpoint", str),
+    },
     "log": {"format": ("log_format", str), "level": ("log_level", str)},
 }
 _RUNTIME_KEYS: dict[str, type] = {f.name: str for f in fields(RuntimeConfig)}
 _LOG_FORMATS = ("json", "console")
+CONTAINER_CHECKPOINT_MODES = ("fallback", "always")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -164,6 +171,11 @@ def _validate(cfg: Config) -> Config:
     if not cfg.upstream_endpoint.startswith(("unix://", "unix:")):
         raise ConfigError(
             f"upstream.endpoint: must be a unix socket URL (unix:///path), got {cfg.upstream_endpoint!r}"
+        )
+    if cfg.container_checkpoint not in CONTAINER_CHECKPOINT_MODES:
+        raise ConfigError(
+            f"checkpoint.container_checkpoint: must be one of {', '.join(CONTAINER_CHECKPOINT_MODES)}, "
+            f"got {cfg.container_checkpoint!r}"
         )
     for root in cfg.allowed_roots:
         if not root.startswith("/"):

@@ -4,6 +4,8 @@ metrics and logs around each operation, and crash recovery at start (DESIGN §8)
 from __future__ import annotations
 
 import contextlib
+import functools
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ from shim.archive import fsutil, layout
 from shim.cgroups import thaw_paths
 from shim.checkpoint import PodCheckpointer
 from shim.config import Config
+from shim.container_checkpoint import ArchiveImporter, ContainerCheckpointer
 from shim.restore import PodRestorer
 from shim.state import Journal
 from shim.upstream import Upstream
@@ -96,10 +99,46 @@ class Engine:
         with self._operation("restore_pod", keys, pod=f"{md.namespace}/{md.name}", path=req.checkpoint_path):
             return await self.restorer.restore(req, context.time_remaining())
 
+    @property
+    def container_checkpoint_mode(self) -> str:
+        """`[checkpoint] container_checkpoint`: "fallback" (ask the upstream first) or "always"."""
+        return self.config.container_checkpoint
+
+    @functools.cached_property
+    def container_checkpointer(self) -> ContainerCheckpointer:
+        return ContainerCheckpointer(self.config, self.upstream, self.journal, self.checkpointer)
+
+    @functools.cached_property
+    def archive_importer(self) -> ArchiveImporter:
+        return ArchiveImporter(self.config, self.upstream)
+
     async def checkpoint_container(
         self, req: cri.CheckpointContainerRequest, context: grpc.aio.ServicerContext
     ) -> cri.CheckpointContainerResponse:
-        raise errors.Unimplemented("podshim: CheckpointContainer is not implemented yet")
+        """KEP-2008 in podshim: one tar at `location`, the container left running (DESIGN §5)."""
+        hold = functools.partial(self.locks.hold, "checkpoint_container")
+        # the pod and path locks are taken inside, once the container's pod is known
+        with self._operation("checkpoint_container", [], container=req.container_id, path=req.location):
+            result = await self.container_checkpointer.checkpoint(req, context.time_remaining(), hold)
+        metrics.freeze_window.observe(result.freeze_window)
+        metrics.archive_size.labels("checkpoint_container").observe(result.size)
+        return cri.CheckpointContainerResponse()
+
+    async def create_container_from_archive(
+        self, req: cri.CreateContainerRequest, context: grpc.aio.ServicerContext
+    ) -> cri.CreateContainerResponse:
+        """CreateContainer whose image is a container checkpoint tar (CRI-O's convention)."""
+        path = req.config.image.image
+        with self._operation("restore_container", [], pod=req.pod_sandbox_id, path=path):
+            return await self.archive_importer.create(req, context.time_remaining())
+
+    async def forget_container(self, container_id: str) -> None:
+        """After RemoveContainer (its id) or RemovePodSandbox (""): remove the checkpoint imports
+        (CreateContainer from a tar) whose container is gone."""
+        if container_id:
+            await self.archive_importer.forget(container_id)
+        else:
+            await self.archive_importer.sweep()
 
     async def recover(self) -> None:
         """Undo what a crashed podshim left: thaw pods, remove partial archives (DESIGN §8)."""
@@ -109,7 +148,9 @@ class Engine:
             if rec.kind in ("checkpoint", "checkpoint-container"):
                 thaw_paths(list(data.get("cgroups", [])))
                 out = data.get("output_path")
-                if out and not (Path(out) / layout.MANIFEST_FILE).exists():
+                if rec.kind == "checkpoint-container" and out and fsutil.is_temp_name(Path(out).name):
+                    shutil.rmtree(out, ignore_errors=True)  # podshim's staging dir next to the tar
+                elif out and not (Path(out) / layout.MANIFEST_FILE).exists():
                     with contextlib.suppress(OSError):
                         fsutil.clear_dir_contents(Path(out))
             elif rec.kind == "restore" and data.get("sandbox_id"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shim.cli import client, serve
+from shim.cli import client, inspect, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_global_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.register(sub)
+    inspect.register(sub)
     client.register(sub)
     return parser
 

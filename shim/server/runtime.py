@@ -36,6 +36,15 @@ class Engine(Protocol):
         self, req: cri.CheckpointContainerRequest, context: grpc.aio.ServicerContext
     ) -> cri.CheckpointContainerResponse: ...
 
+    @property
+    def container_checkpoint_mode(self) -> str: ...  # "fallback" (upstream first) or "always"
+
+    async def create_container_from_archive(
+        self, req: cri.CreateContainerRequest, context: grpc.aio.ServicerContext
+    ) -> cri.CreateContainerResponse: ...
+
+    async def forget_container(self, container_id: str) -> None: ...
+
     async def recover(self) -> None: ...
 
 
@@ -103,8 +112,16 @@ class RuntimeHandlers:
     def guarded_create(self) -> grpc.RpcMethodHandler:
         """CreateContainer: podshim's restore annotations are reserved — only RestorePod sets them,
         so a client cannot make podshim-runc restore an arbitrary directory. The request is
-        decoded to check, and forwarded as the original bytes."""
+        decoded to check, and forwarded as the original bytes. An image that is an absolute path
+        is a container checkpoint archive (CRI-O's convention; no image reference starts with
+        '/'): podshim creates the container from it."""
         forward = self.passthrough.unary(SERVICE + "CreateContainer")
+        from_archive = typed_handler(
+            "CreateContainer",
+            self._engine_call("CreateContainerFromArchive"),
+            cri.CreateContainerRequest,
+            cri.CreateContainerResponse,
+        ).unary_unary
 
         async def create(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             req = cri.CreateContainerRequest.FromString(request)
@@ -114,9 +131,51 @@ class RuntimeHandlers:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"annotation {reserved[0]!r} is reserved for podshim's RestorePod: remove it",
                 )
+            if req.config.image.image.startswith("/"):
+                resp = await from_archive(req, context)
+                return resp.SerializeToString()
             return await forward(request, context)
 
         return grpc.unary_unary_rpc_method_handler(create)
+
+    def checkpoint_container(self) -> grpc.RpcMethodHandler:
+        """CheckpointContainer: the upstream's when it has one (forwarded first, as bytes);
+        podshim's own when it answers UNIMPLEMENTED (containerd 1.6), or always by config."""
+        method = SERVICE + "CheckpointContainer"
+        own = self._engine_call("CheckpointContainer")
+
+        async def call(
+            req: cri.CheckpointContainerRequest, context: grpc.aio.ServicerContext
+        ) -> cri.CheckpointContainerResponse:
+            if self.engine is None or self.engine.container_checkpoint_mode != "always":
+                try:
+                    raw = await self.passthrough.call_unary(method, req.SerializeToString(), context)
+                    return cri.CheckpointContainerResponse.FromString(raw)
+                except grpc.aio.AioRpcError as err:
+                    if self.engine is None or err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        await self.passthrough.abort_with(context, err)
+                        raise
+            return await own(req, context)  # type: ignore[return-value]
+
+        return typed_handler(
+            "CheckpointContainer", call, cri.CheckpointContainerRequest, cri.CheckpointContainerResponse
+        )
+
+    def cleanup_after(self, method: str, container_id: Callable[[bytes], str]) -> grpc.RpcMethodHandler:
+        """RemoveContainer/RemovePodSandbox: forwarded; once the upstream removed it, podshim drops
+        the checkpoint imports nobody uses any more (a failure there is logged, never returned)."""
+        forward = self.passthrough.unary(SERVICE + method)
+
+        async def remove(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            response = await forward(request, context)
+            if self.engine is not None:
+                try:
+                    await self.engine.forget_container(container_id(request))
+                except Exception:  # noqa: BLE001 - the removal succeeded; the leftover is swept later
+                    log.exception("removing checkpoint imports failed", method=method)
+            return response
+
+        return grpc.unary_unary_rpc_method_handler(remove)
 
     def _engine_call(self, name: str) -> Handler:
         async def call(request: Message, context: grpc.aio.ServicerContext) -> Message:
@@ -135,6 +194,11 @@ class RuntimeHandlers:
             SERVICE + "StopPodSandbox": self.idempotent_stop("StopPodSandbox"),
             SERVICE + "StopContainer": self.idempotent_stop("StopContainer"),
             SERVICE + "CreateContainer": self.guarded_create(),
+            SERVICE + "CheckpointContainer": self.checkpoint_container(),
+            SERVICE + "RemoveContainer": self.cleanup_after(
+                "RemoveContainer", lambda raw: cri.RemoveContainerRequest.FromString(raw).container_id
+            ),
+            SERVICE + "RemovePodSandbox": self.cleanup_after("RemovePodSandbox", lambda _raw: ""),
         }
         for name in ("CheckpointPod", "RestorePod"):
             req_cls = getattr(cri, f"{name}Request")

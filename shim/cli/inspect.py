@@ -1,0 +1,349 @@
+"""`podshim inspect PATH`: what a checkpoint holds, read from disk (no daemon needed).
+
+PATH is a pod checkpoint directory (CheckpointPod's output_path, with manifest.json) or a
+container checkpoint tar (CheckpointContainer's output; also those of CRI-O and containerd,
+minus what only podshim's manifest records). Nothing is extracted or modified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Any
+
+from shim import errors
+from shim.archive import fsutil, layout, manifest
+from shim.cli import client, output
+
+PAGES = f"{layout.CHECKPOINT_DIR}/pages-*.img"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="show a pod checkpoint directory or a container checkpoint tar (or containers by id)",
+        description=(
+            "Read a pod checkpoint directory (manifest.json: pod, containers, sizes, versions, "
+            "timings, freeze window) or a container checkpoint tar (config.dump, spec.dump, "
+            "podshim's manifest) and print what it holds; nothing is extracted or changed. "
+            "Arguments that are not existing paths are container ids (crictl inspect)."
+        ),
+    )
+    client.add_global_options(p, suppress=True)
+    p.add_argument(
+        "targets", nargs="+", metavar="PATH|ID", help="checkpoint dir, checkpoint .tar or container id"
+    )
+    p.add_argument(
+        "--verify", action="store_true", help="also check every file's size and sha256 against the manifest"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    targets = [str(t) for t in args.targets]
+    existing = [t for t in targets if os.path.lexists(t)]
+    if not existing:
+        return client.inspect_container(args, targets)
+    if len(existing) != len(targets):
+        missing = ", ".join(t for t in targets if t not in existing)
+        client._err("inspect", f"mix of checkpoint paths and container ids ({missing}): inspect them apart")
+        return client.EXIT_USAGE
+    try:
+        infos = [inspect_path(Path(t), verify=args.verify) for t in targets]
+    except errors.ShimError as e:
+        client._err("inspect", e.message)
+        return client.EXIT_RUNTIME
+    except OSError as e:
+        client._err("inspect", f"{e.filename or ''}: {e.strerror or e}")
+        return client.EXIT_RUNTIME
+    fmt = client.output_of(args, "table")
+    if fmt == "table":
+        print("\n\n".join(pod_table(i) if i["kind"] == "pod" else container_table(i) for i in infos))
+    else:
+        output.render(infos[0] if len(infos) == 1 else infos, fmt)
+    return client.EXIT_OK
+
+
+def inspect_path(path: Path, verify: bool = False) -> dict[str, Any]:
+    if path.is_dir():
+        return inspect_pod(path, verify)
+    if path.is_file():
+        return inspect_container_tar(path, verify)
+    if not path.exists():
+        raise errors.NotFound(f"{path} does not exist")
+    raise errors.InvalidArgument(f"{path} is neither a checkpoint directory nor a tar")
+
+
+# ---------------------------------------------------------------------------- pod checkpoint
+
+
+def _sum(files: dict[str, int], pattern: str) -> int:
+    return sum(size for rel, size in files.items() if fnmatch.fnmatchcase(rel, pattern))
+
+
+def inspect_pod(root: Path, verify: bool) -> dict[str, Any]:
+    m = manifest.read_manifest(root)
+    if verify:
+        manifest.verify_files(root, m, workers=4)
+    sizes = {rel: f.size for rel, f in m.files.items()}
+    md = m.sandbox.metadata
+    containers = []
+    for c in m.containers:
+        prefix = c.dir.rstrip("/") + "/"
+        containers.append(
+            {
+                "name": c.name,
+                "id": c.id,
+                "image": c.image,
+                "state": c.state,
+                "restart_count": c.restart_count,
+                "checkpointed": c.checkpointed,
+                "bytes": _sum(sizes, prefix + "*"),
+                "pages_bytes": _sum(sizes, prefix + PAGES),
+                "rootfs_diff_bytes": sizes.get(prefix + layout.ROOTFS_DIFF_TAR, 0),
+                "criu_stats": m.criu_stats.get(c.name, {}),
+            }
+        )
+    return {
+        "kind": "pod",
+        "path": str(root),
+        "format": m.format,
+        "created": m.created,
+        "verified": verify,
+        "host": vars(m.host),
+        "pod": {
+            "id": m.sandbox.id,
+            "name": md.get("name", ""),
+            "namespace": md.get("namespace", ""),
+            "uid": md.get("uid", ""),
+            "attempt": md.get("attempt", 0),
+        },
+        "post_checkpoint_state": m.post_checkpoint_state,
+        "options": m.options,
+        "timings": m.timings,
+        "freeze_window_seconds": m.timings.get("freeze_window"),
+        "containers": containers,
+        "files": len(m.files),
+        "total_bytes": sum(sizes.values()),
+    }
+
+
+# ---------------------------------------------------------------------------- container tar
+
+
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> Any:
+    from shim.container_checkpoint import MAX_METADATA_BYTES
+
+    if member.size > MAX_METADATA_BYTES:
+        raise errors.DataLoss(f"{path}: {member.name} is {member.size} bytes, too large to be metadata")
+    f = tar.extractfile(member)
+    if f is None:
+        raise errors.DataLoss(f"{path}: {member.name} is not a regular file")
+    try:
+        return json.loads(f.read())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise errors.DataLoss(f"{path}: {member.name} is not valid JSON ({e})") from e
+
+
+def _hash_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    f = tar.extractfile(member)
+    assert f is not None
+    while chunk := f.read(fsutil.CHUNK_SIZE):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def inspect_container_tar(path: Path, verify: bool) -> dict[str, Any]:
+    # imported here: the server modules are heavy for the other CLI commands
+    from shim.container_checkpoint import MANIFEST_FILE as CONTAINER_MANIFEST
+    from shim.container_checkpoint import REQUIRED_MEMBERS
+
+    wanted = {layout.CONFIG_DUMP_FILE, layout.SPEC_DUMP_FILE, CONTAINER_MANIFEST}
+    docs: dict[str, Any] = {}
+    sizes: dict[str, int] = {}
+    digests: dict[str, str] = {}
+    try:
+        with tarfile.open(path, mode="r:*") as tar:
+            for member in tar:
+                name = os.path.normpath(member.name).lstrip("/")
+                if member.isdir() or name == ".":
+                    continue
+                sizes[name] = member.size
+                if name in wanted and member.isreg():
+                    docs[name] = _read_member(tar, member, path)
+                elif verify and member.isreg():
+                    digests[name] = _hash_member(tar, member)
+    except (tarfile.TarError, EOFError) as e:
+        from shim.container_checkpoint import tar_error
+
+        raise errors.DataLoss(f"{path} is not a readable tar: {tar_error(e)}") from e
+    record = docs.get(layout.CONFIG_DUMP_FILE) or {}
+    spec = docs.get(layout.SPEC_DUMP_FILE) or {}
+    m = docs.get(CONTAINER_MANIFEST) or {}
+    if not isinstance(record, dict) or not isinstance(spec, dict) or not isinstance(m, dict):
+        raise errors.DataLoss(f"{path}: config.dump, spec.dump and the manifest must be JSON objects")
+    if not m and isinstance(record.get("podshim"), dict):
+        raise errors.DataLoss(
+            f"{path} was written by podshim but has no {CONTAINER_MANIFEST} (its last member): "
+            "the archive is truncated"
+        )
+    missing = [r for r in REQUIRED_MEMBERS if r not in sizes]
+    if missing and not record and not m:
+        raise errors.InvalidArgument(f"{path} is not a container checkpoint (no {', '.join(missing)})")
+    if verify:
+        _verify_tar(path, m, sizes, digests, docs)
+    annotations = (spec.get("annotations") or {}) if isinstance(spec.get("annotations"), dict) else {}
+    pod = record.get("pod") or m.get("pod") or {}
+    return {
+        "kind": "container",
+        "path": str(path),
+        "format": m.get("format", "") or "(no podshim manifest)",
+        "created": m.get("created", ""),
+        "verified": verify,
+        "host": m.get("host", {}),
+        "container": {
+            "id": record.get("id", ""),
+            "name": record.get("name", ""),
+            "image": record.get("rootfsImageName") or record.get("rootfsImage") or record.get("image", ""),
+            "image_ref": record.get("rootfsImageRef") or record.get("image_ref", ""),
+            "runtime": record.get("runtime", ""),
+            "created": record.get("createdTime", ""),
+            "checkpointed": record.get("checkpointedTime", ""),
+            "restored": bool(record.get("restored", False)),
+        },
+        "pod": {
+            "id": pod.get("id") or annotations.get("io.kubernetes.cri.sandbox-id", ""),
+            "name": pod.get("name") or annotations.get("io.kubernetes.cri.sandbox-name", ""),
+            "namespace": pod.get("namespace") or annotations.get("io.kubernetes.cri.sandbox-namespace", ""),
+            "uid": pod.get("uid") or annotations.get("io.kubernetes.cri.sandbox-uid", ""),
+        },
+        "process": (spec.get("process") or {}).get("args", []),
+        "options": m.get("options", {}),
+        "timings": m.get("timings", {}),
+        "freeze_window_seconds": (m.get("timings") or {}).get("freeze_window"),
+        "criu_stats": m.get("criu_stats", {}),
+        "members": len(sizes),
+        "missing_required": missing,
+        "total_bytes": sum(sizes.values()),
+        "pages_bytes": _sum(sizes, PAGES),
+        "rootfs_diff_bytes": sizes.get(layout.ROOTFS_DIFF_TAR, 0),
+    }
+
+
+def _verify_tar(
+    path: Path, m: dict[str, Any], sizes: dict[str, int], digests: dict[str, str], docs: dict[str, Any]
+) -> None:
+    from shim.container_checkpoint import FORMAT as CONTAINER_FORMAT
+    from shim.container_checkpoint import MANIFEST_FILE as CONTAINER_MANIFEST
+
+    if m.get("format") != CONTAINER_FORMAT:
+        raise errors.FailedPrecondition(
+            f"{path} has no podshim manifest ({CONTAINER_FORMAT}) to verify against"
+        )
+    expected = m.get("files") or {}
+    present = set(sizes) - {CONTAINER_MANIFEST}
+    odd = sorted(present ^ set(expected))
+    if odd:
+        raise errors.DataLoss(f"{path} does not match its manifest: {', '.join(odd[:5])} missing or extra")
+    for rel, fe in sorted(expected.items()):
+        digest = digests.get(rel)
+        if digest is None and rel in docs:  # metadata members were parsed, not hashed: re-read
+            with tarfile.open(path, mode="r:*") as tar:
+                digest = _hash_member(tar, tar.getmember(rel))
+        if sizes.get(rel) != fe.get("size") or digest != fe.get("sha256"):
+            raise errors.DataLoss(f"{path} is corrupt: {rel} differs from its manifest (size or sha256)")
+
+
+# ---------------------------------------------------------------------------- tables
+
+
+def _seconds(v: Any) -> str:
+    return f"{float(v) * 1000:.1f} ms" if isinstance(v, int | float) else "-"
+
+
+def _fields(pairs: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in pairs) + 2
+    return "\n".join(f"{(k + ':').ljust(width)}{v}" for k, v in pairs)
+
+
+def _host(h: dict[str, Any]) -> str:
+    if not h:
+        return "-"
+    return (
+        f"podshim {h.get('podshim_version', '?')}, CRIU {h.get('criu_version', '?')}, "
+        f"{h.get('runtime_name', '?')} {h.get('runtime_version', '?')}, "
+        f"kernel {h.get('kernel', '?')} {h.get('arch', '')}".rstrip()
+    )
+
+
+def _timings(t: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {float(v):.3f}s" for k, v in t.items() if isinstance(v, int | float)) or "-"
+
+
+def pod_table(info: dict[str, Any]) -> str:
+    p = info["pod"]
+    head = _fields(
+        [
+            ("Pod checkpoint", f"{info['path']} ({info['format']})"),
+            ("Created", info["created"]),
+            ("Pod", f"{p['namespace']}/{p['name']} (uid {p['uid']}, sandbox {p['id'][:13]})"),
+            ("Host", _host(info["host"])),
+            ("Post state", info["post_checkpoint_state"]),
+            ("Freeze window", _seconds(info["freeze_window_seconds"])),
+            ("Timings", _timings(info["timings"])),
+            ("Size", f"{output.human_bytes(info['total_bytes'])} in {info['files']} files"),
+            ("Verified", "yes (sizes and sha256)" if info["verified"] else "no (use --verify)"),
+        ]
+    )
+    rows = [
+        [
+            c["name"],
+            c["id"][:13],
+            c["image"],
+            c["state"].removeprefix("CONTAINER_"),
+            "yes" if c["checkpointed"] else "no",
+            output.human_bytes(c["bytes"]),
+            output.human_bytes(c["pages_bytes"]),
+            output.human_bytes(c["rootfs_diff_bytes"]),
+        ]
+        for c in info["containers"]
+    ]
+    headers = ["CONTAINER", "ID", "IMAGE", "STATE", "DUMPED", "SIZE", "PAGES", "ROOTFS DIFF"]
+    return head + "\n\n" + output.table(headers, rows)
+
+
+def container_table(info: dict[str, Any]) -> str:
+    c, p = info["container"], info["pod"]
+    pod = f"{p['namespace']}/{p['name']}" if p["name"] else "-"
+    if p["uid"]:
+        pod += f" (uid {p['uid']})"
+    return _fields(
+        [
+            ("Container checkpoint", f"{info['path']} ({info['format']})"),
+            ("Container", f"{c['name']} ({c['id'][:13]})"),
+            ("Image", f"{c['image']} ({c['image_ref'] or '-'})"),
+            ("Pod", pod),
+            ("Process", " ".join(str(a) for a in info["process"]) or "-"),
+            ("Runtime", c["runtime"] or "-"),
+            ("Created", c["created"] or "-"),
+            ("Checkpointed", c["checkpointed"] or "-"),
+            ("Host", _host(info["host"])),
+            ("Freeze window", _seconds(info["freeze_window_seconds"])),
+            ("Timings", _timings(info["timings"])),
+            (
+                "Size",
+                f"{output.human_bytes(info['total_bytes'])} in {info['members']} members (pages "
+                f"{output.human_bytes(info['pages_bytes'])}, "
+                f"rootfs diff {output.human_bytes(info['rootfs_diff_bytes'])})",
+            ),
+            ("Missing", ", ".join(info["missing_required"]) or "nothing the node e2e check requires"),
+            ("Verified", "yes (sizes and sha256)" if info["verified"] else "no (use --verify)"),
+        ]
+    )

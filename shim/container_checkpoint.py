@@ -1,0 +1,976 @@
+"""CheckpointContainer (KEP-2008) done by podshim, and restore of its archive through CreateContainer.
+
+Checkpoint (DESIGN §5): validate `location` and the container -> journal (cgroup, staging dir)
+-> spec/status dumps -> freeze the container's cgroup -> `runc checkpoint --leave-running`
+while the rootfs diff is captured -> thaw (always, in a `finally`) -> config.dump, CRIU stats,
+podshim manifest with checksums -> one tar written into the staging dir next to the target,
+fsynced, then linked to its final name (never replacing a file) -> staging dir removed. Any
+failure or the deadline thaws the container and removes the staging dir: no file is left.
+
+The archive holds what one `containers/<name>/` of a pod checkpoint holds, under the names
+checkpointctl and the Kubernetes node e2e check read: config.dump, spec.dump, status.dump,
+checkpoint/ (CRIU images, inventory.img), rootfs-diff.tar, deleted.files, dump.log, stats-dump,
+and podshim-manifest.json.
+
+Restore (CRI-O's convention): a CreateContainer whose image is an absolute path to such a tar.
+The tar is extracted (regular files and directories only, no member escaping) into
+`<state_dir>/imports/<random>/archive`, and the container is created upstream with the
+checkpoint's image and podshim's restore annotation; podshim-runc turns its `create` into a
+CRIU restore at StartContainer. The import dir goes when the container does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import functools
+import hashlib
+import io
+import json
+import os
+import secrets
+import shutil
+import stat
+import tarfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+
+from api.runtime.v1 import api_pb2 as cri
+from shim import __version__, errors, faults, logs
+from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
+from shim.cgroups import default_freezer
+from shim.checkpoint import (
+    CLEANUP_MARGIN,
+    DEFAULT_DEADLINE,
+    FREEZE_TIMEOUT,
+    PodCheckpointer,
+    _make_private,
+    check_dumpable,
+)
+from shim.config import Config
+from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
+from shim.restore import _RESTORE_FLAGS, _archived_config
+from shim.restore_hook import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
+from shim.sandbox import ContainerView, PodView, build_pod_view
+from shim.state import Journal
+from shim.upstream import Upstream, upstream_error
+
+log = logs.get("shim.container_checkpoint")
+
+KIND = "checkpoint-container"  # journal kind: recover() thaws `cgroups`, removes `output_path`
+FORMAT = "podshim.container-checkpoint.v1"
+MANIFEST_FILE = "podshim-manifest.json"
+# Written first in the tar, so that inspectors find the metadata without reading the images.
+# The manifest comes last: it holds the checksums computed while the tar is written.
+LEADING_MEMBERS = (layout.CONFIG_DUMP_FILE, layout.SPEC_DUMP_FILE, layout.STATUS_DUMP_FILE)
+# The entries the Kubernetes node e2e check requires (test/e2e_node/checkpoint_container.go).
+REQUIRED_MEMBERS = (layout.SPEC_DUMP_FILE, layout.CONFIG_DUMP_FILE, f"{layout.CHECKPOINT_DIR}/inventory.img")
+STAGING_PREFIX = "podshim-checkpoint"  # the staging dir: .podshim-checkpoint.tmp-<hex> beside the tar
+STAGING_TREE = "tree"  # inside the staging dir: the files that go into the tar
+STAGING_TAR = "archive.tar"  # inside the staging dir: the tar until it is linked to its name
+
+IMPORT_TREE = "archive"  # <state_dir>/imports/<random>/archive: the extracted checkpoint
+IMPORT_MARKER = "container-id"  # <state_dir>/imports/<random>/container-id: who uses it
+STALE_IMPORT_SECONDS = 900.0  # an import without a container after this long was interrupted
+MAX_METADATA_BYTES = 64 << 20  # config.dump, spec.dump, manifest: read whole, so bounded
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------- location
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where the tar goes: `directory` (resolved, inside or equal to an allowed root) and the file
+    `name` the caller gave; None means the kubelet's name is chosen once the container is known."""
+
+    directory: Path
+    name: str | None
+
+    def target(self, default_name: str) -> Path:
+        return self.directory / (self.name or default_name)
+
+
+def _inside_roots(path: Path, roots: Sequence[Path]) -> bool:
+    return any(path == r or paths._inside(path, r) for r in roots)
+
+
+def check_location(location: str, allowed_roots: Sequence[str]) -> Location:
+    """Validate CheckpointContainer's `location` before anything is touched.
+
+    An existing directory (the allowed root itself or one inside it) receives a kubelet-named
+    tar; anything else is the tar's own path: its parent must exist (NotFound) inside an
+    allowed root and the file must not (InvalidArgument). Empty: the first allowed root.
+    """
+    roots = paths._resolved_roots(allowed_roots)
+    roots_text = ", ".join(str(r) for r in roots)
+    if not location:
+        if not roots[0].is_dir():
+            raise errors.NotFound(f"location is empty and the checkpoint root {roots[0]} does not exist")
+        return Location(roots[0], None)
+    norm = paths._check_syntax(location, "location")
+    if os.path.isdir(norm):
+        real = Path(os.path.realpath(norm))
+        if not _inside_roots(real, roots):
+            via = "" if str(real) == norm else f" (resolves to {real})"
+            raise errors.InvalidArgument(
+                f"location {location}{via} is outside the allowed checkpoint roots ({roots_text})"
+            )
+        return Location(real, None)
+    parent, name = os.path.split(norm)
+    real_parent = Path(os.path.realpath(parent))
+    if not _inside_roots(real_parent, roots):
+        raise errors.InvalidArgument(
+            f"location {location} is outside the allowed checkpoint roots ({roots_text})"
+        )
+    if os.path.lexists(norm):
+        raise errors.InvalidArgument(
+            f"location {location} already exists: pass a new file name or a directory; "
+            "podshim never replaces a file"
+        )
+    paths.check_component(name, "location file name")
+    if not real_parent.is_dir():
+        raise errors.NotFound(f"the directory of location {location} does not exist: create {parent} first")
+    return Location(real_parent, name)
+
+
+def rfc3339(ns: int | None = None, seconds_only: bool = False) -> str:
+    """RFC 3339 in UTC: from unix nanoseconds (None: now); Go's RFC3339 when seconds_only."""
+    if ns is None:
+        dt = datetime.now(UTC)
+    else:
+        dt = datetime.fromtimestamp(ns / 1e9, UTC)
+    if seconds_only:
+        return dt.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def kubelet_name(pod: PodView, container: str, when: str) -> str:
+    """The kubelet's name: checkpoint-<podName>_<podNamespace>-<containerName>-<RFC3339>.tar."""
+    md = pod.status.metadata
+    return f"checkpoint-{md.name}_{md.namespace}-{container}-{when}.tar"
+
+
+# ---------------------------------------------------------------------------- threads
+
+
+class _Cancelled(Exception):
+    """A blocking step noticed that its operation was abandoned (deadline)."""
+
+
+class _Steps:
+    """Blocking steps of one operation in worker threads. When the operation is cancelled (its
+    deadline), `cancel` is set — long copies check it — and the step is awaited to its end, so
+    nothing writes into a directory after the clean-up removed it."""
+
+    def __init__(self) -> None:
+        self.cancel = threading.Event()
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self.cancel.set()
+            await asyncio.wait([fut])
+            raise
+
+    def check(self) -> None:
+        if self.cancel.is_set():
+            raise _Cancelled()
+
+
+class _Reader:
+    """A file object for tarfile to copy from: hashes what it reads (one pass over the images)
+    and stops when the operation is cancelled."""
+
+    def __init__(self, f: IO[bytes], steps: _Steps) -> None:
+        self.f = f
+        self.steps = steps
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def read(self, n: int = -1) -> bytes:
+        self.steps.check()
+        data = self.f.read(n)
+        self.sha256.update(data)
+        self.size += len(data)
+        return data
+
+
+# ---------------------------------------------------------------------------- archive files
+
+
+def _json(value: Any) -> bytes:
+    return (json.dumps(value, indent=1, sort_keys=True, default=str) + "\n").encode()
+
+
+def _tree_files(tree: Path) -> list[str]:
+    """Relative paths of the regular files under `tree`; anything else is a bug (Internal)."""
+    out = []
+    for dirpath, _dirs, files in os.walk(tree):
+        for name in files:
+            p = Path(dirpath) / name
+            if not stat.S_ISREG(os.lstat(p).st_mode):
+                raise errors.Internal(f"unexpected non-regular file {p} in a container checkpoint")
+            out.append(str(p.relative_to(tree)))
+    return sorted(out)
+
+
+def file_entries(tree: Path, steps: _Steps) -> dict[str, dict[str, Any]]:
+    """size + sha256 of every regular file under `tree` but the manifest (what it lists)."""
+    entries = {}
+    for rel in _tree_files(tree):
+        if rel == MANIFEST_FILE:
+            continue
+        steps.check()
+        size, digest = fsutil.hash_file(tree / rel)
+        entries[rel] = {"size": size, "sha256": digest}
+    return entries
+
+
+def _member_order(tree: Path) -> list[str]:
+    """Every entry of `tree` (dirs too), metadata first, then the rest in sorted order."""
+    rest = []
+    for dirpath, dirs, files in os.walk(tree):
+        dirs.sort()
+        base = Path(dirpath)
+        for name in dirs + files:
+            rel = str((base / name).relative_to(tree))
+            if rel not in LEADING_MEMBERS:
+                rest.append(rel)
+    lead = [m for m in LEADING_MEMBERS if (tree / m).exists()]
+    return lead + sorted(rest)
+
+
+def write_tar(
+    tree: Path, out: Path, steps: _Steps, manifest_for: Callable[[dict[str, dict[str, Any]]], bytes]
+) -> int:
+    """Tar `tree` into the new file `out` (0600, uncompressed, PAX, fsynced); returns its size.
+
+    Member names are relative ("spec.dump", "checkpoint/inventory.img"), as containerd and
+    CRI-O write them. Each file is hashed as it is copied; `manifest_for(files)` then gives the
+    manifest, added as the last member. A partial tar is removed.
+    """
+    files: dict[str, dict[str, Any]] = {}
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, fsutil.FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            with tarfile.open(
+                fileobj=raw, mode="w", format=tarfile.PAX_FORMAT, copybufsize=fsutil.CHUNK_SIZE
+            ) as tar:
+                for rel in _member_order(tree):
+                    steps.check()
+                    p = tree / rel
+                    ti = tar.gettarinfo(str(p), arcname=rel)
+                    if ti.isdir():
+                        tar.addfile(ti)
+                    elif ti.isreg():
+                        with open(p, "rb") as f:
+                            reader = _Reader(f, steps)
+                            tar.addfile(ti, reader)  # type: ignore[arg-type]
+                        if reader.size != ti.size:
+                            raise errors.Internal(f"{p} changed size while it was archived")
+                        files[rel] = {"size": reader.size, "sha256": reader.sha256.hexdigest()}
+                    else:
+                        raise errors.Internal(f"unexpected entry {p} in a container checkpoint")
+                data = manifest_for(files)
+                ti = tarfile.TarInfo(MANIFEST_FILE)
+                ti.size, ti.mode, ti.mtime = len(data), fsutil.FILE_MODE, int(time.time())
+                tar.addfile(ti, io.BytesIO(data))
+            raw.flush()
+            os.fsync(raw.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(out)
+        raise
+    return os.stat(out).st_size
+
+
+def publish(staged: Path, directory: Path, name: str) -> Path:
+    """Give the finished tar `staged` its name in `directory` without ever replacing a file
+    (link(2) fails if the name exists), then make the new entry durable."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            os.link(staged, name, dst_dir_fd=dfd, follow_symlinks=False)
+        except FileExistsError:
+            raise errors.InvalidArgument(
+                f"{directory / name} appeared while the checkpoint was written; it was left alone: "
+                "pass a new file name"
+            ) from None
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV):
+                raise errors.Internal(f"cannot create {directory / name}: {e}") from e
+            # a file system without hard links: a rename, after checking the name is free
+            if os.path.lexists(directory / name):
+                raise errors.InvalidArgument(f"{directory / name} appeared meanwhile; left alone") from None
+            os.rename(staged, name, dst_dir_fd=dfd)
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return directory / name
+
+
+# ---------------------------------------------------------------------------- checkpoint
+
+
+@dataclass
+class Result:
+    path: Path
+    size: int
+    freeze_window: float
+    timings: dict[str, float]
+
+
+def _criu_options() -> CriuOptions:
+    # As CRI-O: file locks on; TCP, external unix sockets and terminals refused.
+    return CriuOptions()
+
+
+class ContainerCheckpointer:
+    """CheckpointContainer in podshim; the dump, runtime choice and diff capture are the pod
+    checkpoint's (PodCheckpointer), applied to one container."""
+
+    def __init__(self, config: Config, upstream: Upstream, journal: Journal, pods: PodCheckpointer) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.journal = journal
+        self.pods = pods
+
+    @staticmethod
+    def budget(timeout: int, remaining: float | None) -> float:
+        """Seconds the operation may take: the request's `timeout` (0: none) and the caller's
+        gRPC deadline, whichever ends first, minus the margin kept to thaw and clean up."""
+        limits = [float(timeout)] if timeout > 0 else []
+        if remaining is not None:
+            limits.append(remaining)
+        return (min(limits) if limits else DEFAULT_DEADLINE) - CLEANUP_MARGIN
+
+    async def locate(self, container_id: str) -> tuple[PodView, ContainerView]:
+        """The container and its pod, from the upstream (an id prefix works as in crictl)."""
+        if not container_id:
+            raise errors.InvalidArgument("container_id is empty: name the container to checkpoint")
+        up = self.upstream.runtime
+        try:
+            st = await up.ContainerStatus(cri.ContainerStatusRequest(container_id=container_id), timeout=30)
+            listed = await up.ListContainers(
+                cri.ListContainersRequest(filter=cri.ContainerFilter(id=st.status.id)), timeout=30
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise errors.NotFound(
+                    f"container {container_id!r} not found: check the id with `crictl ps -a`"
+                ) from None
+            raise upstream_error(self.upstream.endpoint, e, f"reading container {container_id}") from None
+        if not listed.containers:
+            raise errors.NotFound(f"container {container_id!r} not found (removed meanwhile)")
+        pod = await build_pod_view(self.upstream, listed.containers[0].pod_sandbox_id)
+        c = pod.by_id(st.status.id)
+        if c is None:
+            raise errors.NotFound(f"container {container_id!r} not found in its pod (removed meanwhile)")
+        return pod, c
+
+    async def checkpoint(
+        self,
+        req: cri.CheckpointContainerRequest,
+        remaining: float | None,
+        hold: Callable[[list[str]], contextlib.AbstractContextManager[None]],
+    ) -> Result:
+        """Run CheckpointContainer. `remaining`: the caller's gRPC deadline (None: none set);
+        `hold(keys)`: the engine's operation lock (ABORTED while another operation holds one)."""
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        budget = self.budget(req.timeout, remaining)
+        if budget <= 0:
+            raise errors.DeadlineExceeded(
+                "the timeout leaves no time to checkpoint the container: pass a longer timeout"
+            )
+        deadline = loop.time() + budget
+        loc = await asyncio.to_thread(check_location, req.location, self.config.allowed_roots)
+        pod, c = await self.locate(req.container_id)
+        if not c.running:
+            raise errors.FailedPrecondition(
+                f"container {c.name!r} ({c.id[:13]}) is {cri.ContainerState.Name(c.state)}, not running: "
+                "only a running container can be checkpointed"
+            )
+        when = rfc3339(seconds_only=True)
+        target = loc.target(kubelet_name(pod, c.name, when))
+        with hold([f"pod {pod.id}", f"path {target}"]):
+            check_dumpable(c)
+            if os.path.lexists(target):
+                if loc.name is not None:
+                    raise errors.InvalidArgument(f"location {target} already exists: pass a new file name")
+                # a second checkpoint within the same second: a finer (still RFC 3339) time
+                target = loc.target(kubelet_name(pod, c.name, rfc3339()))
+            # a hidden sibling of the tar, named so that leftovers read as temporary files
+            staging = target.parent / fsutil.temp_name_for(STAGING_PREFIX)
+            rec = self.journal.begin(
+                KIND,
+                pod.id,
+                {
+                    "output_path": str(staging),
+                    "cgroups": [c.cgroups_path],
+                    "container_id": c.id,
+                    "target": str(target),
+                },
+            )
+            steps = _Steps()
+            try:
+                fsutil.make_private_dir(staging, exist_ok=False)
+                async with asyncio.timeout_at(deadline):
+                    result = await self._run(pod, c, staging, target, rec, steps, started)
+            except TimeoutError:
+                self._abandon(staging, rec)
+                total = budget + CLEANUP_MARGIN
+                raise errors.DeadlineExceeded(
+                    f"checkpoint of container {c.name!r} ({c.id[:13]}) did not finish within the deadline "
+                    f"({total:.1f}s); the container was thawed and partial files removed: "
+                    "retry with a longer timeout"
+                ) from None
+            except BaseException:
+                self._abandon(staging, rec)
+                raise
+            self.journal.finish(rec)
+        return result
+
+    def _abandon(self, staging: Path, rec: Any) -> None:
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                fsutil.fsync_dir(staging.parent)
+        finally:
+            self.journal.finish(rec)
+
+    async def _run(
+        self,
+        pod: PodView,
+        c: ContainerView,
+        staging: Path,
+        target: Path,
+        rec: Any,
+        steps: _Steps,
+        started: float,
+    ) -> Result:
+        timings: dict[str, float] = {}
+        tree = staging / STAGING_TREE
+        cl = layout.ContainerLayout(root=tree, rel="").create()
+        upper = c.upperdir()
+        if upper is None:
+            raise errors.FailedPrecondition(
+                f"container {c.name!r}: cannot find its writable layer (overlayfs upperdir); "
+                "only the overlayfs snapshotter is supported"
+            )
+        await steps.run(fsutil.write_private_file, cl.spec_dump, _json(c.spec))
+        await steps.run(fsutil.write_private_file, cl.status_dump, _json(json_format.MessageToDict(c.status)))
+        runtime = self.pods.runtime_for(c)
+        opts = _criu_options()
+        timings["prepare"] = time.monotonic() - started
+
+        # Freeze, dump (leaving it running) with the rootfs diff alongside, thaw.
+        freezer = default_freezer()
+        cgroup = c.cgroups_path
+        paused_before = await steps.run(freezer.self_frozen, cgroup)  # someone else's pause stays
+        self.journal.update(rec, "frozen")
+        froze = False
+        frozen_at = thawed_at = time.monotonic()
+        checkpointed = rfc3339()
+        try:
+            if not paused_before:
+                froze = True  # before the write: a half-done freeze is still undone
+                await steps.run(freezer.freeze, cgroup, FREEZE_TIMEOUT)
+            frozen_at = time.monotonic()
+            checkpointed = rfc3339()
+            faults.hit("checkpoint-container.after-freeze")
+            log.info("container frozen", container=c.id, name=c.name)
+            tasks = [
+                asyncio.ensure_future(self._dump(runtime, c, cl, opts, timings)),
+                asyncio.ensure_future(self._diff(steps, c, upper, cl, timings)),
+            ]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.wait(tasks)
+                for t in tasks:  # the first failure propagated; the others are retrieved
+                    if not t.cancelled():
+                        t.exception()
+        finally:
+            if froze:
+                # synchronous on purpose: runs even while the task is being cancelled
+                freezer.thaw(cgroup, FREEZE_TIMEOUT, missing_ok=True)
+            thawed_at = time.monotonic()
+        timings["freeze_window"] = thawed_at - frozen_at
+        log.info("container thawed", container=c.id, freeze_window=round(timings["freeze_window"], 4))
+
+        # After the thaw: config.dump, stats, manifest, the tar.
+        self.journal.update(rec, "archiving")
+        await steps.run(
+            fsutil.write_private_file, cl.config_dump, _json(self._config_dump(pod, c, runtime, checkpointed))
+        )
+        await steps.run(_make_private, tree)
+        stats = await steps.run(read_dump_stats, cl.stats_dump)
+        host = await steps.run(self._host, runtime)
+        tar_start = time.monotonic()
+
+        def manifest_for(files: dict[str, dict[str, Any]]) -> bytes:
+            timings["archive"] = time.monotonic() - tar_start
+            timings["total"] = time.monotonic() - started
+            return _json(self._manifest(pod, c, host, stats, opts, timings, files))
+
+        staged = staging / STAGING_TAR
+        size = await steps.run(write_tar, tree, staged, steps, manifest_for)
+        faults.hit("checkpoint-container.before-publish")
+        # The commit point: from here on the checkpoint exists; only the staging dir is left to go.
+        path = publish(staged, target.parent, target.name)
+        shutil.rmtree(staging, ignore_errors=True)
+        timings["total"] = time.monotonic() - started
+        log.info(
+            "container checkpoint complete",
+            container=c.id,
+            path=str(path),
+            bytes=size,
+            **{k: round(v, 4) for k, v in timings.items()},
+        )
+        return Result(path=path, size=size, freeze_window=timings["freeze_window"], timings=timings)
+
+    async def _dump(
+        self, runtime: Any, c: ContainerView, cl: layout.ContainerLayout, opts: CriuOptions, timings: dict
+    ) -> None:
+        timings["dump"] = await runtime.checkpoint(
+            c.name, c.id, cl.checkpoint_dir, cl.root, opts, leave_running=True
+        )
+
+    async def _diff(
+        self, steps: _Steps, c: ContainerView, upper: Path, cl: layout.ContainerLayout, timings: dict
+    ) -> None:
+        start = time.monotonic()
+        await steps.run(
+            rootfs_diff.capture_rootfs_diff,
+            upper,
+            cl.rootfs_diff_tar,
+            exclude=c.mount_destinations,
+            deleted_files=cl.deleted_files,
+        )
+        timings["rootfs_diff"] = time.monotonic() - start
+
+    def _config_dump(self, pod: PodView, c: ContainerView, runtime: Any, checkpointed: str) -> dict[str, Any]:
+        """checkpointctl's ContainerConfig keys, plus podshim's record of the container (the same
+        keys as in a pod checkpoint) and its pod."""
+        md = pod.status.metadata
+        return {
+            **c.to_record(),
+            "rootfsImage": str(c.config.get("image", {}).get("image", "")) or c.image,
+            "rootfsImageRef": c.status.image_ref,
+            "rootfsImageName": c.image,
+            "runtime": os.path.basename(runtime.binary),
+            "createdTime": rfc3339(c.status.created_at) if c.status.created_at else "",
+            "checkpointedTime": checkpointed,
+            "restored": False,
+            # written first in the tar: says a podshim manifest must follow (truncation check)
+            "podshim": {"format": FORMAT, "manifest": MANIFEST_FILE, "version": __version__},
+            "pod": {
+                "id": pod.id,
+                "name": md.name,
+                "namespace": md.namespace,
+                "uid": md.uid,
+                "runtime_handler": pod.runtime_handler,
+            },
+        }
+
+    def _host(self, runtime: Any) -> dict[str, str]:
+        return vars(
+            manifest.HostInfo(
+                podshim_version=__version__,
+                criu_version=binary_version(runtime.criu or self.config.runtime.criu),
+                runtime_name=os.path.basename(runtime.binary),
+                runtime_version=binary_version(runtime.binary),
+            )
+        )
+
+    def _manifest(
+        self,
+        pod: PodView,
+        c: ContainerView,
+        host: dict[str, str],
+        stats: dict[str, int],
+        opts: CriuOptions,
+        timings: dict[str, float],
+        files: dict[str, dict[str, Any]],
+    ) -> dict[str, Any]:
+        """podshim-manifest.json: format, host, container, pod, timings, CRIU stats, options and
+        size + sha256 of every other file of the tar."""
+        md = pod.status.metadata
+        return {
+            "format": FORMAT,
+            "created": manifest.rfc3339_now(),
+            "host": host,
+            "container": {
+                "id": c.id,
+                "name": c.name,
+                "image": c.image,
+                "image_ref": c.status.image_ref,
+                "restart_count": c.restart_count,
+                "state": cri.ContainerState.Name(c.state),
+            },
+            "pod": {"id": pod.id, "name": md.name, "namespace": md.namespace, "uid": md.uid},
+            "timings": {k: round(v, 6) for k, v in timings.items()},
+            "criu_stats": stats,
+            "options": {
+                "file-locks": str(opts.file_locks).lower(),
+                "tcp-established": str(opts.tcp_established).lower(),
+                "ext-unix-sk": str(opts.ext_unix_sk).lower(),
+                "shell-job": str(opts.shell_job).lower(),
+            },
+            "files": files,
+        }
+
+
+# ---------------------------------------------------------------------------- restore
+
+
+def check_archive_file(path: str, allowed_roots: Sequence[str]) -> Path:
+    """A CreateContainer image that is a path: a regular file strictly inside an allowed root."""
+    norm = paths._check_syntax(path, "checkpoint archive")
+    roots = paths._resolved_roots(allowed_roots)
+    real = Path(os.path.realpath(norm))
+    if not any(paths._inside(real, r) for r in roots):
+        roots_text = ", ".join(str(r) for r in roots)
+        raise errors.InvalidArgument(
+            f"checkpoint archive {path} is outside the allowed checkpoint roots ({roots_text})"
+        )
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        raise errors.NotFound(f"checkpoint archive {path} does not exist") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise errors.InvalidArgument(f"checkpoint archive {path} is not a regular file (a tar)")
+    return real
+
+
+def tar_error(e: BaseException) -> str:
+    """tarfile's reason on one line ("r:*" lists every compression it tried)."""
+    text = str(e)
+    if "could not be opened successfully" in text:
+        return "not a tar archive (plain, gzip, bzip2 or xz)"
+    if "unexpected end of data" in text:
+        return "truncated (unexpected end of data)"
+    return " ".join(text.split())
+
+
+def _open_outer(path: Path) -> tarfile.TarFile:
+    try:
+        return tarfile.open(path, mode="r:*", copybufsize=fsutil.CHUNK_SIZE)
+    except (tarfile.TarError, EOFError) as e:
+        raise errors.DataLoss(f"checkpoint archive {path} is not a readable tar: {tar_error(e)}") from e
+    except OSError as e:
+        raise errors.Internal(f"cannot read checkpoint archive {path}: {e}") from e
+
+
+def _members(tar: tarfile.TarFile, where: Path) -> Iterator[tuple[tarfile.TarInfo, str | None]]:
+    """Each member with its normalised relative name (None for the archive's own root entry).
+    Only regular files and directories are accepted (as containerd's hardened import)."""
+    try:
+        for m in tar:
+            if m.name.strip("/.") == "" and m.isdir():
+                yield m, None
+                continue
+            rel = str(paths.check_member_path(m.name.rstrip("/"), f"{where}: member"))
+            if not (m.isreg() or m.isdir()):
+                kind = "symlink" if m.issym() else "hard link" if m.islnk() else "special file"
+                raise errors.InvalidArgument(
+                    f"checkpoint archive {where}: member {m.name!r} is a {kind}; "
+                    "a container checkpoint holds only regular files and directories"
+                )
+            yield m, rel
+    except (tarfile.TarError, EOFError) as e:
+        raise errors.DataLoss(f"checkpoint archive {where} is truncated or corrupt: {tar_error(e)}") from e
+
+
+def extract_archive(tar_path: Path, dest: Path, steps: _Steps) -> list[str]:
+    """Extract the container checkpoint `tar_path` into the new directory `dest` (0700 dirs,
+    0600 files); returns the files written. Members that escape (absolute, '..'), links and
+    special files are refused (InvalidArgument); no member can follow a symlink, as none is
+    ever created. A duplicate member is refused too."""
+    fsutil.make_private_dir(dest, exist_ok=False)
+    written: list[str] = []
+    with _open_outer(tar_path) as tar:
+        for m, rel in _members(tar, tar_path):
+            steps.check()
+            if rel is None:
+                continue
+            p = dest / rel
+            try:
+                if m.isdir():
+                    p.mkdir(mode=fsutil.DIR_MODE, parents=True, exist_ok=True)
+                    continue
+                p.parent.mkdir(mode=fsutil.DIR_MODE, parents=True, exist_ok=True)
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                raise errors.InvalidArgument(
+                    f"checkpoint archive {tar_path}: member {m.name!r} repeats"
+                ) from None
+            except NotADirectoryError:
+                raise errors.InvalidArgument(
+                    f"checkpoint archive {tar_path}: member {m.name!r} is below a file"
+                ) from None
+            with os.fdopen(fd, "wb") as out:
+                src = tar.extractfile(m)
+                if src is None:
+                    raise errors.DataLoss(f"checkpoint archive {tar_path}: member {m.name!r} is unreadable")
+                try:
+                    while chunk := src.read(fsutil.CHUNK_SIZE):
+                        steps.check()
+                        out.write(chunk)
+                except (tarfile.TarError, EOFError) as e:
+                    raise errors.DataLoss(
+                        f"checkpoint archive {tar_path} is truncated: {tar_error(e)}"
+                    ) from e
+                except OSError as e:
+                    raise errors.Internal(f"cannot extract {m.name!r} of {tar_path}: {e}") from e
+            written.append(rel)
+    return written
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if st.st_size > MAX_METADATA_BYTES:
+        raise errors.DataLoss(f"{what} is {st.st_size} bytes, over the {MAX_METADATA_BYTES} limit")
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise errors.DataLoss(f"{what} is not valid JSON ({e}): the archive is corrupt") from e
+
+
+@dataclass
+class ImportedCheckpoint:
+    root: Path  # the extracted tree (the restore annotation points here)
+    record: dict[str, Any]  # config.dump
+    spec: dict[str, Any]  # spec.dump
+    manifest: dict[str, Any] | None  # podshim's manifest (None: written by another runtime)
+
+
+def load_imported(root: Path, tar_path: Path, steps: _Steps) -> ImportedCheckpoint:
+    """Check an extracted container checkpoint: the required entries, and when it carries
+    podshim's manifest, the exact file set with sizes and sha256 (DataLoss otherwise)."""
+    missing = [m for m in REQUIRED_MEMBERS if not (root / m).is_file()]
+    if missing:
+        raise errors.InvalidArgument(
+            f"{tar_path} is not a container checkpoint: it has no {', '.join(missing)}"
+        )
+    record = _read_json(root / layout.CONFIG_DUMP_FILE, f"{tar_path}: {layout.CONFIG_DUMP_FILE}")
+    spec = _read_json(root / layout.SPEC_DUMP_FILE, f"{tar_path}: {layout.SPEC_DUMP_FILE}")
+    if not isinstance(record, dict) or not isinstance(spec, dict):
+        raise errors.DataLoss(f"{tar_path}: config.dump and spec.dump must be JSON objects")
+    m = _read_json(root / MANIFEST_FILE, f"{tar_path}: {MANIFEST_FILE}")
+    if m is None and isinstance(record.get("podshim"), dict):
+        raise errors.DataLoss(
+            f"{tar_path} was written by podshim but has no {MANIFEST_FILE} (its last member): "
+            "the archive is truncated; take a new checkpoint"
+        )
+    if m is not None:
+        if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
+            raise errors.DataLoss(f"{tar_path}: {MANIFEST_FILE} is malformed")
+        if m.get("format") != FORMAT:
+            raise errors.FailedPrecondition(
+                f"{tar_path}: format {m.get('format')!r} is not supported (this podshim reads {FORMAT})"
+            )
+        actual = file_entries(root, steps)
+        expected = m["files"]
+        if set(actual) != set(expected):
+            odd = sorted(set(actual) ^ set(expected))
+            raise errors.DataLoss(
+                f"{tar_path} does not match its manifest: {', '.join(odd[:5])} missing or extra"
+            )
+        for rel, fe in sorted(expected.items()):
+            if not isinstance(fe, dict) or actual[rel] != {
+                "size": fe.get("size"),
+                "sha256": fe.get("sha256"),
+            }:
+                raise errors.DataLoss(
+                    f"{tar_path} is corrupt: {rel} differs from its manifest (size or sha256)"
+                )
+    return ImportedCheckpoint(root=root, record=record, spec=spec, manifest=m)
+
+
+def _spec_defaults(spec: dict[str, Any]) -> cri.ContainerConfig:
+    """command/env/working dir from an OCI spec (an archive without podshim's CRI record)."""
+    proc = spec.get("process") or {}
+    envs = []
+    for e in proc.get("env") or []:
+        k, _, v = str(e).partition("=")
+        envs.append(cri.KeyValue(key=k, value=v))
+    return cri.ContainerConfig(
+        command=[str(a) for a in proc.get("args") or []], envs=envs, working_dir=str(proc.get("cwd") or "")
+    )
+
+
+def restore_config(req: cri.ContainerConfig, ck: ImportedCheckpoint, image: str) -> cri.ContainerConfig:
+    """The request's config (metadata, log path, mounts, labels, resources...) with the
+    checkpoint's image, its command/args/env/working dir where the request leaves them empty,
+    and podshim's restore annotations."""
+    archived = _archived_config(ck.record) if ck.record.get("config") else _spec_defaults(ck.spec)
+    cc = cri.ContainerConfig()
+    cc.CopyFrom(req)
+    cc.image.CopyFrom(cri.ImageSpec(image=image))
+    if not cc.command:
+        cc.command.extend(archived.command)
+    if not cc.args:
+        cc.args.extend(archived.args)
+    if not cc.envs:
+        cc.envs.extend(archived.envs)
+    if not cc.working_dir:
+        cc.working_dir = archived.working_dir
+    options = (ck.manifest or {}).get("options") or {"file-locks": "true"}  # CRI-O always dumps with them
+    cc.annotations[RESTORE_ANNOTATION] = str(ck.root)
+    cc.annotations[RESTORE_OPTIONS_ANNOTATION] = ",".join(
+        k for k in _RESTORE_FLAGS if options.get(k) == "true"
+    )
+    return cc
+
+
+class ArchiveImporter:
+    """CreateContainer from a container checkpoint tar, and removal of what it extracted."""
+
+    def __init__(self, config: Config, upstream: Upstream) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.root = Path(config.state_dir) / IMPORTS_DIR
+
+    async def create(
+        self, req: cri.CreateContainerRequest, remaining: float | None
+    ) -> cri.CreateContainerResponse:
+        tar_path = await asyncio.to_thread(
+            check_archive_file, req.config.image.image, self.config.allowed_roots
+        )
+        if not req.pod_sandbox_id:
+            raise errors.InvalidArgument(
+                "pod_sandbox_id is empty: name the sandbox to create the container in"
+            )
+        budget = (remaining if remaining is not None else DEFAULT_DEADLINE) - CLEANUP_MARGIN
+        if budget <= 0:
+            raise errors.DeadlineExceeded("the deadline leaves no time to import the checkpoint")
+        await self.sweep()
+        await asyncio.to_thread(fsutil.make_private_dir, self.root)
+        import_dir = self.root / secrets.token_hex(8)
+        await asyncio.to_thread(fsutil.make_private_dir, import_dir, False)
+        steps = _Steps()
+        try:
+            async with asyncio.timeout(budget):
+                tree = import_dir / IMPORT_TREE
+                await steps.run(extract_archive, tar_path, tree, steps)
+                ck = await steps.run(load_imported, tree, tar_path, steps)
+                image = await self._image(ck, tar_path)
+                cc = restore_config(req.config, ck, image)
+                try:
+                    resp = await self.upstream.runtime.CreateContainer(
+                        cri.CreateContainerRequest(
+                            pod_sandbox_id=req.pod_sandbox_id, config=cc, sandbox_config=req.sandbox_config
+                        ),
+                        timeout=max(budget, 1.0),
+                    )
+                except grpc.aio.AioRpcError as e:
+                    raise upstream_error(
+                        self.upstream.endpoint, e, f"creating container {cc.metadata.name!r} from {tar_path}"
+                    ) from None
+                await asyncio.to_thread(
+                    fsutil.write_private_file, import_dir / IMPORT_MARKER, resp.container_id.encode()
+                )
+        except TimeoutError:
+            shutil.rmtree(import_dir, ignore_errors=True)
+            raise errors.DeadlineExceeded(
+                f"import of {tar_path} did not finish within the deadline; nothing was created"
+            ) from None
+        except BaseException:
+            shutil.rmtree(import_dir, ignore_errors=True)
+            raise
+        log.info("container created from checkpoint", archive=str(tar_path), container=resp.container_id)
+        return resp
+
+    async def _image(self, ck: ImportedCheckpoint, tar_path: Path) -> str:
+        """The checkpoint's image as the upstream knows it: its name, else its id."""
+        r = ck.record
+        candidates = [
+            str(v)
+            for v in (r.get("rootfsImageName"), r.get("image"), r.get("rootfsImage"), r.get("rootfsImageRef"))
+            if v
+        ]
+        if r.get("image_ref"):
+            candidates.append(str(r["image_ref"]))
+        for image in dict.fromkeys(candidates):
+            try:
+                st = await self.upstream.image.ImageStatus(
+                    cri.ImageStatusRequest(image=cri.ImageSpec(image=image)), timeout=30
+                )
+            except grpc.aio.AioRpcError as e:
+                raise upstream_error(self.upstream.endpoint, e, f"looking up image {image}") from None
+            if st.HasField("image"):
+                return image
+        raise errors.FailedPrecondition(
+            f"the image of checkpoint {tar_path} ({', '.join(candidates) or 'unnamed'}) is not on this node: "
+            "pull it first"
+        )
+
+    def _imports(self) -> list[tuple[Path, str | None]]:
+        try:
+            entries = sorted(os.scandir(self.root), key=lambda e: e.name)
+        except FileNotFoundError:
+            return []
+        out = []
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+            try:
+                owner: str | None = (Path(e.path) / IMPORT_MARKER).read_text().strip()
+            except OSError:
+                owner = None
+            out.append((Path(e.path), owner))
+        return out
+
+    def _remove(self, d: Path, why: str) -> None:
+        shutil.rmtree(d, ignore_errors=True)
+        log.info("checkpoint import removed", dir=str(d), reason=why)
+
+    async def forget(self, container_id: str) -> None:
+        """After RemoveContainer: drop the import of that container (an id or unique prefix)."""
+        if not container_id:
+            return
+        imports = await asyncio.to_thread(self._imports)
+        hits = [(d, o) for d, o in imports if o and o.startswith(container_id)]
+        if len(hits) == 1:
+            await asyncio.to_thread(self._remove, hits[0][0], f"container {hits[0][1]} removed")
+
+    async def sweep(self) -> None:
+        """Drop imports whose container is gone (removed with its sandbox, or never created
+        because podshim stopped in the middle)."""
+        now = time.time()
+        for d, owner in await asyncio.to_thread(self._imports):
+            if owner is None:
+                try:
+                    age = now - d.stat().st_mtime
+                except OSError:
+                    continue
+                if age > STALE_IMPORT_SECONDS:
+                    await asyncio.to_thread(self._remove, d, "interrupted import")
+                continue
+            try:
+                await self.upstream.runtime.ContainerStatus(
+                    cri.ContainerStatusRequest(container_id=owner), timeout=30
+                )
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    await asyncio.to_thread(self._remove, d, f"container {owner} no longer exists")
