@@ -263,7 +263,7 @@ class PodCheckpointer:
             await self._stop_upstream(work)
 
         # 3. After the thaw: stats, checksums, manifest (completion marker).
-        self.journal.update(rec, "archiving")
+        await asyncio.to_thread(self.journal.update, rec, "archiving")  # fsync: never on the loop
         faults.hit("checkpoint.archive")
         archive_start = time.monotonic()
         m = await asyncio.to_thread(self._finish_archive, pod, work, archive, opts, post, timings)

@@ -3,14 +3,17 @@ metrics and logs around each operation, and crash recovery at start (DESIGN §8)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import os
 import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors, logs, metrics
@@ -20,10 +23,15 @@ from shim.checkpoint import PodCheckpointer
 from shim.config import Config
 from shim.container_checkpoint import ArchiveImporter, ContainerCheckpointer
 from shim.restore import PodRestorer
-from shim.state import Journal
+from shim.state import Journal, OpRecord
 from shim.upstream import Upstream
 
 log = logs.get("shim.engine")
+
+_CHECKPOINT_KINDS = ("checkpoint", "checkpoint-container")
+# How long recovery lets a crashed run's runc/CRIU finish (CRIU then cures and unseizes the
+# pod's processes) before it kills them.
+RECOVERY_WAIT = 120.0
 
 
 class OperationLocks:
@@ -32,8 +40,11 @@ class OperationLocks:
     def __init__(self) -> None:
         self._held: dict[str, str] = {}
 
-    @contextlib.contextmanager
-    def hold(self, operation: str, keys: list[str]) -> Iterator[None]:
+    def acquire(self, operation: str, keys: list[str]) -> list[str]:
+        """Take every key or none (ABORTED naming the holder); returns the keys as held, which
+        is what `release` takes. A "path P" key is held by P's resolved form, so that aliases of
+        one directory ("D/.", "D//", a symlink to D) exclude each other too."""
+        keys = [_canonical(k) for k in keys]
         busy = [k for k in keys if k in self._held]
         if busy:
             k = busy[0]
@@ -42,11 +53,29 @@ class OperationLocks:
             )
         for k in keys:
             self._held[k] = operation
+        return keys
+
+    def release(self, held: list[str]) -> None:
+        for k in held:
+            self._held.pop(k, None)
+
+    @contextlib.contextmanager
+    def hold(self, operation: str, keys: list[str]) -> Iterator[None]:
+        held = self.acquire(operation, keys)
         try:
             yield
         finally:
-            for k in keys:
-                self._held.pop(k, None)
+            self.release(held)
+
+
+def _canonical(key: str) -> str:
+    kind, _, value = key.partition(" ")
+    if kind == "path" and value.startswith("/"):
+        try:
+            return f"path {os.path.realpath(value)}"
+        except (OSError, ValueError):  # NUL byte and the like: the request is refused anyway
+            pass
+    return key
 
 
 class Engine:
@@ -57,6 +86,7 @@ class Engine:
         self.locks = OperationLocks()
         self.checkpointer = PodCheckpointer(config, upstream, self.journal)
         self.restorer = PodRestorer(config, upstream, self.journal)
+        self._recovering: set[asyncio.Task[None]] = set()  # background recoveries (see recover)
 
     @contextlib.contextmanager
     def _operation(self, name: str, keys: list[str], **fields: str) -> Iterator[None]:
@@ -141,19 +171,105 @@ class Engine:
             await self.archive_importer.sweep()
 
     async def recover(self) -> None:
-        """Undo what a crashed podshim left: thaw pods, remove partial archives (DESIGN §8)."""
+        """Undo what a crashed podshim left (DESIGN §8): thaw pods, remove partial archives,
+        remove half-restored sandboxes, and log each recovery.
+
+        A record that cannot be recovered now is logged and kept for the next start: it never
+        keeps podshim from serving. A checkpoint whose runc/CRIU outlived the crash (they run in
+        their own session) is recovered in the background once they have ended, holding the pod
+        and path locks meanwhile (ABORTED for new requests): CRIU re-freezes the cgroups it found
+        frozen when it finishes and writes into output_path until then, so a thaw and a clean-up
+        done before that would not last.
+        """
         for rec in self.journal.pending():
-            data = rec.data
             log.warning("recovering interrupted operation", kind=rec.kind, pod=rec.pod_key, phase=rec.phase)
-            if rec.kind in ("checkpoint", "checkpoint-container"):
+            out = rec.data.get("output_path")
+            leftovers = _processes_under(str(out)) if out and rec.kind in _CHECKPOINT_KINDS else []
+            if not leftovers:
+                await self._recover_record(rec)
+                continue
+            keys = self.locks.acquire(
+                "recovery of an interrupted checkpoint", [f"pod {rec.pod_key}", f"path {out}"]
+            )
+            log.warning(
+                "interrupted checkpoint: its runtime/CRIU processes still run; recovering when they end",
+                pod=rec.pod_key,
+                pids=[p.pid for p in leftovers],
+            )
+            task = asyncio.create_task(self._recover_after(rec, leftovers, keys))
+            self._recovering.add(task)
+            task.add_done_callback(self._recovering.discard)
+
+    async def _recover_after(self, rec: OpRecord, procs: list[psutil.Process], keys: list[str]) -> None:
+        try:
+            _gone, alive = await asyncio.to_thread(psutil.wait_procs, procs, RECOVERY_WAIT)
+            if alive:
+                log.error(
+                    f"interrupted checkpoint: runtime/CRIU alive after {RECOVERY_WAIT:.0f}s; killing them",
+                    pod=rec.pod_key,
+                    pids=[p.pid for p in alive],
+                )
+                for p in alive:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
+                await asyncio.to_thread(psutil.wait_procs, alive, 10.0)
+            await self._recover_record(rec)
+        finally:
+            self.locks.release(keys)
+
+    async def _recover_record(self, rec: OpRecord) -> None:
+        data = rec.data
+        try:
+            if rec.kind in _CHECKPOINT_KINDS:
                 thaw_paths(list(data.get("cgroups", [])))
                 out = data.get("output_path")
                 if rec.kind == "checkpoint-container" and out and fsutil.is_temp_name(Path(out).name):
                     shutil.rmtree(out, ignore_errors=True)  # podshim's staging dir next to the tar
                 elif out and not (Path(out) / layout.MANIFEST_FILE).exists():
-                    with contextlib.suppress(OSError):
+                    with contextlib.suppress(OSError, errors.NotFound):  # NotFound: dir removed since
                         fsutil.clear_dir_contents(Path(out))
             elif rec.kind == "restore" and data.get("sandbox_id"):
                 await self.restorer.rollback_sandbox(str(data["sandbox_id"]))
-            self.journal.finish(rec)
-            metrics.operations.labels(rec.kind.replace("-", "_"), "RECOVERED").inc()
+                await self._check_sandbox_gone(str(data["sandbox_id"]))
+        except Exception as e:  # noqa: BLE001 - logged; the record stays for the next start
+            log.error(
+                "recovery of interrupted operation failed; kept for the next start",
+                kind=rec.kind,
+                pod=rec.pod_key,
+                record=str(rec.path),
+                error=getattr(e, "message", None) or repr(e),
+            )
+            metrics.operations.labels(rec.kind.replace("-", "_"), "RECOVERY_FAILED").inc()
+            return
+        self.journal.finish(rec)
+        log.info("recovered interrupted operation", kind=rec.kind, pod=rec.pod_key, phase=rec.phase)
+        metrics.operations.labels(rec.kind.replace("-", "_"), "RECOVERED").inc()
+
+    async def _check_sandbox_gone(self, sandbox_id: str) -> None:
+        """rollback_sandbox only logs its failures: the record may go only once the sandbox is gone."""
+        try:
+            await self.upstream.runtime.PodSandboxStatus(
+                cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=30
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return
+            raise errors.Unavailable(
+                f"cannot confirm sandbox {sandbox_id} was removed: {e.details()}"
+            ) from None
+        raise errors.Internal(f"sandbox {sandbox_id} of an interrupted restore could not be removed")
+
+
+def _processes_under(path: str) -> list[psutil.Process]:
+    """Live processes whose argv names `path` or a path below it (the runc/crun `checkpoint
+    --image-path <path>/...` and CRIU's `criu: dump ... -D <path>/...` of a crashed podshim),
+    with their descendants."""
+    prefix = path.rstrip("/") + "/"
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        argv = p.info.get("cmdline") or []
+        if p.pid != os.getpid() and any(a == path or prefix in a for a in argv):
+            found[p.pid] = p
+            with contextlib.suppress(psutil.Error):
+                found.update((c.pid, c) for c in p.children(recursive=True))
+    return list(found.values())

@@ -106,6 +106,7 @@ class TestBed:
         timeout: float = 60.0,
         log_level: str = "info",
         save_logs_to: str | os.PathLike[str] | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         """
         base_dir: where everything lives; must not exist or be empty; removed by ``stop()``.
@@ -128,6 +129,9 @@ class TestBed:
         save_logs_to: before ``stop()`` removes the base dir, copy the containerd/podshim logs
             and the pod logs to ``<save_logs_to>/<base dir name>/`` (default: the environment
             variable ``PODSHIM_TESTBED_LOGS``, else the logs go with the base dir).
+        extra_env: environment variables added for containerd (and so its shims and
+            podshim-runc) and podshim, e.g. ``PODSHIM_FAILPOINTS``. The attribute may be changed
+            between ``stop_containerd()`` and ``start_containerd()`` (or a podshim restart).
         """
         self.base_dir = Path(base_dir or f"/run/podshim-testbed-{secrets.token_hex(4)}").absolute()
         self.start_podshim = start_podshim
@@ -141,6 +145,7 @@ class TestBed:
         logs_env = os.environ.get("PODSHIM_TESTBED_LOGS")
         self.save_logs_to = Path(save_logs_to) if save_logs_to else Path(logs_env) if logs_env else None
         self.namespace = NAMESPACE
+        self.extra_env = dict(extra_env or {})
 
         b = self.base_dir
         self.containerd_socket = b / "containerd.sock"
@@ -482,6 +487,7 @@ level = "info"
             if p not in path.split(":"):
                 path = f"{path}:{p}" if path else p
         env["PATH"] = path
+        env.update(self.extra_env)
         return env
 
     def _spawn(self, cmd: list[str], log: Path) -> subprocess.Popen[bytes]:

@@ -321,7 +321,7 @@ def read_manifest(root: Path) -> Manifest:
         raise Internal(f"cannot read {path}: {e}") from e
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise DataLoss(
             f"{path} is truncated or not valid JSON ({e}): the checkpoint is corrupt; take a new checkpoint"
         ) from e

@@ -1,0 +1,362 @@
+"""What every fault test needs: a podshim with failpoints armed in place of the bed's, the
+checks after recovery (pod thawed and counting, no partial archive, no orphan sandbox,
+container or mount, empty journal), and small process/cgroup utilities."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from api.runtime.v1 import api_pb2_grpc
+from shim.archive import manifest as mf
+from testbed import _sys, pods
+from testbed.bed import VENV_BIN, TestBed
+
+Rt = api_pb2_grpc.RuntimeServiceStub
+FREEZER = Path("/sys/fs/cgroup/freezer")
+FAILPOINTS_ENV = "PODSHIM_FAILPOINTS"
+CALL_TIMEOUT = 120.0
+
+
+# ---------------------------------------------------------------------------- podshim
+
+
+def wait_serving(rt: Rt, timeout: float = 30.0) -> cri.VersionResponse:
+    """Version through `rt`, waiting for the channel to (re)connect after a podshim restart."""
+    return rt.Version(cri.VersionRequest(), timeout=timeout, wait_for_ready=True)
+
+
+def fresh_rt(bed: TestBed) -> Rt:
+    """A stub on a new channel to podshim (no reconnect backoff inherited from a dead podshim)."""
+    return pods.stubs(bed.podshim_socket)[0]
+
+
+class FailpointPodshim:
+    """`podshim serve` with PODSHIM_FAILPOINTS=`spec`, in place of the bed's podshim: same config,
+    socket and state dir, so the journal it writes is the one the bed's podshim replays.
+
+    On exit the failpoint process is dead (SIGKILLed if still alive) and the bed's normal podshim
+    runs again, whatever happened in between.
+    """
+
+    def __init__(self, bed: TestBed, spec: str) -> None:
+        self.bed = bed
+        self.spec = spec
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = bed.log_dir / f"podshim-failpoint-{secrets.token_hex(3)}.log"
+
+    def __enter__(self) -> FailpointPodshim:
+        self.bed.kill_podshim()
+        env = self.bed._env()
+        env[FAILPOINTS_ENV] = self.spec
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [str(VENV_BIN / "podshim"), "serve", "--config", str(self.bed.podshim_config)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.bed.base_dir,
+                start_new_session=True,
+            )
+        rt = fresh_rt(self.bed)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"failpoint podshim exited at start:\n{self.log.read_text()[-2000:]}")
+            try:
+                rt.Version(cri.VersionRequest(), timeout=1)
+                break
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        return self
+
+    @property
+    def rt(self) -> Rt:
+        return fresh_rt(self.bed)
+
+    def wait_dead(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(15)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+        if not self.bed.podshim_running:
+            self.bed.start_podshim_again()
+
+
+def restart_podshim(bed: TestBed) -> None:
+    """Start the bed's podshim (without failpoints) if it is not running: it replays the journal."""
+    if not bed.podshim_running:
+        bed.start_podshim_again()
+
+
+# ---------------------------------------------------------------------------- state of the node
+
+
+def freezer_state(cgroup: str) -> str:
+    return (FREEZER / cgroup.lstrip("/") / "freezer.state").read_text().strip()
+
+
+def container_cgroup(rt: Rt, container_id: str) -> str:
+    resp = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=container_id, verbose=True))
+    return str(json.loads(resp.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"])
+
+
+def journal_files(bed: TestBed) -> list[str]:
+    ops = Path(bed.podshim_state_dir) / "ops"
+    return sorted(os.listdir(ops)) if ops.is_dir() else []
+
+
+def wait_journal_empty(bed: TestBed, timeout: float = 30.0) -> None:
+    pods.wait_for(
+        lambda: not journal_files(bed), timeout, what=f"an empty journal (left: {journal_files(bed)})"
+    )
+
+
+def sandbox_ids(rt: Rt) -> set[str]:
+    return {p.id for p in rt.ListPodSandbox(cri.ListPodSandboxRequest()).items}
+
+
+def container_ids(rt: Rt) -> set[str]:
+    return {c.id for c in rt.ListContainers(cri.ListContainersRequest()).containers}
+
+
+def mounts_naming(bed: TestBed, ids: set[str]) -> list[str]:
+    """Mount points under the bed dir that belong to one of `ids` (rootfs, shm, ...)."""
+    return [
+        m.mount_point for m in _sys.mounts_under(bed.base_dir) if any(i and i in m.mount_point for i in ids)
+    ]
+
+
+def processes_under(path: Path | str) -> list[int]:
+    """Live processes whose argv names `path` or a path below it (runc checkpoint, CRIU)."""
+    prefix = str(path).rstrip("/") + "/"
+    return [
+        pid
+        for pid in _sys.all_pids()
+        if _sys.alive(pid) and any(a == str(path) or prefix in a for a in _sys.read_cmdline(pid))
+    ]
+
+
+def tree_listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@dataclass
+class CounterPod:
+    pod: pods.Pod
+    cgroups: list[str]  # the pod's cgroup parent, then each container's
+
+    @property
+    def id(self) -> str:
+        return self.pod.id
+
+    def last_count(self, name: str = "counter") -> int:
+        c = pods.counts(self.pod.log_path(name))
+        return c[-1] if c else -1
+
+
+def start_counter_pod(
+    rt: Rt,
+    bed: TestBed,
+    name: str,
+    cleanup: list[str],
+    mem_mib: int = 8,
+    containers: tuple[str, ...] = ("counter",),
+    ready_timeout: float = 60.0,
+) -> CounterPod:
+    """A pod of counter containers (kubelet-like), running and counting."""
+    args = ["--mem-mib", str(mem_mib), "--interval-ms", "100"]
+    configs = {c: pods.container_config(c, args=list(args)) for c in containers}
+    pod = pods.run_pod(rt, f"{name}-{secrets.token_hex(3)}", bed.pod_logs_dir, configs)
+    cleanup.append(pod.id)
+    for c in containers:
+        pods.wait_count(pod.log_path(c), 2, timeout=ready_timeout)
+    cgroups = [pod.config.linux.cgroup_parent, *(container_cgroup(rt, pod.containers[c]) for c in containers)]
+    return CounterPod(pod, cgroups)
+
+
+def new_output_dir(bed: TestBed, name: str, parent: Path | None = None) -> Path:
+    d = (parent or Path(bed.checkpoint_root)) / f"{name}-{secrets.token_hex(4)}"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def checkpoint(rt: Rt, pod_id: str, out: Path, timeout: float = CALL_TIMEOUT, **fields: Any) -> None:
+    rt.CheckpointPod(
+        cri.CheckpointPodRequest(pod_sandbox_id=pod_id, output_path=str(out), **fields), timeout=timeout
+    )
+
+
+def assert_thawed_and_counting(rt: Rt, cp: CounterPod, names: tuple[str, ...] = ("counter",)) -> None:
+    for cg in cp.cgroups:
+        assert freezer_state(cg) == "THAWED", f"{cg} is {freezer_state(cg)}"
+    st = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=cp.id)).status
+    assert st.state == cri.SANDBOX_READY
+    for n in names:
+        cid = cp.pod.containers[n]
+        state = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status.state
+        assert state == cri.CONTAINER_RUNNING, f"{n}: {cri.ContainerState.Name(state)}"
+        before = cp.last_count(n)
+        pods.wait_count(cp.pod.log_path(n), before + 2, timeout=15)
+
+
+def assert_empty_dir(d: Path) -> None:
+    assert d.is_dir() and not d.is_symlink(), f"{d} was removed or replaced"
+    left = tree_listing(d)
+    assert left == [], f"partial archive left in {d}: {left[:10]}"
+
+
+def assert_checkpoint_works(rt: Rt, bed: TestBed, cp: CounterPod, name: str = "next") -> Path:
+    """The next CheckpointPod of the pod succeeds and its archive verifies; the pod runs on."""
+    out = new_output_dir(bed, name)
+    checkpoint(rt, cp.id, out)
+    m = mf.load_and_verify(out, [str(bed.checkpoint_root)])
+    assert {c.name for c in m.containers if c.checkpointed} == set(cp.pod.containers)
+    assert_thawed_and_counting(rt, cp, tuple(cp.pod.containers))
+    return out
+
+
+@contextlib.contextmanager
+def stopped_processes(pids: list[int]) -> Iterator[None]:
+    """SIGSTOP `pids` for the duration of the block (SIGCONT after, even on failure)."""
+    for p in pids:
+        _sys.kill(p, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in pids:
+            _sys.kill(p, signal.SIGCONT)
+
+
+# ---------------------------------------------------------------------------- restore
+
+
+@dataclass
+class Archive:
+    path: Path
+    containers: list[cri.ContainerConfig]  # the configs a kubelet sends to restore it
+
+
+def take_archive(rt: Rt, bed: TestBed, name: str, containers: tuple[str, ...], created: list[str]) -> Archive:
+    """A counter pod (8 MiB per container) and its CheckpointPod archive."""
+    cp = start_counter_pod(rt, bed, name, created, mem_mib=8, containers=containers)
+    out = new_output_dir(bed, name)
+    checkpoint(rt, cp.id, out)
+    configs = [pods.container_config(c, args=["--mem-mib", "8", "--interval-ms", "100"]) for c in containers]
+    return Archive(out, configs)
+
+
+def restore(
+    rt: Rt, archive: Archive, config: cri.PodSandboxConfig, options: dict[str, str] | None = None
+) -> cri.RestorePodResponse:
+    return rt.RestorePod(
+        cri.RestorePodRequest(
+            checkpoint_path=str(archive.path),
+            config=config,
+            container_configs=archive.containers,
+            options=options or {},
+        ),
+        timeout=CALL_TIMEOUT,
+    )
+
+
+def sandboxes_named(rt: Rt, name: str) -> list[str]:
+    f = cri.PodSandboxFilter(label_selector={"io.kubernetes.pod.name": name})
+    return [p.id for p in rt.ListPodSandbox(cri.ListPodSandboxRequest(filter=f)).items]
+
+
+def remove_cgroup_parent(config: cri.PodSandboxConfig) -> None:
+    """The pod-level cgroup is the kubelet's to remove (containerd leaves it) once it is empty."""
+    for d in _sys.cgroup_dirs(config.linux.cgroup_parent):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+@dataclass
+class NodeState:
+    """What a failed or interrupted operation must leave as it found: sandboxes, containers,
+    mounts under the bed, the runtime's state dirs, the journal."""
+
+    sandboxes: set[str]
+    containers: set[str]
+    mounts: set[str]
+    runc_state: set[str]
+    journal: list[str]
+
+    @classmethod
+    def take(cls, rt: Rt, bed: TestBed) -> NodeState:
+        try:
+            runc_state = set(os.listdir(bed.runc_root))
+        except FileNotFoundError:
+            runc_state = set()
+        return cls(
+            sandboxes=sandbox_ids(rt),
+            containers=container_ids(rt),
+            mounts={m.mount_point for m in _sys.mounts_under(bed.base_dir)},
+            runc_state=runc_state,
+            journal=journal_files(bed),
+        )
+
+
+# ---------------------------------------------------------------------------- background calls
+
+
+class Call(threading.Thread):
+    """CheckpointPod in the background; `error` is the RpcError or None once joined."""
+
+    def __init__(self, rt: Rt, pod_id: str, out: Path) -> None:
+        super().__init__(daemon=True)
+        self.rt, self.pod_id, self.out = rt, pod_id, out
+        self.error: grpc.RpcError | None = None
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        start = time.monotonic()
+        try:
+            checkpoint(self.rt, self.pod_id, self.out, timeout=120)
+        except grpc.RpcError as e:
+            self.error = e
+        self.seconds = time.monotonic() - start
+
+
+def wait_criu_dumping(out: Path, call: Call, min_bytes: int = 1 << 20, timeout: float = 60.0) -> list[int]:
+    """The pids of CRIU dumping into `out`, once it wrote `min_bytes` of memory pages."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and call.is_alive():
+        runc = set(processes_under(out))
+        criu = [
+            p
+            for p in runc | _sys.descendants(runc)
+            if _sys.read_cmdline(p)[:1] and "criu" in _sys.read_cmdline(p)[0]
+        ]
+        written = sum(f.stat().st_size for f in out.glob("containers/*/checkpoint/pages-*.img"))
+        if criu and written >= min_bytes:
+            return criu
+        time.sleep(0.005)
+    pytest.fail("CRIU was not seen dumping (the checkpoint ended first or never started)")

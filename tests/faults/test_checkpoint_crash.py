@@ -1,0 +1,180 @@
+"""SIGKILL podshim at each phase of CheckpointPod, then start it again without failpoints.
+
+Each test proves that the crash really happened in the phase it names (the pod is frozen, CRIU
+images are on disk, ...), and that after the restart's journal replay: the pod and its
+containers are THAWED and keep counting, output_path is empty (and still there), no sandbox,
+container or mount appeared, the journal is empty, and the next CheckpointPod succeeds.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from testbed import _sys
+from testbed.bed import TestBed
+
+from .helpers import (
+    CounterPod,
+    FailpointPodshim,
+    Rt,
+    assert_checkpoint_works,
+    assert_empty_dir,
+    assert_thawed_and_counting,
+    checkpoint,
+    container_ids,
+    freezer_state,
+    journal_files,
+    new_output_dir,
+    processes_under,
+    restart_podshim,
+    sandbox_ids,
+    start_counter_pod,
+    stopped_processes,
+    tree_listing,
+    wait_journal_empty,
+    wait_serving,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def archives(bed: TestBed) -> Iterator[list[Path]]:
+    """Output dirs to remove after the test (the archives are large)."""
+    dirs: list[Path] = []
+    yield dirs
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _crash(fp: FailpointPodshim, pod_id: str, out: Path) -> grpc.RpcError:
+    """CheckpointPod through the failpoint podshim; it must die on the way."""
+    with pytest.raises(grpc.RpcError) as err:
+        checkpoint(fp.rt, pod_id, out, timeout=60)
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), err.value.details()
+    fp.wait_dead(30)
+    assert journal_files(fp.bed), "the interrupted checkpoint left no journal record"
+    return err.value
+
+
+def _recovered(
+    rt: Rt, bed: TestBed, cp: CounterPod, out: Path, before: tuple[set[str], set[str]], log_mark: int
+) -> None:
+    wait_serving(rt)
+    wait_journal_empty(bed)
+    assert_thawed_and_counting(rt, cp)
+    assert_empty_dir(out)
+    assert (sandbox_ids(rt), container_ids(rt)) == before, "a sandbox or container appeared or vanished"
+    assert processes_under(out) == []
+    assert not [m for m in _sys.mounts_under(out)], "something is mounted in output_path"
+    with open(bed.podshim_log, "rb") as f:
+        f.seek(log_mark)
+        assert b"recovered interrupted operation" in f.read(), "the recovery was not logged"
+
+
+def test_kill_after_freeze(rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]) -> None:
+    cp = start_counter_pod(rt, bed, "crash-frozen", pod_cleanup, mem_mib=16)
+    before = (sandbox_ids(rt), container_ids(rt))
+    mark = bed.podshim_log.stat().st_size
+    out = new_output_dir(bed, "crash-frozen")
+    archives.append(out)
+    with FailpointPodshim(bed, "checkpoint.after-freeze=kill") as fp:
+        _crash(fp, cp.id, out)
+        # podshim died holding the pod frozen: exactly what the replay must undo
+        assert freezer_state(cp.cgroups[1]) == "FROZEN"
+        frozen_at = cp.last_count()
+    _recovered(rt, bed, cp, out, before, mark)
+    assert cp.last_count() > frozen_at
+    archives.append(assert_checkpoint_works(rt, bed, cp))
+
+
+def test_kill_mid_dump_criu_finishes_before_restart(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]
+) -> None:
+    """podshim dies right after starting runc; runc and CRIU (own session) finish the dump alone
+    and CRIU puts back the FROZEN state it found: the replay must thaw and clear it."""
+    cp = start_counter_pod(rt, bed, "crash-dump", pod_cleanup, mem_mib=32)
+    before = (sandbox_ids(rt), container_ids(rt))
+    mark = bed.podshim_log.stat().st_size
+    out = new_output_dir(bed, "crash-dump")
+    archives.append(out)
+    with FailpointPodshim(bed, "checkpoint.mid-dump=kill") as fp:
+        _crash(fp, cp.id, out)
+        _sys.wait_gone(set(processes_under(out)), 60)
+        assert processes_under(out) == []
+        left = tree_listing(out)
+        assert "containers/counter/checkpoint/inventory.img" in left, left  # the orphan dump completed
+        assert "manifest.json" not in left
+        assert freezer_state(cp.cgroups[1]) == "FROZEN"  # CRIU restored the state it found
+    _recovered(rt, bed, cp, out, before, mark)
+    archives.append(assert_checkpoint_works(rt, bed, cp))
+
+
+def _hold_point(out: Path, timeout: float = 10.0) -> list[int]:
+    """runc and CRIU of the orphan dump once CRIU has begun writing memory pages."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runc = set(processes_under(out))
+        tree = runc | _sys.descendants(runc)
+        criu = [p for p in tree if _sys.read_cmdline(p)[:1] and "criu" in _sys.read_cmdline(p)[0]]
+        if criu and list(out.glob("containers/*/checkpoint/pages-*.img")):
+            return sorted(tree)
+        if not runc:
+            break
+        time.sleep(0.005)
+    pytest.fail("the orphan dump ended before the test could hold it mid-dump; use a larger pod")
+
+
+def test_kill_mid_dump_criu_outlives_restart(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]
+) -> None:
+    """The orphan runc/CRIU are still dumping when podshim comes back (held with SIGSTOP here).
+    A thaw and clean-up at start would not last (CRIU re-freezes and keeps writing): the replay
+    holds the pod (ABORTED) until they end, then thaws and clears."""
+    cp = start_counter_pod(rt, bed, "crash-orphan", pod_cleanup, mem_mib=256)
+    before = (sandbox_ids(rt), container_ids(rt))
+    mark = bed.podshim_log.stat().st_size
+    out = new_output_dir(bed, "crash-orphan")
+    archives.append(out)
+    with FailpointPodshim(bed, "checkpoint.mid-dump=kill") as fp:
+        _crash(fp, cp.id, out)
+        orphans = _hold_point(out)
+        with stopped_processes(orphans):
+            fp.kill()
+            restart_podshim(bed)
+            wait_serving(rt)
+            assert journal_files(bed), "the replay finished while the dump was still running"
+            busy = new_output_dir(bed, "while-recovering")
+            archives.append(busy)
+            with pytest.raises(grpc.RpcError) as err:
+                checkpoint(rt, cp.id, busy, timeout=30)
+            assert err.value.code() == grpc.StatusCode.ABORTED, err.value.details()
+            assert "recovery" in (err.value.details() or "")
+        _sys.wait_gone(set(orphans), 60)
+    _recovered(rt, bed, cp, out, before, mark)
+    archives.append(assert_checkpoint_works(rt, bed, cp))
+
+
+def test_kill_while_writing_archive(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]
+) -> None:
+    """Dump done and pod thawed, podshim dies before manifest.json: the files must not stay
+    (without the manifest nothing tells a complete archive from a partial one)."""
+    cp = start_counter_pod(rt, bed, "crash-archive", pod_cleanup, mem_mib=16)
+    before = (sandbox_ids(rt), container_ids(rt))
+    mark = bed.podshim_log.stat().st_size
+    out = new_output_dir(bed, "crash-archive")
+    archives.append(out)
+    with FailpointPodshim(bed, "checkpoint.archive=kill") as fp:
+        _crash(fp, cp.id, out)
+        left = tree_listing(out)
+        assert "containers/counter/checkpoint/inventory.img" in left and "manifest.json" not in left
+        assert freezer_state(cp.cgroups[1]) == "THAWED"
+    _recovered(rt, bed, cp, out, before, mark)
+    archives.append(assert_checkpoint_works(rt, bed, cp))

@@ -1,0 +1,191 @@
+"""The environment failing under a running CheckpointPod: CRIU killed mid-dump, containerd
+restarted mid-operation, the checkpoint filesystem full mid-dump.
+
+After each: a typed error naming what failed (or, where the failure cannot touch the dump, a
+complete archive), the pod THAWED and counting, output_path empty, the journal empty, podshim
+serving, and the next CheckpointPod succeeding.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from shim.archive import manifest as mf
+from testbed import _sys, pods
+from testbed.bed import TestBed
+
+from .helpers import (
+    Call,
+    CounterPod,
+    Rt,
+    assert_checkpoint_works,
+    assert_empty_dir,
+    assert_thawed_and_counting,
+    checkpoint,
+    journal_files,
+    new_output_dir,
+    processes_under,
+    start_counter_pod,
+    wait_criu_dumping,
+    wait_journal_empty,
+    wait_serving,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def archives(bed: TestBed) -> Iterator[list[Path]]:
+    dirs: list[Path] = []
+    yield dirs
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _after(rt: Rt, bed: TestBed, cp: CounterPod, out: Path) -> None:
+    wait_serving(rt)
+    wait_journal_empty(bed)
+    assert_thawed_and_counting(rt, cp)
+    assert_empty_dir(out)
+    assert processes_under(out) == []
+
+
+def test_criu_killed_mid_dump(rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]) -> None:
+    cp = start_counter_pod(rt, bed, "criu-killed", pod_cleanup, mem_mib=512)
+    out = new_output_dir(bed, "criu-killed")
+    archives.append(out)
+    call = Call(rt, cp.id, out)
+    call.start()
+    for pid in wait_criu_dumping(out, call, min_bytes=32 << 20):
+        _sys.kill(pid, signal.SIGKILL)
+    call.join(120)
+    assert call.error is not None, "CheckpointPod succeeded although CRIU was killed"
+    code, details = call.error.code(), call.error.details() or ""
+    print(f"CRIU killed mid-dump: {code}: {details}")
+    assert code == grpc.StatusCode.INTERNAL, details
+    assert "'counter'" in details and "CRIU log" in details
+    kept = Path(details.rsplit("CRIU log: ", 1)[1].rstrip(")"))
+    assert kept.is_file() and not kept.is_relative_to(out), "the CRIU log was not kept outside output_path"
+    _after(rt, bed, cp, out)
+    archives.append(assert_checkpoint_works(rt, bed, cp))
+
+
+def test_containerd_down_at_checkpoint(rt: Rt, bed: TestBed, pod_cleanup: list[str]) -> None:
+    cp = start_counter_pod(rt, bed, "upstream-down", pod_cleanup, mem_mib=8)
+    out = new_output_dir(bed, "upstream-down")
+    bed.stop_containerd()
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            checkpoint(rt, cp.id, out, timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert str(bed.containerd_socket) in (err.value.details() or "")
+        assert_empty_dir(out)
+        assert journal_files(bed) == []
+    finally:
+        bed.start_containerd()
+    pods.wait_for(lambda: _lists(rt), 30, what="podshim reaching containerd again")
+    _after(rt, bed, cp, out)
+    shutil.rmtree(assert_checkpoint_works(rt, bed, cp))
+    out.rmdir()
+
+
+def _lists(rt: Rt) -> bool:
+    try:
+        rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=2)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def test_containerd_restarted_mid_checkpoint(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]
+) -> None:
+    """containerd stops while CRIU dumps a 512 MiB pod and comes back. The dump itself needs only
+    runc and CRIU (podshim talks to containerd before it), so the call may complete; either way
+    the result is whole: a verified archive, or an error and an empty output_path."""
+    cp = start_counter_pod(rt, bed, "upstream-restart", pod_cleanup, mem_mib=512)
+    out = new_output_dir(bed, "upstream-restart")
+    archives.append(out)
+    call = Call(rt, cp.id, out)
+    call.start()
+    wait_criu_dumping(out, call)
+    bed.stop_containerd()
+    try:
+        call.join(120)
+    finally:
+        bed.start_containerd()
+    pods.wait_for(lambda: _lists(rt), 30, what="podshim reaching containerd again")
+    if call.error is None:
+        print(f"containerd restarted mid-checkpoint: CheckpointPod OK in {call.seconds:.2f}s")
+        m = mf.load_and_verify(out, [str(bed.checkpoint_root)])
+        assert m.container("counter").checkpointed
+        shutil.rmtree(out)
+        out.mkdir(mode=0o700)
+    else:
+        details = call.error.details() or ""
+        print(f"containerd restarted mid-checkpoint: {call.error.code()}: {details}")
+        assert call.error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL), details
+    _after(rt, bed, cp, out)
+    archives.append(assert_checkpoint_works(rt, bed, cp))
+
+
+@pytest.fixture
+def small_fs(bed: TestBed) -> Iterator[Path]:
+    """A 32 MiB tmpfs mounted inside the allowed checkpoint root (unmounted after)."""
+    mnt = Path(bed.checkpoint_root) / "small-fs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+        mnt.rmdir()
+
+
+def test_checkpoint_filesystem_full(rt: Rt, bed: TestBed, pod_cleanup: list[str], small_fs: Path) -> None:
+    cp = start_counter_pod(rt, bed, "disk-full", pod_cleanup, mem_mib=256)
+    out = new_output_dir(bed, "disk-full", parent=small_fs)
+    with pytest.raises(grpc.RpcError) as err:
+        checkpoint(rt, cp.id, out, timeout=120)
+    code, details = err.value.code(), err.value.details() or ""
+    print(f"checkpoint filesystem full: {code}: {details}")
+    assert code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED), details
+    assert "No space left on device" in details or "ENOSPC" in details, details
+    assert "'counter'" in details
+    _after(rt, bed, cp, out)
+    assert [p.name for p in small_fs.iterdir()] == [out.name]
+    shutil.rmtree(assert_checkpoint_works(rt, bed, cp))
+
+
+@pytest.mark.parametrize("how", ["deadline", "cancel"])
+def test_caller_gives_up_mid_dump(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path], how: str
+) -> None:
+    """The caller's deadline passes, or the caller cancels, while CRIU dumps: podshim stops the
+    dump, thaws the pod and removes the partial files (whether or not anyone still listens)."""
+    cp = start_counter_pod(rt, bed, f"gives-up-{how}", pod_cleanup, mem_mib=512)
+    out = new_output_dir(bed, f"gives-up-{how}")
+    archives.append(out)
+    req = cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(out))
+    if how == "deadline":
+        with pytest.raises(grpc.RpcError) as err:
+            rt.CheckpointPod(req, timeout=1.2)  # podshim's budget: 0.7 s, less than the dump
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+        print(f"deadline mid-dump: {err.value.code()}: {err.value.details()}")
+    else:
+        fut = rt.CheckpointPod.future(req, timeout=60)
+        call = Call(rt, "", out)  # only for wait_criu_dumping's liveness check
+        call.is_alive = lambda: not fut.done()  # type: ignore[method-assign]
+        wait_criu_dumping(out, call)
+        assert fut.cancel()
+    wait_journal_empty(bed)
+    _after(rt, bed, cp, out)
+    archives.append(assert_checkpoint_works(rt, bed, cp))

@@ -1,0 +1,211 @@
+"""RestorePod interrupted: podshim SIGKILLed after the sandbox and between two containers, and
+podshim-runc SIGKILLed inside the restore hook (under containerd, at StartContainer).
+
+After podshim's restart (journal replay) or the failed start: the new sandbox and its
+containers are gone, nothing is left mounted or in the runtime's state, the journal is empty,
+the archive is unchanged, and the next RestorePod of the same archive succeeds and resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from testbed import _sys, pods
+from testbed.bed import TestBed
+
+from .helpers import (
+    FAILPOINTS_ENV,
+    Archive,
+    FailpointPodshim,
+    NodeState,
+    Rt,
+    journal_files,
+    mounts_naming,
+    remove_cgroup_parent,
+    restore,
+    sandboxes_named,
+    take_archive,
+    wait_journal_empty,
+    wait_serving,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+def _digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def archive(rt: Rt, bed: TestBed) -> Iterator[Archive]:
+    """One archive of a two-container counter pod (so a crash can fall between the two)."""
+    created: list[str] = []
+    try:
+        a = take_archive(rt, bed, "restore-crash-src", ("first", "second"), created)
+        yield a
+        shutil.rmtree(a.path, ignore_errors=True)
+    finally:
+        for pod_id in created:
+            with contextlib.suppress(Exception):
+                pods.remove_pod(rt, pod_id)
+
+
+@pytest.fixture
+def new_pod(bed: TestBed, log_root: Path, rt: Rt) -> Iterator[cri.PodSandboxConfig]:
+    """The config of the pod a test restores into; whatever carries its name is removed after."""
+    config = pods.pod_config(f"restored-{secrets.token_hex(3)}", log_root)
+    yield config
+    with contextlib.suppress(Exception):
+        for sid in sandboxes_named(rt, config.metadata.name):
+            pods.remove_pod(rt, sid)
+    remove_cgroup_parent(config)
+
+
+def _assert_nothing_left(
+    rt: Rt, bed: TestBed, config: cri.PodSandboxConfig, before: NodeState, ids: set[str]
+) -> None:
+    assert sandboxes_named(rt, config.metadata.name) == []
+    after = NodeState.take(rt, bed)
+    assert after == before, f"left behind: {before} -> {after}"
+    assert mounts_naming(bed, ids) == []
+    assert not _sys.cgroup_pids(config.linux.cgroup_parent), "processes left in the new pod's cgroup"
+    for d in _sys.cgroup_dirs(config.linux.cgroup_parent):
+        assert [p.name for p in d.iterdir() if p.is_dir()] == [], f"container cgroups left in {d}"
+
+
+def _assert_restore_works(rt: Rt, archive: Archive, log_root: Path, pod_cleanup: list[str]) -> None:
+    config = pods.pod_config(f"after-{secrets.token_hex(3)}", log_root)
+    resp = restore(rt, archive, config, {"start": "true"})
+    pod_cleanup.append(resp.pod_sandbox_id)  # its removal also removes the pod-level cgroup
+    for c in resp.restored_containers:
+        log = Path(config.log_directory) / c.name / "0.log"
+        first = pods.wait_for(lambda log=log: pods.counts(log), what=f"{c.name} output")[0]
+        assert first > 0, f"{c.name} restarted from 0 instead of resuming"
+
+
+@pytest.mark.parametrize(
+    ("failpoint", "created_containers"),
+    [("restore.after-sandbox", 0), ("restore.after-container", 1)],
+    ids=["after-sandbox", "between-containers"],
+)
+def test_podshim_killed_during_restore(
+    rt: Rt,
+    bed: TestBed,
+    archive: Archive,
+    new_pod: cri.PodSandboxConfig,
+    log_root: Path,
+    pod_cleanup: list[str],
+    failpoint: str,
+    created_containers: int,
+) -> None:
+    digest = _digest(archive.path)
+    before = NodeState.take(rt, bed)
+    with FailpointPodshim(bed, f"{failpoint}=kill") as fp:
+        with pytest.raises(grpc.RpcError) as err:
+            restore(fp.rt, archive, new_pod)
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        fp.wait_dead(30)
+        # the crash left a half-restored pod: the sandbox and `created_containers` of two
+        half = sandboxes_named(rt_direct := pods.stubs(bed.containerd_socket)[0], new_pod.metadata.name)
+        assert len(half) == 1, half
+        f = cri.ContainerFilter(pod_sandbox_id=half[0])
+        made = [c.id for c in rt_direct.ListContainers(cri.ListContainersRequest(filter=f)).containers]
+        assert len(made) == created_containers
+        assert journal_files(bed)
+    wait_serving(rt)
+    wait_journal_empty(bed)
+    _assert_nothing_left(rt, bed, new_pod, before, {half[0], *made})
+    assert _digest(archive.path) == digest, "the archive changed"
+    _assert_restore_works(rt, archive, log_root, pod_cleanup)
+
+
+@contextlib.contextmanager
+def containerd_env(bed: TestBed, env: dict[str, str]) -> Iterator[None]:
+    """containerd (so its shims and podshim-runc) restarted with `env`, and back without it."""
+    saved = dict(bed.extra_env)
+
+    def restart() -> None:
+        bed.stop_containerd()
+        bed.start_containerd()
+        pods.wait_for(lambda: _upstream_ok(bed), 30, what="podshim reaching containerd again")
+
+    bed.extra_env = {**saved, **env}
+    try:
+        restart()
+        yield
+    finally:
+        bed.extra_env = saved
+        restart()
+
+
+def _is_pause(pid: int) -> bool:
+    argv = _sys.read_cmdline(pid)
+    return bool(argv) and Path(argv[0]).name == "pause"
+
+
+def _upstream_ok(bed: TestBed) -> bool:
+    try:
+        pods.stubs(bed.podshim_socket)[0].ListPodSandbox(cri.ListPodSandboxRequest(), timeout=2)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def test_podshim_runc_killed_in_restore_hook(
+    rt: Rt,
+    bed: TestBed,
+    archive: Archive,
+    new_pod: cri.PodSandboxConfig,
+    log_root: Path,
+    pod_cleanup: list[str],
+) -> None:
+    digest = _digest(archive.path)
+    with containerd_env(bed, {FAILPOINTS_ENV: "runc-wrapper.before-restore=kill"}):
+        rt = pods.stubs(bed.podshim_socket)[0]
+        before = NodeState.take(rt, bed)
+        # RestorePod returns CREATED containers; the hook runs at StartContainer and dies there
+        resp = restore(rt, archive, new_pod)
+        sid = resp.pod_sandbox_id
+        ids = {sid, *(c.container_id for c in resp.restored_containers)}
+        first = resp.restored_containers[0].container_id
+        with pytest.raises(grpc.RpcError) as err:
+            rt.StartContainer(cri.StartContainerRequest(container_id=first), timeout=60)
+        print(f"StartContainer with podshim-runc killed: {err.value.code()}: {err.value.details()}")
+        st = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=first)).status
+        assert st.state != cri.CONTAINER_RUNNING
+        survivors = [p for p in _sys.cgroup_pids(new_pod.linux.cgroup_parent) if not _is_pause(p)]
+        assert not survivors, f"processes survived the failed restore: {survivors}"
+        # what the kubelet then does: remove the pod; nothing of it may stay
+        pods.remove_pod(rt, sid)
+        _assert_nothing_left(rt, bed, new_pod, before, ids)
+
+        # start=true: the failed start is RestorePod's own failure, and it removes the new pod
+        other = pods.pod_config(f"restored-{secrets.token_hex(3)}", log_root)
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                restore(rt, archive, other, {"start": "true"})
+            print(f"RestorePod start=true: {err.value.code()}: {err.value.details()}")
+            assert "first" in (err.value.details() or ""), err.value.details()
+            _assert_nothing_left(rt, bed, other, before, set())
+        finally:
+            for s in sandboxes_named(rt, other.metadata.name):
+                pods.remove_pod(rt, s)
+            remove_cgroup_parent(other)
+    rt = pods.stubs(bed.podshim_socket)[0]
+    wait_serving(rt)
+    assert _digest(archive.path) == digest, "the archive changed"
+    _assert_restore_works(rt, archive, log_root, pod_cleanup)
