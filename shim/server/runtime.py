@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, errors, logs
@@ -48,7 +48,19 @@ class Engine(Protocol):
     async def recover(self) -> None: ...
 
 
+M = TypeVar("M", bound=Message)
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
+
+
+async def decode(req_cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) -> M:
+    """Parse a request; a malformed one (e.g. invalid UTF-8 in a string) is INVALID_ARGUMENT."""
+    try:
+        return req_cls.FromString(raw)
+    except DecodeError as e:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"malformed {req_cls.__name__}: {e} (strings must be UTF-8)"
+        )
+        raise AssertionError("not reached") from None
 
 
 def typed_handler(
@@ -56,7 +68,8 @@ def typed_handler(
 ) -> grpc.RpcMethodHandler:
     """A unary handler that turns podshim's typed errors into their gRPC status, never a traceback."""
 
-    async def handle(request: Message, context: grpc.aio.ServicerContext) -> Message:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
+        request = await decode(req_cls, raw, context)
         try:
             return await fn(request, context)
         except errors.ShimError as e:
@@ -70,9 +83,7 @@ def typed_handler(
             )
         raise AssertionError("not reached")
 
-    return grpc.unary_unary_rpc_method_handler(
-        handle, request_deserializer=req_cls.FromString, response_serializer=resp_cls.SerializeToString
-    )
+    return grpc.unary_unary_rpc_method_handler(handle, response_serializer=resp_cls.SerializeToString)
 
 
 class RuntimeHandlers:
@@ -124,7 +135,7 @@ class RuntimeHandlers:
         ).unary_unary
 
         async def create(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            req = cri.CreateContainerRequest.FromString(request)
+            req = await decode(cri.CreateContainerRequest, request, context)
             reserved = [k for k in req.config.annotations if k.startswith(RESERVED_ANNOTATION_PREFIX)]
             if reserved:
                 await context.abort(

@@ -147,16 +147,10 @@ CHECKPOINT_RAW = [
         Case(
             "non-utf8-on-the-wire", lambda c: _raw_checkpoint(c, b"%s/\xff\xfe" % bytes(c.fresh())), INVALID
         ),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG (shim/server): an undecodable request gets UNKNOWN 'Unexpected DecodeError' "
-            "from grpc's deserializer instead of INVALID_ARGUMENT",
-        ),
         id="non-utf8-on-the-wire",
     ),
     pytest.param(
         Case("overlong-utf8-slash", lambda c: _raw_checkpoint(c, b"%s/\xc0\xaf" % bytes(c.fresh())), INVALID),
-        marks=pytest.mark.xfail(strict=True, reason="BUG (shim/server): as non-utf8-on-the-wire"),
         id="overlong-utf8-slash",
     ),
 ]
