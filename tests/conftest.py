@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +78,19 @@ def pod_cleanup(rt: api_pb2_grpc.RuntimeServiceStub) -> Iterator[list[str]]:
             pods.remove_pod(rt, pod_id)
         except Exception:  # noqa: BLE001 - best effort; the bed's stop removes the rest
             pass
+
+
+@pytest.fixture
+def archives() -> Iterator[list[Path]]:
+    """Append checkpoint dirs (or symlinks to them) here; they are removed after the test (the
+    archives are large)."""
+    dirs: list[Path] = []
+    yield dirs
+    for d in dirs:
+        if d.is_symlink():
+            d.unlink()
+        else:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

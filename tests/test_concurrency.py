@@ -19,7 +19,6 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,17 +44,6 @@ from testbed import pods
 from testbed.bed import TestBed
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def archives(bed: TestBed) -> Iterator[list[Path]]:
-    dirs: list[Path] = []
-    yield dirs
-    for d in dirs:
-        if d.is_symlink():
-            d.unlink()
-        else:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 def wait_in_flight(out: Path, call: Call, timeout: float = 30.0) -> None:

@@ -8,9 +8,7 @@ container or mount appeared, the journal is empty, and the next CheckpointPod su
 
 from __future__ import annotations
 
-import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -42,15 +40,6 @@ from .helpers import (
 )
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def archives(bed: TestBed) -> Iterator[list[Path]]:
-    """Output dirs to remove after the test (the archives are large)."""
-    dirs: list[Path] = []
-    yield dirs
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _crash(fp: FailpointPodshim, pod_id: str, out: Path) -> grpc.RpcError:

@@ -42,14 +42,6 @@ from .helpers import (
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture
-def archives(bed: TestBed) -> Iterator[list[Path]]:
-    dirs: list[Path] = []
-    yield dirs
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
-
-
 def _after(rt: Rt, bed: TestBed, cp: CounterPod, out: Path) -> None:
     wait_serving(rt)
     wait_journal_empty(bed)
