@@ -2,7 +2,8 @@
 
 Order of work (DESIGN §3): validate -> pod view -> journal -> write what needs no frozen state
 -> freeze in one cut -> dump every container in parallel + capture rootfs diffs -> thaw (or kill
-for STOPPED) -> stats, checksums, manifest (the completion marker). Any failure or the deadline
+for STOPPED) -> stats, encryption (with a node key: shim/archive/crypto.py), checksums, manifest
+(the completion marker). Any failure or the deadline
 thaws the pod, removes what was written inside output_path and returns a typed error.
 """
 
@@ -23,7 +24,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, errors, faults, logs
-from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
+from shim.archive import crypto, fsutil, layout, manifest, paths, rootfs_diff
 from shim.cgroups import PodCut, cgroup_procs
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, OciRuntime, binary_version, read_dump_stats
@@ -159,6 +160,11 @@ class PodCheckpointer:
         self.upstream = upstream
         self.journal = journal
 
+    def node_key(self) -> crypto.NodeKey | None:
+        """The node key archives are encrypted with (`[checkpoint] encryption_key_file`), or None."""
+        path = self.config.encryption_key_file
+        return crypto.load_key(path) if path else None
+
     def runtime_for(self, c: ContainerView) -> OciRuntime:
         rt = self.config.runtime_for_root(c.runtime_root) if c.runtime_root else self.config.runtime
         return OciRuntime(rt.binary, c.runtime_root or rt.root, rt.criu)
@@ -170,6 +176,7 @@ class PodCheckpointer:
         if post not in (cri.POST_CHECKPOINT_STATE_RUNNING, cri.POST_CHECKPOINT_STATE_STOPPED):
             raise errors.InvalidArgument(f"post_checkpoint_state {post} is not RUNNING (0) or STOPPED (1)")
         out = await asyncio.to_thread(paths.validate_output_dir, req.output_path, self.config.allowed_roots)
+        await asyncio.to_thread(self.node_key)  # an unusable node key fails before anything is frozen
         pod = await build_pod_view(self.upstream, req.pod_sandbox_id)
         if not pod.ready:
             raise errors.FailedPrecondition(
@@ -409,7 +416,12 @@ class PodCheckpointer:
             options={k: v for k, v in sorted(_options_record(opts).items())},
             post_checkpoint_state="STOPPED" if post == cri.POST_CHECKPOINT_STATE_STOPPED else "RUNNING",
         )
-        return manifest.write_manifest(archive.root, m, workers=4)
+        key = self.node_key()
+        if key is not None:  # after the thaw, never inside the freeze window
+            encrypt_start = time.monotonic()
+            crypto.encrypt_tree(archive.root, key, workers=2)
+            timings["encrypt"] = time.monotonic() - encrypt_start  # m.timings: the same dict
+        return manifest.write_manifest(archive.root, m, workers=4, key=key)
 
 
 def _make_private(root: Path) -> None:

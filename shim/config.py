@@ -7,6 +7,7 @@ A bad value is a ConfigError whose one-line message names the key.
 from __future__ import annotations
 
 import os
+import stat
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -42,6 +43,8 @@ class Config:
     # CheckpointContainer: "fallback" asks the upstream first and checkpoints itself only when
     # the upstream answers UNIMPLEMENTED; "always" never asks the upstream.
     container_checkpoint: str = "fallback"
+    # Node key (32 random bytes, a root-owned 0600 file) encrypting CheckpointPod archives; "": none.
+    encryption_key_file: str = ""
     log_format: str = "json"
     log_level: str = "info"
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -78,6 +81,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
     "checkpoint": {
         "allowed_roots": ("allowed_roots", list),
         "container_checkpoint": ("container_checkpoint", str),
+        "encryption_key_file": ("encryption_key_file", str),
     },
     "log": {"format": ("log_format", str), "level": ("log_level", str)},
 }
@@ -180,6 +184,10 @@ def _validate(cfg: Config) -> Config:
     for root in cfg.allowed_roots:
         if not root.startswith("/"):
             raise ConfigError(f"checkpoint.allowed_roots: {root!r} is not an absolute path")
+    if cfg.encryption_key_file and not cfg.encryption_key_file.startswith("/"):
+        raise ConfigError(
+            f"checkpoint.encryption_key_file: must be an absolute path, got {cfg.encryption_key_file!r}"
+        )
     if cfg.upstream_timeout <= 0:
         raise ConfigError("upstream.timeout_seconds: must be positive")
     if cfg.metrics_address and ":" not in cfg.metrics_address:
@@ -187,13 +195,42 @@ def _validate(cfg: Config) -> Config:
     return cfg
 
 
+KEY_SIZE = 32
+
+
+def key_file_problem(path: str) -> str | None:
+    """What is wrong with the node key file at `path` (None: nothing). It must be a regular file
+    (not a symlink) of exactly KEY_SIZE bytes, owned by root (podshim's user) and mode 0600/0400."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"does not exist (create it: head -c {KEY_SIZE} /dev/urandom > {path}; chmod 600 {path})"
+    except OSError as e:
+        return f"cannot be read: {e.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink: name the key file itself"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid not in (0, os.geteuid()):
+        return f"is owned by uid {st.st_uid}, must be owned by root"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, must be 0600 (chmod 600 {path})"
+    if st.st_size != KEY_SIZE:
+        return f"is {st.st_size} bytes, must hold exactly {KEY_SIZE} random bytes"
+    return None
+
+
 def load(
     path: str | None = None,
     *,
     env: dict[str, str] | None = None,
     overrides: dict[str, Any] | None = None,
+    check_files: bool = True,
 ) -> Config:
-    """Build the effective config. `path` None means $PODSHIM_CONFIG or the default path if it exists."""
+    """Build the effective config. `path` None means $PODSHIM_CONFIG or the default path if it exists.
+
+    check_files=False skips checking the node key file (podshim-runc, which never needs the key,
+    must not fail every runtime call of the node over a key file's mode)."""
     env = dict(os.environ) if env is None else env
     cfg = Config()
     explicit = path is not None or CONFIG_ENV in env
@@ -215,4 +252,9 @@ def load(
     cfg = _apply_table(cfg, _from_env(env))
     if overrides:
         cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    return _validate(cfg)
+    cfg = _validate(cfg)
+    if check_files and cfg.encryption_key_file:
+        problem = key_file_problem(cfg.encryption_key_file)
+        if problem is not None:
+            raise ConfigError(f"checkpoint.encryption_key_file: {cfg.encryption_key_file} {problem}")
+    return cfg

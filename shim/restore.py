@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import platform
+import threading
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors, faults, logs
-from shim.archive import layout, manifest, paths
+from shim.archive import crypto, layout, manifest, paths
 from shim.config import Config
 from shim.criu.runtime import binary_version
 from shim.restore_hook import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
@@ -126,6 +127,20 @@ def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     return task
 
 
+def _read_member(root: Path, path: Path, m: manifest.Manifest, key: crypto.NodeKey | None) -> bytes:
+    """A (small) archive member's bytes, decrypted when the archive is encrypted."""
+    rel = path.relative_to(root).as_posix()
+    if m.encryption is not None and key is not None:
+        return crypto.decrypt_bytes(path, rel, key)
+    data = path.read_bytes()
+    if crypto.is_encrypted_bytes(data):
+        raise errors.DataLoss(
+            f"checkpoint {root}: {rel} is encrypted but manifest.json records no encryption: "
+            "the manifest was modified; take a new checkpoint"
+        )
+    return data
+
+
 @dataclass
 class _Planned:
     entry: manifest.ContainerEntry
@@ -138,6 +153,12 @@ class PodRestorer:
         self.config = config
         self.upstream = upstream
         self.journal = journal
+        self._decrypting: set[Path] = set()  # decrypted dirs of restores in flight
+
+    def node_key(self) -> crypto.NodeKey | None:
+        """The node key (`[checkpoint] encryption_key_file`), None when none is configured."""
+        path = self.config.encryption_key_file
+        return crypto.load_key(path) if path else None
 
     async def restore(self, req: cri.RestorePodRequest, deadline: float | None) -> cri.RestorePodResponse:
         opts = RestoreOptions.parse(dict(req.options))
@@ -151,9 +172,10 @@ class PodRestorer:
         root = await asyncio.to_thread(
             paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots
         )
-        m = await asyncio.to_thread(manifest.load_and_verify, root, self.config.allowed_roots, 2)
+        key = await asyncio.to_thread(self.node_key)
+        m = await asyncio.to_thread(manifest.load_and_verify, root, self.config.allowed_roots, 2, key)
         await asyncio.to_thread(check_host, m, binary_version(self.config.runtime.criu))
-        plan = await self._plan(req, m, layout.ArchiveLayout(root))
+        plan = await self._plan(req, m, layout.ArchiveLayout(root), key)
         budget = (deadline if deadline is not None else DEFAULT_DEADLINE) - CLEANUP_MARGIN
         if budget <= 0:
             raise errors.DeadlineExceeded("the deadline leaves no time to restore the pod")
@@ -161,20 +183,26 @@ class PodRestorer:
         rec = self.journal.begin("restore", f"{md.namespace}/{md.name}", {"checkpoint_path": str(root)})
         created: dict[str, str] = {}
         sandbox: list[str] = []
+        decrypted: list[Path] = []
+        await self._sweep_decrypted()
         try:
             async with asyncio.timeout(budget):
+                if m.encryption is not None:
+                    await self._decrypt(root, m, plan, key, decrypted)
                 await self._create(req, m, plan, opts, rec, sandbox, created)
         except BaseException as e:
             # In a task of its own: when the caller's deadline passes (or it goes away) during
             # the rollback, gRPC cancels this handler, but the sandbox must still be removed and
             # the journal record closed (a hung CRIU restore makes StopPodSandbox take seconds).
-            await asyncio.shield(_background(self._abandon(sandbox, rec)))
+            await asyncio.shield(_background(self._abandon(sandbox, rec, decrypted)))
             if isinstance(e, TimeoutError):
                 raise errors.DeadlineExceeded(
                     f"restore of pod {md.namespace}/{md.name} did not finish within the caller's deadline; "
                     "the new sandbox was removed: retry with a longer deadline"
                 ) from None
             raise
+        finally:
+            self._decrypting.difference_update(decrypted)
         self.journal.finish(rec)
         return cri.RestorePodResponse(
             pod_sandbox_id=sandbox[0],
@@ -184,7 +212,11 @@ class PodRestorer:
         )
 
     async def _plan(
-        self, req: cri.RestorePodRequest, m: manifest.Manifest, archive: layout.ArchiveLayout
+        self,
+        req: cri.RestorePodRequest,
+        m: manifest.Manifest,
+        archive: layout.ArchiveLayout,
+        key: crypto.NodeKey | None = None,
     ) -> list[_Planned]:
         """Match the request's container configs to the checkpoint, exactly, before acting."""
         dumped = [c for c in m.containers if c.checkpointed]
@@ -215,7 +247,7 @@ class PodRestorer:
         plan = []
         for entry in dumped:
             cl = archive.container(entry.name)
-            record = json.loads(cl.config_dump.read_text())
+            record = json.loads(_read_member(archive.root, cl.config_dump, m, key))
             requested = by_name[entry.name]
             problem = config_mismatch(entry.name, requested, _archived_config(record))
             if problem is None:
@@ -243,6 +275,61 @@ class PodRestorer:
             f"container {entry.name!r}: image {want!r} differs from the checkpoint's "
             f"{entry.image!r} ({record.get('image_ref')})"
         )
+
+    async def _decrypt(
+        self,
+        root: Path,
+        m: manifest.Manifest,
+        plan: list[_Planned],
+        key: crypto.NodeKey | None,
+        decrypted: list[Path],
+    ) -> None:
+        """Decrypt each planned container's files into a private dir of its own
+        (`<state_dir>/decrypted/<random>/`) and point its restore there: CRIU reads plaintext and
+        the archive is never modified. The dirs go with podshim-runc's restore, a failed
+        RestorePod (`_abandon`) or the container (`_sweep_decrypted`)."""
+        assert key is not None  # load_and_verify refused an encrypted archive without one
+        stop = threading.Event()
+        for p in plan:
+            d = await asyncio.to_thread(crypto.new_decrypted_dir, self.config.state_dir, root, p.entry.name)
+            decrypted.append(d)
+            self._decrypting.add(d)
+            work = asyncio.ensure_future(
+                asyncio.to_thread(crypto.decrypt_members, root, list(m.files), p.entry.dir, d, key, 2, stop)
+            )
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError:
+                stop.set()  # the threads stop at their next chunk: nothing writes into d after this
+                await asyncio.gather(work, return_exceptions=True)
+                raise
+            p.dir = d
+        log.info("restore decrypted", archive=str(root), containers=[p.entry.name for p in plan])
+
+    async def _sweep_decrypted(self) -> None:
+        """Remove decrypted dirs nobody will use: their container is gone (removed before it was
+        started), or none was recorded after STALE_DECRYPTED_SECONDS (a restore cut short by a
+        crash). Never fails the restore."""
+        try:
+            for d, marker, age in await asyncio.to_thread(crypto.list_decrypted, self.config.state_dir):
+                if d in self._decrypting:
+                    continue
+                owner = (marker or {}).get("container_id")
+                if not owner:
+                    if age > crypto.STALE_DECRYPTED_SECONDS:
+                        await asyncio.to_thread(crypto.remove_decrypted, d)
+                        log.info("decrypted checkpoint removed", dir=str(d), reason="interrupted restore")
+                    continue
+                try:
+                    await self.upstream.runtime.ContainerStatus(
+                        cri.ContainerStatusRequest(container_id=str(owner)), timeout=30
+                    )
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.NOT_FOUND:
+                        await asyncio.to_thread(crypto.remove_decrypted, d)
+                        log.info("decrypted checkpoint removed", dir=str(d), reason=f"container {owner} gone")
+        except Exception:  # noqa: BLE001 - a leftover is swept next time
+            log.exception("sweeping decrypted checkpoints failed")
 
     def _container_config(self, p: _Planned, criu_flags: str) -> cri.ContainerConfig:
         cc = cri.ContainerConfig()
@@ -292,6 +379,8 @@ class PodRestorer:
                     self.upstream.endpoint, e, f"creating container {p.entry.name!r}"
                 ) from None
             created[p.entry.name] = c.container_id
+            if m.encryption is not None:  # whose decrypted dir it is, for _sweep_decrypted
+                await asyncio.to_thread(crypto.set_owner, p.dir, c.container_id)
             faults.hit("restore.after-container")
             log.info("restore container created", container=p.entry.name, id=c.container_id)
         if opts.start:
@@ -306,10 +395,12 @@ class PodRestorer:
                     ) from None
         log.info("restore done", sandbox=resp.pod_sandbox_id, seconds=round(time.monotonic() - started, 4))
 
-    async def _abandon(self, sandbox: list[str], rec: Any) -> None:
+    async def _abandon(self, sandbox: list[str], rec: Any, decrypted: list[Path] | None = None) -> None:
         try:
             await self._rollback(sandbox)
         finally:
+            for d in decrypted or []:
+                await asyncio.to_thread(crypto.remove_decrypted, d)
             self.journal.finish(rec)
 
     async def _rollback(self, sandbox: list[str]) -> None:

@@ -79,14 +79,20 @@ def restore(
     ckpt: Path,
 ) -> None:
     from shim import config, faults
-    from shim.archive import layout, paths, rootfs_diff
+    from shim.archive import crypto, layout, paths, rootfs_diff
     from shim.criu.runtime import CriuOptions, OciRuntime, criu_error_lines
     from shim.errors import ShimError
 
     log_file = flags.get("--log")
     try:
-        cfg = config.load()
-        roots = [*cfg.allowed_roots, str(Path(cfg.state_dir) / IMPORTS_DIR)]
+        cfg = config.load(check_files=False)  # the node key is podshim's business, not ours
+        # podshim-owned dirs are accepted like the allowed roots: container checkpoint imports and
+        # the plaintext of encrypted archives (shim/archive/crypto.py)
+        roots = [
+            *cfg.allowed_roots,
+            str(Path(cfg.state_dir) / IMPORTS_DIR),
+            str(crypto.decrypted_root(cfg.state_dir)),
+        ]
         ckpt = paths.validate_archive_dir(str(ckpt), roots)
     except (config.ConfigError, ShimError) as e:
         _fail(f"restore of {container_id}: {e}", log_file)
@@ -133,6 +139,10 @@ def restore(
     faults.hit("runc-wrapper.before-restore")
     state_dir = Path(flags.get("--root", "")) / container_id
     returncode = _run_guarded(cmd, spec.get("linux", {}).get("cgroupsPath", ""), work, state_dir)
+    if crypto.is_decrypted_dir(ckpt):
+        # Decrypted images: CRIU is done with them (a failed create is not retried), and plaintext
+        # memory must not stay on disk.
+        crypto.remove_decrypted(ckpt)
     if returncode != 0:
         log_path = work / "restore.log"
         kept = _keep_log(log_path, cfg.state_dir, container_id)

@@ -40,7 +40,7 @@ def real_runtime(flags: dict[str, str]) -> str:
     from shim import config
 
     try:
-        cfg = config.load()
+        cfg = config.load(check_files=False)  # a key file's mode must not fail every runtime call
     except config.ConfigError as e:
         sys.stderr.write(f"podshim-runc: {e}\n")
         raise SystemExit(2) from None

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from shim.archive import crypto
 from shim.archive.fsutil import atomic_write, fsync_tree, hash_file
 from shim.archive.layout import MANIFEST_FILE
 from shim.archive.paths import check_member_path, validate_archive_dir
@@ -83,6 +84,15 @@ class FileEntry:
 
 
 @dataclass
+class Encryption:
+    """How the archive's files are encrypted (shim/archive/crypto.py); no such entry: plaintext."""
+
+    scheme: str
+    key_id: str  # first 16 hex digits of the sha256 of the node key
+    mac: str = ""  # HMAC-SHA256 of the canonical manifest without this field (crypto.manifest_mac)
+
+
+@dataclass
 class Manifest:
     sandbox: SandboxInfo
     containers: list[ContainerEntry] = field(default_factory=list)
@@ -94,6 +104,9 @@ class Manifest:
     post_checkpoint_state: str = POST_CHECKPOINT_RUNNING
     files: dict[str, FileEntry] = field(default_factory=dict)  # relpath -> size, sha256
     format: str = FORMAT
+    encryption: Encryption | None = None
+    # set by write_manifest(key=...): every to_json() then computes the MAC again
+    mac_key: bytes | None = field(default=None, repr=False, compare=False)
 
     def container(self, name: str) -> ContainerEntry:
         for c in self.containers:
@@ -102,7 +115,7 @@ class Manifest:
         raise NotFound(f"container {name!r} is not in this checkpoint")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "format": self.format,
             "created": self.created,
             "host": vars(self.host).copy(),
@@ -118,9 +131,15 @@ class Manifest:
             "post_checkpoint_state": self.post_checkpoint_state,
             "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
         }
+        if self.encryption is not None:
+            d["encryption"] = vars(self.encryption).copy()
+        return d
 
     def to_json(self) -> bytes:
-        return (json.dumps(self.to_dict(), indent=1, ensure_ascii=False) + "\n").encode()
+        d = self.to_dict()
+        if self.encryption is not None and self.mac_key is not None:
+            self.encryption.mac = d["encryption"]["mac"] = _mac(self.mac_key, d)
+        return (json.dumps(d, indent=1, ensure_ascii=False) + "\n").encode()
 
     @classmethod
     def from_dict(cls, d: Any, where: str = MANIFEST_FILE) -> Manifest:
@@ -181,7 +200,54 @@ class Manifest:
             options=options,
             post_checkpoint_state=p.typed(d, "post_checkpoint_state", str),
             files=files,
+            encryption=_parse_encryption(p, d),
         )
+
+
+def _parse_encryption(p: _Parser, d: dict[str, Any]) -> Encryption | None:
+    if "encryption" not in d:
+        return None
+    enc = p.obj(d, "encryption")
+    return Encryption(**{k: p.typed(enc, k, str, "encryption") for k in ("scheme", "key_id", "mac")})
+
+
+def _mac(mac_key: bytes, doc: dict[str, Any]) -> str:
+    """The MAC of a manifest document: over its JSON form without encryption.mac."""
+    return crypto.manifest_mac(mac_key, _without_mac(json.loads(json.dumps(doc))))  # as a reader decodes it
+
+
+def check_encryption(root: Path, doc: dict[str, Any], m: Manifest, key: crypto.NodeKey | None) -> None:
+    """An encrypted archive needs this node's key (FailedPrecondition without one, DataLoss for
+    another one) and a manifest whose MAC matches (DataLoss)."""
+    enc = m.encryption
+    if enc is None:
+        return
+    if enc.scheme != crypto.SCHEME:
+        raise FailedPrecondition(
+            f"{root} is encrypted with scheme {enc.scheme!r}, this podshim supports {crypto.SCHEME!r}: "
+            "restore it with a podshim version that supports that scheme"
+        )
+    if key is None:
+        raise FailedPrecondition(
+            f"{root} is encrypted (key id {enc.key_id}) and this node has no "
+            "checkpoint.encryption_key_file: configure the node key that wrote it"
+        )
+    if enc.key_id != key.key_id:
+        raise DataLoss(
+            f"{root} was encrypted with another key (key id {enc.key_id}, this node's key "
+            f"{key.path} has id {key.key_id}): wrong key; restore it on a node with that key"
+        )
+    if not enc.mac or not crypto.mac_matches(key.manifest_key(), _without_mac(doc), enc.mac):
+        raise DataLoss(
+            f"{root / MANIFEST_FILE} does not authenticate (its MAC does not match): it was modified; "
+            "the checkpoint cannot be trusted, take a new checkpoint"
+        )
+
+
+def _without_mac(doc: dict[str, Any]) -> dict[str, Any]:
+    out = dict(doc)
+    out["encryption"] = {k: v for k, v in doc["encryption"].items() if k != "mac"}
+    return out
 
 
 class _Parser:
@@ -279,10 +345,14 @@ def _check_members(root: Path, m: Manifest) -> None:
 # ---------------------------------------------------------------------------- write / read
 
 
-def write_manifest(root: Path, manifest: Manifest, workers: int = 1) -> Manifest:
+def write_manifest(
+    root: Path, manifest: Manifest, workers: int = 1, key: crypto.NodeKey | None = None
+) -> Manifest:
     """Checksum every file under `root`, fsync the tree, then write manifest.json atomically.
 
-    Fills `manifest.files` (replacing any previous value) and returns the manifest.
+    Fills `manifest.files` (replacing any previous value) and returns the manifest. With `key`
+    (the files were encrypted with it: crypto.encrypt_tree) it records the encryption and
+    authenticates the manifest (its MAC is computed at every to_json()).
     """
     root = Path(root)
     _check_members(root, manifest)
@@ -294,13 +364,21 @@ def write_manifest(root: Path, manifest: Manifest, workers: int = 1) -> Manifest
         raise Internal(f"cannot checksum/fsync checkpoint {root}: {e}; check the disk") from e
     manifest.files = {rel: FileEntry(size=s, sha256=h) for rel, (s, h) in zip(rels, results, strict=True)}
     fsync_tree(root, files=False)  # entries of every dir durable before the marker exists
+    if key is not None:
+        manifest.encryption = Encryption(scheme=crypto.SCHEME, key_id=key.key_id)
+        manifest.mac_key = key.manifest_key()
     atomic_write(root / MANIFEST_FILE, manifest.to_json())
     return manifest
 
 
 def read_manifest(root: Path) -> Manifest:
     """Parse `root`/manifest.json without checking the files (see load_and_verify)."""
-    root = Path(root)
+    path, doc = _read_doc(Path(root))
+    return Manifest.from_dict(doc, str(path))
+
+
+def _read_doc(root: Path) -> tuple[Path, Any]:
+    """`root`/manifest.json decoded (read once: what is parsed is what is authenticated)."""
     path = root / MANIFEST_FILE
     try:
         st = os.lstat(path)
@@ -325,7 +403,7 @@ def read_manifest(root: Path) -> Manifest:
         raise DataLoss(
             f"{path} is truncated or not valid JSON ({e}): the checkpoint is corrupt; take a new checkpoint"
         ) from e
-    return Manifest.from_dict(doc, str(path))
+    return path, doc
 
 
 def verify_files(root: Path, manifest: Manifest, workers: int = 1) -> None:
@@ -381,14 +459,20 @@ def _names(rels: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(rels) - limit} more" if len(rels) > limit else "")
 
 
-def load_and_verify(path: str | Path, allowed_roots: Sequence[str], workers: int = 1) -> Manifest:
+def load_and_verify(
+    path: str | Path, allowed_roots: Sequence[str], workers: int = 1, key: crypto.NodeKey | None = None
+) -> Manifest:
     """Validate the archive dir, parse its manifest and verify every file; return the manifest.
 
     NotFound: missing dir or manifest. DataLoss: truncated/unparseable manifest, size or
     checksum mismatch (naming the file), missing or extra file. FailedPrecondition: unknown
     format. InvalidArgument: path outside the roots, escaping member paths, symlinks inside.
+    Encrypted archives (check_encryption): FailedPrecondition without `key` (this node's key),
+    DataLoss for another key or a manifest whose MAC does not match.
     """
     root = validate_archive_dir(str(path), allowed_roots)
-    manifest = read_manifest(root)
+    where, doc = _read_doc(root)
+    manifest = Manifest.from_dict(doc, str(where))
+    check_encryption(root, doc, manifest, key)
     verify_files(root, manifest, workers)
     return manifest

@@ -1,0 +1,480 @@
+"""Encryption at rest of pod checkpoints: memory images hold secrets (issue 6, item 5).
+
+With `[checkpoint] encryption_key_file` (32 random bytes, a root-owned 0600 file: the node key),
+CheckpointPod encrypts every file of the archive after the pod is thawed and before the manifest
+is written, so the manifest's sizes and sha256 cover the encrypted bytes. manifest.json itself
+stays readable (`podshim inspect`, the pod config) and is authenticated: it
+records `encryption: {scheme, key_id, mac}`, the MAC being an HMAC-SHA256 over its canonical JSON
+with a key derived from the node key (see manifest.load_and_verify, the one verification entry
+point).
+
+Encrypted file (scheme SCHEME), streamed in CHUNK_SIZE chunks, never held whole in memory:
+
+    header  MAGIC(8) | version(1) | chunk size(4, big endian) | salt(16)
+    chunks  AES-256-GCM(chunk) + tag(16), one per chunk; an empty file still has one (empty) chunk
+
+* key per file: HKDF-SHA256(node key, salt=header salt, info=FILE_INFO), the salt random per
+  file, so no (key, nonce) pair repeats across files; nonce: the chunk index (96-bit big endian).
+* AAD per chunk: AAD_PREFIX | header | relative path | NUL | chunk index(8) | last-chunk flag(1):
+  truncation (the last chunk is missing), appended data (the flagged chunk is not last any
+  more), reordered or swapped chunks, a file moved to another name and a modified header all
+  fail authentication.
+
+Restore decrypts what one container needs into a podshim-owned private directory
+(`<state_dir>/decrypted/<random>/`, 0700, files 0600): CRIU reads plaintext images, and the
+archive is never modified. DECRYPTED_MARKER in that directory says whose it is; podshim-runc
+removes it once the CRIU restore ended (success or failure), RestorePod when it fails, and the
+next RestorePod sweeps the ones whose container is gone (created, never started, removed).
+
+`cryptography` is imported lazily: podshim-runc imports this package for every restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import shutil
+import stat
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from shim.archive.fsutil import FILE_MODE, atomic_write, make_private_dir, temp_name_for
+from shim.errors import DataLoss, FailedPrecondition, Internal
+
+SCHEME = "aes-256-gcm-chunked-v1"
+KEY_SIZE = 32
+CHUNK_SIZE = 1 << 20  # 1 MiB of plaintext per AEAD chunk
+TAG_SIZE = 16
+MAGIC = b"PSHIMENC"
+VERSION = 1
+_HEADER = struct.Struct(">8sBI16s")  # magic, version, chunk size, salt
+HEADER_SIZE = _HEADER.size
+_MIN_CHUNK, _MAX_CHUNK = 4 << 10, 64 << 20  # what a header may declare
+AAD_PREFIX = b"podshim.checkpoint.file.v1\0"
+FILE_INFO = b"podshim checkpoint file key v1"
+MANIFEST_INFO = b"podshim checkpoint manifest mac v1"
+
+DECRYPTED_DIR = "decrypted"  # <state_dir>/decrypted/<random>/: one container's plaintext
+DECRYPTED_MARKER = ".podshim-decrypted"  # JSON {archive, container, container_id, created}
+STALE_DECRYPTED_SECONDS = 900.0  # a dir without a container after this long was interrupted
+
+
+class Stopped(Exception):
+    """A tree operation was told to stop (its caller was cancelled)."""
+
+
+# ---------------------------------------------------------------------------- the node key
+
+
+@dataclass(frozen=True)
+class NodeKey:
+    """The node key; `key_id` (first 16 hex digits of its sha256) is what archives record."""
+
+    raw: bytes = field(repr=False)
+    path: str = ""
+
+    @property
+    def key_id(self) -> str:
+        return hashlib.sha256(self.raw).hexdigest()[:16]
+
+    def _derive(self, info: bytes, salt: bytes | None = None) -> bytes:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+        return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=info).derive(self.raw)
+
+    def file_key(self, salt: bytes) -> bytes:
+        return self._derive(FILE_INFO, salt)
+
+    def manifest_key(self) -> bytes:
+        return self._derive(MANIFEST_INFO)
+
+
+def load_key(path: str) -> NodeKey:
+    """Read the node key file; FailedPrecondition naming the key when it is unusable (missing,
+    not a root-owned 0600 regular file, not 32 bytes) — the node's configuration is broken."""
+    from shim.config import key_file_problem
+
+    problem = key_file_problem(path)
+    if problem is None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read(KEY_SIZE + 1)
+        except OSError as e:
+            problem = f"cannot be read: {e.strerror}"
+        else:
+            if len(raw) != KEY_SIZE:
+                problem = f"holds {len(raw)} bytes, must hold exactly {KEY_SIZE} random bytes"
+    if problem is not None:
+        raise FailedPrecondition(f"checkpoint.encryption_key_file {path} {problem}")
+    return NodeKey(raw, path)
+
+
+# ---------------------------------------------------------------------------- manifest MAC
+
+
+def canonical_json(doc: Any) -> bytes:
+    """The bytes the manifest MAC covers: sorted keys, no spaces, ASCII only."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def manifest_mac(mac_key: bytes, doc: Any) -> str:
+    """HMAC-SHA256 (hex) of the canonical form of `doc` (a decoded manifest without its mac)."""
+    return hmac.new(mac_key, canonical_json(doc), hashlib.sha256).hexdigest()
+
+
+def mac_matches(mac_key: bytes, doc: Any, mac: str) -> bool:
+    return hmac.compare_digest(manifest_mac(mac_key, doc), mac)
+
+
+# ---------------------------------------------------------------------------- one file
+
+
+def _aesgcm(key: bytes) -> Any:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    return AESGCM(key)
+
+
+def _nonce(index: int) -> bytes:
+    return index.to_bytes(12, "big")
+
+
+def _aad(header: bytes, rel: str, index: int, last: bool) -> bytes:
+    return b"".join(
+        (
+            AAD_PREFIX,
+            header,
+            rel.encode("utf-8", "surrogateescape"),
+            b"\0",
+            index.to_bytes(8, "big"),
+            b"\1" if last else b"\0",
+        )
+    )
+
+
+def _check_stop(stop: Any) -> None:
+    if stop is not None and stop.is_set():
+        raise Stopped
+
+
+def _fill(src: IO[bytes], view: memoryview) -> int:
+    """Read into `view` until it is full or `src` ends; returns the bytes read."""
+    got = 0
+    while got < len(view):
+        n = src.readinto(view[got:])  # type: ignore[attr-defined]
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _write_all(dst: IO[bytes], view: memoryview) -> None:
+    while view:
+        n = dst.write(view)
+        view = view[n:]
+
+
+def encrypt_stream(src: IO[bytes], dst: IO[bytes], rel: str, key: NodeKey, stop: Any = None) -> int:
+    """Encrypt `src` into `dst` (header + chunks) as the archive member `rel`; returns bytes written.
+
+    Preallocated buffers (read ahead by one chunk to know the last one): no allocation per chunk."""
+    salt = secrets.token_bytes(16)
+    header = _HEADER.pack(MAGIC, VERSION, CHUNK_SIZE, salt)
+    aes = _aesgcm(key.file_key(salt))
+    _write_all(dst, memoryview(header))
+    written = len(header)
+    cur, nxt = memoryview(bytearray(CHUNK_SIZE)), memoryview(bytearray(CHUNK_SIZE))
+    out = memoryview(bytearray(CHUNK_SIZE + TAG_SIZE))
+    index = 0
+    n = _fill(src, cur)
+    while True:
+        _check_stop(stop)
+        m = _fill(src, nxt) if n == CHUNK_SIZE else 0
+        last = m == 0
+        size = aes.encrypt_into(_nonce(index), cur[:n], _aad(header, rel, index, last), out[: n + TAG_SIZE])
+        _write_all(dst, out[:size])
+        written += size
+        if last:
+            return written
+        cur, nxt, n = nxt, cur, m
+        index += 1
+
+
+def decrypt_stream(
+    src: IO[bytes],
+    dst: IO[bytes] | None,
+    rel: str,
+    key: NodeKey,
+    stop: Any = None,
+    limit: int | None = None,
+) -> bytes:
+    """Decrypt `src` (the archive member `rel`) into `dst`, or return the plaintext when `dst` is
+    None (then at most `limit` bytes). DataLoss naming `rel` when anything does not authenticate."""
+    from cryptography.exceptions import InvalidTag
+
+    def corrupt(why: str) -> DataLoss:
+        return DataLoss(
+            f"encrypted checkpoint file {rel} {why}: it was modified, truncated or encrypted with "
+            "another key; the checkpoint cannot be trusted, take a new checkpoint"
+        )
+
+    hbuf = memoryview(bytearray(HEADER_SIZE))
+    if _fill(src, hbuf) != HEADER_SIZE:
+        raise corrupt("is shorter than its header")
+    header = bytes(hbuf)
+    magic, version, chunk, salt = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise corrupt("is not a podshim-encrypted file (bad magic)")
+    if version != VERSION or not _MIN_CHUNK <= chunk <= _MAX_CHUNK:
+        raise corrupt(f"has an unknown header (version {version}, chunk size {chunk})")
+    aes = _aesgcm(key.file_key(salt))
+    block = chunk + TAG_SIZE
+    cur, nxt = memoryview(bytearray(block)), memoryview(bytearray(block))
+    plain = memoryview(bytearray(chunk))
+    out: list[bytes] = []
+    total = 0
+    index = 0
+    n = _fill(src, cur)
+    while True:
+        _check_stop(stop)
+        if n < TAG_SIZE:
+            raise corrupt(f"is truncated (chunk {index} is missing or short)")
+        m = _fill(src, nxt) if n == block else 0
+        last = m == 0
+        try:
+            size = aes.decrypt_into(
+                _nonce(index), cur[:n], _aad(header, rel, index, last), plain[: n - TAG_SIZE]
+            )
+        except InvalidTag:
+            raise corrupt(f"does not authenticate (chunk {index})") from None
+        total += size
+        if dst is not None:
+            _write_all(dst, plain[:size])
+        else:
+            if limit is not None and total > limit:
+                raise corrupt(f"is over {limit} bytes")
+            out.append(bytes(plain[:size]))
+        if last:
+            return b"".join(out)
+        cur, nxt, n = nxt, cur, m
+        index += 1
+
+
+def is_encrypted_bytes(data: bytes) -> bool:
+    return data[: len(MAGIC)] == MAGIC
+
+
+def _open_new(path: Path) -> IO[bytes]:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)
+    return os.fdopen(fd, "wb", buffering=0)  # whole chunks are written: no buffer copy
+
+
+def _open_read(path: Path) -> IO[bytes]:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    return os.fdopen(fd, "rb", buffering=0)  # read into the caller's buffers
+
+
+def encrypt_file(path: Path, rel: str, key: NodeKey, stop: Any = None) -> int:
+    """Replace `path` by its encrypted form: a temporary sibling, then an atomic rename (the file
+    is either plaintext or complete ciphertext). Not fsynced: write_manifest flushes the tree
+    before the completion marker exists. Returns the new size."""
+    path = Path(path)
+    tmp = path.parent / temp_name_for(path.name)
+    try:
+        with _open_read(path) as src, _open_new(tmp) as dst:
+            size = encrypt_stream(src, dst, rel, key, stop)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return size
+
+
+def decrypt_file(src_path: Path, dst_path: Path, rel: str, key: NodeKey, stop: Any = None) -> None:
+    with _open_read(src_path) as src, _open_new(dst_path) as dst:
+        decrypt_stream(src, dst, rel, key, stop)
+
+
+def decrypt_bytes(path: Path, rel: str, key: NodeKey, limit: int = 64 << 20) -> bytes:
+    """The plaintext of a small archive member (e.g. config.dump), read whole."""
+    with _open_read(path) as src:
+        return decrypt_stream(src, None, rel, key, limit=limit)
+
+
+# ---------------------------------------------------------------------------- trees
+
+
+def _regular_files(root: Path, skip: Iterable[str]) -> list[str]:
+    skipped = set(skip)
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            if not stat.S_ISDIR(os.lstat(os.path.join(dirpath, name)).st_mode):
+                raise Internal(f"unexpected entry in checkpoint {root}: {name} is not a directory")
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            rel = Path(p).relative_to(root).as_posix()
+            if rel in skipped:
+                continue
+            if not stat.S_ISREG(os.lstat(p).st_mode):
+                raise Internal(f"unexpected entry in checkpoint {root}: {rel} is not a regular file")
+            out.append(rel)
+    return sorted(out)
+
+
+class _Either:
+    """Stop when the caller says so or when a sibling worker failed."""
+
+    def __init__(self, outer: threading.Event | None) -> None:
+        self.outer = outer
+        self.local = threading.Event()
+
+    def is_set(self) -> bool:
+        return self.local.is_set() or (self.outer is not None and self.outer.is_set())
+
+
+def _run_all(fn: Any, items: list[str], workers: int, stop: threading.Event | None) -> None:
+    """fn(item, stop) for every item, on `workers` threads; the first failure stops the rest."""
+    either = _Either(stop)
+    if workers > 1 and len(items) > 1:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="podshim-crypt") as pool:
+            futures = [pool.submit(fn, i, either) for i in items]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                either.local.set()  # the running ones stop at their next chunk
+                for f in futures:
+                    f.cancel()
+                raise
+    else:
+        for i in items:
+            fn(i, either)
+
+
+def encrypt_tree(
+    root: Path,
+    key: NodeKey,
+    skip: Iterable[str] = ("manifest.json",),
+    workers: int = 1,
+    stop: Any = None,
+) -> int:
+    """Encrypt every regular file under `root` in place (except `skip`, relative paths); returns
+    the number of files. Anything but directories and regular files is Internal."""
+    root = Path(root)
+    rels = _regular_files(root, skip)
+    try:
+        _run_all(lambda rel, ev: encrypt_file(root / rel, rel, key, ev), rels, workers, stop)
+    except (Stopped, DataLoss):
+        raise
+    except OSError as e:
+        raise Internal(f"cannot encrypt checkpoint {root}: {e}; check free space and permissions") from e
+    return len(rels)
+
+
+def decrypt_members(
+    archive: Path,
+    rels: Iterable[str],
+    prefix: str,
+    dest: Path,
+    key: NodeKey,
+    workers: int = 1,
+    stop: Any = None,
+) -> None:
+    """Decrypt the archive members `rels` that lie under `prefix` ("containers/<name>") into
+    `dest`, keeping their paths below `prefix` (directories 0700, files 0600)."""
+    archive, dest = Path(archive), Path(dest)
+    mine = sorted(r for r in rels if r.startswith(prefix + "/"))
+    for rel in mine:
+        sub = Path(rel[len(prefix) + 1 :])
+        if sub.parent != Path("."):
+            make_private_dir(dest / sub.parent)
+    try:
+        _run_all(
+            lambda rel, ev: decrypt_file(archive / rel, dest / rel[len(prefix) + 1 :], rel, key, ev),
+            mine,
+            workers,
+            stop,
+        )
+    except (Stopped, DataLoss):
+        raise
+    except OSError as e:
+        raise Internal(f"cannot decrypt checkpoint {archive} into {dest}: {e}; check free space") from e
+
+
+# ---------------------------------------------------------------------------- decrypted dirs
+
+
+def decrypted_root(state_dir: str | Path) -> Path:
+    return Path(state_dir) / DECRYPTED_DIR
+
+
+def new_decrypted_dir(state_dir: str | Path, archive: Path, container: str) -> Path:
+    """A fresh `<state_dir>/decrypted/<random>/` (0700) holding its marker."""
+    root = make_private_dir(decrypted_root(state_dir))
+    d = root / secrets.token_hex(8)
+    make_private_dir(d, exist_ok=False)
+    write_marker(d, {"archive": str(archive), "container": container, "created": time.time()})
+    return d
+
+
+def write_marker(d: Path, data: dict[str, Any]) -> None:
+    atomic_write(Path(d) / DECRYPTED_MARKER, (json.dumps(data) + "\n").encode())
+
+
+def read_marker(d: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((Path(d) / DECRYPTED_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def set_owner(d: Path, container_id: str) -> None:
+    """Record the container that uses decrypted dir `d` (once CreateContainer returned)."""
+    data = read_marker(d)
+    if data is None:  # podshim-runc already consumed it (RestorePod option start=true)
+        return
+    data["container_id"] = container_id
+    write_marker(d, data)
+
+
+def is_decrypted_dir(d: Path) -> bool:
+    return (Path(d) / DECRYPTED_MARKER).is_file()
+
+
+def list_decrypted(state_dir: str | Path) -> list[tuple[Path, dict[str, Any] | None, float]]:
+    """(dir, marker or None, age in seconds) of every decrypted dir."""
+    out = []
+    try:
+        entries = sorted(os.scandir(decrypted_root(state_dir)), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    now = time.time()
+    for e in entries:
+        if not e.is_dir(follow_symlinks=False):
+            continue
+        try:
+            age = now - e.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        out.append((Path(e.path), read_marker(Path(e.path)), age))
+    return out
+
+
+def remove_decrypted(d: Path) -> None:
+    shutil.rmtree(d, ignore_errors=True)
