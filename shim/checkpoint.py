@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, errors, faults, logs
+from shim.aio import run_to_end
 from shim.archive import crypto, fsutil, layout, manifest, paths, rootfs_diff
 from shim.cgroups import PodCut, cgroup_procs
 from shim.config import Config
@@ -175,8 +177,8 @@ class PodCheckpointer:
         post = req.post_checkpoint_state
         if post not in (cri.POST_CHECKPOINT_STATE_RUNNING, cri.POST_CHECKPOINT_STATE_STOPPED):
             raise errors.InvalidArgument(f"post_checkpoint_state {post} is not RUNNING (0) or STOPPED (1)")
-        out = await asyncio.to_thread(paths.validate_output_dir, req.output_path, self.config.allowed_roots)
-        await asyncio.to_thread(self.node_key)  # an unusable node key fails before anything is frozen
+        out = await run_to_end(paths.validate_output_dir, req.output_path, self.config.allowed_roots)
+        await run_to_end(self.node_key)  # an unusable node key fails before anything is frozen
         pod = await build_pod_view(self.upstream, req.pod_sandbox_id)
         if not pod.ready:
             raise errors.FailedPrecondition(
@@ -233,7 +235,7 @@ class PodCheckpointer:
     ) -> manifest.Manifest:
         timings: dict[str, float] = {}
         # 1. Everything that needs no frozen state is written before the freeze.
-        work = await asyncio.to_thread(self._prepare, pod, selected, archive)
+        work = await run_to_end(self._prepare, pod, selected, archive)
         timings["prepare"] = time.monotonic() - started
         log.info("checkpoint prepared", pod=pod.id, containers=[w.view.name for w in work])
 
@@ -241,7 +243,7 @@ class PodCheckpointer:
         cut = PodCut(pod.cgroup_parent, [w.view.cgroups_path for w in work], timeout=FREEZE_TIMEOUT)
         self.journal.update(rec, "frozen")
         try:
-            await asyncio.to_thread(cut.freeze)
+            await run_to_end(cut.freeze)
             faults.hit("checkpoint.after-freeze")
             log.info("pod frozen", pod=pod.id, cut_seconds=round(cut.cut_seconds, 4))
             dump_start = time.monotonic()
@@ -260,7 +262,7 @@ class PodCheckpointer:
             timings["dump"] = time.monotonic() - dump_start
             if post == cri.POST_CHECKPOINT_STATE_STOPPED:
                 # Killed while still frozen: no instruction runs past the checkpoint.
-                await asyncio.to_thread(self._kill_frozen, work)
+                await run_to_end(self._kill_frozen, work)
         finally:
             cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
         timings["freeze_window"] = cut.window_seconds
@@ -270,10 +272,11 @@ class PodCheckpointer:
             await self._stop_upstream(work)
 
         # 3. After the thaw: stats, checksums, manifest (completion marker).
-        await asyncio.to_thread(self.journal.update, rec, "archiving")  # fsync: never on the loop
+        await run_to_end(self.journal.update, rec, "archiving")  # fsync: never on the loop
         faults.hit("checkpoint.archive")
         archive_start = time.monotonic()
-        m = await asyncio.to_thread(self._finish_archive, pod, work, archive, opts, post, timings)
+        stop = threading.Event()
+        m = await run_to_end(self._finish_archive, pod, work, archive, opts, post, timings, stop, stop=stop)
         m.timings["archive"] = time.monotonic() - archive_start
         m.timings["total"] = time.monotonic() - started
         # Rewrite the timings into the final manifest (files are unchanged, so checksums stand).
@@ -342,7 +345,7 @@ class PodCheckpointer:
                 "only the overlayfs snapshotter is supported"
             )
         start = time.monotonic()
-        await asyncio.to_thread(
+        await run_to_end(
             rootfs_diff.capture_rootfs_diff,
             upper,
             w.layout.rootfs_diff_tar,
@@ -378,6 +381,7 @@ class PodCheckpointer:
         opts: CheckpointOptions,
         post: int,
         timings: dict[str, float],
+        stop: threading.Event,
     ) -> manifest.Manifest:
         _make_private(archive.root)
         rt = work[0].runtime
@@ -419,9 +423,9 @@ class PodCheckpointer:
         key = self.node_key()
         if key is not None:  # after the thaw, never inside the freeze window
             encrypt_start = time.monotonic()
-            crypto.encrypt_tree(archive.root, key, workers=2)
+            crypto.encrypt_tree(archive.root, key, workers=2, stop=stop)
             timings["encrypt"] = time.monotonic() - encrypt_start  # m.timings: the same dict
-        return manifest.write_manifest(archive.root, m, workers=4, key=key)
+        return manifest.write_manifest(archive.root, m, workers=4, key=key, stop=stop)
 
 
 def _make_private(root: Path) -> None:

@@ -23,6 +23,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors, faults, logs
+from shim.aio import run_to_end
 from shim.archive import crypto, layout, manifest, paths
 from shim.config import Config
 from shim.criu.runtime import binary_version
@@ -169,12 +170,10 @@ class PodRestorer:
                 f"runtime_handler {req.runtime_handler!r} is not configured in podshim "
                 f"(known: runc{''.join(', ' + h for h in self.config.runtimes)})"
             )
-        root = await asyncio.to_thread(
-            paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots
-        )
-        key = await asyncio.to_thread(self.node_key)
-        m = await asyncio.to_thread(manifest.load_and_verify, root, self.config.allowed_roots, 2, key)
-        await asyncio.to_thread(check_host, m, binary_version(self.config.runtime.criu))
+        root = await run_to_end(paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots)
+        key = await run_to_end(self.node_key)
+        m = await run_to_end(manifest.load_and_verify, root, self.config.allowed_roots, 2, key)
+        await run_to_end(check_host, m, binary_version(self.config.runtime.criu))
         plan = await self._plan(req, m, layout.ArchiveLayout(root), key)
         budget = (deadline if deadline is not None else DEFAULT_DEADLINE) - CLEANUP_MARGIN
         if budget <= 0:
@@ -291,11 +290,11 @@ class PodRestorer:
         assert key is not None  # load_and_verify refused an encrypted archive without one
         stop = threading.Event()
         for p in plan:
-            d = await asyncio.to_thread(crypto.new_decrypted_dir, self.config.state_dir, root, p.entry.name)
+            d = await run_to_end(crypto.new_decrypted_dir, self.config.state_dir, root, p.entry.name)
             decrypted.append(d)
             self._decrypting.add(d)
             work = asyncio.ensure_future(
-                asyncio.to_thread(crypto.decrypt_members, root, list(m.files), p.entry.dir, d, key, 2, stop)
+                run_to_end(crypto.decrypt_members, root, list(m.files), p.entry.dir, d, key, 2, stop)
             )
             try:
                 await asyncio.shield(work)
@@ -311,13 +310,13 @@ class PodRestorer:
         started), or none was recorded after STALE_DECRYPTED_SECONDS (a restore cut short by a
         crash). Never fails the restore."""
         try:
-            for d, marker, age in await asyncio.to_thread(crypto.list_decrypted, self.config.state_dir):
+            for d, marker, age in await run_to_end(crypto.list_decrypted, self.config.state_dir):
                 if d in self._decrypting:
                     continue
                 owner = (marker or {}).get("container_id")
                 if not owner:
                     if age > crypto.STALE_DECRYPTED_SECONDS:
-                        await asyncio.to_thread(crypto.remove_decrypted, d)
+                        await run_to_end(crypto.remove_decrypted, d)
                         log.info("decrypted checkpoint removed", dir=str(d), reason="interrupted restore")
                     continue
                 try:
@@ -326,7 +325,7 @@ class PodRestorer:
                     )
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.NOT_FOUND:
-                        await asyncio.to_thread(crypto.remove_decrypted, d)
+                        await run_to_end(crypto.remove_decrypted, d)
                         log.info("decrypted checkpoint removed", dir=str(d), reason=f"container {owner} gone")
         except Exception:  # noqa: BLE001 - a leftover is swept next time
             log.exception("sweeping decrypted checkpoints failed")
@@ -380,7 +379,7 @@ class PodRestorer:
                 ) from None
             created[p.entry.name] = c.container_id
             if m.encryption is not None:  # whose decrypted dir it is, for _sweep_decrypted
-                await asyncio.to_thread(crypto.set_owner, p.dir, c.container_id)
+                await run_to_end(crypto.set_owner, p.dir, c.container_id)
             faults.hit("restore.after-container")
             log.info("restore container created", container=p.entry.name, id=c.container_id)
         if opts.start:
@@ -400,7 +399,7 @@ class PodRestorer:
             await self._rollback(sandbox)
         finally:
             for d in decrypted or []:
-                await asyncio.to_thread(crypto.remove_decrypted, d)
+                await run_to_end(crypto.remove_decrypted, d)
             self.journal.finish(rec)
 
     async def _rollback(self, sandbox: list[str]) -> None:

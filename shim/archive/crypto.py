@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from shim.archive.fsutil import FILE_MODE, atomic_write, make_private_dir, temp_name_for
+from shim.archive.fsutil import Stopped as Stopped  # one stop signal for all tree work
 from shim.errors import DataLoss, FailedPrecondition, Internal
 
 SCHEME = "aes-256-gcm-chunked-v1"
@@ -67,10 +68,6 @@ MANIFEST_INFO = b"podshim checkpoint manifest mac v1"
 DECRYPTED_DIR = "decrypted"  # <state_dir>/decrypted/<random>/: one container's plaintext
 DECRYPTED_MARKER = ".podshim-decrypted"  # JSON {archive, container, container_id, created}
 STALE_DECRYPTED_SECONDS = 900.0  # a dir without a container after this long was interrupted
-
-
-class Stopped(Exception):
-    """A tree operation was told to stop (its caller was cancelled)."""
 
 
 # ---------------------------------------------------------------------------- the node key

@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +23,10 @@ FILE_MODE = 0o600  # memory images hold secrets (DESIGN §6)
 DIR_MODE = 0o700
 
 _TMP_MARK = ".tmp-"
+
+
+class Stopped(Exception):
+    """A long file operation was told to stop (its caller was cancelled)."""
 
 
 def temp_name_for(name: str) -> str:
@@ -147,10 +152,13 @@ def clear_dir_contents(path: Path) -> None:
         raise Internal(f"cannot remove the contents of {path}: {e}; remove them by hand") from e
 
 
-def hash_file(path: Path, chunk_size: int = CHUNK_SIZE, fsync: bool = False) -> tuple[int, str]:
+def hash_file(
+    path: Path, chunk_size: int = CHUNK_SIZE, fsync: bool = False, stop: threading.Event | None = None
+) -> tuple[int, str]:
     """Stream `path` (not following a final symlink) and return (bytes read, sha256 hex).
 
-    fsync=True also flushes the file, so a writer hashes and persists in one pass.
+    fsync=True also flushes the file, so a writer hashes and persists in one pass. `stop` set:
+    raises Stopped at the next chunk (and skips the fsync), so a cancelled caller is not held up.
     """
     h = hashlib.sha256()
     size = 0
@@ -161,6 +169,8 @@ def hash_file(path: Path, chunk_size: int = CHUNK_SIZE, fsync: bool = False) -> 
         while n := os.readv(fd, [buf]):
             h.update(view[:n])  # hashlib releases the GIL for large buffers: threads scale
             size += n
+            if stop is not None and stop.is_set():
+                raise Stopped(f"checksumming {path} stopped: the operation was cancelled")
         if fsync:
             os.fsync(fd)
     finally:

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -346,20 +347,25 @@ def _check_members(root: Path, m: Manifest) -> None:
 
 
 def write_manifest(
-    root: Path, manifest: Manifest, workers: int = 1, key: crypto.NodeKey | None = None
+    root: Path,
+    manifest: Manifest,
+    workers: int = 1,
+    key: crypto.NodeKey | None = None,
+    stop: threading.Event | None = None,
 ) -> Manifest:
     """Checksum every file under `root`, fsync the tree, then write manifest.json atomically.
 
     Fills `manifest.files` (replacing any previous value) and returns the manifest. With `key`
     (the files were encrypted with it: crypto.encrypt_tree) it records the encryption and
-    authenticates the manifest (its MAC is computed at every to_json()).
+    authenticates the manifest (its MAC is computed at every to_json()). `stop` set: raises
+    fsutil.Stopped at the next chunk (the caller was cancelled).
     """
     root = Path(root)
     _check_members(root, manifest)
     sizes = _scan_tree(root, lambda msg: Internal(f"unexpected entry in checkpoint: {msg}"))
     rels = sorted(sizes)
     try:
-        results = _map(lambda rel: hash_file(root / rel, fsync=True), rels, workers)
+        results = _map(lambda rel: hash_file(root / rel, fsync=True, stop=stop), rels, workers)
     except OSError as e:
         raise Internal(f"cannot checksum/fsync checkpoint {root}: {e}; check the disk") from e
     manifest.files = {rel: FileEntry(size=s, sha256=h) for rel, (s, h) in zip(rels, results, strict=True)}
