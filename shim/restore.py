@@ -33,6 +33,7 @@ from shim.upstream import Upstream, upstream_error
 
 log = logs.get("shim.restore")
 
+INVENTORY = "inventory.img"  # every CRIU image set has one (the node e2e check relies on it)
 CLEANUP_MARGIN = 1.0
 DEFAULT_DEADLINE = 600.0
 # Kubelet annotation carrying the restart count shown by `kubectl get pods`.
@@ -142,6 +143,28 @@ def _read_member(root: Path, path: Path, m: manifest.Manifest, key: crypto.NodeK
     return data
 
 
+def _container_record(
+    root: Path, cl: layout.ContainerLayout, m: manifest.Manifest, key: crypto.NodeKey | None
+) -> dict[str, Any]:
+    """A checkpointed container's config.dump; absent or unreadable is DATA_LOSS (the manifest's
+    checksums only cover the files it lists)."""
+    rel = f"{cl.rel}/{layout.CONFIG_DUMP_FILE}"
+    if rel not in m.files or f"{cl.rel}/{layout.CHECKPOINT_DIR}/{INVENTORY}" not in m.files:
+        raise errors.DataLoss(
+            f"checkpoint {root}: container {cl.root.name!r} is marked checkpointed but the manifest "
+            f"lists no {rel} or CRIU images for it: the archive is incomplete; take a new checkpoint"
+        )
+    try:
+        record = json.loads(_read_member(root, cl.config_dump, m, key))
+    except (ValueError, OSError) as e:
+        raise errors.DataLoss(
+            f"checkpoint {root}: {rel} is unreadable ({e}): take a new checkpoint"
+        ) from None
+    if not isinstance(record, dict):
+        raise errors.DataLoss(f"checkpoint {root}: {rel} is not a JSON object: take a new checkpoint")
+    return record
+
+
 @dataclass
 class _Planned:
     entry: manifest.ContainerEntry
@@ -246,7 +269,7 @@ class PodRestorer:
         plan = []
         for entry in dumped:
             cl = archive.container(entry.name)
-            record = json.loads(_read_member(archive.root, cl.config_dump, m, key))
+            record = _container_record(archive.root, cl, m, key)
             requested = by_name[entry.name]
             problem = config_mismatch(entry.name, requested, _archived_config(record))
             if problem is None:

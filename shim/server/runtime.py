@@ -52,6 +52,17 @@ M = TypeVar("M", bound=Message)
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
 
 
+MAX_MESSAGE_CHARS = 2048  # a status message travels in metadata (clients cap it near 8-16 KiB)
+
+
+def fit_message(message: str) -> str:
+    """Keep a status message deliverable: a huge echoed value must not turn the error into the
+    client's RESOURCE_EXHAUSTED."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[: MAX_MESSAGE_CHARS - 16] + " … (truncated)"
+
+
 async def decode(req_cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) -> M:
     """Parse a request; a malformed one (e.g. invalid UTF-8 in a string) is INVALID_ARGUMENT."""
     try:
@@ -73,7 +84,7 @@ def typed_handler(
         try:
             return await fn(request, context)
         except errors.ShimError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, fit_message(e.message))
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # a bug: say so without leaking a traceback to the caller

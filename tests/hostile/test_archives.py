@@ -246,21 +246,13 @@ CANARY_ARCHIVES = [
     ),
 ]
 
-KNOWN_BUGS = [
+UNREADABLE_RECORDS = [
     pytest.param(
         Case("config-dump-not-json", mutated(_config_dump(b"not json")), DATA_LOSS, ("config.dump",)),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG (shim/restore.py _plan): json.loads of config.dump is unguarded: INTERNAL "
-            "'unexpected error ... JSONDecodeError' for an archive whose checksums were recomputed",
-        ),
         id="config-dump-not-json",
     ),
     pytest.param(
         Case("config-dump-a-list", mutated(_config_dump(b"[1, 2]")), DATA_LOSS, ("config.dump",)),
-        marks=pytest.mark.xfail(
-            strict=True, reason="BUG (shim/restore.py _plan): AttributeError -> INTERNAL"
-        ),
         id="config-dump-a-list",
     ),
     pytest.param(
@@ -269,11 +261,6 @@ KNOWN_BUGS = [
             mutated(_ghost_container, containers=[counter(), counter("ghost")]),
             DATA_LOSS,
             ("ghost",),
-        ),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG (shim/restore.py _plan): a checkpointed container whose files the manifest "
-            "does not list passes verification; reading its config.dump raises FileNotFoundError -> INTERNAL",
         ),
         id="container-without-files",
     ),
@@ -325,7 +312,7 @@ def test_archive_pointing_at_canary(
     _no_restored_pod(ctx)
 
 
-@pytest.mark.parametrize("case", KNOWN_BUGS)
+@pytest.mark.parametrize("case", UNREADABLE_RECORDS)
 def test_lying_archive_known_bugs(ctx: Ctx, case: Case) -> None:
     check(ctx, case)
     _no_restored_pod(ctx)

@@ -208,12 +208,6 @@ CHECKPOINT_OPTIONS_HUGE = [
             INVALID,
             ("file-locks",),
         ),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG (shim/checkpoint.py): the value is echoed whole in the status message; at "
-            "100 kB it exceeds the client's metadata limit (16 KiB) and the caller sees "
-            "RESOURCE_EXHAUSTED 'received metadata size exceeds hard limit'",
-        ),
         id="huge-option-value",
     ),
 ]
