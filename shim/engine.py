@@ -230,7 +230,6 @@ class Engine:
                         fsutil.clear_dir_contents(Path(out))
             elif rec.kind == "restore" and data.get("sandbox_id"):
                 await self.restorer.rollback_sandbox(str(data["sandbox_id"]))
-                await self._check_sandbox_gone(str(data["sandbox_id"]))
         except Exception as e:  # noqa: BLE001 - logged; the record stays for the next start
             log.error(
                 "recovery of interrupted operation failed; kept for the next start",
@@ -244,20 +243,6 @@ class Engine:
         self.journal.finish(rec)
         log.info("recovered interrupted operation", kind=rec.kind, pod=rec.pod_key, phase=rec.phase)
         metrics.operations.labels(rec.kind.replace("-", "_"), "RECOVERED").inc()
-
-    async def _check_sandbox_gone(self, sandbox_id: str) -> None:
-        """rollback_sandbox only logs its failures: the record may go only once the sandbox is gone."""
-        try:
-            await self.upstream.runtime.PodSandboxStatus(
-                cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=30
-            )
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                return
-            raise errors.Unavailable(
-                f"cannot confirm sandbox {sandbox_id} was removed: {e.details()}"
-            ) from None
-        raise errors.Internal(f"sandbox {sandbox_id} of an interrupted restore could not be removed")
 
 
 def _processes_under(path: str) -> list[psutil.Process]:

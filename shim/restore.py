@@ -418,19 +418,26 @@ class PodRestorer:
         log.info("restore done", sandbox=resp.pod_sandbox_id, seconds=round(time.monotonic() - started, 4))
 
     async def _abandon(self, sandbox: list[str], rec: Any, decrypted: list[Path] | None = None) -> None:
+        rolled_back = False
         try:
             await self._rollback(sandbox)
+            rolled_back = True
+        except errors.ShimError as e:
+            # The journal record stays: the next start of podshim removes the sandbox.
+            log.error("rollback of restore failed; kept for recovery", sandbox=sandbox, error=e.message)
         finally:
             for d in decrypted or []:
                 await run_to_end(crypto.remove_decrypted, d)
-            self.journal.finish(rec)
+            if rolled_back:
+                self.journal.finish(rec)
 
     async def _rollback(self, sandbox: list[str]) -> None:
         for sid in sandbox:
             await self.rollback_sandbox(sid)
 
     async def rollback_sandbox(self, sid: str) -> None:
-        """Remove a sandbox a restore created (which removes its containers)."""
+        """Remove a sandbox a restore created (which removes its containers). Raises unless the
+        upstream confirms it is gone."""
         for call, request in (
             (self.upstream.runtime.StopPodSandbox, cri.StopPodSandboxRequest(pod_sandbox_id=sid)),
             (self.upstream.runtime.RemovePodSandbox, cri.RemovePodSandboxRequest(pod_sandbox_id=sid)),
@@ -438,4 +445,14 @@ class PodRestorer:
             try:
                 await call(request, timeout=60)
             except grpc.aio.AioRpcError as e:
-                log.error("rollback of restore failed", sandbox=sid, error=e.details())
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    log.error("rollback of restore failed", sandbox=sid, error=e.details())
+        try:
+            await self.upstream.runtime.PodSandboxStatus(
+                cri.PodSandboxStatusRequest(pod_sandbox_id=sid), timeout=30
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return
+            raise errors.Unavailable(f"cannot confirm sandbox {sid} was removed: {e.details()}") from None
+        raise errors.Internal(f"sandbox {sid} of a failed restore could not be removed")
