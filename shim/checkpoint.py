@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -383,7 +382,7 @@ class PodCheckpointer:
         timings: dict[str, float],
         stop: threading.Event,
     ) -> manifest.Manifest:
-        _make_private(archive.root)
+        fsutil.make_tree_private(archive.root)
         rt = work[0].runtime
         dumped = {w.view.id: w for w in work}
         stats: dict[str, Any] = {}
@@ -426,20 +425,6 @@ class PodCheckpointer:
             crypto.encrypt_tree(archive.root, key, workers=2, stop=stop)
             timings["encrypt"] = time.monotonic() - encrypt_start  # m.timings: the same dict
         return manifest.write_manifest(archive.root, m, workers=4, key=key, stop=stop)
-
-
-def _make_private(root: Path) -> None:
-    """Files 0600, directories 0700 (DESIGN §6): runc and CRIU create theirs with the umask's
-    0644/0755. Symlinks are left alone (write_manifest refuses them)."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames:
-            p = os.path.join(dirpath, name)
-            if stat.S_ISDIR(os.lstat(p).st_mode):
-                os.chmod(p, layout.DIR_MODE)
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            if stat.S_ISREG(os.lstat(p).st_mode):
-                os.chmod(p, layout.FILE_MODE)
 
 
 def _options_record(opts: CheckpointOptions) -> dict[str, str]:

@@ -53,12 +53,11 @@ from shim.checkpoint import (
     DEFAULT_DEADLINE,
     FREEZE_TIMEOUT,
     PodCheckpointer,
-    _make_private,
     check_dumpable,
 )
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
-from shim.restore import _RESTORE_FLAGS, _archived_config
+from shim.restore import RESTORE_FLAGS, archived_config
 from shim.restore_hook import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.state import Journal
@@ -102,7 +101,7 @@ class Location:
 
 
 def _inside_roots(path: Path, roots: Sequence[Path]) -> bool:
-    return any(path == r or paths._inside(path, r) for r in roots)
+    return any(path == r or paths.is_inside(path, r) for r in roots)
 
 
 def check_location(location: str, allowed_roots: Sequence[str]) -> Location:
@@ -112,13 +111,13 @@ def check_location(location: str, allowed_roots: Sequence[str]) -> Location:
     tar; anything else is the tar's own path: its parent must exist (NotFound) inside an
     allowed root and the file must not (InvalidArgument). Empty: the first allowed root.
     """
-    roots = paths._resolved_roots(allowed_roots)
+    roots = paths.resolved_roots(allowed_roots)
     roots_text = ", ".join(str(r) for r in roots)
     if not location:
         if not roots[0].is_dir():
             raise errors.NotFound(f"location is empty and the checkpoint root {roots[0]} does not exist")
         return Location(roots[0], None)
-    norm = paths._check_syntax(location, "location")
+    norm = paths.check_syntax(location, "location")
     if os.path.isdir(norm):
         real = Path(os.path.realpath(norm))
         if not _inside_roots(real, roots):
@@ -519,7 +518,7 @@ class ContainerCheckpointer:
         await steps.run(
             fsutil.write_private_file, cl.config_dump, _json(self._config_dump(pod, c, runtime, checkpointed))
         )
-        await steps.run(_make_private, tree)
+        await steps.run(fsutil.make_tree_private, tree)
         stats = await steps.run(read_dump_stats, cl.stats_dump)
         host = await steps.run(self._host, runtime)
         tar_start = time.monotonic()
@@ -642,10 +641,10 @@ class ContainerCheckpointer:
 
 def check_archive_file(path: str, allowed_roots: Sequence[str]) -> Path:
     """A CreateContainer image that is a path: a regular file strictly inside an allowed root."""
-    norm = paths._check_syntax(path, "checkpoint archive")
-    roots = paths._resolved_roots(allowed_roots)
+    norm = paths.check_syntax(path, "checkpoint archive")
+    roots = paths.resolved_roots(allowed_roots)
     real = Path(os.path.realpath(norm))
-    if not any(paths._inside(real, r) for r in roots):
+    if not any(paths.is_inside(real, r) for r in roots):
         roots_text = ", ".join(str(r) for r in roots)
         raise errors.InvalidArgument(
             f"checkpoint archive {path} is outside the allowed checkpoint roots ({roots_text})"
@@ -823,7 +822,7 @@ def restore_config(req: cri.ContainerConfig, ck: ImportedCheckpoint, image: str)
     """The request's config (metadata, log path, mounts, labels, resources...) with the
     checkpoint's image, its command/args/env/working dir where the request leaves them empty,
     and podshim's restore annotations."""
-    archived = _archived_config(ck.record) if ck.record.get("config") else _spec_defaults(ck.spec)
+    archived = archived_config(ck.record) if ck.record.get("config") else _spec_defaults(ck.spec)
     cc = cri.ContainerConfig()
     cc.CopyFrom(req)
     cc.image.CopyFrom(cri.ImageSpec(image=image))
@@ -838,7 +837,7 @@ def restore_config(req: cri.ContainerConfig, ck: ImportedCheckpoint, image: str)
     options = (ck.manifest or {}).get("options") or {"file-locks": "true"}  # CRI-O always dumps with them
     cc.annotations[RESTORE_ANNOTATION] = str(ck.root)
     cc.annotations[RESTORE_OPTIONS_ANNOTATION] = ",".join(
-        k for k in _RESTORE_FLAGS if options.get(k) == "true"
+        k for k in RESTORE_FLAGS if options.get(k) == "true"
     )
     return cc
 

@@ -39,7 +39,7 @@ DEFAULT_DEADLINE = 600.0
 # Kubelet annotation carrying the restart count shown by `kubectl get pods`.
 RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
 # CRIU options recorded at checkpoint that the restore must repeat.
-_RESTORE_FLAGS = ("file-locks", "tcp-established", "ext-unix-sk", "shell-job")
+RESTORE_FLAGS = ("file-locks", "tcp-established", "ext-unix-sk", "shell-job")
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def check_host(m: manifest.Manifest, criu_version: str) -> None:
         )
 
 
-def _archived_config(record: dict[str, Any]) -> cri.ContainerConfig:
+def archived_config(record: dict[str, Any]) -> cri.ContainerConfig:
     return json_format.ParseDict(
         record.get("config") or {}, cri.ContainerConfig(), ignore_unknown_fields=True
     )
@@ -271,7 +271,7 @@ class PodRestorer:
             cl = archive.container(entry.name)
             record = _container_record(archive.root, cl, m, key)
             requested = by_name[entry.name]
-            problem = config_mismatch(entry.name, requested, _archived_config(record))
+            problem = config_mismatch(entry.name, requested, archived_config(record))
             if problem is None:
                 problem = await self._image_mismatch(entry, requested, record)
             if problem:
@@ -375,7 +375,7 @@ class PodRestorer:
     ) -> None:
         up = self.upstream.runtime
         started = time.monotonic()
-        criu_flags = ",".join(k for k in _RESTORE_FLAGS if m.options.get(k) == "true")
+        criu_flags = ",".join(k for k in RESTORE_FLAGS if m.options.get(k) == "true")
         try:
             resp = await up.RunPodSandbox(
                 cri.RunPodSandboxRequest(config=req.config, runtime_handler=req.runtime_handler), timeout=120

@@ -199,3 +199,17 @@ def make_private_dir(path: Path, exist_ok: bool = True) -> Path:
 def write_private_file(path: Path, data: bytes) -> None:
     """Write a new 0600 file durably (atomic_write); the shape every archive file takes."""
     atomic_write(path, data, FILE_MODE)
+
+
+def make_tree_private(root: Path) -> None:
+    """Files 0600, directories 0700 (DESIGN §6): runc and CRIU create theirs with the umask's
+    0644/0755. Symlinks are left alone (write_manifest refuses them)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            p = os.path.join(dirpath, name)
+            if stat.S_ISDIR(os.lstat(p).st_mode):
+                os.chmod(p, DIR_MODE)
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if stat.S_ISREG(os.lstat(p).st_mode):
+                os.chmod(p, FILE_MODE)

@@ -19,7 +19,7 @@ PATH_MAX = 4096
 NAME_MAX = 255
 
 
-def _check_syntax(path: str, what: str) -> str:
+def check_syntax(path: str, what: str) -> str:
     """Reject paths that cannot be a sane absolute directory name. Returns the normalised path."""
     if not isinstance(path, str) or path == "":
         raise InvalidArgument(f"{what} is empty: pass an absolute directory path")
@@ -44,7 +44,7 @@ def _check_syntax(path: str, what: str) -> str:
     return os.path.normpath(path)
 
 
-def _resolved_roots(allowed_roots: Sequence[str]) -> list[Path]:
+def resolved_roots(allowed_roots: Sequence[str]) -> list[Path]:
     if not allowed_roots:
         raise InvalidArgument("no allowed checkpoint roots are configured: configure at least one")
     roots = []
@@ -55,20 +55,20 @@ def _resolved_roots(allowed_roots: Sequence[str]) -> list[Path]:
     return roots
 
 
-def _inside(path: Path, root: Path) -> bool:
+def is_inside(path: Path, root: Path) -> bool:
     return path != root and path.is_relative_to(root)
 
 
 def _resolve_confined(path: str, allowed_roots: Sequence[str], what: str) -> Path:
     """Resolve symlinks of an existing path and prove it lies strictly inside an allowed root."""
-    norm = _check_syntax(path, what)
-    roots = _resolved_roots(allowed_roots)
+    norm = check_syntax(path, what)
+    roots = resolved_roots(allowed_roots)
     roots_text = ", ".join(str(r) for r in roots)
     try:
         real = Path(os.path.realpath(norm, strict=True))
     except FileNotFoundError as e:
         loose = Path(os.path.realpath(norm))
-        if not any(_inside(loose, r) for r in roots):
+        if not any(is_inside(loose, r) for r in roots):
             # outside roots: say so rather than disclose whether it exists
             raise InvalidArgument(
                 f"{what} {path} is outside the allowed checkpoint roots ({roots_text})"
@@ -87,7 +87,7 @@ def _resolve_confined(path: str, allowed_roots: Sequence[str], what: str) -> Pat
             raise InvalidArgument(
                 f"{what} {path} is the checkpoint root {r} itself: pass a directory inside it"
             )
-    if not any(_inside(real, r) for r in roots):
+    if not any(is_inside(real, r) for r in roots):
         via = "" if str(real) == norm else f" (resolves through a symlink to {real})"
         raise InvalidArgument(f"{what} {path}{via} is outside the allowed checkpoint roots ({roots_text})")
     st = os.lstat(real)
