@@ -32,6 +32,7 @@ from shim import config as configmod
 from shim.server.runtime import RuntimeHandlers
 from testbed import pods
 from testbed.bed import TestBed
+from testbed.checks import container_cgroup, expect_error, freezer_state, journal_files
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +40,6 @@ Rt = api_pb2_grpc.RuntimeServiceStub
 
 REPO = Path(__file__).resolve().parents[1]
 PODSHIM = REPO / ".venv/bin/podshim"
-FREEZER = Path("/sys/fs/cgroup/freezer")
 CALL_TIMEOUT = 120.0
 # the kubelet's name: checkpoint-<podName>_<podNamespace>-<containerName>-<RFC3339>.tar
 KUBELET_NAME = re.compile(
@@ -99,24 +99,8 @@ def checkpoint(
     )
 
 
-def expect_error(code: grpc.StatusCode, call: Callable[[], Any], *words: str) -> str:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    assert err.value.code() == code, (err.value.code(), err.value.details())
-    details = err.value.details() or ""
-    for w in words:
-        assert w in details, f"{w!r} not in {details!r}"
-    return details
-
-
-def verbose_info(rt: Rt, container_id: str) -> dict[str, Any]:
-    resp = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=container_id, verbose=True))
-    return json.loads(resp.info["info"])
-
-
-def freezer_state(rt: Rt, container_id: str) -> str:
-    cgroup = verbose_info(rt, container_id)["runtimeSpec"]["linux"]["cgroupsPath"]
-    return (FREEZER / cgroup.lstrip("/") / "freezer.state").read_text().strip()
+def container_freezer_state(rt: Rt, container_id: str) -> str:
+    return freezer_state(container_cgroup(rt, container_id))
 
 
 def assert_unharmed(rt: Rt, pod: pods.Pod, name: str = "counter", started_at: int | None = None) -> None:
@@ -126,7 +110,7 @@ def assert_unharmed(rt: Rt, pod: pods.Pod, name: str = "counter", started_at: in
     assert st.state == cri.CONTAINER_RUNNING, cri.ContainerState.Name(st.state)
     if started_at is not None:
         assert st.started_at == started_at, "the container was restarted"
-    assert freezer_state(rt, cid) == "THAWED"
+    assert container_freezer_state(rt, cid) == "THAWED"
     wait_counting(pod.log_path(name), ticks=3, timeout=15)
     values = pods.counts(pod.log_path(name))
     assert values == list(range(values[0], values[0] + len(values))), "the counter skipped or restarted"
@@ -134,13 +118,6 @@ def assert_unharmed(rt: Rt, pod: pods.Pod, name: str = "counter", started_at: in
 
 def listing(d: Path) -> set[str]:
     return set(os.listdir(d))
-
-
-def journal(bed: TestBed) -> list[str]:
-    try:
-        return [n for n in os.listdir(Path(bed.podshim_state_dir) / "ops") if n.endswith(".json")]
-    except FileNotFoundError:
-        return []
 
 
 def imports(bed: TestBed) -> list[str]:
@@ -192,7 +169,10 @@ def refused_cleanly(
     details = expect_error(code, call, *words)
 
     def clean() -> bool:
-        return all(listing(d) == names for d, names in before.items()) and journal(bed) == []
+        return (
+            all(listing(d) == names for d, names in before.items())
+            and journal_files(bed.podshim_state_dir) == []
+        )
 
     # a caller's own deadline may fire while podshim is still cleaning up: give it a moment
     pods.wait_for(clean, timeout=10, what="no file left behind")
@@ -230,7 +210,7 @@ def test_checkpoint_keeps_the_container_running(
     tar_path = out / name
     st = tar_path.lstat()
     assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
-    assert journal(bed) == []
+    assert journal_files(bed.podshim_state_dir) == []
 
     # the Kubernetes node e2e check: these exact entries
     entries = members(tar_path)
@@ -599,12 +579,12 @@ def test_crash_is_recovered_at_restart(
         pods.wait_for(lambda: not bed.podshim_running, timeout=10, what="podshim gone")
         # what the crash left: a staging dir and a journal record (and the cgroup frozen, or not)
         assert [n for n in listing(out) if n.startswith(".")], listing(out)
-        assert len(journal(bed)) == 1
+        assert len(journal_files(bed.podshim_state_dir)) == 1
     finally:
         bed.kill_podshim()
         bed.start_podshim_again()  # without the failpoint: it replays the journal
     rt = pods.stubs(bed.podshim_socket)[0]
-    assert listing(out) == set() and journal(bed) == []
+    assert listing(out) == set() and journal_files(bed.podshim_state_dir) == []
     assert_unharmed(rt, pod)
     # and it works again
     checkpoint(rt, cid, out / "after.tar")

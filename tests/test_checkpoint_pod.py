@@ -30,10 +30,10 @@ from shim.archive import manifest as mf
 from shim.archive import rootfs_diff
 from testbed import pods
 from testbed.bed import TestBed
+from testbed.checks import FREEZER, container_cgroup, expect_error, freezer_state, verbose_info
 
 pytestmark = pytest.mark.e2e
 
-FREEZER = Path("/sys/fs/cgroup/freezer")
 # CRI log line: "<rfc3339> <stream> <P|F> <text>"; the counter prints "count=N ts=<s>.<ms>"
 LOG_LINE = re.compile(rb"^\S+ (?:stdout|stderr) [PF] count=(\d+) ts=(\d+\.\d+)$", re.M)
 CALL_TIMEOUT = 60.0
@@ -86,30 +86,6 @@ def checkpoint(
     return rt.CheckpointPod(
         cri.CheckpointPodRequest(pod_sandbox_id=pod_id, output_path=str(out), **fields), timeout=timeout
     )
-
-
-def expect_error(code: grpc.StatusCode, call: Callable[[], Any], *words: str) -> str:
-    """Run `call`, expect an RpcError with `code` whose message contains every word."""
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    assert err.value.code() == code, (err.value.code(), err.value.details())
-    details = err.value.details() or ""
-    for w in words:
-        assert w in details, f"{w!r} not in error message {details!r}"
-    return details
-
-
-def verbose_info(rt: Rt, container_id: str) -> dict[str, Any]:
-    resp = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=container_id, verbose=True))
-    return json.loads(resp.info["info"])
-
-
-def container_cgroup(rt: Rt, container_id: str) -> str:
-    return str(verbose_info(rt, container_id)["runtimeSpec"]["linux"]["cgroupsPath"])
-
-
-def freezer_state(cgroup: str) -> str:
-    return (FREEZER / cgroup.lstrip("/") / "freezer.state").read_text().strip()
 
 
 def container_state(rt: Rt, container_id: str) -> int:

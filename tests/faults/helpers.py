@@ -5,7 +5,6 @@ container or mount, empty journal), and small process/cgroup utilities."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import signal
@@ -23,11 +22,11 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.archive import manifest as mf
-from testbed import _sys, pods
+from testbed import _sys, checks, pods
 from testbed.bed import VENV_BIN, TestBed
+from testbed.checks import container_cgroup, freezer_state
 
 Rt = api_pb2_grpc.RuntimeServiceStub
-FREEZER = Path("/sys/fs/cgroup/freezer")
 FAILPOINTS_ENV = "PODSHIM_FAILPOINTS"
 CALL_TIMEOUT = 120.0
 
@@ -118,18 +117,8 @@ def restart_podshim(bed: TestBed) -> None:
 # ---------------------------------------------------------------------------- state of the node
 
 
-def freezer_state(cgroup: str) -> str:
-    return (FREEZER / cgroup.lstrip("/") / "freezer.state").read_text().strip()
-
-
-def container_cgroup(rt: Rt, container_id: str) -> str:
-    resp = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=container_id, verbose=True))
-    return str(json.loads(resp.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"])
-
-
 def journal_files(bed: TestBed) -> list[str]:
-    ops = Path(bed.podshim_state_dir) / "ops"
-    return sorted(os.listdir(ops)) if ops.is_dir() else []
+    return checks.journal_files(bed.podshim_state_dir)
 
 
 def wait_journal_empty(bed: TestBed, timeout: float = 30.0) -> None:

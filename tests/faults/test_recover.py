@@ -31,8 +31,9 @@ from shim.engine import Engine
 from shim.state import Journal
 from testbed import _sys, pods
 from testbed.bed import TestBed
+from testbed.checks import FREEZER, container_cgroup, freezer_state
 
-from .helpers import FREEZER, Rt, container_cgroup, freezer_state, wait_serving
+from .helpers import Rt, wait_serving
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (freezer cgroups)")
 
