@@ -5,50 +5,61 @@ Plain modules raise these; the gRPC layer turns them into a status with the same
 
 from __future__ import annotations
 
-import grpc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 
 class ShimError(Exception):
     """An error with the gRPC code the caller must see. The message says what failed and what to do."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    # The code by name: grpc is imported only when the code is read (podshim-runc, which raises
+    # these errors on every restore, never pays for importing grpc).
+    code_name: str = "INTERNAL"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
 
+    @property
+    def code(self) -> grpc.StatusCode:
+        import grpc
+
+        return grpc.StatusCode[self.code_name]
+
 
 class NotFound(ShimError):
-    code = grpc.StatusCode.NOT_FOUND
+    code_name = "NOT_FOUND"
 
 
 class FailedPrecondition(ShimError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code_name = "FAILED_PRECONDITION"
 
 
 class InvalidArgument(ShimError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code_name = "INVALID_ARGUMENT"
 
 
 class Aborted(ShimError):
-    code = grpc.StatusCode.ABORTED
+    code_name = "ABORTED"
 
 
 class DeadlineExceeded(ShimError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code_name = "DEADLINE_EXCEEDED"
 
 
 class DataLoss(ShimError):
-    code = grpc.StatusCode.DATA_LOSS
+    code_name = "DATA_LOSS"
 
 
 class Internal(ShimError):
-    code = grpc.StatusCode.INTERNAL
+    code_name = "INTERNAL"
 
 
 class Unavailable(ShimError):
-    code = grpc.StatusCode.UNAVAILABLE
+    code_name = "UNAVAILABLE"
 
 
 class Unimplemented(ShimError):
-    code = grpc.StatusCode.UNIMPLEMENTED
+    code_name = "UNIMPLEMENTED"

@@ -79,8 +79,9 @@ def typed_handler(
 ) -> grpc.RpcMethodHandler:
     """A unary handler that turns podshim's typed errors into their gRPC status, never a traceback."""
 
-    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
-        request = await decode(req_cls, raw, context)
+    async def handle(raw: bytes | Message, context: grpc.aio.ServicerContext) -> Message:
+        # bytes from the wire; a decoded request when another handler delegates (CreateContainer)
+        request = await decode(req_cls, raw, context) if isinstance(raw, bytes) else raw
         try:
             return await fn(request, context)
         except errors.ShimError as e:
