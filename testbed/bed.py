@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -55,6 +56,26 @@ class TestBedError(RuntimeError):
 
 def _toml_str(value: str | os.PathLike[str]) -> str:
     return json.dumps(os.fspath(value))  # a JSON string is a valid TOML basic string here
+
+
+def _toml_dump(config: dict[str, Any]) -> str:
+    """Write podshim's TOML: tables of strings, numbers and lists of strings, one level of
+    sub-tables ([runtimes.crun])."""
+    lines: list[str] = []
+
+    def table(name: str, values: dict[str, Any]) -> None:
+        lines.append(f"[{name}]")
+        subtables = {k: v for k, v in values.items() if isinstance(v, dict)}
+        for k, v in values.items():
+            if not isinstance(v, dict):
+                lines.append(f"{k} = {json.dumps(v)}")  # JSON strings/numbers/lists are TOML
+        lines.append("")
+        for k, v in subtables.items():
+            table(f"{name}.{k}", v)
+
+    for name, values in config.items():
+        table(name, values)
+    return "\n".join(lines)
 
 
 def _toml_list(values: list[str]) -> str:
@@ -577,6 +598,44 @@ level = "info"
     def start_podshim_again(self) -> None:
         """Start podshim again (after kill_podshim), with the same config and state dir."""
         self._start_podshim()
+
+    @contextlib.contextmanager
+    def extra_podshim(
+        self, workdir: str | os.PathLike[str], **overrides: dict[str, Any]
+    ) -> Iterator[tuple[Path, Path]]:
+        """A second podshim in front of this bed's containerd, configured like the bed's own but
+        with its own socket and state dir under `workdir`, and `overrides` merged per TOML section
+        (e.g. `checkpoint={"encryption_key_file": ...}`). Yields (socket, log path) once it answers
+        Version; stopped (SIGTERM) on exit."""
+        workdir = Path(workdir)
+        with open(self.podshim_config, "rb") as f:
+            config = tomllib.load(f)
+        config["server"].update(socket=str(workdir / "podshim.sock"), state_dir=str(workdir / "state"))
+        for section, values in overrides.items():  # may move the state dir too
+            config.setdefault(section, {}).update(values)
+        path = workdir / "podshim.toml"
+        path.write_text(_toml_dump(config))
+        log = workdir / "podshim.log"
+        env = {k: v for k, v in self._env().items() if k != "PODSHIM_CONFIG"}
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [*self.podshim_command, "serve", "--config", str(path)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        try:
+            self._wait_version(Path(config["server"]["socket"]), "extra podshim", proc.pid, log)
+            yield Path(config["server"]["socket"]), log
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
 
     # ------------------------------------------------------------------ state (for the CLI)
 

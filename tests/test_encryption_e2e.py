@@ -18,9 +18,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +29,7 @@ from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.archive import crypto
 from testbed import pods
-from testbed.bed import CRIU, REAL_RUNC, TestBed
+from testbed.bed import TestBed
 
 pytestmark = pytest.mark.e2e
 
@@ -105,68 +102,18 @@ def keyed(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ke
     key_file.chmod(0o600)
     # inside the bed's checkpoint root: the bed's podshim-runc must accept <state_dir>/decrypted
     state_dir = Path(bed.checkpoint_root) / f"keyed-state-{secrets.token_hex(3)}"
-    sock = tmp / "podshim.sock"
-    crun = ""
-    if bed.crun_binary is not None:
-        crun = (
-            f"[runtimes.crun]\nbinary = {_toml(str(bed.crun_runtime))}\n"
-            f"root = {_toml(str(bed.crun_root))}\ncriu = {_toml(CRIU)}\n"
-        )
-    config = tmp / "podshim.toml"
-    config.write_text(
-        f"""[server]
-socket = {_toml(str(sock))}
-state_dir = {_toml(str(state_dir))}
-
-[upstream]
-endpoint = {_toml("unix://" + str(bed.containerd_socket))}
-
-[runtime]
-binary = {_toml(REAL_RUNC)}
-root = {_toml(str(bed.runc_root))}
-criu = {_toml(CRIU)}
-
-{crun}
-[checkpoint]
-allowed_roots = {_toml([str(bed.checkpoint_root)])}
-encryption_key_file = {_toml(str(key_file))}
-
-[log]
-format = "json"
-level = "info"
-"""
-    )
-    log = tmp / "podshim.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PODSHIM_")}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(PODSHIM), "serve", "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-    channel = grpc.insecure_channel(f"unix://{sock}")
+    overrides = {
+        "server": {"state_dir": str(state_dir)},
+        "checkpoint": {"encryption_key_file": str(key_file)},
+    }
     try:
-        rt = api_pb2_grpc.RuntimeServiceStub(channel)
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, f"podshim exited: {log.read_text()[-2000:]}"
-            if sock.exists():
-                with contextlib.suppress(grpc.RpcError):
-                    rt.Version(cri.VersionRequest(), timeout=2)
-                    break
-            assert time.monotonic() < deadline, f"podshim did not come up: {log.read_text()[-2000:]}"
-            time.sleep(0.1)
-        yield KeyedPodshim(sock, key_file, state_dir, log, rt)
+        with bed.extra_podshim(tmp, **overrides) as (sock, log):
+            channel = grpc.insecure_channel(f"unix://{sock}")
+            try:
+                yield KeyedPodshim(sock, key_file, state_dir, log, api_pb2_grpc.RuntimeServiceStub(channel))
+            finally:
+                channel.close()
     finally:
-        channel.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
         shutil.rmtree(state_dir, ignore_errors=True)
 
 

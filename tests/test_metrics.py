@@ -5,10 +5,7 @@ archive size, freeze window)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +19,7 @@ from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim import metrics
 from testbed import pods
-from testbed.bed import CRIU, REAL_RUNC, TestBed
+from testbed.bed import TestBed
 
 REPO = Path(__file__).resolve().parents[1]
 PODSHIM = REPO / ".venv" / "bin" / "podshim"
@@ -87,76 +84,21 @@ def test_metrics_address_forms() -> None:
 # ---------------------------------------------------------------------------- end to end
 
 
-def _toml(value: object) -> str:
-    return json.dumps(value)  # JSON strings and lists of strings are valid TOML
-
-
 @pytest.fixture
 def metered_podshim(bed: TestBed, tmp_path: Path) -> Iterator[tuple[str, int]]:
     """A second podshim in front of the session bed's containerd, with /metrics on a free port.
     Yields (its socket, the metrics port)."""
     port = free_port()
-    sock = tmp_path / "podshim.sock"
-    crun = ""
-    if bed.crun_binary is not None:
-        crun = (
-            f"[runtimes.crun]\nbinary = {_toml(str(bed.crun_runtime))}\n"
-            f"root = {_toml(str(bed.crun_root))}\ncriu = {_toml(CRIU)}\n"
-        )
-    config = tmp_path / "podshim.toml"
-    config.write_text(
-        f"""[server]
-socket = {_toml(str(sock))}
-state_dir = {_toml(str(tmp_path / "state"))}
-metrics_address = {_toml(f"127.0.0.1:{port}")}
-
-[upstream]
-endpoint = {_toml("unix://" + str(bed.containerd_socket))}
-
-[runtime]
-binary = {_toml(REAL_RUNC)}
-root = {_toml(str(bed.runc_root))}
-criu = {_toml(CRIU)}
-
-{crun}
-[checkpoint]
-allowed_roots = {_toml([str(bed.checkpoint_root)])}
-
-[log]
-format = "json"
-level = "info"
-"""
-    )
-    log = tmp_path / "podshim.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PODSHIM_")}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(PODSHIM), "serve", "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-    try:
+    with bed.extra_podshim(tmp_path, server={"metrics_address": f"127.0.0.1:{port}"}) as (sock, log):
         deadline = time.monotonic() + 30
         while True:
-            assert proc.poll() is None, f"podshim exited: {log.read_text()[-2000:]}"
-            if sock.exists():
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
-                    break
-                except OSError:
-                    pass
-            assert time.monotonic() < deadline, f"podshim did not come up: {log.read_text()[-2000:]}"
-            time.sleep(0.1)
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"no /metrics: {log.read_text()[-2000:]}"
+                time.sleep(0.1)
         yield str(sock), port
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
 
 
 def scrape(port: int) -> tuple[dict[str, str], Samples]:
