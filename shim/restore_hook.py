@@ -49,14 +49,17 @@ def _fail(message: str, log_file: str | None) -> None:
     raise SystemExit(1)
 
 
-def maybe_handle(binary: str, argv: list[str], flags: dict[str, str], command: str, rest: list[str]) -> None:
-    """Handle `create`/`start` of a container to restore (exits); return for any other container."""
+def already_restored(flags: dict[str, str], rest: list[str]) -> bool:
+    """`start ID` of a container that `create` restored (it is running: start is a no-op)."""
     container_id = rest[-1] if rest else ""
     root = flags.get("--root", "")
-    if command == "start":
-        if root and container_id and (Path(root) / container_id / RESTORED_MARKER).exists():
-            raise SystemExit(0)  # restored by `create` already: it is running
-        return
+    return bool(root and container_id and (Path(root) / container_id / RESTORED_MARKER).exists())
+
+
+def maybe_restore(binary: str, argv: list[str], flags: dict[str, str], rest: list[str]) -> None:
+    """`create` of a container carrying RESTORE_ANNOTATION becomes a restore (exits); returns for
+    any other container."""
+    container_id = rest[-1] if rest else ""
     bundle = Path(_arg(rest, "--bundle", "-b") or os.getcwd())
     try:
         spec = json.loads((bundle / "config.json").read_text())

@@ -51,11 +51,16 @@ def real_runtime(flags: dict[str, str]) -> str:
 def main() -> None:
     argv = sys.argv[1:]
     flags, command, rest = split_global(argv)
-    binary = real_runtime(flags)
     if command in ("create", "start"):
         from shim import restore_hook
 
-        restore_hook.maybe_handle(binary, argv, flags, command, rest)  # returns if not a restore
+        if command == "start" and restore_hook.already_restored(flags, rest):
+            raise SystemExit(0)  # `create` restored it and it runs; no config needed to know
+        binary = real_runtime(flags)
+        if command == "create":
+            restore_hook.maybe_restore(binary, argv, flags, rest)  # returns if not ours
+    else:
+        binary = real_runtime(flags)
     os.execv(binary, [binary, *argv])
 
 
