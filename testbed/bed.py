@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 
 from testbed import _sys
-from testbed._cri import RawCRI, target
+from testbed._cri import CriClient, target
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO / ".venv" / "bin"
@@ -524,20 +524,19 @@ level = "info"
                 close_fds=True,
             )
 
-    def _wait_version(self, socket: Path, name: str, pid: int, log: Path) -> dict[str, str]:
+    def _wait_version(self, socket: Path, name: str, pid: int, log: Path) -> None:
         deadline = time.monotonic() + self.timeout
         last = ""
         while True:
             if not _sys.alive(pid):
                 raise TestBedError(f"{name} exited during start-up; log tail:\n{_tail(log)}")
             if socket.exists():
-                cri = RawCRI(socket)
-                try:
-                    return cri.version(timeout=2.0)
-                except grpc.RpcError as e:
-                    last = f"{e.code()}: {e.details()}"
-                finally:
-                    cri.close()
+                with CriClient(socket) as c:
+                    try:
+                        c.runtime.Version(_api()[0].VersionRequest(), timeout=2.0)
+                        return
+                    except grpc.RpcError as e:
+                        last = f"{e.code()}: {e.details()}"
             if time.monotonic() >= deadline:
                 raise TestBedError(
                     f"{name} did not answer CRI Version on {socket} within {self.timeout}s "
@@ -554,17 +553,14 @@ level = "info"
 
     def _wait_images(self) -> None:
         deadline = time.monotonic() + self.timeout
-        cri = RawCRI(self.containerd_socket)
-        try:
+        with CriClient(self.containerd_socket) as c:
             while True:
-                missing = [i for i in IMAGES if not cri.image_present(i)]
+                missing = [i for i in IMAGES if not c.image_present(i)]
                 if not missing:
                     return
                 if time.monotonic() >= deadline:
                     raise TestBedError(f"CRI does not see imported images {missing}")
                 time.sleep(0.1)
-        finally:
-            cri.close()
 
     def _start_podshim(self) -> None:
         cmd = [*self.podshim_command, "serve", "--config", str(self.podshim_config)]
@@ -743,19 +739,17 @@ level = "info"
     def _remove_pods(self) -> None:
         if not self.containerd_running or not self.containerd_socket.exists():
             return
-        cri = RawCRI(self.containerd_socket)
-        try:
+        pb = _api()[0]
+        with CriClient(self.containerd_socket) as c:
             problems = []
-            for pod_id in cri.list_pod_ids():
+            for pod in c.runtime.ListPodSandbox(pb.ListPodSandboxRequest(), timeout=10).items:
                 try:
-                    cri.stop_pod(pod_id)
-                    cri.remove_pod(pod_id)
+                    c.runtime.StopPodSandbox(pb.StopPodSandboxRequest(pod_sandbox_id=pod.id), timeout=60)
+                    c.runtime.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=pod.id), timeout=60)
                 except grpc.RpcError as e:
-                    problems.append(f"{pod_id[:12]}: {e.code()}: {e.details()}")
+                    problems.append(f"{pod.id[:12]}: {e.code()}: {e.details()}")
             if problems:
                 raise TestBedError("could not remove pods: " + "; ".join(problems))
-        finally:
-            cri.close()
 
     def _task_dir(self) -> Path:
         return self.containerd_state / "io.containerd.runtime.v2.task" / NAMESPACE
