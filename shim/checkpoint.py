@@ -10,7 +10,6 @@ thaws the pod, removes what was written inside output_path and returns a typed e
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -292,9 +291,9 @@ class PodCheckpointer:
         self, pod: PodView, selected: list[ContainerView], archive: layout.ArchiveLayout
     ) -> list[_Work]:
         archive.create()
-        fsutil.write_private_file(archive.sandbox_config, _json(pod.config))
-        fsutil.write_private_file(archive.sandbox_status, _json(pod.to_record()))
-        fsutil.write_private_file(archive.sandbox_network, _json(pod.network))
+        fsutil.write_private_file(archive.sandbox_config, layout.json_bytes(pod.config))
+        fsutil.write_private_file(archive.sandbox_status, layout.json_bytes(pod.to_record()))
+        fsutil.write_private_file(archive.sandbox_network, layout.json_bytes(pod.network))
         work = []
         for c in recorded_containers(pod, selected):
             cl = archive.container(c.name)
@@ -302,9 +301,9 @@ class PodCheckpointer:
                 cl.create()
             else:
                 fsutil.make_private_dir(cl.root)
-            fsutil.write_private_file(cl.config_dump, _json(c.to_record()))
-            fsutil.write_private_file(cl.spec_dump, _json(c.spec))
-            fsutil.write_private_file(cl.status_dump, _json(json_format.MessageToDict(c.status)))
+            fsutil.write_private_file(cl.config_dump, layout.json_bytes(c.to_record()))
+            fsutil.write_private_file(cl.spec_dump, layout.json_bytes(c.spec))
+            fsutil.write_private_file(cl.status_dump, layout.json_bytes(json_format.MessageToDict(c.status)))
             if c in selected:
                 work.append(_Work(c, cl, self.runtime_for(c)))
         return work
@@ -436,7 +435,3 @@ def _options_record(opts: CheckpointOptions) -> dict[str, str]:
         "shell-job": str(c.shell_job).lower(),
         "rootfs-compression": "gzip" if opts.compress else "none",
     }
-
-
-def _json(value: Any) -> bytes:
-    return (json.dumps(value, indent=1, sort_keys=True, default=str) + "\n").encode()

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import functools
 import hashlib
 import io
 import json
@@ -46,6 +45,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, errors, faults, logs
+from shim.aio import run_to_end
 from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
 from shim.cgroups import default_freezer
 from shim.checkpoint import (
@@ -176,13 +176,7 @@ class _Steps:
         self.cancel = threading.Event()
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            self.cancel.set()
-            await asyncio.wait([fut])
-            raise
+        return await run_to_end(fn, *args, stop=self.cancel, **kwargs)
 
     def check(self) -> None:
         if self.cancel.is_set():
@@ -208,10 +202,6 @@ class _Reader:
 
 
 # ---------------------------------------------------------------------------- archive files
-
-
-def _json(value: Any) -> bytes:
-    return (json.dumps(value, indent=1, sort_keys=True, default=str) + "\n").encode()
 
 
 def _tree_files(tree: Path) -> list[str]:
@@ -470,8 +460,10 @@ class ContainerCheckpointer:
                 f"container {c.name!r}: cannot find its writable layer (overlayfs upperdir); "
                 "only the overlayfs snapshotter is supported"
             )
-        await steps.run(fsutil.write_private_file, cl.spec_dump, _json(c.spec))
-        await steps.run(fsutil.write_private_file, cl.status_dump, _json(json_format.MessageToDict(c.status)))
+        await steps.run(fsutil.write_private_file, cl.spec_dump, layout.json_bytes(c.spec))
+        await steps.run(
+            fsutil.write_private_file, cl.status_dump, layout.json_bytes(json_format.MessageToDict(c.status))
+        )
         runtime = self.pods.runtime_for(c)
         opts = _criu_options()
         timings["prepare"] = time.monotonic() - started
@@ -516,7 +508,9 @@ class ContainerCheckpointer:
         # After the thaw: config.dump, stats, manifest, the tar.
         self.journal.update(rec, "archiving")
         await steps.run(
-            fsutil.write_private_file, cl.config_dump, _json(self._config_dump(pod, c, runtime, checkpointed))
+            fsutil.write_private_file,
+            cl.config_dump,
+            layout.json_bytes(self._config_dump(pod, c, runtime, checkpointed)),
         )
         await steps.run(fsutil.make_tree_private, tree)
         stats = await steps.run(read_dump_stats, cl.stats_dump)
@@ -526,7 +520,7 @@ class ContainerCheckpointer:
         def manifest_for(files: dict[str, dict[str, Any]]) -> bytes:
             timings["archive"] = time.monotonic() - tar_start
             timings["total"] = time.monotonic() - started
-            return _json(self._manifest(pod, c, host, stats, opts, timings, files))
+            return layout.json_bytes(self._manifest(pod, c, host, stats, opts, timings, files))
 
         staged = staging / STAGING_TAR
         size = await steps.run(write_tar, tree, staged, steps, manifest_for)

@@ -12,8 +12,10 @@ Per-container file names are those of checkpointctl (`lib/metadata.go`) and go-c
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # the modes belong to the layout contract (files 0600, dirs 0700): re-exported here
 from shim.archive.fsutil import DIR_MODE as DIR_MODE
@@ -22,6 +24,13 @@ from shim.archive.fsutil import make_private_dir
 from shim.archive.paths import check_component
 
 MANIFEST_FILE = "manifest.json"
+
+
+def json_bytes(value: Any) -> bytes:
+    """How podshim writes its JSON members (*.dump, sandbox/*.json): indented, sorted, one
+    trailing newline; values JSON cannot hold become strings."""
+    return (json.dumps(value, indent=1, sort_keys=True, default=str) + "\n").encode()
+
 
 SANDBOX_DIR = "sandbox"
 SANDBOX_CONFIG_FILE = "config.json"  # PodSandboxConfig as JSON
