@@ -15,6 +15,7 @@ import shutil
 import stat
 import subprocess
 import tarfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -269,6 +270,25 @@ def test_sha256_and_fsync_tree(tmp_path: Path) -> None:
     assert fsutil.hash_file(tmp_path / "a" / "big", fsync=True)[0] == len(data)
     fsutil.fsync_tree(tmp_path, workers=4)
     fsutil.fsync_tree(tmp_path, files=False)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_hash_and_flush_matches_hash_file(tmp_path: Path, workers: int) -> None:
+    files = []
+    for i, size in enumerate([0, 17, (2 << 20) + 3, 5000]):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(os.urandom(size))
+        files.append(p)
+    got = fsutil.hash_and_flush(files, workers=workers)
+    assert got == [(p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()) for p in files]
+
+
+def test_hash_and_flush_stops_when_told(tmp_path: Path) -> None:
+    (tmp_path / "big").write_bytes(os.urandom(3 << 20))
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(fsutil.Stopped):
+        fsutil.hash_and_flush([tmp_path / "big"], workers=2, stop=stop)
 
 
 # ---------------------------------------------------------------------------- manifest

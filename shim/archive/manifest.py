@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shim.archive import crypto
-from shim.archive.fsutil import atomic_write, fsync_tree, hash_file
+from shim.archive.fsutil import atomic_write, fsync_tree, hash_and_flush, hash_file
 from shim.archive.layout import MANIFEST_FILE
 from shim.archive.paths import check_member_path, validate_archive_dir
 from shim.errors import (
@@ -365,7 +365,7 @@ def write_manifest(
     sizes = _scan_tree(root, lambda msg: Internal(f"unexpected entry in checkpoint: {msg}"))
     rels = sorted(sizes)
     try:
-        results = _map(lambda rel: hash_file(root / rel, fsync=True, stop=stop), rels, workers)
+        results = hash_and_flush([root / rel for rel in rels], workers, stop)
     except OSError as e:
         raise Internal(f"cannot checksum/fsync checkpoint {root}: {e}; check the disk") from e
     manifest.files = {rel: FileEntry(size=s, sha256=h) for rel, (s, h) in zip(rels, results, strict=True)}
