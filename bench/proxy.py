@@ -9,8 +9,12 @@
   each client is its own process with its own channel (so the client GIL does not cap both
   sides alike), all released by one barrier; trials alternate the target order.
 
-Ends with ``RESULT p50_added_ms=… p99_added_ms=… throughput_ratio_16=…``: the latency figures
-are the worst (largest) over the three methods.
+A third target, ``floor``, is the smallest Python gRPC passthrough (bench/grpc_floor.py: bytes
+forwarded, nothing else), measured in the same rounds: what grpcio itself costs on this machine,
+so podshim's own overhead is the difference between podshim and floor.
+
+Ends with ``RESULT p50_added_ms=… p99_added_ms=… throughput_ratio_16=… floor_p50_added_ms=…
+floor_throughput_ratio_16=…``: the latency figures are the worst (largest) over the three methods.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import gc
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import time
 from multiprocessing.synchronize import Barrier
@@ -45,7 +50,7 @@ from bench.common import (
 from testbed._cri import target
 
 SERVICE = "/runtime.v1.RuntimeService/"
-TARGETS = ("podshim", "direct")
+TARGETS = ("podshim", "direct", "floor")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,7 +82,7 @@ def measure_latency(
     say(f"latency: {args.rounds} rounds x {args.block} calls per method and target, interleaved")
     clock = time.perf_counter
     for r in range(args.rounds):
-        order = TARGETS if r % 2 == 0 else TARGETS[::-1]
+        order = TARGETS[r % len(TARGETS) :] + TARGETS[: r % len(TARGETS)]
         for m in requests:
             req = requests[m]
             for name in order:
@@ -170,7 +175,7 @@ def measure_throughput(
             trial(name, 1.0)
         rates: dict[str, list[float]] = {name: [] for name in TARGETS}
         for t in range(args.trials):
-            for name in TARGETS if t % 2 == 0 else TARGETS[::-1]:
+            for name in TARGETS[t % len(TARGETS) :] + TARGETS[: t % len(TARGETS)]:
                 rate, errs = trial(name, args.duration)
                 rates[name].append(rate)
                 say(f"  {clients:2d} client(s) {name:7s} trial {t + 1}: {rate:8.0f} calls/s ({errs} errors)")
@@ -201,7 +206,19 @@ def main(argv: list[str] | None = None) -> int:
             pod = start_counter_pod(rt, bed, f"proxy-{i}", {"counter": counter_config("counter", 8, 1000)})
             pod_ids.append(pod.id)
             cid = cid or pod.containers["counter"]
-        targets = {"podshim": target(bed.podshim_socket), "direct": target(bed.containerd_socket)}
+        floor_socket = str(bed.base_dir / "grpc-floor.sock")
+        floor = subprocess.Popen(
+            [sys.executable, "-m", "bench.grpc_floor", floor_socket, str(bed.containerd_socket)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert floor.stdout is not None
+        floor.stdout.readline()  # "ready"
+        targets = {
+            "podshim": target(bed.podshim_socket),
+            "direct": target(bed.containerd_socket),
+            "floor": target(floor_socket),
+        }
         requests = {
             "ListPodSandbox": cri.ListPodSandboxRequest().SerializeToString(),
             "ContainerStatus": cri.ContainerStatusRequest(container_id=cid).SerializeToString(),
@@ -212,36 +229,55 @@ def main(argv: list[str] | None = None) -> int:
         for c in levels:
             say(f"throughput: ListPodSandbox, {c} client process(es), {args.trials} x {args.duration}s")
             rates[c] = measure_throughput(targets, requests["ListPodSandbox"], c, args)
+        floor.terminate()
+        floor.wait(timeout=10)
         for pid in pod_ids:
             remove_pod(rt, pid)
 
     rows = []
     p50_added: list[float] = []
     p99_added: list[float] = []
+    floor_added: list[float] = []
     for m in requests:
-        d, s = lat[(m, "direct")], lat[(m, "podshim")]
+        d, s, f = lat[(m, "direct")], lat[(m, "podshim")], lat[(m, "floor")]
         d50, d99 = percentile(d, 50) * 1e3, percentile(d, 99) * 1e3
         s50, s99 = percentile(s, 50) * 1e3, percentile(s, 99) * 1e3
+        f50 = percentile(f, 50) * 1e3
         p50_added.append(s50 - d50)
         p99_added.append(s99 - d99)
-        rows.append([m, len(s), d50, s50, s50 - d50, d99, s99, s99 - d99])
+        floor_added.append(f50 - d50)
+        rows.append([m, len(s), d50, s50, s50 - d50, d99, s99, s99 - d99, f50, f50 - d50])
     print()
     print(f"Latency per call, ms ({args.rounds} interleaved rounds x {args.block} calls, after warm-up)")
     print(
         table(
-            ["method", "n", "direct p50", "shim p50", "added p50", "direct p99", "shim p99", "added p99"],
+            [
+                "method",
+                "n",
+                "direct p50",
+                "shim p50",
+                "added p50",
+                "direct p99",
+                "shim p99",
+                "added p99",
+                "floor p50",
+                "floor added p50",
+            ],
             rows,
         )
     )
     rows = []
     ratios: dict[int, float] = {}
+    floor_ratios: dict[int, float] = {}
     for c in levels:
-        d, s = median(rates[c]["direct"]), median(rates[c]["podshim"])
+        d, s, f = (median(rates[c][name]) for name in ("direct", "podshim", "floor"))
         ratios[c] = ratio(s, d)
-        rows.append([f"ListPodSandbox x{c}", d, s, ratios[c]])
+        floor_ratios[c] = ratio(f, d)
+        rows.append([f"ListPodSandbox x{c}", d, s, ratios[c], f, floor_ratios[c]])
     print()
     print(f"Throughput, calls/s (median of {args.trials} trials of {args.duration}s; client processes)")
-    print(table(["workload", "direct", "podshim", "podshim/direct"], rows))
+    print(table(["workload", "direct", "podshim", "podshim/direct", "floor", "floor/direct"], rows))
+    print("floor: the smallest Python gRPC passthrough (bench/grpc_floor.py) on the same machine, same run")
     print()
     print("targets (issue 2): p50 added <= 0.3 ms, p99 added <= 2 ms, throughput >= 0.70 of direct at 16")
     print(
@@ -249,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             p50_added_ms=worst(p50_added),
             p99_added_ms=worst(p99_added),
             throughput_ratio_16=ratios.get(16, float("nan")),
+            floor_p50_added_ms=worst(floor_added),
+            floor_throughput_ratio_16=floor_ratios.get(16, float("nan")),
         ),
         flush=True,
     )
