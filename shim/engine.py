@@ -230,6 +230,8 @@ class Engine:
                         fsutil.clear_dir_contents(Path(out))
             elif rec.kind == "restore" and data.get("sandbox_id"):
                 await self.restorer.rollback_sandbox(str(data["sandbox_id"]))
+            elif rec.kind == "restore" and isinstance(data.get("sandbox_metadata"), dict):
+                await self.restorer.rollback_unrecorded(data["sandbox_metadata"])
         except Exception as e:  # noqa: BLE001 - logged; the record stays for the next start
             log.error(
                 "recovery of interrupted operation failed; kept for the next start",

@@ -24,7 +24,7 @@ from google.protobuf import json_format
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors, faults, logs
 from shim.aio import run_to_end
-from shim.archive import crypto, layout, manifest, paths
+from shim.archive import crypto, layout, manifest, paths, rootfs_diff
 from shim.config import Config
 from shim.criu.runtime import binary_version
 from shim.restore_hook import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
@@ -172,6 +172,28 @@ class _Planned:
     dir: Path
 
 
+def check_rootfs_diffs(plan: list[_Planned]) -> None:
+    """Refuse a rootfs diff podshim-runc would refuse, before any sandbox exists."""
+    for p in plan:
+        cl = layout.ContainerLayout(root=p.dir, rel="")
+        if not cl.rootfs_diff_tar.exists():
+            continue
+        deleted = None
+        if cl.deleted_files.exists():
+            try:
+                deleted = json.loads(cl.deleted_files.read_text())
+            except (OSError, ValueError) as e:
+                raise errors.InvalidArgument(
+                    f"container {p.entry.name!r}: deleted.files is unreadable: {e}"
+                ) from e
+            if not isinstance(deleted, list):
+                raise errors.InvalidArgument(f"container {p.entry.name!r}: deleted.files is not a JSON list")
+        try:
+            rootfs_diff.check_rootfs_diff(cl.rootfs_diff_tar, deleted)
+        except errors.ShimError as e:
+            raise type(e)(f"container {p.entry.name!r}: {e.message}") from None
+
+
 class PodRestorer:
     def __init__(self, config: Config, upstream: Upstream, journal: Journal) -> None:
         self.config = config
@@ -202,7 +224,13 @@ class PodRestorer:
         if budget <= 0:
             raise errors.DeadlineExceeded("the deadline leaves no time to restore the pod")
         md = req.config.metadata
-        rec = self.journal.begin("restore", f"{md.namespace}/{md.name}", {"checkpoint_path": str(root)})
+        # The new sandbox's metadata is recorded before RunPodSandbox: a crash before its id is
+        # known still lets recovery find and remove it (see rollback_unrecorded).
+        rec = self.journal.begin(
+            "restore",
+            f"{md.namespace}/{md.name}",
+            {"checkpoint_path": str(root), "sandbox_metadata": json_format.MessageToDict(md)},
+        )
         created: dict[str, str] = {}
         sandbox: list[str] = []
         decrypted: list[Path] = []
@@ -211,6 +239,7 @@ class PodRestorer:
             async with asyncio.timeout(budget):
                 if m.encryption is not None:
                     await self._decrypt(root, m, plan, key, decrypted)
+                await run_to_end(check_rootfs_diffs, plan)  # a hostile diff fails here, not at start
                 await self._create(req, m, plan, opts, rec, sandbox, created)
         except BaseException as e:
             # In a task of its own: when the caller's deadline passes (or it goes away) during
@@ -382,6 +411,7 @@ class PodRestorer:
             )
         except grpc.aio.AioRpcError as e:
             raise upstream_error(self.upstream.endpoint, e, "creating the new sandbox") from None
+        faults.hit("restore.sandbox-unrecorded")
         sandbox.append(resp.pod_sandbox_id)
         self.journal.update(rec, "sandbox", sandbox_id=resp.pod_sandbox_id)
         faults.hit("restore.after-sandbox")
@@ -434,6 +464,22 @@ class PodRestorer:
     async def _rollback(self, sandbox: list[str]) -> None:
         for sid in sandbox:
             await self.rollback_sandbox(sid)
+
+    async def rollback_unrecorded(self, metadata: dict[str, Any]) -> None:
+        """Remove the sandbox a crashed restore created before it recorded its id: the one
+        whose metadata (name, namespace, uid, attempt) is the request's. The upstream names
+        sandboxes after their metadata, so at most one matches, and recovery runs before
+        podshim serves again, so nobody else can have created it since."""
+        want = cri.PodSandboxMetadata()
+        json_format.ParseDict(metadata, want)
+        try:
+            resp = await self.upstream.runtime.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=30)
+        except grpc.aio.AioRpcError as e:
+            raise upstream_error(self.upstream.endpoint, e, "listing sandboxes for recovery") from None
+        for sb in resp.items:
+            if sb.metadata == want:
+                log.warning("removing the unrecorded sandbox of an interrupted restore", sandbox=sb.id)
+                await self.rollback_sandbox(sb.id)
 
     async def rollback_sandbox(self, sid: str) -> None:
         """Remove a sandbox a restore created (which removes its containers). Raises unless the

@@ -476,36 +476,7 @@ def apply_rootfs_diff(tar_path: Path, rootfs: Path, deleted: Sequence[str] | Non
         raise NotFound(f"target rootfs {rootfs} is not an existing directory")
     s = DiffSummary()
     with _open_tar(tar_path) as tar:
-        try:
-            members = tar.getmembers()
-        except (tarfile.TarError, EOFError) as e:
-            raise DataLoss(f"rootfs diff {tar_path} is truncated or corrupt ({e})") from e
-        plan: list[tuple[tarfile.TarInfo, tuple[str, ...], str]] = []
-        deletions: list[tuple[tuple[str, ...], str, bool]] = []  # parents, name, opaque
-        for ti in members:
-            if ti.name in (".", "./", ""):
-                continue  # the rootfs itself: its mode/owner are the new sandbox's
-            parents, name = _split(ti.name)
-            if name == OPAQUE_MARKER:
-                if not parents:
-                    raise InvalidArgument("rootfs diff marks the rootfs itself opaque")
-                deletions.append((parents[:-1], parents[-1], True))
-                s.opaque_dirs.append("/" + "/".join(parents))
-            elif name.startswith(WHITEOUT_PREFIX + WHITEOUT_PREFIX):
-                continue  # other aufs metadata (.wh..wh.plnk etc.): not content
-            elif name.startswith(WHITEOUT_PREFIX):
-                target = name[len(WHITEOUT_PREFIX) :]
-                if target in ("", ".", ".."):
-                    raise InvalidArgument(f"rootfs diff member {ti.name!r} is a bad whiteout")
-                deletions.append((parents, target, False))
-                s.whiteouts += 1
-                s.deleted.append("/" + "/".join((*parents, target)))
-            else:
-                if ti.islnk():
-                    check_member_path(ti.linkname, f"hardlink target of {ti.name!r}")
-                elif not (ti.isreg() or ti.isdir() or ti.issym() or ti.isdev()):
-                    raise InvalidArgument(f"rootfs diff member {ti.name!r} has unsupported type {ti.type!r}")
-                plan.append((ti, parents, name))
+        plan, deletions = _plan(tar, tar_path, s)
         tree = _Rootfs(rootfs)
         dir_times: list[tuple[tuple[str, ...], str, int]] = []
         try:
@@ -536,6 +507,69 @@ def apply_rootfs_diff(tar_path: Path, rootfs: Path, deleted: Sequence[str] | Non
             raise Internal(f"cannot apply rootfs diff {tar_path} onto {rootfs}: {e}") from e
         finally:
             tree.close()
+    return s
+
+
+_Member = tuple[tarfile.TarInfo, tuple[str, ...], str]  # member, its parent dirs, its name
+_Deletion = tuple[tuple[str, ...], str, bool]  # parent dirs, name, opaque
+
+
+def _plan(tar: tarfile.TarFile, tar_path: Path, s: DiffSummary) -> tuple[list[_Member], list[_Deletion]]:
+    """Sort the members into what to write and what to delete, refusing bad names and types."""
+    try:
+        members = tar.getmembers()
+    except (tarfile.TarError, EOFError) as e:
+        raise DataLoss(f"rootfs diff {tar_path} is truncated or corrupt ({e})") from e
+    plan: list[_Member] = []
+    deletions: list[_Deletion] = []
+    for ti in members:
+        if ti.name in (".", "./", ""):
+            continue  # the rootfs itself: its mode/owner are the new sandbox's
+        parents, name = _split(ti.name)
+        if name == OPAQUE_MARKER:
+            if not parents:
+                raise InvalidArgument("rootfs diff marks the rootfs itself opaque")
+            deletions.append((parents[:-1], parents[-1], True))
+            s.opaque_dirs.append("/" + "/".join(parents))
+        elif name.startswith(WHITEOUT_PREFIX + WHITEOUT_PREFIX):
+            continue  # other aufs metadata (.wh..wh.plnk etc.): not content
+        elif name.startswith(WHITEOUT_PREFIX):
+            target = name[len(WHITEOUT_PREFIX) :]
+            if target in ("", ".", ".."):
+                raise InvalidArgument(f"rootfs diff member {ti.name!r} is a bad whiteout")
+            deletions.append((parents, target, False))
+            s.whiteouts += 1
+            s.deleted.append("/" + "/".join((*parents, target)))
+        else:
+            if ti.islnk():
+                check_member_path(ti.linkname, f"hardlink target of {ti.name!r}")
+            elif not (ti.isreg() or ti.isdir() or ti.issym() or ti.isdev()):
+                raise InvalidArgument(f"rootfs diff member {ti.name!r} has unsupported type {ti.type!r}")
+            plan.append((ti, parents, name))
+    return plan, deletions
+
+
+def check_rootfs_diff(tar_path: Path, deleted: Sequence[str] | None = None) -> DiffSummary:
+    """Refuse, without touching any rootfs, a diff that apply_rootfs_diff would refuse for its
+    own content: corrupt tar, bad names or types, and members written through a symlink the
+    same tar creates. (A symlink already in the target image is only seen when applying.)
+    RestorePod runs this before it creates anything, so a hostile archive fails there."""
+    tar_path = Path(tar_path)
+    s = DiffSummary()
+    with _open_tar(tar_path) as tar:
+        plan, _deletions = _plan(tar, tar_path, s)
+    symlinks = {(*parents, name) for ti, parents, name in plan if ti.issym()}
+    for ti, parents, _name in plan:
+        for i in range(1, len(parents) + 1):
+            if parents[:i] in symlinks:
+                raise InvalidArgument(
+                    f"rootfs diff member {ti.name!r}: {'/'.join(parents[:i])} is a symlink in the "
+                    "diff; refusing to write through it"
+                )
+    for d in deleted or []:
+        if not isinstance(d, str):
+            raise InvalidArgument(f"deleted.files entry {d!r} is not a string")
+        _split(d.lstrip("/"))
     return s
 
 

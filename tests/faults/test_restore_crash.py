@@ -1,4 +1,5 @@
-"""RestorePod interrupted: podshim SIGKILLed after the sandbox and between two containers, and
+"""RestorePod interrupted: podshim SIGKILLed after the sandbox was created but before its id was
+journaled, after the sandbox and between two containers, and
 podshim-runc SIGKILLed inside the restore hook (under containerd, at StartContainer).
 
 After podshim's restart (journal replay) or the failed start: the new sandbox and its
@@ -99,8 +100,8 @@ def _assert_restore_works(rt: Rt, archive: Archive, log_root: Path, pod_cleanup:
 
 @pytest.mark.parametrize(
     ("failpoint", "created_containers"),
-    [("restore.after-sandbox", 0), ("restore.after-container", 1)],
-    ids=["after-sandbox", "between-containers"],
+    [("restore.sandbox-unrecorded", 0), ("restore.after-sandbox", 0), ("restore.after-container", 1)],
+    ids=["sandbox-id-unrecorded", "after-sandbox", "between-containers"],
 )
 def test_podshim_killed_during_restore(
     rt: Rt,

@@ -4,8 +4,9 @@ planted by the tar or already in the rootfs, hardlinks out, bad whiteouts, lying
 
 Fast table (no bed): apply_rootfs_diff / apply_deleted_files on a scratch rootfs next to a
 canary directory: the documented error (or, where the entry is harmless, success) and the canary
-untouched. End to end: such a diff inside an otherwise consistent archive (checksums
-recomputed): the restore fails at the hook, naming the member, and the canary stays untouched.
+untouched; the up-front check RestorePod runs agrees with it. End to end: such a diff inside an
+otherwise consistent archive (checksums recomputed): RestorePod fails naming the member, creates
+no sandbox, and the canary stays untouched.
 """
 
 from __future__ import annotations
@@ -206,6 +207,33 @@ def test_apply_hostile_diff(scene: Scene, case: DiffCase, tmp_path: Path) -> Non
     assert (scene.rootfs / "bin" / "app").read_text() == "app\n"
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_check_agrees_with_apply(scene: Scene, case: DiffCase, tmp_path: Path) -> None:
+    """RestorePod's up-front check (no rootfs needed) never refuses a diff that applies, and what
+    it refuses it refuses as applying would. It cannot see the target image, so a diff that is
+    hostile only through a symlink already in the rootfs passes it (and fails when applied)."""
+    tar = tmp_path / "rootfs-diff.tar"
+    tar.write_bytes(case.tar(scene))
+    deleted = case.deleted(scene) if case.deleted else None
+    before = scene.fingerprint()
+    if case.error is None:
+        rootfs_diff.check_rootfs_diff(tar, deleted)
+        return
+    try:
+        rootfs_diff.check_rootfs_diff(tar, deleted)
+    except ShimError as e:
+        assert isinstance(e, case.error), e
+        assert case.needle in e.message or "refusing to write through" in e.message, e.message
+    assert scene.fingerprint() == before
+
+
+def test_check_refuses_writes_through_a_symlink_of_the_same_diff(tmp_path: Path) -> None:
+    tar = tmp_path / "rootfs-diff.tar"
+    tar.write_bytes(make_tar([("file", "l/x", b"x"), ("symlink", "l", "/etc")]))  # order does not matter
+    with pytest.raises(InvalidArgument, match="refusing to write through"):
+        rootfs_diff.check_rootfs_diff(tar)
+
+
 # ---------------------------------------------------------------------------- end to end
 
 
@@ -228,18 +256,39 @@ E2E = [
             c, make_tar([("symlink", "l", str(c.canary.dir)), ("file", "l/pwned", b"x")])
         ),
         "refusing to write through",
+        "RestorePod",
     ),
-    ("dotdot-member", lambda c: _diff_archive(c, make_tar([("file", "../../../../pwned", b"x")])), "escapes"),
-    ("deleted-dotdot", lambda c: _diff_archive(c, deleted=[f"/../../../..{c.canary.secret}"]), "escapes"),
+    (
+        "dotdot-member",
+        lambda c: _diff_archive(c, make_tar([("file", "../../../../pwned", b"x")])),
+        "escapes",
+        "RestorePod",
+    ),
+    (
+        "deleted-dotdot",
+        lambda c: _diff_archive(c, deleted=[f"/../../../..{c.canary.secret}"]),
+        "escapes",
+        "RestorePod",
+    ),
+    # /counter is a file of the image: only podshim-runc, applying the diff onto the new rootfs,
+    # can see that "counter/x" would be written through it
+    (
+        "write-under-an-image-file",
+        lambda c: _diff_archive(c, make_tar([("file", "counter/x", b"x")])),
+        "refusing to write through",
+        "StartContainer",
+    ),
 ]
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(("name", "build", "needle"), E2E, ids=[e[0] for e in E2E])
-def test_restore_with_hostile_diff(ctx: Ctx, name: str, build: Any, needle: str) -> None:
+@pytest.mark.parametrize(("name", "build", "needle", "refused_by"), E2E, ids=[e[0] for e in E2E])
+def test_restore_with_hostile_diff(ctx: Ctx, name: str, build: Any, needle: str, refused_by: str) -> None:
     """A consistent archive (checksums recomputed: they are no signature) with a hostile diff.
-    podshim verifies the diff only when podshim-runc applies it, at StartContainer: the start
-    fails naming the member, nothing runs, the canary is untouched, the pod removes cleanly."""
+    What the diff alone betrays, RestorePod refuses up front (INVALID_ARGUMENT naming the member)
+    and creates nothing. What only the target image shows, podshim-runc refuses when it applies
+    the diff at StartContainer: the start fails naming the member, nothing runs, the pod removes
+    cleanly. Either way the canary is untouched."""
     archive = build(ctx)
     before = ctx.canary.fingerprint()
     config = pods.pod_config(f"hostile-{secrets.token_hex(3)}", ctx.bed.pod_logs_dir)
@@ -252,11 +301,15 @@ def test_restore_with_hostile_diff(ctx: Ctx, name: str, build: Any, needle: str)
     try:
         try:
             resp = ctx.rt.RestorePod(req, timeout=60)
-        except grpc.RpcError as e:  # validated up front: the better place
+        except grpc.RpcError as e:
+            assert refused_by == "RestorePod", f"RestorePod refused what only the start sees: {e.details()}"
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in (e.details() or ""), e.details()
             print(f"{name}: RestorePod {e.code()}: {e.details()}")
+            listed = ctx.rt.ListPodSandbox(cri.ListPodSandboxRequest()).items
+            assert config.metadata.name not in {sb.metadata.name for sb in listed}, "a sandbox was created"
         else:
             sid = resp.pod_sandbox_id
+            assert refused_by == "StartContainer", f"RestorePod accepted a diff it should refuse ({needle})"
             cid = resp.restored_containers[0].container_id
             with pytest.raises(grpc.RpcError) as err:
                 ctx.rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=60)
