@@ -265,9 +265,11 @@ def saved_state(out: Path, name: str) -> int:
         return int(f.read())
 
 
-def test_post_checkpoint_state_stopped(rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]) -> None:
+def test_post_checkpoint_state_stopped(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
+) -> None:
     c = counter("counter", interval_ms=20, extra=["--state-file", "/tmp/state"])
-    pod = start_pod(rt, "stopped", log_root, pod_cleanup, {"counter": c})
+    pod = start_pod(rt, "stopped", log_root, pod_cleanup, {"counter": c}, runtime_handler)
     cid = pod.containers["counter"]
     wait_counting(pod, "counter", 5)
     out = empty_dir(bed, "stopped")
@@ -291,12 +293,11 @@ def test_post_checkpoint_state_stopped(rt: Rt, bed: TestBed, log_root: Path, pod
 
 
 def test_three_containers_frozen_in_one_cut(
-    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
 ) -> None:
     names = ["a", "b", "c"]
-    pod = start_pod(
-        rt, "three", log_root, pod_cleanup, {n: counter(n, mem_mib=64, interval_ms=20) for n in names}
-    )
+    containers = {n: counter(n, mem_mib=64, interval_ms=20) for n in names}
+    pod = start_pod(rt, "three", log_root, pod_cleanup, containers, runtime_handler)
     for n in names:
         wait_counting(pod, n, 10)
     out = empty_dir(bed, "three")
@@ -329,7 +330,7 @@ def test_three_containers_frozen_in_one_cut(
 
 
 def test_exited_container_is_recorded_not_dumped(
-    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
 ) -> None:
     pod = start_pod(
         rt,
@@ -337,6 +338,7 @@ def test_exited_container_is_recorded_not_dumped(
         log_root,
         pod_cleanup,
         {"done": busybox("done", "exit 0"), "counter": counter("counter")},
+        runtime_handler,
     )
     done = pod.containers["done"]
     pods.wait_for(lambda: container_state(rt, done) == cri.CONTAINER_EXITED, what="done to exit")
@@ -431,7 +433,7 @@ def test_deadline_too_short(rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: l
 
 
 def test_criu_failure_is_internal_and_cleaned(
-    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
 ) -> None:
     # An established TCP connection inside the pod: CRIU refuses it without tcp-established.
     # Real CRIU, real reason, no fake binary. The counter has enough memory that its dump is
@@ -443,6 +445,7 @@ def test_criu_failure_is_internal_and_cleaned(
         log_root,
         pod_cleanup,
         {"tcp": busybox("tcp", script), "counter": counter("counter", mem_mib=192)},
+        runtime_handler,
     )
     wait_counting(pod, "counter", 3, timeout=60)
     out = empty_dir(bed, "criu-fail")

@@ -295,6 +295,22 @@ def good(rt: Stub, bed: TestBed) -> Iterator[Checkpoint]:
 
     Module-scoped (pod_cleanup is per test): its source pod is removed at the module's end. Tests
     that corrupt an archive work on a copy; no test modifies this one."""
+    yield from _good_archive(rt, bed, "")
+
+
+@pytest.fixture(scope="module")
+def good_crun(rt: Stub, bed: TestBed) -> Iterator[Checkpoint]:
+    """The same archive, of a pod run by crun (taken only when a crun test asks for it)."""
+    yield from _good_archive(rt, bed, "crun")
+
+
+@pytest.fixture
+def good_for_handler(request: pytest.FixtureRequest, runtime_handler: str) -> Checkpoint:
+    """`good` for runc, `good_crun` for crun: the archive of a pod run by the test's handler."""
+    return request.getfixturevalue("good_crun" if runtime_handler == "crun" else "good")
+
+
+def _good_archive(rt: Stub, bed: TestBed, handler: str) -> Iterator[Checkpoint]:
     log_root = Path(bed.base_dir) / "pod-logs"
     created: list[str] = []
     try:
@@ -302,14 +318,20 @@ def good(rt: Stub, bed: TestBed) -> Iterator[Checkpoint]:
             rt,
             bed,
             log_root,
-            "restore-src",
+            f"restore-src{'-' + handler if handler else ''}",
             {"counter": counter_config("counter", BIG_ARGS, attempt=SOURCE_ATTEMPT)},
             created,
+            handler,
         )
     finally:
         for pod_id in created:
             with contextlib.suppress(Exception):
                 pods.remove_pod(rt, pod_id)
+
+
+def runtime_root(bed: TestBed, handler: str) -> Path:
+    """Where the handler's OCI runtime keeps its container state."""
+    return Path(bed.crun_root if handler == "crun" else bed.runc_root)
 
 
 @pytest.fixture
@@ -325,11 +347,17 @@ def scratch(bed: TestBed) -> Iterator[list[Path]]:
 
 
 def test_warm_start_resumes_from_checkpoint(
-    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
+    rt: Stub,
+    bed: TestBed,
+    good_for_handler: Checkpoint,
+    runtime_handler: str,
+    log_root: Path,
+    pod_cleanup: list[str],
 ) -> None:
+    good = good_for_handler
     before = tree_fingerprint(good.path)
-    config = pods.pod_config("warm-restored", log_root)
-    resp = restore(rt, good.path, config, good.containers)
+    config = pods.pod_config(f"warm-restored{'-' + runtime_handler if runtime_handler else ''}", log_root)
+    resp = restore(rt, good.path, config, good.containers, runtime_handler=runtime_handler)
     pod_cleanup.append(resp.pod_sandbox_id)
     assert resp.pod_sandbox_id and resp.pod_sandbox_id != good.source.id
     assert [c.name for c in resp.restored_containers] == ["counter"]
@@ -373,7 +401,7 @@ def test_warm_start_resumes_from_checkpoint(
     # The new pod is a regular, ready pod with its own address from CNI.
     pst = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=resp.pod_sandbox_id)).status
     assert pst.state == cri.SANDBOX_READY
-    assert pst.metadata.uid == config.metadata.uid and pst.metadata.name == "warm-restored"
+    assert pst.metadata.uid == config.metadata.uid and pst.metadata.name == config.metadata.name
     src_ip = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=good.source.id)).status.network.ip
     assert pst.network.ip and pst.network.ip != src_ip
 
@@ -406,7 +434,9 @@ def test_option_start_returns_running_containers(
     wait_counting(container_log(config, "counter"), first + 3)
 
 
-def test_multi_container_pod(rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str]) -> None:
+def test_multi_container_pod(
+    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
+) -> None:
     names = ["alpha", "beta", "gamma"]
     ckpt = take_checkpoint(
         rt,
@@ -415,9 +445,10 @@ def test_multi_container_pod(rt: Stub, bed: TestBed, log_root: Path, pod_cleanup
         "multi-src",
         {n: counter_config(n, SMALL_ARGS) for n in names},
         pod_cleanup,
+        runtime_handler,
     )
     config = pods.pod_config("multi-restored", log_root)
-    resp = restore(rt, ckpt.path, config, ckpt.containers)
+    resp = restore(rt, ckpt.path, config, ckpt.containers, runtime_handler=runtime_handler)
     pod_id = resp.pod_sandbox_id
     pod_cleanup.append(pod_id)
     ids = {c.name: c.container_id for c in resp.restored_containers}
@@ -468,7 +499,7 @@ def test_multi_container_pod(rt: Stub, bed: TestBed, log_root: Path, pod_cleanup
         if any(i in m.mount_point for i in ids.values())
     ]
     assert leftovers == []
-    assert not any((Path(bed.runc_root) / i).exists() for i in ids.values())
+    assert not any((runtime_root(bed, runtime_handler) / i).exists() for i in ids.values())
     for n in names:
         assert _sys.cgroup_dirs(cgroups[n]) == [], f"cgroup of {n} left: {cgroups[n]}"
     remove_pod_cgroup(config)  # the kubelet's part
@@ -509,8 +540,8 @@ def test_restore_twice_and_after_source_removed(
         cid = resp.restored_containers[0].container_id
         assert status(rt, cid).status.state == cri.CONTAINER_RUNNING
         # restored by the runtime the pod asked for
-        runtime_root = Path(bed.crun_root if runtime_handler == "crun" else bed.runc_root)
-        assert (runtime_root / cid).is_dir(), f"{cid[:13]} is not in {runtime_root}"
+        state_dir = runtime_root(bed, runtime_handler)
+        assert (state_dir / cid).is_dir(), f"{cid[:13]} is not in {state_dir}"
     ips = [
         rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=r.pod_sandbox_id)).status.network.ip
         for _, r in restored
@@ -541,18 +572,21 @@ def test_create_container_with_podshim_annotation_is_refused(
 
 
 def test_passthrough_pod_behaves_as_plain_runc(
-    rt: Stub, direct_rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+    rt: Stub, direct_rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
 ) -> None:
-    pod = pods.run_pod(rt, "plain", log_root, {"counter": counter_config("counter", SMALL_ARGS)})
+    """podshim-runc in front of runc (or crun) changes nothing for a pod that is not restored."""
+    containers = {"counter": counter_config("counter", SMALL_ARGS)}
+    pod = pods.run_pod(rt, "plain", log_root, containers, runtime_handler=runtime_handler)
+    state_dir = runtime_root(bed, runtime_handler)
     pod_cleanup.append(pod.id)
     cid = pod.containers["counter"]
     log = pod.log_path("counter")
     pods.wait_count(log, 3)
     assert pods.counts(log)[0] == 0 and "ready mem_mib=4" in log_text(log)  # a fresh start
     assert status(rt, cid).status.state == cri.CONTAINER_RUNNING
-    # A normal container of the real runc, with no podshim restore marker.
-    assert (Path(bed.runc_root) / cid / "state.json").is_file()
-    assert not (Path(bed.runc_root) / cid / "podshim-restored").exists()
+    # A normal container of the real runtime, with no podshim restore marker.
+    assert (state_dir / cid / ("status" if runtime_handler == "crun" else "state.json")).is_file()
+    assert not (state_dir / cid / "podshim-restored").exists()
     # Exec through podshim answers exactly what containerd answers.
     cmd = ["sh", "-c", "echo out; cat /proc/1/cmdline | tr '\\0' ' '; echo err >&2; exit 5"]
     ours = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=cmd, timeout=10))
@@ -570,7 +604,7 @@ def test_passthrough_pod_behaves_as_plain_runc(
     assert "stopping count=" in log_text(log)
     rt.RemoveContainer(cri.RemoveContainerRequest(container_id=cid))
     assert pod_containers(rt, pod.id) == []
-    assert not (Path(bed.runc_root) / cid).exists()
+    assert not (state_dir / cid).exists()
 
 
 # ---------------------------------------------------------------------------- failure paths
@@ -795,8 +829,15 @@ def test_unknown_option_is_invalid(
 
 
 def test_criu_failure_names_the_log_and_removes_the_sandbox(
-    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+    rt: Stub,
+    bed: TestBed,
+    good_for_handler: Checkpoint,
+    runtime_handler: str,
+    log_root: Path,
+    pod_cleanup: list[str],
+    scratch: list[Path],
 ) -> None:
+    good = good_for_handler
     # A damaged memory image the manifest vouches for: validation passes, CRIU fails. (The
     # header of pagemap-1.img: a truncated pages-1.img makes CRIU 4.1.1's restorer loop forever.)
     copy = copy_archive(good.path, bed, "criu")
@@ -820,6 +861,7 @@ def test_criu_failure_names_the_log_and_removes_the_sandbox(
         "pagemap-1.img",
         "CRIU log",
         options={"start": "true"},
+        runtime_handler=runtime_handler,
     )
     kept = re.search(r"CRIU log: (/[^)\s]+)", message)
     assert kept, message
