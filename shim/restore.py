@@ -178,18 +178,10 @@ def check_rootfs_diffs(plan: list[_Planned]) -> None:
         cl = layout.ContainerLayout(root=p.dir, rel="")
         if not cl.rootfs_diff_tar.exists():
             continue
-        deleted = None
-        if cl.deleted_files.exists():
-            try:
-                deleted = json.loads(cl.deleted_files.read_text())
-            except (OSError, ValueError) as e:
-                raise errors.InvalidArgument(
-                    f"container {p.entry.name!r}: deleted.files is unreadable: {e}"
-                ) from e
-            if not isinstance(deleted, list):
-                raise errors.InvalidArgument(f"container {p.entry.name!r}: deleted.files is not a JSON list")
         try:
-            rootfs_diff.check_rootfs_diff(cl.rootfs_diff_tar, deleted)
+            rootfs_diff.check_rootfs_diff(
+                cl.rootfs_diff_tar, rootfs_diff.read_deleted_files(cl.deleted_files)
+            )
         except errors.ShimError as e:
             raise type(e)(f"container {p.entry.name!r}: {e.message}") from None
 

@@ -103,7 +103,7 @@ def restore(
     rootfs = bundle / spec.get("root", {}).get("path", "rootfs")
     try:
         if cl.rootfs_diff_tar.exists():
-            deleted = json.loads(cl.deleted_files.read_text()) if cl.deleted_files.exists() else None
+            deleted = rootfs_diff.read_deleted_files(cl.deleted_files)
             rootfs_diff.apply_rootfs_diff(cl.rootfs_diff_tar, rootfs, deleted)
     except (ShimError, OSError, ValueError) as e:
         _fail(f"restore of {container_id}: applying the rootfs diff of {ckpt} failed: {e}", log_file)

@@ -549,6 +549,19 @@ def _plan(tar: tarfile.TarFile, tar_path: Path, s: DiffSummary) -> tuple[list[_M
     return plan, deletions
 
 
+def read_deleted_files(path: Path) -> list[str] | None:
+    """The entries of a `deleted.files` (a JSON list of container paths), or None without one."""
+    try:
+        entries = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise InvalidArgument(f"{path} is unreadable: {e}") from e
+    if not isinstance(entries, list):
+        raise InvalidArgument(f"{path} is not a JSON list")
+    return entries
+
+
 def check_rootfs_diff(tar_path: Path, deleted: Sequence[str] | None = None) -> DiffSummary:
     """Refuse, without touching any rootfs, a diff that apply_rootfs_diff would refuse for its
     own content: corrupt tar, bad names or types, and members written through a symlink the
