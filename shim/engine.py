@@ -114,12 +114,27 @@ class Engine:
     async def checkpoint_pod(
         self, req: cri.CheckpointPodRequest, context: grpc.aio.ServicerContext
     ) -> cri.CheckpointPodResponse:
-        keys = [f"pod {req.pod_sandbox_id}", f"path {req.output_path}"]
+        # The upstream accepts a unique prefix of an id: lock the full id, so a prefix and the
+        # full id (or CheckpointContainer, which locks the full id) exclude each other.
+        keys = [f"pod {await self._full_pod_id(req.pod_sandbox_id)}", f"path {req.output_path}"]
         with self._operation("checkpoint_pod", keys, pod=req.pod_sandbox_id, path=req.output_path):
             m = await self.checkpointer.checkpoint(req, context.time_remaining())
         metrics.freeze_window.observe(m.timings.get("freeze_window", 0.0))
         metrics.archive_size.labels("checkpoint_pod").observe(sum(f.size for f in m.files.values()))
         return cri.CheckpointPodResponse()
+
+    async def _full_pod_id(self, pod_id: str) -> str:
+        """The sandbox's full id as the upstream resolves `pod_id`; `pod_id` itself when the
+        upstream cannot say (the operation then reports that error with its own code)."""
+        if not pod_id:
+            return pod_id
+        try:
+            resp = await self.upstream.runtime.PodSandboxStatus(
+                cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id), timeout=30
+            )
+        except grpc.aio.AioRpcError:
+            return pod_id
+        return resp.status.id or pod_id
 
     async def restore_pod(
         self, req: cri.RestorePodRequest, context: grpc.aio.ServicerContext

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import platform
+import re
 import threading
 import time
 from collections.abc import Coroutine
@@ -61,27 +63,47 @@ class RestoreOptions:
         return cls(start=value in ("true", "1", "yes"))
 
 
-def _criu_major_minor(version: str) -> tuple[int, int]:
-    try:
-        parts = version.split(".")
-        return int(parts[0]), int(parts[1])
-    except (ValueError, IndexError):
-        return (0, 0)
+def _major_minor(version: str) -> tuple[int, int]:
+    """(major, minor) of the first "N.N" in a version line ("runc version 1.1.5+ds1", "4.1.1")."""
+    found = re.search(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
-def check_host(m: manifest.Manifest, criu_version: str) -> None:
-    """The archive must come from a host this one can restore (FAILED_PRECONDITION otherwise)."""
+def check_host(m: manifest.Manifest, criu_version: str, runtime_name: str, runtime_version: str) -> None:
+    """The archive must come from a host this one can restore (FAILED_PRECONDITION otherwise):
+    same architecture, a CRIU and an OCI runtime at least as new, and the same OCI runtime (its
+    state and CRIU options differ between runc and crun; Podman refuses the mix too)."""
     here = platform.machine()
     if m.host.arch and m.host.arch != here:
         raise errors.FailedPrecondition(
             f"checkpoint was taken on {m.host.arch}, this node is {here}: restore it on a {m.host.arch} node"
         )
-    theirs, ours = _criu_major_minor(m.host.criu_version), _criu_major_minor(criu_version)
+    theirs, ours = _major_minor(m.host.criu_version), _major_minor(criu_version)
     if theirs > ours:
         raise errors.FailedPrecondition(
             f"checkpoint was written by CRIU {m.host.criu_version}, this node has CRIU {criu_version}: "
             "upgrade CRIU on this node"
         )
+    if m.host.runtime_name and m.host.runtime_name != runtime_name:
+        raise errors.FailedPrecondition(
+            f"checkpoint was taken with the OCI runtime {m.host.runtime_name}, the restore would use "
+            f"{runtime_name}: restore it with a runtime_handler whose runtime is {m.host.runtime_name}"
+        )
+    if m.host.runtime_version and _major_minor(m.host.runtime_version) > _major_minor(runtime_version):
+        raise errors.FailedPrecondition(
+            f"checkpoint was taken with {m.host.runtime_version}, this node has {runtime_version}: "
+            f"upgrade {runtime_name} on this node"
+        )
+
+
+def check_this_host(m: manifest.Manifest, criu_binary: str, runtime_binary: str) -> None:
+    """check_host with the versions of this node's CRIU and OCI runtime binaries."""
+    check_host(
+        m,
+        binary_version(criu_binary),
+        os.path.basename(runtime_binary),
+        binary_version(runtime_binary),
+    )
 
 
 def archived_config(record: dict[str, Any]) -> cri.ContainerConfig:
@@ -210,7 +232,8 @@ class PodRestorer:
         root = await run_to_end(paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots)
         key = await run_to_end(self.node_key)
         m = await run_to_end(manifest.load_and_verify, root, self.config.allowed_roots, 2, key)
-        await run_to_end(check_host, m, binary_version(self.config.runtime.criu))
+        runtime = self.config.runtime_for_handler(req.runtime_handler) or self.config.runtime
+        await run_to_end(check_this_host, m, self.config.runtime.criu, runtime.binary)
         plan = await self._plan(req, m, layout.ArchiveLayout(root), key)
         budget = (deadline if deadline is not None else DEFAULT_DEADLINE) - CLEANUP_MARGIN
         if budget <= 0:

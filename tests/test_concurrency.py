@@ -84,13 +84,14 @@ def test_second_request_on_busy_pod_is_aborted(
 ) -> None:
     busy = start_counter_pod(rt, bed, "busy", pod_cleanup, mem_mib=512)
     other = start_counter_pod(rt, bed, "other", pod_cleanup, mem_mib=8)
-    out, out2 = new_output_dir(bed, "busy"), new_output_dir(bed, "busy2")
-    archives += [out, out2]
+    out, out2, out3 = new_output_dir(bed, "busy"), new_output_dir(bed, "busy2"), new_output_dir(bed, "busy3")
+    archives += [out, out2, out3]
     call = Call(fresh_rt(bed), busy.id, out)
     call.start()
     wait_in_flight(out, call)
     seen = []
-    for pod_id, path in ((busy.id, out2), (other.id, out)):  # same pod; same output path
+    # same pod; same pod named by a unique prefix of its id (the upstream accepts one); same path
+    for pod_id, path in ((busy.id, out2), (busy.id[:12], out3), (other.id, out)):
         with pytest.raises(grpc.RpcError) as err:
             checkpoint(rt, pod_id, path, timeout=30)
         assert err.value.code() == grpc.StatusCode.ABORTED, err.value.details()
@@ -101,6 +102,7 @@ def test_second_request_on_busy_pod_is_aborted(
     assert call.error is None, call.error
     print("ABORTED:", *seen, sep="\n  ")
     assert_empty_dir(out2)
+    assert_empty_dir(out3)
     mf.load_and_verify(out, [str(bed.checkpoint_root)])
     assert_thawed_and_counting(rt, busy)
     assert_thawed_and_counting(rt, other)

@@ -1,0 +1,51 @@
+"""RestorePod's host check (no bed): what an archive needs of the node it is restored on."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from shim.archive.manifest import HostInfo, Manifest, SandboxInfo
+from shim.errors import FailedPrecondition
+from shim.restore import check_host
+
+HERE = platform.machine()
+OTHER_ARCH = "riscv64" if HERE != "riscv64" else "x86_64"
+RUNC, CRUN = "runc version 1.1.5+ds1", "crun version 1.21"
+
+
+def archive(**host: str) -> Manifest:
+    info = HostInfo(criu_version="4.1.1", runtime_name="runc", runtime_version="runc version 1.1.5+ds1")
+    for k, v in host.items():
+        setattr(info, k, v)
+    return Manifest(sandbox=SandboxInfo(id="x", metadata={}, config={}), host=info)
+
+
+@pytest.mark.parametrize(
+    ("host", "criu", "name", "version"),
+    [
+        ({}, "4.1.1", "runc", "runc version 1.1.5+ds1"),
+        ({}, "4.2", "runc", "runc version 1.2.0"),  # newer here: fine
+        ({"runtime_name": "", "runtime_version": ""}, "4.1", "crun", "crun version 1.21"),  # unknown: fine
+        ({"runtime_name": "crun", "runtime_version": CRUN}, "4.1.1", "crun", CRUN),
+    ],
+)
+def test_compatible_hosts(host: dict[str, str], criu: str, name: str, version: str) -> None:
+    check_host(archive(**host), criu, name, version)
+
+
+@pytest.mark.parametrize(
+    ("host", "criu", "name", "version", "needle"),
+    [
+        ({"arch": OTHER_ARCH}, "4.1.1", "runc", RUNC, "node"),
+        ({"criu_version": "4.2.0"}, "4.1.1", "runc", "runc version 1.1.5", "upgrade CRIU"),
+        ({}, "4.1.1", "crun", "crun version 1.21", "OCI runtime runc, the restore would use crun"),
+        ({"runtime_version": "runc version 1.3.0"}, "4.1.1", "runc", RUNC, "upgrade runc"),
+    ],
+    ids=["arch", "older-criu", "other-runtime", "older-runtime"],
+)
+def test_incompatible_hosts(host: dict[str, str], criu: str, name: str, version: str, needle: str) -> None:
+    with pytest.raises(FailedPrecondition) as err:
+        check_host(archive(**host), criu, name, version)
+    assert needle in err.value.message, err.value.message
