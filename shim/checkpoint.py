@@ -36,6 +36,7 @@ log = logs.get("shim.checkpoint")
 
 FREEZE_TIMEOUT = 5.0  # seconds to confirm a cgroup froze/thawed
 CLEANUP_MARGIN = 0.5  # seconds kept from the caller's deadline to thaw and clean up
+CHECK_MARGIN = 0.1  # seconds kept from it to answer when the checks themselves run out of time
 DEFAULT_DEADLINE = 600.0  # the CRI says the caller sets one; this bounds a caller that did not
 
 
@@ -170,23 +171,22 @@ class PodCheckpointer:
         return OciRuntime(rt.binary, c.runtime_root or rt.root, rt.criu)
 
     async def checkpoint(self, req: cri.CheckpointPodRequest, deadline: float | None) -> manifest.Manifest:
-        """Run CheckpointPod; `deadline` is the caller's remaining seconds (None: none set)."""
+        """Run CheckpointPod; `deadline` is the caller's remaining seconds (None: none set),
+        counted from here: the checks before the freeze are bounded by it too."""
+        loop = asyncio.get_running_loop()
+        caller_end = loop.time() + (deadline if deadline is not None else DEFAULT_DEADLINE)
+        try:
+            async with asyncio.timeout_at(caller_end - CHECK_MARGIN):
+                out, pod, selected = await self._check(req)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"the caller's deadline passed while checking the request for pod {req.pod_sandbox_id}; "
+                "nothing was frozen or written: retry with a longer deadline"
+            ) from None
         opts = CheckpointOptions.parse(dict(req.options))
         post = req.post_checkpoint_state
-        if post not in (cri.POST_CHECKPOINT_STATE_RUNNING, cri.POST_CHECKPOINT_STATE_STOPPED):
-            raise errors.InvalidArgument(f"post_checkpoint_state {post} is not RUNNING (0) or STOPPED (1)")
-        out = await run_to_end(paths.validate_output_dir, req.output_path, self.config.allowed_roots)
-        await run_to_end(self.node_key)  # an unusable node key fails before anything is frozen
-        pod = await build_pod_view(self.upstream, req.pod_sandbox_id)
-        if not pod.ready:
-            raise errors.FailedPrecondition(
-                f"pod {pod.name} ({pod.id[:13]}) is {cri.PodSandboxState.Name(pod.status.state)}, not ready"
-            )
-        selected = select_containers(pod, list(req.container_ids))
-        for c in selected:
-            check_dumpable(c)
-        budget = (deadline if deadline is not None else DEFAULT_DEADLINE) - CLEANUP_MARGIN
-        if budget <= 0:
+        end = caller_end - CLEANUP_MARGIN
+        if end <= loop.time():
             raise errors.DeadlineExceeded(f"the deadline leaves no time to checkpoint pod {pod.name}")
         archive = layout.ArchiveLayout(out)
         rec = self.journal.begin(
@@ -199,13 +199,14 @@ class PodCheckpointer:
         )
         started = time.monotonic()
         try:
-            async with asyncio.timeout(budget):
+            async with asyncio.timeout_at(end):
                 result = await self._run(pod, selected, archive, opts, post, rec, started)
         except TimeoutError:
             self._abandon(archive, rec)
             raise errors.DeadlineExceeded(
                 f"checkpoint of pod {pod.name} did not finish within the caller's deadline "
-                f"({budget + CLEANUP_MARGIN:.1f}s); the pod was thawed and partial files removed: "
+                f"({deadline if deadline is not None else DEFAULT_DEADLINE:.1f}s); the pod was thawed and "
+                "partial files removed: "
                 "retry with a longer deadline"
             ) from None
         except BaseException:
@@ -213,6 +214,25 @@ class PodCheckpointer:
             raise
         self.journal.finish(rec)
         return result
+
+    async def _check(self, req: cri.CheckpointPodRequest) -> tuple[Path, PodView, list[ContainerView]]:
+        """Everything checked before anything is frozen or written: options, output path, node
+        key, pod (ready), the containers to capture (running, dumpable)."""
+        CheckpointOptions.parse(dict(req.options))
+        post = req.post_checkpoint_state
+        if post not in (cri.POST_CHECKPOINT_STATE_RUNNING, cri.POST_CHECKPOINT_STATE_STOPPED):
+            raise errors.InvalidArgument(f"post_checkpoint_state {post} is not RUNNING (0) or STOPPED (1)")
+        out = await run_to_end(paths.validate_output_dir, req.output_path, self.config.allowed_roots)
+        await run_to_end(self.node_key)  # an unusable node key fails before anything is frozen
+        pod = await build_pod_view(self.upstream, req.pod_sandbox_id)
+        if not pod.ready:
+            raise errors.FailedPrecondition(
+                f"pod {pod.name} ({pod.id[:13]}) is {cri.PodSandboxState.Name(pod.status.state)}, not ready"
+            )
+        selected = select_containers(pod, list(req.container_ids))
+        for c in selected:
+            await run_to_end(check_dumpable, c)
+        return out, pod, selected
 
     def _abandon(self, archive: layout.ArchiveLayout, rec: Any) -> None:
         """Remove what this operation wrote inside output_path (never the dir itself)."""

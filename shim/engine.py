@@ -100,6 +100,10 @@ class Engine:
             result = e.code.name
             log.warning(f"{name} failed", code=result, error=e.message, **fields)
             raise
+        except asyncio.CancelledError:
+            result = "CANCELLED"  # the caller went away or its deadline passed first
+            log.warning(f"{name} cancelled by the caller", **fields)
+            raise
         except BaseException as e:
             result = "INTERNAL"
             log.error(f"{name} failed", error=repr(e), **fields)

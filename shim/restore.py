@@ -37,6 +37,7 @@ log = logs.get("shim.restore")
 
 INVENTORY = "inventory.img"  # every CRIU image set has one (the node e2e check relies on it)
 CLEANUP_MARGIN = 1.0
+CHECK_MARGIN = 0.1  # seconds kept from the deadline to answer when verifying runs out of time
 DEFAULT_DEADLINE = 600.0
 # Kubelet annotation carrying the restart count shown by `kubectl get pods`.
 RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
@@ -221,22 +222,21 @@ class PodRestorer:
         return crypto.load_key(path) if path else None
 
     async def restore(self, req: cri.RestorePodRequest, deadline: float | None) -> cri.RestorePodResponse:
+        """Run RestorePod; `deadline` is the caller's remaining seconds (None: none set), counted
+        from here: verifying the archive is bounded by it too."""
+        loop = asyncio.get_running_loop()
+        caller_end = loop.time() + (deadline if deadline is not None else DEFAULT_DEADLINE)
+        try:
+            async with asyncio.timeout_at(caller_end - CHECK_MARGIN):
+                root, key, m, plan = await self._check(req)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"the caller's deadline passed while verifying {req.checkpoint_path}; nothing was "
+                "created: retry with a longer deadline"
+            ) from None
         opts = RestoreOptions.parse(dict(req.options))
-        if not req.HasField("config") or not req.config.metadata.name:
-            raise errors.InvalidArgument("config (the new PodSandboxConfig with metadata) is required")
-        if req.runtime_handler and self.config.runtime_for_handler(req.runtime_handler) is None:
-            raise errors.InvalidArgument(
-                f"runtime_handler {req.runtime_handler!r} is not configured in podshim "
-                f"(known: runc{''.join(', ' + h for h in self.config.runtimes)})"
-            )
-        root = await run_to_end(paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots)
-        key = await run_to_end(self.node_key)
-        m = await run_to_end(manifest.load_and_verify, root, self.config.allowed_roots, 2, key)
-        runtime = self.config.runtime_for_handler(req.runtime_handler) or self.config.runtime
-        await run_to_end(check_this_host, m, self.config.runtime.criu, runtime.binary)
-        plan = await self._plan(req, m, layout.ArchiveLayout(root), key)
-        budget = (deadline if deadline is not None else DEFAULT_DEADLINE) - CLEANUP_MARGIN
-        if budget <= 0:
+        end = caller_end - CLEANUP_MARGIN
+        if end <= loop.time():
             raise errors.DeadlineExceeded("the deadline leaves no time to restore the pod")
         md = req.config.metadata
         # The new sandbox's metadata is recorded before RunPodSandbox: a crash before its id is
@@ -251,7 +251,7 @@ class PodRestorer:
         decrypted: list[Path] = []
         await self._sweep_decrypted()
         try:
-            async with asyncio.timeout(budget):
+            async with asyncio.timeout_at(end):
                 if m.encryption is not None:
                     await self._decrypt(root, m, plan, key, decrypted)
                 await run_to_end(check_rootfs_diffs, plan)  # a hostile diff fails here, not at start
@@ -276,6 +276,27 @@ class PodRestorer:
                 cri.RestoredContainer(name=p.entry.name, container_id=created[p.entry.name]) for p in plan
             ],
         )
+
+    async def _check(
+        self, req: cri.RestorePodRequest
+    ) -> tuple[Path, crypto.NodeKey | None, manifest.Manifest, list[_Planned]]:
+        """Everything verified before anything is created: the request, the archive (every
+        checksum), this host, the container configs against the checkpoint."""
+        RestoreOptions.parse(dict(req.options))
+        if not req.HasField("config") or not req.config.metadata.name:
+            raise errors.InvalidArgument("config (the new PodSandboxConfig with metadata) is required")
+        runtime = self.config.runtime_for_handler(req.runtime_handler)
+        if runtime is None:
+            raise errors.InvalidArgument(
+                f"runtime_handler {req.runtime_handler!r} is not configured in podshim "
+                f"(known: runc{''.join(', ' + h for h in self.config.runtimes)})"
+            )
+        root = await run_to_end(paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots)
+        key = await run_to_end(self.node_key)
+        m = await run_to_end(manifest.load_and_verify, root, self.config.allowed_roots, 2, key)
+        await run_to_end(check_this_host, m, self.config.runtime.criu, runtime.binary)
+        plan = await self._plan(req, m, layout.ArchiveLayout(root), key)
+        return root, key, m, plan
 
     async def _plan(
         self,

@@ -831,6 +831,23 @@ def test_archive_of_another_runtime_is_failed_precondition(
     )
 
 
+def test_deadline_shorter_than_verifying_creates_nothing(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path
+) -> None:
+    """The deadline counts from the request: verifying the archive is bounded by it, and
+    podshim answers DEADLINE_EXCEEDED itself (before gRPC cancels it) with nothing created."""
+    config = pods.pod_config(f"short-{secrets.token_hex(3)}", log_root)
+    request = cri.RestorePodRequest(
+        checkpoint_path=str(good.path), config=config, container_configs=good.containers
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        rt.RestorePod(request, timeout=0.15)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    details = err.value.details() or ""
+    assert "while verifying" in details or "leaves no time" in details, details
+    assert pods_named(rt, config.metadata.name) == []
+
+
 def test_unknown_option_is_invalid(
     rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
 ) -> None:
