@@ -252,6 +252,7 @@ class PodCheckpointer:
         started: float,
     ) -> manifest.Manifest:
         timings: dict[str, float] = {}
+        stopped = post == cri.POST_CHECKPOINT_STATE_STOPPED
         # 1. Everything that needs no frozen state is written before the freeze.
         work = await run_to_end(self._prepare, pod, selected, archive)
         timings["prepare"] = time.monotonic() - started
@@ -278,24 +279,22 @@ class PodCheckpointer:
                 await asyncio.gather(*dumps, *diffs, return_exceptions=True)
                 raise
             timings["dump"] = time.monotonic() - dump_start
-            if post == cri.POST_CHECKPOINT_STATE_STOPPED:
-                # Killed while still frozen: no instruction runs past the checkpoint.
+            if stopped:
+                # STOPPED: the pod stays frozen until its archive is complete and is then killed,
+                # still frozen, so no instruction runs past the checkpoint. A failure before that
+                # thaws it (below) and it keeps running: the pod is never lost without a checkpoint.
+                m = await self._archive(pod, work, archive, opts, post, timings, rec)
                 await run_to_end(self._kill_frozen, work)
         finally:
             cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
         timings["freeze_window"] = cut.window_seconds
         timings["freeze_cut"] = cut.cut_seconds
         log.info("pod thawed", pod=pod.id, freeze_window=round(cut.window_seconds, 4))
-        if post == cri.POST_CHECKPOINT_STATE_STOPPED:
+        if stopped:
             await self._stop_upstream(work)
-
-        # 3. After the thaw: stats, checksums, manifest (completion marker).
-        await run_to_end(self.journal.update, rec, "archiving")  # fsync: never on the loop
-        faults.hit("checkpoint.archive")
-        archive_start = time.monotonic()
-        stop = threading.Event()
-        m = await run_to_end(self._finish_archive, pod, work, archive, opts, post, timings, stop, stop=stop)
-        m.timings["archive"] = time.monotonic() - archive_start
+        else:
+            # 3. After the thaw: stats, checksums, manifest (completion marker).
+            m = await self._archive(pod, work, archive, opts, post, timings, rec)
         m.timings["total"] = time.monotonic() - started
         # Rewrite the timings into the final manifest (files are unchanged, so checksums stand).
         fsutil.atomic_write(archive.manifest, m.to_json())
@@ -305,6 +304,25 @@ class PodCheckpointer:
             path=str(archive.root),
             **{k: round(v, 4) for k, v in m.timings.items()},
         )
+        return m
+
+    async def _archive(
+        self,
+        pod: PodView,
+        work: list[_Work],
+        archive: layout.ArchiveLayout,
+        opts: CheckpointOptions,
+        post: int,
+        timings: dict[str, float],
+        rec: Any,
+    ) -> manifest.Manifest:
+        """Stats, checksums, fsync, manifest.json (the completion marker)."""
+        await run_to_end(self.journal.update, rec, "archiving")  # fsync: never on the loop
+        faults.hit("checkpoint.archive")
+        archive_start = time.monotonic()
+        stop = threading.Event()
+        m = await run_to_end(self._finish_archive, pod, work, archive, opts, post, timings, stop, stop=stop)
+        m.timings["archive"] = time.monotonic() - archive_start
         return m
 
     def _prepare(
@@ -411,6 +429,7 @@ class PodCheckpointer:
             s["rootfs_diff_seconds"] = round(w.diff_seconds, 6)
             stats[w.view.name] = s
         timings["dump_slowest"] = max(w.dump_seconds for w in work)
+        timings["rootfs_diff"] = max(w.diff_seconds for w in work)  # slowest; inside the freeze
         m = manifest.Manifest(
             sandbox=manifest.SandboxInfo(
                 id=pod.id, metadata=json_format.MessageToDict(pod.status.metadata), config=pod.config

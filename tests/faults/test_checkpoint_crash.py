@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from api.runtime.v1 import api_pb2 as cri
 from testbed import _sys
 from testbed.bed import TestBed
 
@@ -42,10 +43,10 @@ from .helpers import (
 pytestmark = pytest.mark.e2e
 
 
-def _crash(fp: FailpointPodshim, pod_id: str, out: Path) -> grpc.RpcError:
+def _crash(fp: FailpointPodshim, pod_id: str, out: Path, **fields: int) -> grpc.RpcError:
     """CheckpointPod through the failpoint podshim; it must die on the way."""
     with pytest.raises(grpc.RpcError) as err:
-        checkpoint(fp.rt, pod_id, out, timeout=60)
+        checkpoint(fp.rt, pod_id, out, timeout=60, **fields)
     assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), err.value.details()
     fp.wait_dead(30)
     assert journal_files(fp.bed), "the interrupted checkpoint left no journal record"
@@ -167,3 +168,33 @@ def test_kill_while_writing_archive(
         assert freezer_state(cp.cgroups[1]) == "THAWED"
     _recovered(rt, bed, cp, out, before, mark)
     archives.append(assert_checkpoint_works(rt, bed, cp))
+
+
+@pytest.mark.parametrize("action", ["error", "kill"])
+def test_stopped_pod_is_kept_when_its_archive_fails(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path], action: str
+) -> None:
+    """STOPPED kills the pod only once its archive is complete: an error (or a crash of podshim)
+    while the archive is written leaves the pod running and thawed, and no archive."""
+    cp = start_counter_pod(rt, bed, f"stopped-{action}", pod_cleanup, mem_mib=16)
+    before = (sandbox_ids(rt), container_ids(rt))
+    mark = bed.podshim_log.stat().st_size
+    out = new_output_dir(bed, f"stopped-{action}")
+    archives.append(out)
+    stopped = {"post_checkpoint_state": cri.POST_CHECKPOINT_STATE_STOPPED}
+    with FailpointPodshim(bed, f"checkpoint.archive={action}") as fp:
+        if action == "kill":
+            _crash(fp, cp.id, out, **stopped)
+        else:
+            with pytest.raises(grpc.RpcError) as err:
+                checkpoint(fp.rt, cp.id, out, timeout=60, **stopped)
+            assert err.value.code() == grpc.StatusCode.INTERNAL, err.value.details()
+            assert "failpoint checkpoint.archive" in (err.value.details() or "")
+            assert_thawed_and_counting(fp.rt, cp)
+            assert_empty_dir(out)
+    if action == "kill":
+        _recovered(rt, bed, cp, out, before, mark)
+    else:
+        wait_serving(rt)
+        assert_thawed_and_counting(rt, cp)
+        assert (sandbox_ids(rt), container_ids(rt)) == before
