@@ -25,7 +25,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, errors, faults, logs
 from shim.aio import run_to_end
 from shim.archive import crypto, fsutil, layout, manifest, paths, rootfs_diff
-from shim.cgroups import PodCut, cgroup_procs
+from shim.cgroups import PodCut, cgroup_procs, default_freezer
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, OciRuntime, binary_version, read_dump_stats
 from shim.sandbox import ContainerView, PodView, build_pod_view
@@ -127,6 +127,12 @@ def recorded_containers(pod: PodView, selected: list[ContainerView]) -> list[Con
     return [c for c in pod.containers if c.id in keep]
 
 
+def self_frozen(cgroups: list[str]) -> list[str]:
+    """The cgroups of `cgroups` that are frozen by themselves (paused by someone else)."""
+    f = default_freezer()
+    return [cg for cg in cgroups if f.self_frozen(cg)]
+
+
 def check_dumpable(c: ContainerView) -> None:
     """Refuse what CRIU cannot dump, before anything is frozen: processes in the container's
     cgroup outside its process tree are exec sessions (they would fail the dump)."""
@@ -189,13 +195,12 @@ class PodCheckpointer:
         if end <= loop.time():
             raise errors.DeadlineExceeded(f"the deadline leaves no time to checkpoint pod {pod.name}")
         archive = layout.ArchiveLayout(out)
+        # What recovery thaws after a crash: the cgroups this checkpoint may freeze. A container
+        # someone else paused before (the cut leaves it so) is not ours to thaw.
+        paused = set(await run_to_end(self_frozen, [c.cgroups_path for c in selected]))
+        ours = [c.cgroups_path for c in selected if c.cgroups_path not in paused]
         rec = self.journal.begin(
-            "checkpoint",
-            pod.id,
-            {
-                "output_path": str(out),
-                "cgroups": [pod.cgroup_parent, *(c.cgroups_path for c in selected)],
-            },
+            "checkpoint", pod.id, {"output_path": str(out), "cgroups": [pod.cgroup_parent, *ours]}
         )
         started = time.monotonic()
         try:

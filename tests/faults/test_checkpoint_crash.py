@@ -17,6 +17,7 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from testbed import _sys
 from testbed.bed import TestBed
+from testbed.checks import FREEZER
 
 from .helpers import (
     CounterPod,
@@ -198,3 +199,29 @@ def test_stopped_pod_is_kept_when_its_archive_fails(
         wait_serving(rt)
         assert_thawed_and_counting(rt, cp)
         assert (sandbox_ids(rt), container_ids(rt)) == before
+
+
+def test_recovery_leaves_a_paused_container_paused(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]
+) -> None:
+    """One container paused by someone else before the checkpoint: the cut leaves it paused,
+    and so does the recovery after a crash inside the freeze (the journal names only the
+    cgroups the checkpoint froze); the other container is thawed and counts again."""
+    cp = start_counter_pod(rt, bed, "paused", pod_cleanup, mem_mib=8, containers=("paused", "counter"))
+    paused_cg = FREEZER / cp.cgroups[1].lstrip("/") / "freezer.state"
+    paused_cg.write_text("FROZEN")
+    try:
+        out = new_output_dir(bed, "paused")
+        archives.append(out)
+        with FailpointPodshim(bed, "checkpoint.after-freeze=kill") as fp:
+            _crash(fp, cp.id, out)
+        wait_serving(rt)
+        wait_journal_empty(bed)
+        assert freezer_state(cp.cgroups[1]) == "FROZEN", "recovery thawed a container it had not frozen"
+        assert freezer_state(cp.cgroups[0]) == "THAWED" and freezer_state(cp.cgroups[2]) == "THAWED"
+        assert_empty_dir(out)
+        before = cp.last_count("counter")
+        time.sleep(0.5)
+        assert cp.last_count("counter") > before, "the other container does not count again"
+    finally:
+        paused_cg.write_text("THAWED")
