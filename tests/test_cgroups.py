@@ -22,6 +22,7 @@ from shim.cgroups import (
     CgroupMode,
     Freezer,
     FreezerState,
+    FreezerTimeout,
     Hierarchy,
     PodCut,
     cgroup_procs,
@@ -33,7 +34,7 @@ from shim.cgroups import (
     resolve_cgroups_path,
     thaw_paths,
 )
-from shim.errors import DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, NotFound
+from shim.errors import FailedPrecondition, Internal, InvalidArgument, NotFound
 
 # ---------------------------------------------------------------------------- path resolution
 
@@ -275,7 +276,7 @@ def test_v2_stuck_freeze_times_out_and_rolls_back(v2: tuple[Freezer, FakeV2Kerne
     f, k = v2
     k.stuck.add(k.root / "pod1" / "c2")
     t0 = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match="/pod1/c2"):
+    with pytest.raises(FreezerTimeout, match="/pod1/c2"):
         f.freeze("/pod1/c2", timeout=0.1)
     assert time.monotonic() - t0 < 1.0
     assert _freeze_file(k, "pod1/c2") == "0"  # never left half frozen
@@ -284,7 +285,7 @@ def test_v2_stuck_freeze_times_out_and_rolls_back(v2: tuple[Freezer, FakeV2Kerne
 def test_v2_cut_with_stuck_container_thaws_everything(v2: tuple[Freezer, FakeV2Kernel]) -> None:
     f, k = v2
     k.stuck.add(k.root / "pod1" / "c2")
-    with pytest.raises(DeadlineExceeded, match="pod1"):
+    with pytest.raises(FreezerTimeout, match="pod1"):
         with pod_cut("/pod1", ["/pod1/c1", "/pod1/c2"], timeout=0.2, freezer=f):
             pytest.fail("the cut must not succeed")
     for c in ("pod1", "pod1/c1", "pod1/c2"):
@@ -296,7 +297,7 @@ def test_v2_cut_with_stuck_container_thaws_everything(v2: tuple[Freezer, FakeV2K
 def test_v2_thaw_under_frozen_ancestor_names_it(v2: tuple[Freezer, FakeV2Kernel]) -> None:
     f, _ = v2
     f.freeze("/pod1", timeout=2)
-    with pytest.raises(DeadlineExceeded, match="ancestor"):
+    with pytest.raises(FreezerTimeout, match="ancestor"):
         f.thaw("/pod1/c1", timeout=0.05)
     f.thaw("/pod1", timeout=2)
 
@@ -509,7 +510,7 @@ def test_thaw_all_reports_failures(v2: tuple[Freezer, FakeV2Kernel], monkeypatch
 
     def flaky(cg: str, *a: object, **kw: object) -> float:
         if cg == "/pod1/c1":
-            raise DeadlineExceeded("could not thaw /pod1/c1")
+            raise FreezerTimeout("could not thaw /pod1/c1")
         return real(cg, *a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(f, "thaw", flaky)

@@ -23,13 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shim.errors import (
-    DeadlineExceeded,
     FailedPrecondition,
     Internal,
     InvalidArgument,
     NotFound,
     ShimError,
 )
+
+
+class FreezerTimeout(Internal):
+    """A cgroup did not reach a freezer state in time: a kernel/runtime failure (INTERNAL), not
+    the caller's deadline (the caller's deadline is DEADLINE_EXCEEDED, raised elsewhere)."""
+
 
 MOUNTINFO = Path("/proc/self/mountinfo")
 UNIFIED_MOUNTPOINT = "/sys/fs/cgroup"  # where runc looks for a cgroup2-only host
@@ -279,7 +284,7 @@ class Freezer:
     # -- freeze / thaw
 
     def _wait(self, cgroup: str, want: FreezerState, timeout: float, nudge: str | None) -> float:
-        """Poll until state(cgroup) == want; returns the seconds taken. Raises DeadlineExceeded."""
+        """Poll until state(cgroup) == want; returns the seconds taken. Raises FreezerTimeout."""
         start = time.monotonic()
         deadline = start + max(timeout, 0.0)
         i = 0
@@ -289,7 +294,7 @@ class Freezer:
                 return time.monotonic() - start
             now = time.monotonic()
             if now >= deadline:
-                raise DeadlineExceeded(f"cgroup {cgroup} is {s}, not {want}, after {timeout:.3g}s")
+                raise FreezerTimeout(f"cgroup {cgroup} is {s}, not {want}, after {timeout:.3g}s")
             if nudge is not None and s is FreezerState.FREEZING and i % 10 == 9:
                 # v1 can stay FREEZING while tasks are forking; re-asking helps (as runc does)
                 self._write(cgroup, "freezer.state", nudge)
@@ -299,22 +304,22 @@ class Freezer:
                 time.sleep(min(delay, max(deadline - now, 0.0)))
 
     def wait_state(self, cgroup: str, want: FreezerState, timeout: float = DEFAULT_TIMEOUT) -> float:
-        """Poll until `cgroup` is in state `want`; seconds taken, or DeadlineExceeded naming it."""
+        """Poll until `cgroup` is in state `want`; seconds taken, or FreezerTimeout naming it."""
         return self._wait(cgroup, want, timeout, nudge=None)
 
     def freeze(self, cgroup: str, timeout: float = DEFAULT_TIMEOUT) -> float:
         """Freeze `cgroup` and confirm FROZEN; returns seconds taken.
 
-        On timeout the cgroup is thawed back (never left FREEZING) and DeadlineExceeded names it.
+        On timeout the cgroup is thawed back (never left FREEZING) and FreezerTimeout names it.
         """
         v1 = self.mode is CgroupMode.V1
         self._write(cgroup, "freezer.state" if v1 else "cgroup.freeze", "FROZEN" if v1 else "1")
         try:
             return self._wait(cgroup, FreezerState.FROZEN, timeout, nudge="FROZEN" if v1 else None)
-        except DeadlineExceeded as e:
+        except FreezerTimeout as e:
             with contextlib.suppress(ShimError):
                 self._write(cgroup, "freezer.state" if v1 else "cgroup.freeze", "THAWED" if v1 else "0")
-            raise DeadlineExceeded(
+            raise FreezerTimeout(
                 f"could not freeze cgroup {cgroup} within {timeout:.3g}s ({e.message}); it was thawed "
                 "back. A process may be in uninterruptible sleep (D state, e.g. on a hung mount): "
                 "check the container's processes and retry"
@@ -335,13 +340,13 @@ class Freezer:
             if missing_ok:  # its last process exited while thawing
                 return 0.0
             raise
-        except DeadlineExceeded as e:
+        except FreezerTimeout as e:
             why = (
                 "an ancestor cgroup is frozen: thaw the ancestor"
                 if self._ancestor_frozen(cgroup)
                 else "check the kernel log"
             )
-            raise DeadlineExceeded(f"could not thaw cgroup {cgroup} within {timeout:.3g}s: {why}") from e
+            raise FreezerTimeout(f"could not thaw cgroup {cgroup} within {timeout:.3g}s: {why}") from e
 
     def frozen_among(self, cgroups: Sequence[str]) -> list[str]:
         """The cgroups of `cgroups` that exist and are FROZEN or FREEZING (missing ones skipped)."""
@@ -477,7 +482,7 @@ class PodCut:
                 # each container must now hold itself frozen (normally true at the first read)
                 try:
                     f.wait_state(c, FreezerState.FROZEN, self._left(deadline))
-                except DeadlineExceeded as e:
+                except FreezerTimeout as e:
                     raise Internal(
                         f"container cgroup {c} did not stay frozen when the pod cgroup was thawed: "
                         f"{e.message}"
@@ -491,7 +496,7 @@ class PodCut:
     def _left(self, deadline: float) -> float:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise DeadlineExceeded(
+            raise FreezerTimeout(
                 f"freezing pod cgroup {self.parent} and its {len(self.containers)} containers took longer "
                 f"than {self.timeout:.3g}s; the pod was thawed, retry"
             )
