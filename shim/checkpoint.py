@@ -409,7 +409,7 @@ class PodCheckpointer:
         for w in work:
             try:
                 await self.upstream.runtime.StopContainer(
-                    cri.StopContainerRequest(container_id=w.view.id, timeout=0), timeout=30
+                    cri.StopContainerRequest(container_id=w.view.id, timeout=0), timeout=self.upstream.timeout
                 )
             except grpc.aio.AioRpcError as e:
                 log.warning("stop after checkpoint failed", container=w.view.name, error=e.details())

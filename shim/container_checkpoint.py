@@ -352,9 +352,12 @@ class ContainerCheckpointer:
             raise errors.InvalidArgument("container_id is empty: name the container to checkpoint")
         up = self.upstream.runtime
         try:
-            st = await up.ContainerStatus(cri.ContainerStatusRequest(container_id=container_id), timeout=30)
+            st = await up.ContainerStatus(
+                cri.ContainerStatusRequest(container_id=container_id), timeout=self.upstream.timeout
+            )
             listed = await up.ListContainers(
-                cri.ListContainersRequest(filter=cri.ContainerFilter(id=st.status.id)), timeout=30
+                cri.ListContainersRequest(filter=cri.ContainerFilter(id=st.status.id)),
+                timeout=self.upstream.timeout,
             )
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
@@ -907,7 +910,7 @@ class ArchiveImporter:
         for image in dict.fromkeys(candidates):
             try:
                 st = await self.upstream.image.ImageStatus(
-                    cri.ImageStatusRequest(image=cri.ImageSpec(image=image)), timeout=30
+                    cri.ImageStatusRequest(image=cri.ImageSpec(image=image)), timeout=self.upstream.timeout
                 )
             except grpc.aio.AioRpcError as e:
                 raise upstream_error(self.upstream.endpoint, e, f"looking up image {image}") from None
@@ -962,7 +965,7 @@ class ArchiveImporter:
                 continue
             try:
                 await self.upstream.runtime.ContainerStatus(
-                    cri.ContainerStatusRequest(container_id=owner), timeout=30
+                    cri.ContainerStatusRequest(container_id=owner), timeout=self.upstream.timeout
                 )
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:

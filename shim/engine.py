@@ -134,7 +134,7 @@ class Engine:
             return pod_id
         try:
             resp = await self.upstream.runtime.PodSandboxStatus(
-                cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id), timeout=30
+                cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id), timeout=self.upstream.timeout
             )
         except grpc.aio.AioRpcError:
             return pod_id
@@ -259,11 +259,19 @@ class Engine:
                 record=str(rec.path),
                 error=getattr(e, "message", None) or repr(e),
             )
-            metrics.operations.labels(rec.kind.replace("-", "_"), "RECOVERY_FAILED").inc()
+            metrics.operations.labels(OPERATION_OF_KIND[rec.kind], "RECOVERY_FAILED").inc()
             return
         self.journal.finish(rec)
         log.info("recovered interrupted operation", kind=rec.kind, pod=rec.pod_key, phase=rec.phase)
-        metrics.operations.labels(rec.kind.replace("-", "_"), "RECOVERED").inc()
+        metrics.operations.labels(OPERATION_OF_KIND[rec.kind], "RECOVERED").inc()
+
+
+# journal kind -> the `operation` label of podshim_operations_total (the gRPC method's name)
+OPERATION_OF_KIND = {
+    "checkpoint": "checkpoint_pod",
+    "restore": "restore_pod",
+    "checkpoint-container": "checkpoint_container",
+}
 
 
 def _processes_under(path: str) -> list[psutil.Process]:

@@ -352,7 +352,7 @@ class PodRestorer:
             return None
         try:
             st = await self.upstream.image.ImageStatus(
-                cri.ImageStatusRequest(image=cri.ImageSpec(image=want)), timeout=30
+                cri.ImageStatusRequest(image=cri.ImageSpec(image=want)), timeout=self.upstream.timeout
             )
         except grpc.aio.AioRpcError as e:
             raise upstream_error(self.upstream.endpoint, e, f"looking up image {want}") from None
@@ -409,7 +409,7 @@ class PodRestorer:
                     continue
                 try:
                     await self.upstream.runtime.ContainerStatus(
-                        cri.ContainerStatusRequest(container_id=str(owner)), timeout=30
+                        cri.ContainerStatusRequest(container_id=str(owner)), timeout=self.upstream.timeout
                     )
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.NOT_FOUND:
@@ -443,7 +443,8 @@ class PodRestorer:
         criu_flags = ",".join(k for k in RESTORE_FLAGS if m.options.get(k) == "true")
         try:
             resp = await up.RunPodSandbox(
-                cri.RunPodSandboxRequest(config=req.config, runtime_handler=req.runtime_handler), timeout=120
+                cri.RunPodSandboxRequest(config=req.config, runtime_handler=req.runtime_handler),
+                timeout=self.upstream.timeout,
             )
         except grpc.aio.AioRpcError as e:
             raise upstream_error(self.upstream.endpoint, e, "creating the new sandbox") from None
@@ -460,7 +461,7 @@ class PodRestorer:
                         config=self._container_config(p, criu_flags),
                         sandbox_config=req.config,
                     ),
-                    timeout=120,
+                    timeout=self.upstream.timeout,
                 )
             except grpc.aio.AioRpcError as e:
                 raise upstream_error(
@@ -475,7 +476,8 @@ class PodRestorer:
             for p in plan:
                 try:
                     await up.StartContainer(
-                        cri.StartContainerRequest(container_id=created[p.entry.name]), timeout=300
+                        cri.StartContainerRequest(container_id=created[p.entry.name]),
+                        timeout=self.upstream.timeout,
                     )
                 except grpc.aio.AioRpcError as e:
                     raise upstream_error(
@@ -509,7 +511,9 @@ class PodRestorer:
         want = cri.PodSandboxMetadata()
         json_format.ParseDict(metadata, want)
         try:
-            resp = await self.upstream.runtime.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=30)
+            resp = await self.upstream.runtime.ListPodSandbox(
+                cri.ListPodSandboxRequest(), timeout=self.upstream.timeout
+            )
         except grpc.aio.AioRpcError as e:
             raise upstream_error(self.upstream.endpoint, e, "listing sandboxes for recovery") from None
         for sb in resp.items:
@@ -525,13 +529,13 @@ class PodRestorer:
             (self.upstream.runtime.RemovePodSandbox, cri.RemovePodSandboxRequest(pod_sandbox_id=sid)),
         ):
             try:
-                await call(request, timeout=60)
+                await call(request, timeout=self.upstream.timeout)
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.NOT_FOUND:
                     log.error("rollback of restore failed", sandbox=sid, error=e.details())
         try:
             await self.upstream.runtime.PodSandboxStatus(
-                cri.PodSandboxStatusRequest(pod_sandbox_id=sid), timeout=30
+                cri.PodSandboxStatusRequest(pod_sandbox_id=sid), timeout=self.upstream.timeout
             )
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:

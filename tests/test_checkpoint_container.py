@@ -614,6 +614,8 @@ class _Context:
 
 
 class _Upstream:
+    timeout = 30.0
+
     def __init__(self, code: grpc.StatusCode | None) -> None:
         self.code, self.calls = code, 0
 

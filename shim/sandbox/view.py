@@ -162,8 +162,10 @@ def _runtime_root(info: dict[str, Any]) -> str:
     return os.path.join(root, CRI_NAMESPACE) if root else ""
 
 
-async def build_pod_view(upstream: Upstream, pod_id: str, timeout: float = 30.0) -> PodView:
-    """The pod and all its containers (running and exited), ordered by creation."""
+async def build_pod_view(upstream: Upstream, pod_id: str, timeout: float | None = None) -> PodView:
+    """The pod and all its containers (running and exited), ordered by creation; each upstream
+    call limited to `timeout` (default: the upstream's `[upstream] timeout_seconds`)."""
+    timeout = timeout if timeout is not None else upstream.timeout
     if not pod_id:
         raise errors.InvalidArgument("pod_sandbox_id is empty: name the pod to checkpoint")
     try:

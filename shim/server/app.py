@@ -48,7 +48,7 @@ class Server:
         self, config: Config, engine: Engine | None = None, upstream: Upstream | None = None
     ) -> None:
         self.config = config
-        self.upstream = upstream or Upstream(config.upstream_endpoint)
+        self.upstream = upstream or Upstream(config.upstream_endpoint, config.upstream_timeout)
         passthrough = Passthrough(self.upstream)
         self.handlers = RuntimeHandlers(passthrough, engine)
         self.grpc = grpc.aio.server(
@@ -89,7 +89,7 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
             raise StartupError(
                 f"server.metrics_address {config.metrics_address}: {e.strerror or e}"
             ) from None
-    upstream = Upstream(config.upstream_endpoint)
+    upstream = Upstream(config.upstream_endpoint, config.upstream_timeout)
     engine = engine_factory(config, upstream)
     await engine.recover()
     server = Server(config, engine, upstream)

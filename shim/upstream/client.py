@@ -50,8 +50,11 @@ def unavailable_message(endpoint: str, err: grpc.aio.AioRpcError) -> str:
 class Upstream:
     """The upstream endpoint: raw multicallables for the proxy and typed stubs for the engine."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, timeout: float = 120.0) -> None:
         self.endpoint = endpoint
+        # `[upstream] timeout_seconds`: the limit of each call podshim makes on its own (passed-
+        # through calls carry their caller's deadline instead)
+        self.timeout = timeout
         self.channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
         self.runtime = api_pb2_grpc.RuntimeServiceStub(self.channel)
         self.image = api_pb2_grpc.ImageServiceStub(self.channel)

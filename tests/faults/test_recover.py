@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import engine as engine_mod
@@ -76,6 +77,7 @@ class FakeRuntime:
 
 class FakeUpstream:
     endpoint = "unix:///nonexistent/fake.sock"
+    timeout = 30.0
 
     def __init__(self, fail: grpc.StatusCode | None = None) -> None:
         self.runtime = FakeRuntime(fail)
@@ -135,10 +137,14 @@ async def test_checkpoint_record_thaws_and_clears(root: Path, cgroups: list[str]
     j = Journal(root / "state")
     rec = j.begin("checkpoint", "pod-a", {"output_path": str(out), "cgroups": cg})
     j.update(rec, "frozen")
+    labels = {"operation": "checkpoint_pod", "result": "RECOVERED"}
+    recovered_before = REGISTRY.get_sample_value("podshim_operations_total", labels) or 0.0
     await make_engine(root).recover()
     assert [freezer_state(c) for c in cg] == ["THAWED", "THAWED"]
     assert out.is_dir() and list(out.iterdir()) == []  # emptied, never removed
     assert j.scan().records == []
+    # counted under the gRPC method's name, like the operation it undid
+    assert REGISTRY.get_sample_value("podshim_operations_total", labels) == recovered_before + 1
 
 
 @needs_root
