@@ -11,7 +11,8 @@
 #      /usr/local: /usr/local/sbin/criu, libcriu (+ headers, criu.pc) under
 #      /usr/local/lib/<multiarch>. Debian 12's CRIU 3.17 fails `criu check` on new kernels.
 #   3. crun with CRIU support from the trixie source package: /usr/local/bin/crun.
-#      (Debian 12's crun 1.8 has no CRIU.) A failure here is a warning, not an error.
+#      (Debian 12's crun 1.8 has no CRIU.) A failure here is a warning, not an error; the
+#      test suite's crun variants then fail (PODSHIM_TESTS_WITHOUT_CRUN=1 skips them).
 #   4. Python: .venv, `pip install -e '.[dev]'` when pyproject.toml changed, and pycriu
 #      (from CRIU's source, *_pb2 regenerated with the venv's grpc_tools) into the venv.
 #

@@ -813,11 +813,9 @@ def test_unknown_runtime_handler_is_invalid(
 
 
 def test_archive_of_another_runtime_is_failed_precondition(
-    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str], crun_handler: str
 ) -> None:
     """A runc checkpoint restored with the crun handler: refused before anything is created."""
-    if bed.crun_binary is None:
-        pytest.skip("crun with CRIU is not installed (scripts/setup.sh builds it)")
     expect_failure(
         rt,
         bed,
@@ -827,7 +825,7 @@ def test_archive_of_another_runtime_is_failed_precondition(
         good.containers,
         grpc.StatusCode.FAILED_PRECONDITION,
         "OCI runtime runc, the restore would use crun",
-        runtime_handler="crun",
+        runtime_handler=crun_handler,
     )
 
 
