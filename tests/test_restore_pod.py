@@ -506,6 +506,45 @@ def test_multi_container_pod(
     assert _sys.cgroup_dirs(config.linux.cgroup_parent) == []
 
 
+def test_completed_init_container_is_not_rerun(
+    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
+) -> None:
+    """A container that had exited (a completed init container) is recorded, not dumped. The
+    restore accepts its config (a kubelet passes the whole pod spec) and does not run it again;
+    the running container resumes. Without that config the restore is the same."""
+    init = pods.container_config(
+        "init", image=pods.BUSYBOX_IMAGE, command=["sh", "-c", "echo init-ran"], args=[]
+    )
+    containers = {"init": init, "counter": counter_config("counter", SMALL_ARGS)}
+    src = pods.run_pod(
+        rt, f"init-src-{secrets.token_hex(3)}", log_root, containers, runtime_handler=runtime_handler
+    )
+    pod_cleanup.append(src.id)
+    pods.wait_for(
+        lambda: status(rt, src.containers["init"]).status.state == cri.CONTAINER_EXITED, what="init to exit"
+    )
+    pods.wait_count(src.log_path("counter"), 5)
+    out = Path(bed.checkpoint_root) / f"init-{secrets.token_hex(3)}"
+    out.mkdir(mode=0o700)
+    rt.CheckpointPod(
+        cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
+    )
+    m = manifest.read_manifest(out)
+    assert [(c.name, c.checkpointed) for c in m.containers] == [("init", False), ("counter", True)]
+
+    for configs in ([init, containers["counter"]], [containers["counter"]]):
+        config = pods.pod_config(f"init-restored-{len(configs)}", log_root)
+        resp = restore(rt, out, config, configs, runtime_handler=runtime_handler)
+        pod_cleanup.append(resp.pod_sandbox_id)
+        assert [c.name for c in resp.restored_containers] == ["counter"]
+        rt.StartContainer(cri.StartContainerRequest(container_id=resp.restored_containers[0].container_id))
+        assert [c.metadata.name for c in pod_containers(rt, resp.pod_sandbox_id)] == ["counter"]
+        first = pods.wait_for(lambda config=config: pods.counts(container_log(config, "counter")))[0]
+        assert first > 0, "the counter restarted from 0"
+        assert not container_log(config, "init").exists(), "the completed init container ran again"
+    shutil.rmtree(out, ignore_errors=True)
+
+
 def test_restore_twice_and_after_source_removed(
     rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
 ) -> None:
