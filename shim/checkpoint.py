@@ -22,7 +22,7 @@ import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, errors, faults, logs
+from shim import __version__, cni, errors, faults, logs
 from shim.aio import run_to_end
 from shim.archive import crypto, fsutil, layout, manifest, paths, rootfs_diff
 from shim.cgroups import PodCut, cgroup_procs, default_freezer
@@ -125,6 +125,13 @@ def recorded_containers(pod: PodView, selected: list[ContainerView]) -> list[Con
             exited[c.name] = c
     keep = {c.id for c in selected} | {c.id for c in exited.values()}
     return [c for c in pod.containers if c.id in keep]
+
+
+def network_record(pod: PodView) -> dict[str, Any]:
+    """sandbox/network.json: the CNI result the upstream recorded and the pod's namespace as
+    pyroute2 reads it (interfaces, addresses, routes), which RestorePod checks against."""
+    netns = pod.netns
+    return {"cni_result": pod.network, "netns": cni.read_facts(netns) if netns else {}}
 
 
 def self_frozen(cgroups: list[str]) -> list[str]:
@@ -336,7 +343,7 @@ class PodCheckpointer:
         archive.create()
         fsutil.write_private_file(archive.sandbox_config, layout.json_bytes(pod.config))
         fsutil.write_private_file(archive.sandbox_status, layout.json_bytes(pod.to_record()))
-        fsutil.write_private_file(archive.sandbox_network, layout.json_bytes(pod.network))
+        fsutil.write_private_file(archive.sandbox_network, layout.json_bytes(network_record(pod)))
         work = []
         for c in recorded_containers(pod, selected):
             cl = archive.container(c.name)

@@ -24,12 +24,13 @@ import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import errors, faults, logs
+from shim import cni, errors, faults, logs
 from shim.aio import run_to_end
 from shim.archive import crypto, layout, manifest, paths, rootfs_diff
 from shim.config import Config
 from shim.criu.runtime import binary_version
 from shim.restore_hook import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
+from shim.sandbox import build_pod_view
 from shim.state import Journal
 from shim.upstream import Upstream, upstream_error
 
@@ -195,6 +196,19 @@ class _Planned:
     dir: Path
 
 
+def _recorded_network(root: Path, m: manifest.Manifest, key: crypto.NodeKey | None) -> dict[str, Any]:
+    """The pod network facts the checkpoint recorded (sandbox/network.json "netns"), or {}."""
+    path = layout.ArchiveLayout(root).sandbox_network
+    if path.relative_to(root).as_posix() not in m.files:
+        return {}
+    try:
+        doc = json.loads(_read_member(root, path, m, key))
+    except (OSError, ValueError) as e:
+        raise errors.DataLoss(f"checkpoint {root}: sandbox/network.json is unreadable ({e})") from None
+    facts = doc.get("netns") if isinstance(doc, dict) else None
+    return facts if isinstance(facts, dict) else {}
+
+
 def check_rootfs_diffs(plan: list[_Planned]) -> None:
     """Refuse a rootfs diff podshim-runc would refuse, before any sandbox exists."""
     for p in plan:
@@ -228,7 +242,7 @@ class PodRestorer:
         caller_end = loop.time() + (deadline if deadline is not None else DEFAULT_DEADLINE)
         try:
             async with asyncio.timeout_at(caller_end - CHECK_MARGIN):
-                root, key, m, plan = await self._check(req)
+                root, key, m, plan, network = await self._check(req)
         except TimeoutError:
             raise errors.DeadlineExceeded(
                 f"the caller's deadline passed while verifying {req.checkpoint_path}; nothing was "
@@ -255,7 +269,7 @@ class PodRestorer:
                 if m.encryption is not None:
                     await self._decrypt(root, m, plan, key, decrypted)
                 await run_to_end(check_rootfs_diffs, plan)  # a hostile diff fails here, not at start
-                await self._create(req, m, plan, opts, rec, sandbox, created)
+                await self._create(req, m, plan, opts, rec, sandbox, created, network)
         except BaseException as e:
             # In a task of its own: when the caller's deadline passes (or it goes away) during
             # the rollback, gRPC cancels this handler, but the sandbox must still be removed and
@@ -279,7 +293,7 @@ class PodRestorer:
 
     async def _check(
         self, req: cri.RestorePodRequest
-    ) -> tuple[Path, crypto.NodeKey | None, manifest.Manifest, list[_Planned]]:
+    ) -> tuple[Path, crypto.NodeKey | None, manifest.Manifest, list[_Planned], dict[str, Any]]:
         """Everything verified before anything is created: the request, the archive (every
         checksum), this host, the container configs against the checkpoint."""
         RestoreOptions.parse(dict(req.options))
@@ -296,7 +310,8 @@ class PodRestorer:
         m = await run_to_end(manifest.load_and_verify, root, self.config.allowed_roots, 2, key)
         await run_to_end(check_this_host, m, self.config.runtime.criu, runtime.binary)
         plan = await self._plan(req, m, layout.ArchiveLayout(root), key)
-        return root, key, m, plan
+        network = await run_to_end(_recorded_network, root, m, key)
+        return root, key, m, plan, network
 
     async def _plan(
         self,
@@ -437,6 +452,7 @@ class PodRestorer:
         rec: Any,
         sandbox: list[str],
         created: dict[str, str],
+        network: dict[str, Any],
     ) -> None:
         up = self.upstream.runtime
         started = time.monotonic()
@@ -453,6 +469,7 @@ class PodRestorer:
         self.journal.update(rec, "sandbox", sandbox_id=resp.pod_sandbox_id)
         faults.hit("restore.after-sandbox")
         log.info("restore sandbox created", sandbox=resp.pod_sandbox_id)
+        await self._check_network(resp.pod_sandbox_id, network)
         for p in plan:
             try:
                 c = await up.CreateContainer(
@@ -484,6 +501,28 @@ class PodRestorer:
                         self.upstream.endpoint, e, f"starting restored container {p.entry.name!r}"
                     ) from None
         log.info("restore done", sandbox=resp.pod_sandbox_id, seconds=round(time.monotonic() - started, 4))
+
+    async def _check_network(self, sandbox_id: str, recorded: dict[str, Any]) -> None:
+        """The new pod must have every interface the checkpointed one had (its addresses are
+        new, from CNI): otherwise FAILED_PRECONDITION, and the new sandbox is removed."""
+        if not recorded.get("interfaces"):
+            return  # an archive without namespace facts: nothing to check against
+        pod = await build_pod_view(self.upstream, sandbox_id)
+        if pod.netns is None:
+            return
+        now = await run_to_end(cni.read_facts, pod.netns)
+        missing = cni.missing_interfaces(recorded, now)
+        if missing:
+            raise errors.FailedPrecondition(
+                f"the new pod's network lacks interface(s) {', '.join(missing)} that the checkpointed pod "
+                "had: give the new pod the same networks (CNI configuration) as the source"
+            )
+        log.info(
+            "restore network",
+            sandbox=sandbox_id,
+            addresses=cni.addresses(now),
+            checkpointed_addresses=cni.addresses(recorded),
+        )
 
     async def _abandon(self, sandbox: list[str], rec: Any, decrypted: list[Path] | None = None) -> None:
         rolled_back = False

@@ -217,8 +217,16 @@ def test_single_counter_pod(
     assert_dumped(out, m, "counter")
     for f in ("sandbox/config.json", "sandbox/status.json", "sandbox/network.json"):
         assert f in m.files
+    # the pod's network as its namespace had it (pyroute2), beside the upstream's CNI result
+    network = json.loads((out / "sandbox/network.json").read_text())
+    ip = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=pod.id)).status.network.ip
+    nics = {i["name"]: i for i in network["netns"]["interfaces"]}
+    assert {"lo", "eth0"} <= set(nics), nics
+    assert any(a.startswith(ip + "/") for a in nics["eth0"]["addresses"]), (ip, nics["eth0"])
+    assert any(r["dst"] == "default" and r["dev"] == "eth0" for r in network["netns"]["routes"]), network
+    assert network["cni_result"], "the upstream's CNI result is missing"
 
-    assert {"freeze_window", "dump", "total"} <= set(m.timings)
+    assert {"freeze_window", "dump", "rootfs_diff", "total"} <= set(m.timings)
     assert 0 < m.timings["freeze_window"] < m.timings["total"]
     stats = m.criu_stats["counter"]
     assert stats["pages_written"] > 0

@@ -885,6 +885,32 @@ def test_deadline_shorter_than_verifying_creates_nothing(
     assert pods_named(rt, config.metadata.name) == []
 
 
+def test_new_pod_lacking_an_interface_is_failed_precondition(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    """The checkpointed pod had a second network (net1) the new pod does not get: refused once
+    the sandbox shows it, naming the interface, and the new sandbox is removed."""
+    copy = copy_archive(good.path, bed, "net1")
+    scratch.append(copy)
+    net = copy / "sandbox/network.json"
+    doc = json.loads(net.read_text())
+    nics = doc["netns"]["interfaces"]
+    assert "eth0" in {i["name"] for i in nics}, nics  # what the source pod really had
+    nics.append({"name": "net1", "mac": "", "mtu": 1500, "up": True, "addresses": ["192.0.2.7/24"]})
+    net.write_text(json.dumps(doc))
+    manifest.write_manifest(copy, manifest.read_manifest(copy))  # a consistent archive
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        copy,
+        good.containers,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "lacks interface(s) net1",
+    )
+
+
 def test_unknown_option_is_invalid(
     rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
 ) -> None:

@@ -17,7 +17,7 @@ import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import errors
+from shim import cni, errors
 from shim.upstream import Upstream, upstream_error
 
 CRI_NAMESPACE = "k8s.io"  # containerd's namespace for CRI objects: the runc root's last element
@@ -119,6 +119,11 @@ class PodView:
     @property
     def ready(self) -> bool:
         return self.status.state == cri.SANDBOX_READY
+
+    @property
+    def netns(self) -> str | None:
+        """The pod's network namespace (a path), None when the upstream does not say."""
+        return cni.netns_path(self.spec, self.pid)
 
     @property
     def name(self) -> str:
