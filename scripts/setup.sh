@@ -10,6 +10,8 @@
 #   2. CRIU >= 4.1 built from the trixie source package (upstream orig tarball) into
 #      /usr/local: /usr/local/sbin/criu, libcriu (+ headers, criu.pc) under
 #      /usr/local/lib/<multiarch>. Debian 12's CRIU 3.17 fails `criu check` on new kernels.
+#      podshim's patches (scripts/patches/criu) are applied first; an installed CRIU without
+#      the current patch set is rebuilt.
 #   3. crun with CRIU support from the trixie source package: /usr/local/bin/crun.
 #      (Debian 12's crun 1.8 has no CRIU.) A failure here is a warning, not an error; the
 #      test suite's crun variants then fail (PODSHIM_TESTS_WITHOUT_CRUN=1 skips them).
@@ -35,6 +37,8 @@ CRIU_MIN=4.1
 CRUN_MIN=1.21
 APT_SRC_FILE=/etc/apt/sources.list.d/podshim-src.sources
 PYCRIU_SRC_DIR=$PREFIX/share/podshim/pycriu-src
+CRIU_PATCH_DIR=$REPO_ROOT/scripts/patches/criu
+CRIU_PATCH_STAMP=$PREFIX/share/podshim/criu-patches  # the patch set the installed CRIU carries
 VENV=$REPO_ROOT/.venv
 export DEBIAN_FRONTEND=noninteractive
 export PATH="$PREFIX/sbin:$PREFIX/bin:$PATH"
@@ -43,7 +47,7 @@ APT_PACKAGES=(
   # runtime: the container stack podshim drives
   containerd runc iptables iproute2 containernetworking-plugins busybox-static
   # toolchain
-  build-essential dpkg-dev pkgconf xz-utils ca-certificates python3 python3-venv
+  build-essential dpkg-dev pkgconf xz-utils ca-certificates python3 python3-venv patch
   # CRIU 4.1 build dependencies (trixie's criu source package, without docs)
   libbsd-dev libcap-dev libgnutls28-dev libnet1-dev libnftables-dev libnl-3-dev
   libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev
@@ -241,6 +245,24 @@ fetch_source() {
 # ---------------------------------------------------------------------------------------
 criu_version() { "$1" --version 2>/dev/null | awk '/^Version:/ { print $2 }'; }
 
+# criu_patch_id: one hash of podshim's CRIU patches (scripts/patches/criu/*.patch).
+criu_patch_id() { cat "$CRIU_PATCH_DIR"/*.patch 2>/dev/null | sha256sum | cut -d' ' -f1; }
+
+# apply_patches SRC: apply each of podshim's CRIU patches to SRC once (an applied one is
+# recognised by its reverse applying cleanly).
+apply_patches() {
+  local src=$1 p
+  for p in "$CRIU_PATCH_DIR"/*.patch; do
+    [ -f "$p" ] || continue
+    if patch -d "$src" -p1 -R -s -f --dry-run <"$p" >/dev/null 2>&1; then
+      info "patch $(basename "$p"): already applied"
+    else
+      patch -d "$src" -p1 -s -f -N <"$p" || die "patch $(basename "$p") does not apply to $src"
+      info "patch $(basename "$p"): applied"
+    fi
+  done
+}
+
 # criu_state: prints "ok VERSION" or the reason it is not ok.
 criu_state() {
   local bin=$PREFIX/sbin/criu ma v pcv out
@@ -253,6 +275,8 @@ criu_state() {
   [ "$pcv" = "$v" ] || { echo "criu.pc says '${pcv:-none}', binary says $v"; return; }
   { [ -f "$PYCRIU_SRC_DIR/VERSION" ] && [ "$(cat "$PYCRIU_SRC_DIR/VERSION")" = "$v" ]; } ||
     { echo "pycriu sources for $v missing in $PYCRIU_SRC_DIR"; return; }
+  [ "$(cat "$CRIU_PATCH_STAMP" 2>/dev/null)" = "$(criu_patch_id)" ] ||
+    { echo "the installed CRIU lacks podshim's patches (scripts/patches/criu)"; return; }
   out=$("$bin" check 2>&1 || true)
   [[ "$out" == *"Looks good"* ]] || { echo "'criu check' fails: ${out##*$'\n'}"; return; }
   echo "ok $v"
@@ -270,6 +294,7 @@ step_criu() {
     t=$(date +%s)
     mkdir -p "$BUILD_DIR/logs"
     src=$(fetch_source criu "$CRIU_MIN") || die "cannot get CRIU's source"
+    apply_patches "$src"
     log=$BUILD_DIR/logs/criu-build.log
     : >"$log"
     info "make -j2 criu lib in $src (log: $log)"
@@ -291,6 +316,7 @@ step_criu() {
       "$PYCRIU_SRC_DIR/pycriu/images/"
     cp "$src"/images/*.proto "$PYCRIU_SRC_DIR/proto/"
     criu_version "$src/criu/criu" >"$PYCRIU_SRC_DIR/VERSION"
+    criu_patch_id >"$CRIU_PATCH_STAMP"
     info "installed in $(( $(date +%s) - t ))s"
 
     state=$(criu_state)

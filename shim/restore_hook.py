@@ -112,8 +112,10 @@ def restore(
     # cwd), so the archive is used in place and never modified.
     work = bundle / WORK_DIR
     work.mkdir(mode=0o700, exist_ok=True)
-    # Established TCP connections are closed on restore (KEP-5823 alpha): runc has no flag
-    # for it, so it goes through the CRIU config file the runtime reads from the spec.
+    # Established TCP connections are closed on restore (KEP-5823 alpha): neither runc nor crun
+    # has a flag for it, so it goes through a CRIU config file: runc passes the one named by the
+    # spec's org.criu.config to CRIU; crun does not, but the CRIU it starts reads the file named
+    # by CRIU_CONFIG_FILE from its environment (see _run_guarded).
     criu_conf = work / "criu.conf"
     criu_conf.write_text("tcp-close\n")
     spec.setdefault("annotations", {})[CRIU_CONFIG_ANNOTATION] = str(criu_conf)
@@ -141,7 +143,8 @@ def restore(
     # stdio and every other descriptor the upstream gave us go to the restored process.
     faults.hit("runc-wrapper.before-restore")
     state_dir = Path(flags.get("--root", "")) / container_id
-    returncode = _run_guarded(cmd, spec.get("linux", {}).get("cgroupsPath", ""), work, state_dir)
+    env = {**os.environ, "CRIU_CONFIG_FILE": str(criu_conf)}
+    returncode = _run_guarded(cmd, spec.get("linux", {}).get("cgroupsPath", ""), work, state_dir, env)
     if crypto.is_decrypted_dir(ckpt):
         # Decrypted images: CRIU is done with them (a failed create is not retried), and plaintext
         # memory must not stay on disk.
@@ -163,7 +166,7 @@ def restore(
     raise SystemExit(0)
 
 
-def _run_guarded(cmd: list[str], cgroups_path: str, work: Path, state_dir: Path) -> int:
+def _run_guarded(cmd: list[str], cgroups_path: str, work: Path, state_dir: Path, env: dict[str, str]) -> int:
     """Run the restore with a watchdog: the upstream kills podshim-runc (SIGKILL) when
     StartContainer is cancelled, and runc's CRIU and the half-restored tasks must not go on
     unowned. The watchdog waits on a pipe; if podshim-runc dies before the restore ended, it
@@ -171,7 +174,7 @@ def _run_guarded(cmd: list[str], cgroups_path: str, work: Path, state_dir: Path)
     mounts CRIU left under the work dir and the runtime's state dir, and removes a state dir the
     killed restore never completed (so the upstream's `delete` finds nothing to trip on)."""
     # stdio and every other descriptor the upstream gave us go to the restored process.
-    child = subprocess.Popen(cmd, close_fds=False, start_new_session=True)
+    child = subprocess.Popen(cmd, close_fds=False, start_new_session=True, env=env)
     read_end, write_end = os.pipe()
     if os.fork() == 0:  # the watchdog
         try:

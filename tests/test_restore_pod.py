@@ -545,6 +545,123 @@ def test_completed_init_container_is_not_rerun(
     shutil.rmtree(out, ignore_errors=True)
 
 
+def test_listening_server_serves_after_restore(
+    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
+) -> None:
+    """The warm-start case: a server listening on a TCP port is checkpointed and restored, and
+    the restored process answers on that port in the new pod (with its new IP)."""
+    page = f"warm-{secrets.token_hex(4)}"
+    web = pods.container_config(
+        "web",
+        image=pods.BUSYBOX_IMAGE,
+        command=[
+            "sh",
+            "-c",
+            f"mkdir -p /www && echo {page} > /www/index.html && exec httpd -f -p 8080 -h /www",
+        ],
+        args=[],
+    )
+    src = pods.run_pod(
+        rt, f"web-src-{secrets.token_hex(3)}", log_root, {"web": web}, runtime_handler=runtime_handler
+    )
+    pod_cleanup.append(src.id)
+    get = ["wget", "-qO-", "http://127.0.0.1:8080/index.html"]
+
+    def serves(cid: str) -> bool:
+        r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=get, timeout=10))
+        return r.exit_code == 0 and r.stdout.decode().strip() == page
+
+    pods.wait_for(lambda: serves(src.containers["web"]), what="the source server")
+    out = Path(bed.checkpoint_root) / f"web-{secrets.token_hex(3)}"
+    out.mkdir(mode=0o700)
+    try:
+        rt.CheckpointPod(
+            cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
+        )
+        # the page file goes away in the source: the restored server must serve the checkpoint's
+        rt.ExecSync(cri.ExecSyncRequest(container_id=src.containers["web"], cmd=["rm", "/www/index.html"]))
+        config = pods.pod_config("web-restored", log_root)
+        resp = restore(rt, out, config, [web], runtime_handler=runtime_handler)
+        pod_cleanup.append(resp.pod_sandbox_id)
+        cid = resp.restored_containers[0].container_id
+        rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+        pods.wait_for(lambda: serves(cid), 10, what="the restored server to answer")
+        pid = container_pid(rt, cid)
+        assert "httpd" in " ".join(_sys.read_cmdline(pid)), "the restored process is not the server"
+        assert not serves(src.containers["web"]), "the source lost its page: the restore served its own"
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def test_established_tcp_connection_is_closed_on_restore(
+    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
+) -> None:
+    """KEP alpha: a checkpoint may hold an established TCP connection (tcp-established=true);
+    the restore closes it. The client of a loopback connection inside the pod sees it end and
+    exits, while in the source pod the same connection stays up."""
+    # the server writes one line a second; the client (its stdin a fifo that never ends, so it
+    # never half-closes) prints what it gets, and exits when the connection ends
+    tcp = pods.container_config(
+        "tcp",
+        image=pods.BUSYBOX_IMAGE,
+        command=[
+            "sh",
+            "-c",
+            "while true; do echo tick; sleep 1; done | nc -l -p 7777 & "
+            "mkfifo /tmp/f; sleep 100000 > /tmp/f & sleep 0.3; "
+            "nc 127.0.0.1 7777 < /tmp/f; echo client-ended",
+        ],
+        args=[],
+    )
+    containers = {"tcp": tcp, "counter": counter_config("counter", SMALL_ARGS)}
+    src = pods.run_pod(
+        rt, f"tcp-src-{secrets.token_hex(3)}", log_root, containers, runtime_handler=runtime_handler
+    )
+    pod_cleanup.append(src.id)
+    pods.wait_for(
+        lambda: log_text(src.log_path("tcp")).count("tick") >= 2, what="the connection to carry data"
+    )
+    pods.wait_count(src.log_path("counter"), 5)
+    out = Path(bed.checkpoint_root) / f"tcp-{secrets.token_hex(3)}"
+    out.mkdir(mode=0o700)
+    rt.CheckpointPod(
+        cri.CheckpointPodRequest(
+            pod_sandbox_id=src.id, output_path=str(out), options={"tcp-established": "true"}
+        ),
+        timeout=RPC_TIMEOUT,
+    )
+    try:
+        config = pods.pod_config("tcp-restored", log_root)
+        resp = restore(rt, out, config, list(containers.values()), runtime_handler=runtime_handler)
+        pod_cleanup.append(resp.pod_sandbox_id)
+        ids = {c.name: c.container_id for c in resp.restored_containers}
+        rt.StartContainer(cri.StartContainerRequest(container_id=ids["counter"]))
+        try:
+            rt.StartContainer(cri.StartContainerRequest(container_id=ids["tcp"]))
+        except grpc.RpcError as e:
+            # the restored client can find its connection closed and exit before containerd's
+            # start step: containerd then reports the process as already stopped
+            assert "stopped process" in (e.details() or ""), e.details()
+        # the restored client's connection is gone: it says so and its container exits
+        pods.wait_for(
+            lambda: status(rt, ids["tcp"]).status.state == cri.CONTAINER_EXITED,
+            20,
+            what="the restored client to exit",
+        )
+        assert "client-ended" in log_text(container_log(config, "tcp"))
+        # ... while the rest of the restored pod runs on, from its checkpointed state
+        first = pods.wait_for(lambda: pods.counts(container_log(config, "counter")), what="restored counter")[
+            0
+        ]
+        assert first > 0
+        assert status(rt, ids["counter"]).status.state == cri.CONTAINER_RUNNING
+        # and the source's connection is untouched
+        assert status(rt, src.containers["tcp"]).status.state == cri.CONTAINER_RUNNING
+        assert "client-ended" not in log_text(src.log_path("tcp"))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def test_restore_twice_and_after_source_removed(
     rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
 ) -> None:
