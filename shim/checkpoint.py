@@ -36,6 +36,9 @@ log = logs.get("shim.checkpoint")
 
 FREEZE_TIMEOUT = 5.0  # seconds to confirm a cgroup froze/thawed
 CLEANUP_MARGIN = 0.5  # seconds kept from the caller's deadline to thaw and clean up
+# Hash threads of the archive phase: half the cores. The phase is bound by the disk flush that
+# runs beside them, so more would not shorten it, only starve the proxy's event loop.
+HASH_WORKERS = max(1, (os.cpu_count() or 2) // 2)
 CHECK_MARGIN = 0.1  # seconds kept from it to answer when the checks themselves run out of time
 DEFAULT_DEADLINE = 600.0  # the CRI says the caller sets one; this bounds a caller that did not
 
@@ -474,7 +477,7 @@ class PodCheckpointer:
             encrypt_start = time.monotonic()
             crypto.encrypt_tree(archive.root, key, workers=2, stop=stop)
             timings["encrypt"] = time.monotonic() - encrypt_start  # m.timings: the same dict
-        return manifest.write_manifest(archive.root, m, workers=4, key=key, stop=stop)
+        return manifest.write_manifest(archive.root, m, workers=HASH_WORKERS, key=key, stop=stop)
 
 
 def _options_record(opts: CheckpointOptions) -> dict[str, str]:

@@ -30,6 +30,12 @@ def netns_path(spec: dict[str, Any], pid: int) -> str | None:
     return f"/proc/{pid}/ns/net" if pid > 0 else None
 
 
+def preload() -> None:
+    """Import pyroute2 now (podshim's start-up): imported by the first checkpoint instead, its
+    ~0.1 s of module code would hold the GIL and stall the proxy's event loop."""
+    import pyroute2  # noqa: F401
+
+
 def read_facts(netns: str) -> dict[str, Any]:
     """Interfaces (name, MAC, MTU, state, addresses) and routes of the namespace at `netns`.
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import logs, metrics
+from shim import cni, logs, metrics
 from shim.config import Config
 from shim.server.proxy import CriHandler, Passthrough
 from shim.server.runtime import Engine, RuntimeHandlers
@@ -90,6 +90,7 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
                 f"server.metrics_address {config.metrics_address}: {e.strerror or e}"
             ) from None
     upstream = Upstream(config.upstream_endpoint, config.upstream_timeout)
+    cni.preload()
     engine = engine_factory(config, upstream)
     await engine.recover()
     server = Server(config, engine, upstream)
