@@ -193,13 +193,12 @@ class PodCheckpointer:
         caller_end = loop.time() + (deadline if deadline is not None else DEFAULT_DEADLINE)
         try:
             async with asyncio.timeout_at(caller_end - CHECK_MARGIN):
-                out, pod, selected = await self._check(req)
+                opts, out, pod, selected = await self._check(req)
         except TimeoutError:
             raise errors.DeadlineExceeded(
                 f"the caller's deadline passed while checking the request for pod {req.pod_sandbox_id}; "
                 "nothing was frozen or written: retry with a longer deadline"
             ) from None
-        opts = CheckpointOptions.parse(dict(req.options))
         post = req.post_checkpoint_state
         end = caller_end - CLEANUP_MARGIN
         if end <= loop.time():
@@ -230,10 +229,12 @@ class PodCheckpointer:
         self.journal.finish(rec)
         return result
 
-    async def _check(self, req: cri.CheckpointPodRequest) -> tuple[Path, PodView, list[ContainerView]]:
+    async def _check(
+        self, req: cri.CheckpointPodRequest
+    ) -> tuple[CheckpointOptions, Path, PodView, list[ContainerView]]:
         """Everything checked before anything is frozen or written: options, output path, node
         key, pod (ready), the containers to capture (running, dumpable)."""
-        CheckpointOptions.parse(dict(req.options))
+        opts = CheckpointOptions.parse(dict(req.options))
         post = req.post_checkpoint_state
         if post not in (cri.POST_CHECKPOINT_STATE_RUNNING, cri.POST_CHECKPOINT_STATE_STOPPED):
             raise errors.InvalidArgument(f"post_checkpoint_state {post} is not RUNNING (0) or STOPPED (1)")
@@ -247,7 +248,7 @@ class PodCheckpointer:
         selected = select_containers(pod, list(req.container_ids))
         for c in selected:
             await run_to_end(check_dumpable, c)
-        return out, pod, selected
+        return opts, out, pod, selected
 
     def _abandon(self, archive: layout.ArchiveLayout, rec: Any) -> None:
         """Remove what this operation wrote inside output_path (never the dir itself)."""

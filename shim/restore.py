@@ -223,6 +223,18 @@ def check_rootfs_diffs(plan: list[_Planned]) -> None:
             raise type(e)(f"container {p.entry.name!r}: {e.message}") from None
 
 
+@dataclass
+class _Checked:
+    """What RestorePod verified before creating anything."""
+
+    opts: RestoreOptions
+    root: Path
+    key: crypto.NodeKey | None
+    manifest: manifest.Manifest
+    plan: list[_Planned]
+    network: dict[str, Any]  # the pod network facts the checkpoint recorded
+
+
 class PodRestorer:
     def __init__(self, config: Config, upstream: Upstream, journal: Journal) -> None:
         self.config = config
@@ -242,16 +254,16 @@ class PodRestorer:
         caller_end = loop.time() + (deadline if deadline is not None else DEFAULT_DEADLINE)
         try:
             async with asyncio.timeout_at(caller_end - CHECK_MARGIN):
-                root, key, m, plan, network = await self._check(req)
+                checked = await self._check(req)
         except TimeoutError:
             raise errors.DeadlineExceeded(
                 f"the caller's deadline passed while verifying {req.checkpoint_path}; nothing was "
                 "created: retry with a longer deadline"
             ) from None
-        opts = RestoreOptions.parse(dict(req.options))
         end = caller_end - CLEANUP_MARGIN
         if end <= loop.time():
             raise errors.DeadlineExceeded("the deadline leaves no time to restore the pod")
+        root, m, plan = checked.root, checked.manifest, checked.plan
         md = req.config.metadata
         # The new sandbox's metadata is recorded before RunPodSandbox: a crash before its id is
         # known still lets recovery find and remove it (see rollback_unrecorded).
@@ -267,9 +279,9 @@ class PodRestorer:
         try:
             async with asyncio.timeout_at(end):
                 if m.encryption is not None:
-                    await self._decrypt(root, m, plan, key, decrypted)
+                    await self._decrypt(root, m, plan, checked.key, decrypted)
                 await run_to_end(check_rootfs_diffs, plan)  # a hostile diff fails here, not at start
-                await self._create(req, m, plan, opts, rec, sandbox, created, network)
+                await self._create(req, m, plan, checked.opts, rec, sandbox, created, checked.network)
         except BaseException as e:
             # In a task of its own: when the caller's deadline passes (or it goes away) during
             # the rollback, gRPC cancels this handler, but the sandbox must still be removed and
@@ -291,12 +303,10 @@ class PodRestorer:
             ],
         )
 
-    async def _check(
-        self, req: cri.RestorePodRequest
-    ) -> tuple[Path, crypto.NodeKey | None, manifest.Manifest, list[_Planned], dict[str, Any]]:
+    async def _check(self, req: cri.RestorePodRequest) -> _Checked:
         """Everything verified before anything is created: the request, the archive (every
         checksum), this host, the container configs against the checkpoint."""
-        RestoreOptions.parse(dict(req.options))
+        opts = RestoreOptions.parse(dict(req.options))
         if not req.HasField("config") or not req.config.metadata.name:
             raise errors.InvalidArgument("config (the new PodSandboxConfig with metadata) is required")
         runtime = self.config.runtime_for_handler(req.runtime_handler)
@@ -311,7 +321,7 @@ class PodRestorer:
         await run_to_end(check_this_host, m, self.config.runtime.criu, runtime.binary)
         plan = await self._plan(req, m, layout.ArchiveLayout(root), key)
         network = await run_to_end(_recorded_network, root, m, key)
-        return root, key, m, plan, network
+        return _Checked(opts, root, key, m, plan, network)
 
     async def _plan(
         self,
