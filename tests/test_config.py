@@ -106,3 +106,25 @@ def test_split_global_flags_of_containerd_calls() -> None:
         ["id"],
     )
     assert split_global(["--version"]) == ({"--version": ""}, None, [])
+
+
+async def test_upstream_timeout_bounds_podshims_own_calls(tmp_path: Path) -> None:
+    """`[upstream] timeout_seconds` reaches the calls podshim makes by itself (here the pod view
+    a CheckpointPod builds), through the Upstream the server creates from the config."""
+    from shim.sandbox import build_pod_view
+    from shim.server.app import Server
+
+    cfg = config.load(write(tmp_path, "[upstream]\ntimeout_seconds = 7.5\n"), env={})
+    server = Server(cfg, engine=None)  # type: ignore[arg-type]
+    seen: list[float] = []
+
+    class Runtime:
+        async def PodSandboxStatus(self, request: object, timeout: float) -> object:  # noqa: N802
+            seen.append(timeout)
+            raise RuntimeError("enough")
+
+    server.upstream.runtime = Runtime()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="enough"):
+        await build_pod_view(server.upstream, "pod-1")
+    assert server.upstream.timeout == 7.5 and seen == [7.5]
+    await server.upstream.close()
