@@ -448,8 +448,11 @@ def test_inspect_container_tar_and_pod_checkpoint(
     assert c["pages_bytes"] >= 16 << 20 and c["bytes"] > c["pages_bytes"]
     assert info["freeze_window_seconds"] > 0 and info["host"]["runtime_name"]
     assert info["total_bytes"] > c["bytes"]  # the sandbox files too
+    ip = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=pod.id)).status.network.ip
+    assert any(a.startswith(ip + "/") for a in info["network"]["eth0"]), info["network"]
     table = podshim("inspect", str(out))
     assert table.returncode == 0 and "CONTAINER" in table.stdout and "counter" in table.stdout
+    assert f"eth0 {ip}/" in table.stdout, table.stdout
 
     # a truncated tar is reported, not trusted
     bad = tar_path.with_name("bad.tar")

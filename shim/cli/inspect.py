@@ -126,10 +126,25 @@ def inspect_pod(root: Path, verify: bool) -> dict[str, Any]:
         "options": m.options,
         "timings": m.timings,
         "freeze_window_seconds": m.timings.get("freeze_window"),
+        "network": _network(root, m),
         "containers": containers,
         "files": len(m.files),
         "total_bytes": sum(sizes.values()),
     }
+
+
+def _network(root: Path, m: manifest.Manifest) -> dict[str, list[str]] | None:
+    """The pod's interfaces and their addresses at checkpoint (sandbox/network.json; shim/cni),
+    loopback left out; None when the archive has none or it is encrypted."""
+    rel = f"{layout.SANDBOX_DIR}/{layout.SANDBOX_NETWORK_FILE}"
+    if m.encryption is not None or rel not in m.files:
+        return None
+    try:
+        doc = json.loads((root / rel).read_text())
+    except (OSError, ValueError):
+        return None
+    nics = ((doc.get("netns") or {}) if isinstance(doc, dict) else {}).get("interfaces") or []
+    return {str(i.get("name")): list(i.get("addresses") or []) for i in nics if i.get("name") != "lo"}
 
 
 # ---------------------------------------------------------------------------- container tar
@@ -287,6 +302,12 @@ def _timings(t: dict[str, Any]) -> str:
     return ", ".join(f"{k} {float(v):.3f}s" for k, v in t.items() if isinstance(v, int | float)) or "-"
 
 
+def _network_line(network: dict[str, list[str]] | None) -> str:
+    if not network:
+        return "-"
+    return "; ".join(f"{name} {' '.join(addrs) or '(no address)'}" for name, addrs in network.items())
+
+
 def pod_table(info: dict[str, Any]) -> str:
     p = info["pod"]
     head = _fields(
@@ -296,6 +317,7 @@ def pod_table(info: dict[str, Any]) -> str:
             ("Pod", f"{p['namespace']}/{p['name']} (uid {p['uid']}, sandbox {p['id'][:13]})"),
             ("Host", _host(info["host"])),
             ("Post state", info["post_checkpoint_state"]),
+            ("Network", _network_line(info.get("network"))),
             ("Freeze window", _seconds(info["freeze_window_seconds"])),
             ("Timings", _timings(info["timings"])),
             ("Size", f"{output.human_bytes(info['total_bytes'])} in {info['files']} files"),
