@@ -12,10 +12,15 @@ import secrets
 import shutil
 import stat
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from shim.errors import Internal, InvalidArgument, NotFound
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 CHUNK_SIZE = 1 << 20  # 1 MiB: large enough to amortise syscalls, small enough to stream
 
@@ -152,6 +157,14 @@ def clear_dir_contents(path: Path) -> None:
         raise Internal(f"cannot remove the contents of {path}: {e}; remove them by hand") from e
 
 
+def map_in_threads(fn: Callable[[T], R], items: list[T], workers: int) -> list[R]:
+    """[fn(i) for i in items], on up to `workers` threads (hashing releases the GIL)."""
+    if workers > 1 and len(items) > 1:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="podshim-hash") as pool:
+            return list(pool.map(fn, items))
+    return [fn(i) for i in items]
+
+
 def hash_and_flush(
     paths: list[Path], workers: int = 1, stop: threading.Event | None = None
 ) -> list[tuple[int, str]]:
@@ -172,11 +185,7 @@ def hash_and_flush(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="podshim-flush") as flusher:
         flushed = flusher.submit(flush_all)
         try:
-            if workers > 1 and len(paths) > 1:
-                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="podshim-hash") as pool:
-                    results = list(pool.map(lambda p: hash_file(p, stop=stop), paths))
-            else:
-                results = [hash_file(p, stop=stop) for p in paths]
+            results = map_in_threads(lambda p: hash_file(p, stop=stop), paths, workers)
         except BaseException:
             if stop is not None:
                 stop.set()  # the flusher stops at its next file; waiting for it is bounded
@@ -188,12 +197,11 @@ def hash_and_flush(
 
 
 def hash_file(
-    path: Path, chunk_size: int = CHUNK_SIZE, fsync: bool = False, stop: threading.Event | None = None
+    path: Path, chunk_size: int = CHUNK_SIZE, stop: threading.Event | None = None
 ) -> tuple[int, str]:
     """Stream `path` (not following a final symlink) and return (bytes read, sha256 hex).
 
-    fsync=True also flushes the file afterwards. `stop` set: raises Stopped at the next chunk
-    (and skips the fsync), so a cancelled caller is not held up.
+    `stop` set: raises Stopped at the next chunk, so a cancelled caller is not held up.
     """
     h = hashlib.sha256()
     size = 0
@@ -206,8 +214,6 @@ def hash_file(
             size += n
             if stop is not None and stop.is_set():
                 raise Stopped(f"checksumming {path} stopped: the operation was cancelled")
-        if fsync:
-            os.fsync(fd)
     finally:
         os.close(fd)
     return size, h.hexdigest()

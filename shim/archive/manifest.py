@@ -13,14 +13,13 @@ import platform
 import stat
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from shim.archive import crypto
-from shim.archive.fsutil import atomic_write, fsync_tree, hash_and_flush, hash_file
+from shim.archive.fsutil import atomic_write, fsync_tree, hash_and_flush, hash_file, map_in_threads
 from shim.archive.layout import MANIFEST_FILE
 from shim.archive.paths import check_member_path, validate_archive_dir
 from shim.errors import (
@@ -319,13 +318,6 @@ def _scan_tree(root: Path, err: Callable[[str], ShimError]) -> dict[str, int]:
     return out
 
 
-def _map(fn: Callable[[str], Any], items: list[str], workers: int) -> list[Any]:
-    if workers > 1 and len(items) > 1:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="podshim-hash") as pool:
-            return list(pool.map(fn, items))
-    return [fn(i) for i in items]
-
-
 def _check_members(root: Path, m: Manifest) -> None:
     for rel in m.files:
         norm = check_member_path(rel, f"{root}: manifest file entry")
@@ -442,7 +434,7 @@ def verify_files(root: Path, manifest: Manifest, workers: int = 1) -> None:
         )
     rels = sorted(expected)
     try:
-        results = _map(lambda rel: hash_file(root / rel), rels, workers)
+        results = map_in_threads(lambda rel: hash_file(root / rel), rels, workers)
     except OSError as e:
         raise Internal(f"cannot read checkpoint {root}: {e}") from e
     bad = [
