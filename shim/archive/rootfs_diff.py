@@ -422,6 +422,13 @@ def _mtime_ns(ti: tarfile.TarInfo) -> int:
     return int(ti.mtime * 1_000_000_000)
 
 
+def _deleted_entry(entry: object) -> tuple[tuple[str, ...], str]:
+    """A deleted.files entry (a container-absolute path) as (parent dirs, name), confined."""
+    if not isinstance(entry, str):
+        raise InvalidArgument(f"deleted.files entry {entry!r} is not a string")
+    return _split(entry.lstrip("/"))
+
+
 def _split(name: str) -> tuple[tuple[str, ...], str]:
     p = check_member_path(name, "rootfs diff member")
     return tuple(p.parts[:-1]), p.parts[-1]
@@ -449,9 +456,7 @@ def apply_deleted_files(rootfs: Path, deleted: Sequence[str]) -> int:
     n = 0
     try:
         for d in deleted:
-            if not isinstance(d, str):
-                raise InvalidArgument(f"deleted.files entry {d!r} is not a string")
-            parents, name = _split(d.lstrip("/"))
+            parents, name = _deleted_entry(d)
             pfd = tree.parent(parents, create=False, member=d)
             if pfd is not None:  # absent parent or a symlink: nothing of it to delete
                 n += _remove(pfd, name)
@@ -562,15 +567,14 @@ def read_deleted_files(path: Path) -> list[str] | None:
     return entries
 
 
-def check_rootfs_diff(tar_path: Path, deleted: Sequence[str] | None = None) -> DiffSummary:
+def check_rootfs_diff(tar_path: Path, deleted: Sequence[str] | None = None) -> None:
     """Refuse, without touching any rootfs, a diff that apply_rootfs_diff would refuse for its
     own content: corrupt tar, bad names or types, and members written through a symlink the
     same tar creates. (A symlink already in the target image is only seen when applying.)
     RestorePod runs this before it creates anything, so a hostile archive fails there."""
     tar_path = Path(tar_path)
-    s = DiffSummary()
     with _open_tar(tar_path) as tar:
-        plan, _deletions = _plan(tar, tar_path, s)
+        plan, _deletions = _plan(tar, tar_path, DiffSummary())
     symlinks = {(*parents, name) for ti, parents, name in plan if ti.issym()}
     for ti, parents, _name in plan:
         for i in range(1, len(parents) + 1):
@@ -580,10 +584,7 @@ def check_rootfs_diff(tar_path: Path, deleted: Sequence[str] | None = None) -> D
                     "diff; refusing to write through it"
                 )
     for d in deleted or []:
-        if not isinstance(d, str):
-            raise InvalidArgument(f"deleted.files entry {d!r} is not a string")
-        _split(d.lstrip("/"))
-    return s
+        _deleted_entry(d)
 
 
 def _apply_member(
