@@ -54,6 +54,7 @@ from shim.checkpoint import (
     FREEZE_TIMEOUT,
     PodCheckpointer,
     check_dumpable,
+    self_frozen,
 )
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
@@ -407,12 +408,14 @@ class ContainerCheckpointer:
                 target = loc.target(kubelet_name(pod, c.name, rfc3339()))
             # a hidden sibling of the tar, named so that leftovers read as temporary files
             staging = target.parent / fsutil.temp_name_for(STAGING_PREFIX)
+            # what recovery thaws after a crash: not a container someone else had paused
+            ours = [] if self_frozen([c.cgroups_path]) else [c.cgroups_path]
             rec = self.journal.begin(
                 KIND,
                 pod.id,
                 {
                     "output_path": str(staging),
-                    "cgroups": [c.cgroups_path],
+                    "cgroups": ours,
                     "container_id": c.id,
                     "target": str(target),
                 },

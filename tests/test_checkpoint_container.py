@@ -32,7 +32,7 @@ from shim import config as configmod
 from shim.server.runtime import RuntimeHandlers
 from testbed import pods
 from testbed.bed import TestBed
-from testbed.checks import container_cgroup, expect_error, freezer_state, journal_files
+from testbed.checks import FREEZER, container_cgroup, expect_error, freezer_state, journal_files
 
 pytestmark = pytest.mark.e2e
 
@@ -592,6 +592,40 @@ def test_crash_is_recovered_at_restart(
     # and it works again
     checkpoint(rt, cid, out / "after.tar")
     assert listing(out) == {"after.tar"}
+
+
+def test_recovery_leaves_a_paused_container_paused(
+    bed: TestBed, log_root: Path, pod_cleanup: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The container was paused by someone else before CheckpointContainer, and podshim dies
+    with it frozen: the journal does not name its cgroup, so the restarted podshim leaves it
+    paused (while removing the staging dir)."""
+    rt = pods.stubs(bed.podshim_socket)[0]
+    pod = start_pod(rt, "paused", log_root, pod_cleanup)
+    cid = pod.containers["counter"]
+    wait_counting(pod.log_path("counter"))
+    cgroup = container_cgroup(rt, cid)
+    state = FREEZER / cgroup.lstrip("/") / "freezer.state"
+    out = new_dir(bed, "paused")
+    state.write_text("FROZEN")
+    try:
+        bed.kill_podshim()
+        try:
+            with monkeypatch.context() as m:
+                m.setenv("PODSHIM_FAILPOINTS", "checkpoint-container.after-freeze=kill")
+                bed.start_podshim_again()
+            rt = pods.stubs(bed.podshim_socket)[0]
+            expect_error(grpc.StatusCode.UNAVAILABLE, lambda: checkpoint(rt, cid, out, rpc=30))
+            pods.wait_for(lambda: not bed.podshim_running, timeout=10, what="podshim gone")
+            assert len(journal_files(bed.podshim_state_dir)) == 1
+        finally:
+            bed.kill_podshim()
+            bed.start_podshim_again()  # without the failpoint: it replays the journal
+        assert journal_files(bed.podshim_state_dir) == [] and listing(out) == set()
+        assert freezer_state(cgroup) == "FROZEN", "recovery thawed a container it had not frozen"
+    finally:
+        state.write_text("THAWED")
+    assert_unharmed(pods.stubs(bed.podshim_socket)[0], pod)
 
 
 # ---------------------------------------------------------------------------- routing (in process)
