@@ -61,5 +61,9 @@ class Unavailable(ShimError):
     code_name = "UNAVAILABLE"
 
 
+class ResourceExhausted(ShimError):
+    code_name = "RESOURCE_EXHAUSTED"
+
+
 class Unimplemented(ShimError):
     code_name = "UNIMPLEMENTED"
