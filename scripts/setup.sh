@@ -15,6 +15,8 @@
 #   3. crun with CRIU support from the trixie source package: /usr/local/bin/crun.
 #      (Debian 12's crun 1.8 has no CRIU.) A failure here is a warning, not an error; the
 #      test suite's crun variants then fail (PODSHIM_TESTS_WITHOUT_CRUN=1 skips them).
+#   3b. containerd 1.7 (trixie) and 2.1 (sid) binary packages unpacked (not installed) into
+#      /var/cache/podshim/containerd/<minor>/bin for the test bed (PODSHIM_TEST_CONTAINERD).
 #   4. Python: .venv, `pip install -e '.[dev]'` when pyproject.toml changed, and pycriu
 #      (from CRIU's source, *_pb2 regenerated with the venv's grpc_tools) into the venv.
 #
@@ -545,6 +547,93 @@ EOF
 }
 
 # ---------------------------------------------------------------------------------------
+# 3b. containerd 1.7 and 2.1 for the test bed (PODSHIM_TEST_CONTAINERD=1.7|2.1), from the
+# binary packages of Debian's newer releases, unpacked (never installed) into
+# $CONTAINERD_CACHE/<minor>/bin: containerd, containerd-shim-runc-v2, ctr. They need only libc.
+# The apt sources used for this live in a private apt tree ($CONTAINERD_CACHE/apt: its own
+# sources list, lists and cache), so the system's apt never sees (nor installs from) them;
+# `apt-get download` checks each .deb against the signed Packages index.
+# ---------------------------------------------------------------------------------------
+CONTAINERD_CACHE=/var/cache/podshim/containerd
+CONTAINERD_EXTRA=("1.7:trixie" "2.1:sid")  # upstream minor : Debian suite that ships it
+CONTAINERD_WARNING=""
+
+# private_apt CMD ARGS...: apt-get/apt-cache on the private tree only.
+private_apt() {
+  local cmd=$1 a=$CONTAINERD_CACHE/apt; shift
+  "$cmd" -o Dir::Etc::sourcelist="$a/sources.list" -o Dir::Etc::sourceparts=- \
+    -o Dir::State::lists="$a/lists" -o Dir::Cache="$a/cache" -o Dir::State::status=/dev/null \
+    -o Dir::Etc::preferencesparts=- -o APT::Sandbox::User=root "$@"
+}
+
+# containerd_state MINOR: "ok VERSION" when $CONTAINERD_CACHE/MINOR holds a working containerd MINOR.x.
+containerd_state() {
+  local dir=$CONTAINERD_CACHE/$1 v b
+  [ -f "$dir/.podshim-unpacked" ] || { echo "not unpacked"; return; }
+  for b in containerd containerd-shim-runc-v2 ctr; do
+    [ -x "$dir/bin/$b" ] || { echo "$dir/bin/$b missing"; return; }
+  done
+  v=$("$dir/bin/containerd" --version 2>/dev/null | awk '{ print $3 }')
+  [[ "$v" == "$1".* ]] || { echo "$dir/bin/containerd is version '${v:-?}', not $1.x"; return; }
+  echo "ok $v"
+}
+
+fetch_containerd() {
+  local minor=$1 suite=$2 uri a=$CONTAINERD_CACHE/apt ver dl dir tmp deb b
+  uri=$(mirror_uri)
+  mkdir -p "$a/lists/partial" "$a/cache/archives/partial" || return 1
+  printf '%s\n' "# Managed by podshim scripts/setup.sh: used only by apt-get download of containerd" \
+    "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $uri trixie main" \
+    "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $uri sid main" >"$a/sources.list"
+  if [ ! -f "$a/.updated" ] || [ -n "$(find "$a/.updated" -mmin +60)" ]; then
+    info "apt-get update (private list: trixie, sid)"
+    run_logged "$BUILD_DIR/logs/containerd-fetch.log" private_apt apt-get update || return 1
+    touch "$a/.updated"
+  fi
+  # newest version of $suite's containerd whose upstream version is $minor.x
+  ver=$(private_apt apt-cache madison containerd 2>/dev/null |
+    awk -F'|' -v s="$suite" -v m="$minor" '{ gsub(/ /, "", $2); split($3, p, " ") }
+      p[2] ~ "^" s "/" && $2 ~ "^(.*:)?" m "\\." { print $2 }' | sort -V | tail -n1)
+  [ -n "$ver" ] || { CONTAINERD_WARNING+=" no containerd $minor.x in $suite;"; return 1; }
+  dl=$CONTAINERD_CACHE/downloads
+  mkdir -p "$dl" || return 1
+  info "apt-get download containerd=$ver ($suite)"
+  (cd "$dl" && run_logged "$BUILD_DIR/logs/containerd-fetch.log" private_apt apt-get download "containerd=$ver") ||
+    return 1
+  deb=$(ls "$dl"/containerd_"${ver#*:}"_*.deb 2>/dev/null | head -n1)
+  [ -n "$deb" ] || return 1
+  dir=$CONTAINERD_CACHE/$minor
+  tmp=$(mktemp -d "$CONTAINERD_CACHE/unpack.XXXXXX") || return 1
+  dpkg -x "$deb" "$tmp/root" || { rm -rf "$tmp"; return 1; }
+  mkdir -p "$tmp/out/bin"
+  for b in containerd containerd-shim-runc-v2 ctr; do
+    mv "$tmp/root/usr/bin/$b" "$tmp/out/bin/$b" || { rm -rf "$tmp"; return 1; }
+  done
+  printf '%s\n' "$ver" >"$tmp/out/.podshim-unpacked"
+  rm -rf "$dir" && mv "$tmp/out" "$dir" && rm -rf "$tmp" "$deb"
+}
+
+step_containerd() {
+  step "containerd ${CONTAINERD_EXTRA[*]%%:*} for the test bed in $CONTAINERD_CACHE"
+  local entry minor suite state
+  for entry in "${CONTAINERD_EXTRA[@]}"; do
+    minor=${entry%%:*}; suite=${entry#*:}
+    state=$(containerd_state "$minor")
+    if [ "${state%% *}" != ok ]; then
+      info "containerd $minor: $state; fetching from $suite"
+      fetch_containerd "$minor" "$suite" || CONTAINERD_WARNING+=" containerd $minor from $suite failed (log: $BUILD_DIR/logs/containerd-fetch.log);"
+      state=$(containerd_state "$minor")
+    fi
+    if [ "${state%% *}" = ok ]; then
+      info "containerd ${state#ok } at $CONTAINERD_CACHE/$minor/bin"
+    else
+      CONTAINERD_WARNING+=" containerd $minor: $state;"
+    fi
+  done
+  [ -z "$CONTAINERD_WARNING" ] || warn "containerd for the test bed:$CONTAINERD_WARNING the core tests on those versions will fail"
+}
+
+# ---------------------------------------------------------------------------------------
 # crun refuses a hybrid cgroup layout whose cgroup2 mount still offers controllers ("cgroups in
 # hybrid mode not supported"). On this kind of machine every controller is a v1 hierarchy except
 # hugetlb, left on the cgroup2 mount; mount the leftovers as v1 hierarchies too, as a systemd
@@ -575,6 +664,7 @@ system_steps() {
   step_cgroups
   step_criu
   step_crun
+  step_containerd
 }
 
 if [ "${1:-}" = "--system-only" ]; then
@@ -597,4 +687,7 @@ step "done in $(( $(date +%s) - T0 ))s: criu $(criu_version "$PREFIX/sbin/criu")
   "$PREFIX/bin/crun" --version 2>/dev/null | awk 'NR == 1' || echo 'crun: not built') ($PREFIX/bin/crun)"
 if [ -n "$CRUN_WARNING" ]; then
   warn "crun with CRIU is NOT available: $CRUN_WARNING"
+fi
+if [ -n "$CONTAINERD_WARNING" ]; then
+  warn "containerd for the test bed:$CONTAINERD_WARNING"
 fi
