@@ -38,7 +38,6 @@ import json
 import os
 import secrets
 import shutil
-import stat
 import struct
 import threading
 import time
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from shim.archive.dirfd import DirHandle, held
 from shim.archive.fsutil import FILE_MODE, atomic_write, make_private_dir, temp_name_for
 from shim.archive.fsutil import Stopped as Stopped  # one stop signal for all tree work
 from shim.errors import DataLoss, FailedPrecondition, Internal
@@ -315,24 +315,6 @@ def decrypt_bytes(path: Path, rel: str, key: NodeKey, limit: int = 64 << 20) -> 
 # ---------------------------------------------------------------------------- trees
 
 
-def _regular_files(root: Path, skip: Iterable[str]) -> list[str]:
-    skipped = set(skip)
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames:
-            if not stat.S_ISDIR(os.lstat(os.path.join(dirpath, name)).st_mode):
-                raise Internal(f"unexpected entry in checkpoint {root}: {name} is not a directory")
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            rel = Path(p).relative_to(root).as_posix()
-            if rel in skipped:
-                continue
-            if not stat.S_ISREG(os.lstat(p).st_mode):
-                raise Internal(f"unexpected entry in checkpoint {root}: {rel} is not a regular file")
-            out.append(rel)
-    return sorted(out)
-
-
 class _Either:
     """Stop when the caller says so or when a sibling worker failed."""
 
@@ -364,22 +346,24 @@ def _run_all(fn: Any, items: list[str], workers: int, stop: threading.Event | No
 
 
 def encrypt_tree(
-    root: Path,
+    root: Path | DirHandle,
     key: NodeKey,
     skip: Iterable[str] = ("manifest.json",),
     workers: int = 1,
     stop: Any = None,
 ) -> int:
     """Encrypt every regular file under `root` in place (except `skip`, relative paths); returns
-    the number of files. Anything but directories and regular files is Internal."""
-    root = Path(root)
-    rels = _regular_files(root, skip)
-    try:
-        _run_all(lambda rel, ev: encrypt_file(root / rel, rel, key, ev), rels, workers, stop)
-    except (Stopped, DataLoss):
-        raise
-    except OSError as e:
-        raise Internal(f"cannot encrypt checkpoint {root}: {e}; check free space and permissions") from e
+    the number of files. Anything but directories and regular files is Internal. The tree is
+    walked and rewritten through descriptors only (shim/archive/dirfd.py)."""
+    skipped = set(skip)
+    with held(root) as h, h.tree(lambda msg: Internal(f"unexpected entry in checkpoint: {msg}")) as tree:
+        rels = sorted(rel for rel in tree.files if rel not in skipped)
+        try:
+            _run_all(lambda rel, ev: encrypt_file(tree.path(rel), rel, key, ev), rels, workers, stop)
+        except (Stopped, DataLoss):
+            raise
+        except OSError as e:
+            raise Internal(f"cannot encrypt checkpoint {h.path}: {e}; check free space") from e
     return len(rels)
 
 
