@@ -1,0 +1,201 @@
+"""A restored pod is the pod that was checkpointed (issue 14), end to end on the real containerd,
+runc/crun and CRIU: the new pod keeps its own identity (hostname, domain name), periodic timers
+keep firing, and more. Each test runs with runc and with crun (the `runtime_handler` fixture).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from api.runtime.v1 import api_pb2_grpc
+from testbed import pods
+from testbed.bed import TestBed
+
+pytestmark = pytest.mark.e2e
+
+Stub = api_pb2_grpc.RuntimeServiceStub
+RPC_TIMEOUT = 120
+SMALL_ARGS = ["--mem-mib", "4", "--interval-ms", "50"]
+TICKS_RE = re.compile(rb"ticks tfd=(\d+) tfd100=(\d+) posix=(\d+) itimer=(\d+) ts=(\d+\.\d+)")
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def out_dirs(bed: TestBed) -> Iterator[list[Path]]:
+    """Checkpoint directories made by a test; removed after it."""
+    made: list[Path] = []
+    yield made
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def new_out(bed: TestBed, tag: str, made: list[Path]) -> Path:
+    out = Path(bed.checkpoint_root) / f"{tag}-{secrets.token_hex(3)}"
+    out.mkdir(mode=0o700)
+    made.append(out)
+    return out
+
+
+def checkpoint(rt: Stub, pod_id: str, out: Path, options: dict[str, str] | None = None) -> None:
+    rt.CheckpointPod(
+        cri.CheckpointPodRequest(pod_sandbox_id=pod_id, output_path=str(out), options=options or {}),
+        timeout=RPC_TIMEOUT,
+    )
+
+
+def restore_and_start(
+    rt: Stub,
+    path: Path,
+    config: cri.PodSandboxConfig,
+    containers: list[cri.ContainerConfig],
+    runtime_handler: str,
+    cleanup: list[str],
+) -> cri.RestorePodResponse:
+    resp = rt.RestorePod(
+        cri.RestorePodRequest(
+            checkpoint_path=str(path),
+            config=config,
+            container_configs=containers,
+            runtime_handler=runtime_handler,
+        ),
+        timeout=RPC_TIMEOUT,
+    )
+    cleanup.append(resp.pod_sandbox_id)
+    for c in resp.restored_containers:
+        rt.StartContainer(cri.StartContainerRequest(container_id=c.container_id), timeout=RPC_TIMEOUT)
+    return resp
+
+
+def sandbox_pid(rt: Stub, pod_id: str) -> int:
+    st = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id, verbose=True))
+    pid = int(json.loads(st.info["info"])["pid"])
+    assert pid > 0, f"sandbox {pod_id[:13]} has no pid"
+    return pid
+
+
+def container_pid(rt: Stub, cid: str) -> int:
+    st = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=True))
+    pid = int(json.loads(st.info["info"])["pid"])
+    assert pid > 0, f"container {cid[:13]} has no pid"
+    return pid
+
+
+def uts_of_pid(pid: int) -> tuple[str, str]:
+    """(hostname, domain name) of the UTS namespace `pid` lives in, read from inside it."""
+    out = subprocess.run(
+        ["nsenter", "-t", str(pid), "-u", "cat", "/proc/sys/kernel/hostname", "/proc/sys/kernel/domainname"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    return out[0], out[1]
+
+
+def uts_in_container(rt: Stub, cid: str) -> tuple[str, str]:
+    """(hostname, domain name) as the container's own processes see them (an exec inside it)."""
+    cmd = ["cat", "/proc/sys/kernel/hostname", "/proc/sys/kernel/domainname"]
+    r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=cmd, timeout=10))
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.decode().split("\n")
+    return lines[0], lines[1]
+
+
+def set_domainname(pid: int, name: str) -> None:
+    subprocess.run(
+        ["nsenter", "-t", str(pid), "-u", "sh", "-c", f"echo {name} > /proc/sys/kernel/domainname"],
+        check=True,
+    )
+
+
+def ticks(log_path: Path) -> list[tuple[int, int, int, int, float]]:
+    """(timerfd, 100 ms timerfd, POSIX timer, itimer, ts) of every ticker line in a CRI log."""
+    try:
+        raw = log_path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return [(int(a), int(b), int(c), int(d), float(t)) for a, b, c, d, t in TICKS_RE.findall(raw)]
+
+
+# ---------------------------------------------------------------------------- 1. identity
+
+
+def test_restored_pod_keeps_its_own_hostname_and_domainname(
+    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str, out_dirs: list[Path]
+) -> None:
+    """CRIU restores the dumped UTS state: it must not land in the new pod's UTS namespace, which
+    the restored container only joins (the pause container owns it)."""
+    tag = f"uts-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
+    cc = pods.container_config("app", args=SMALL_ARGS)
+    src = pods.run_pod(rt, f"{tag}-src", log_root, {"app": cc}, runtime_handler=runtime_handler)
+    pod_cleanup.append(src.id)
+    pods.wait_count(src.log_path("app"), 3)
+    set_domainname(sandbox_pid(rt, src.id), "source.example")
+    assert uts_in_container(rt, src.containers["app"]) == (f"{tag}-src", "source.example")
+    out = new_out(bed, tag, out_dirs)
+    checkpoint(rt, src.id, out)
+
+    config = pods.pod_config(f"{tag}-new", log_root)
+    resp = restore_and_start(rt, out, config, [cc], runtime_handler, pod_cleanup)
+    cid = resp.restored_containers[0].container_id
+    pods.wait_for(lambda: pods.counts(Path(config.log_directory) / "app" / "0.log"), what="restored output")
+
+    pause = uts_of_pid(sandbox_pid(rt, resp.pod_sandbox_id))
+    restored = uts_of_pid(container_pid(rt, cid))
+    inside = uts_in_container(rt, cid)
+    assert pause[0] == f"{tag}-new", f"the new pod's pause container is named {pause[0]!r}"
+    assert pause[1] != "source.example", "the new pod took the checkpointed pod's domain name"
+    assert restored == pause and inside == pause, (restored, inside, pause)
+    # the source pod is untouched
+    assert uts_in_container(rt, src.containers["app"]) == (f"{tag}-src", "source.example")
+
+
+# ---------------------------------------------------------------------------- 2. timers
+
+
+def test_periodic_timers_keep_firing_after_restore(
+    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str, out_dirs: list[Path]
+) -> None:
+    """A 5 ms timerfd (and a 100 ms one) that expired while the pod was frozen is dumped with no
+    remaining time; restored, it must keep firing, as the POSIX timer and the itimer do."""
+    tag = f"timers-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
+    cc = pods.container_config("ticker", command=["/ticker"], args=["--interval-ms", "5"])
+    src = pods.run_pod(rt, f"{tag}-src", log_root, {"ticker": cc}, runtime_handler=runtime_handler)
+    pod_cleanup.append(src.id)
+    pods.wait_for(lambda: [t for t in ticks(src.log_path("ticker")) if t[0] >= 100], what="the ticker")
+    out = new_out(bed, tag, out_dirs)
+    checkpoint(rt, src.id, out)
+
+    config = pods.pod_config(f"{tag}-new", log_root)
+    restore_and_start(rt, out, config, [cc], runtime_handler, pod_cleanup)
+    log_path = Path(config.log_directory) / "ticker" / "0.log"
+    first = pods.wait_for(lambda: ticks(log_path), what="the restored ticker's output")[0]
+    assert first[0] >= 100, f"the ticker started again instead of resuming: {first}"
+    assert "ready" not in log_path.read_text(errors="replace"), "the restored ticker ran its start-up again"
+
+    names = ("timerfd 5 ms", "timerfd 100 ms", "POSIX timer", "setitimer")
+    wanted = (20, 3, 20, 20)  # expirations after the first restored line, each timer
+
+    def advanced() -> bool:
+        last = ticks(log_path)[-1]
+        return all(last[i] - first[i] >= wanted[i] for i in range(4))
+
+    try:
+        pods.wait_for(advanced, timeout=15, what="every timer to keep firing")
+    except TimeoutError:
+        last = ticks(log_path)[-1]
+        stopped = [names[i] for i in range(4) if last[i] - first[i] < wanted[i]]
+        raise AssertionError(
+            f"after the restore {', '.join(stopped)} stopped firing: first {first[:4]}, last {last[:4]} "
+            f"({len(ticks(log_path))} lines)"
+        ) from None
