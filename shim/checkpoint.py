@@ -22,13 +22,15 @@ import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, cni, errors, faults, logs
+from shim import __version__, cni, errors, faults, logs, space
 from shim.aio import run_to_end
 from shim.archive import crypto, fsutil, layout, manifest, paths, rootfs_diff
-from shim.cgroups import PodCut, cgroup_procs, default_freezer
+from shim.archive.dirfd import DirHandle, open_checked
+from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, OciRuntime, binary_version, read_dump_stats
 from shim.sandbox import ContainerView, PodView, build_pod_view
+from shim.sharing import check_shared_state
 from shim.state import Journal
 from shim.upstream import Upstream
 
@@ -143,6 +145,15 @@ def self_frozen(cgroups: list[str]) -> list[str]:
     return [cg for cg in cgroups if f.self_frozen(cg)]
 
 
+def confirm_thawed(cgroups: list[str], pod_id: str) -> None:
+    """Read the freezer state back after the thaw and thaw again what is frozen: the dumps have
+    ended and no CRIU of theirs is left (OciRuntime.checkpoint), so nothing should have frozen
+    it again; if something did, the pod must still not stay frozen."""
+    again = thaw_paths(cgroups)
+    if again:
+        log.warning("cgroups frozen again after the thaw; thawed them again", pod=pod_id, cgroups=again)
+
+
 def check_dumpable(c: ContainerView) -> None:
     """Refuse what CRIU cannot dump, before anything is frozen: processes in the container's
     cgroup outside its process tree are exec sessions (they would fail the dump)."""
@@ -167,8 +178,14 @@ class _Work:
     view: ContainerView
     layout: layout.ContainerLayout
     runtime: OciRuntime
+    dir: DirHandle  # containers/<name>, held open: everything of the container goes through it
+    images: DirHandle  # containers/<name>/checkpoint, held open (CRIU's --image-path)
     dump_seconds: float = 0.0
     diff_seconds: float = 0.0
+
+    def close(self) -> None:
+        self.images.close()
+        self.dir.close()
 
 
 class PodCheckpointer:
@@ -193,7 +210,7 @@ class PodCheckpointer:
         caller_end = loop.time() + (deadline if deadline is not None else DEFAULT_DEADLINE)
         try:
             async with asyncio.timeout_at(caller_end - CHECK_MARGIN):
-                opts, out, pod, selected = await self._check(req)
+                opts, out, pod, selected, held = await self._check(req)
         except TimeoutError:
             raise errors.DeadlineExceeded(
                 f"the caller's deadline passed while checking the request for pod {req.pod_sandbox_id}; "
@@ -203,13 +220,16 @@ class PodCheckpointer:
         end = caller_end - CLEANUP_MARGIN
         if end <= loop.time():
             raise errors.DeadlineExceeded(f"the deadline leaves no time to checkpoint pod {pod.name}")
-        archive = layout.ArchiveLayout(out)
+        archive = layout.ArchiveLayout(out, held)
         # What recovery thaws after a crash: the cgroups this checkpoint may freeze. A container
         # someone else paused before (the cut leaves it so) is not ours to thaw.
         paused = set(await run_to_end(self_frozen, [c.cgroups_path for c in selected]))
         ours = [c.cgroups_path for c in selected if c.cgroups_path not in paused]
         rec = self.journal.begin(
-            "checkpoint", pod.id, {"output_path": str(out), "cgroups": [pod.cgroup_parent, *ours]}
+            "checkpoint",
+            pod.id,
+            # dump_path: how runc/CRIU name output_path (recovery finds them by it after a crash)
+            {"output_path": str(out), "dump_path": held.proc, "cgroups": [pod.cgroup_parent, *ours]},
         )
         started = time.monotonic()
         try:
@@ -227,13 +247,16 @@ class PodCheckpointer:
             self._abandon(archive, rec)
             raise
         self.journal.finish(rec)
+        held.close()
         return result
 
     async def _check(
         self, req: cri.CheckpointPodRequest
-    ) -> tuple[CheckpointOptions, Path, PodView, list[ContainerView]]:
+    ) -> tuple[CheckpointOptions, Path, PodView, list[ContainerView], DirHandle]:
         """Everything checked before anything is frozen or written: options, output path, node
-        key, pod (ready), the containers to capture (running, dumpable)."""
+        key, pod (ready), the containers to capture (running, dumpable), and that the checkpoint
+        fits on output_path's file system. Returns output_path held open (dirfd.py): from here
+        on nothing inside it is reached through its path."""
         opts = CheckpointOptions.parse(dict(req.options))
         post = req.post_checkpoint_state
         if post not in (cri.POST_CHECKPOINT_STATE_RUNNING, cri.POST_CHECKPOINT_STATE_STOPPED):
@@ -248,14 +271,24 @@ class PodCheckpointer:
         selected = select_containers(pod, list(req.container_ids))
         for c in selected:
             await run_to_end(check_dumpable, c)
-        return opts, out, pod, selected
+        await run_to_end(check_shared_state, selected)  # what the containers share (shim/sharing.py)
+        held = open_checked(out, req.output_path, "output path", empty=True)
+        await run_to_end(space.check_fits, held, selected, f"output path {req.output_path}")
+        return opts, out, pod, selected, held
 
     def _abandon(self, archive: layout.ArchiveLayout, rec: Any) -> None:
-        """Remove what this operation wrote inside output_path (never the dir itself)."""
+        """Remove what this operation wrote inside output_path (never the dir itself), through
+        the descriptor held: if the path was replaced meanwhile, nothing else is touched."""
+        assert archive.dir is not None
         try:
-            fsutil.clear_dir_contents(archive.root)
+            archive.dir.clear()
+        except OSError as e:
+            raise errors.Internal(
+                f"cannot remove the partial checkpoint in {archive.root}: {e}; remove it by hand"
+            ) from e
         finally:
             self.journal.finish(rec)
+            archive.dir.close()
 
     async def _run(
         self,
@@ -295,6 +328,10 @@ class PodCheckpointer:
                 await asyncio.gather(*dumps, *diffs, return_exceptions=True)
                 raise
             timings["dump"] = time.monotonic() - dump_start
+            # runc/CRIU wrote through the directory podshim holds (/proc/<pid>/fd/N), never
+            # through output_path: if someone replaced output_path meanwhile, fail instead of
+            # answering OK for a checkpoint the caller's path does not hold
+            archive.dir.check_in_place("output path", "the checkpoint")
             if stopped:
                 # STOPPED: the pod stays frozen until its archive is complete and is then killed,
                 # still frozen, so no instruction runs past the checkpoint. A failure before that
@@ -303,6 +340,7 @@ class PodCheckpointer:
                 await run_to_end(self._kill_frozen, work)
         finally:
             cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
+            confirm_thawed([cut.parent, *(c for c in cut.containers if c not in cut.preexisting)], pod.id)
         timings["freeze_window"] = cut.window_seconds
         timings["freeze_cut"] = cut.cut_seconds
         log.info("pod thawed", pod=pod.id, freeze_window=round(cut.window_seconds, 4))
@@ -313,7 +351,9 @@ class PodCheckpointer:
             m = await self._archive(pod, work, archive, opts, post, timings, rec)
         m.timings["total"] = time.monotonic() - started
         # Rewrite the timings into the final manifest (files are unchanged, so checksums stand).
-        fsutil.atomic_write(archive.manifest, m.to_json())
+        archive.dir.write_file(layout.MANIFEST_FILE, m.to_json())
+        for w in work:
+            w.close()
         log.info(
             "checkpoint complete",
             pod=pod.id,
@@ -344,28 +384,33 @@ class PodCheckpointer:
     def _prepare(
         self, pod: PodView, selected: list[ContainerView], archive: layout.ArchiveLayout
     ) -> list[_Work]:
-        archive.create()
-        fsutil.write_private_file(archive.sandbox_config, layout.json_bytes(pod.config))
-        fsutil.write_private_file(archive.sandbox_status, layout.json_bytes(pod.to_record()))
-        fsutil.write_private_file(archive.sandbox_network, layout.json_bytes(network_record(pod)))
-        work = []
-        for c in recorded_containers(pod, selected):
-            cl = archive.container(c.name)
-            if c in selected:
-                cl.create()
-            else:
-                fsutil.make_private_dir(cl.root)
-            fsutil.write_private_file(cl.config_dump, layout.json_bytes(c.to_record()))
-            fsutil.write_private_file(cl.spec_dump, layout.json_bytes(c.spec))
-            fsutil.write_private_file(cl.status_dump, layout.json_bytes(json_format.MessageToDict(c.status)))
-            if c in selected:
-                work.append(_Work(c, cl, self.runtime_for(c)))
+        """Write what needs no frozen state, every level through the held output_path."""
+        assert archive.dir is not None
+        with archive.dir.sub(layout.SANDBOX_DIR, create=True) as sb:
+            sb.write_file(layout.SANDBOX_CONFIG_FILE, layout.json_bytes(pod.config))
+            sb.write_file(layout.SANDBOX_STATUS_FILE, layout.json_bytes(pod.to_record()))
+            sb.write_file(layout.SANDBOX_NETWORK_FILE, layout.json_bytes(network_record(pod)))
+        work: list[_Work] = []
+        with archive.dir.sub(layout.CONTAINERS_DIR, create=True) as containers:
+            for c in recorded_containers(pod, selected):
+                cl = archive.container(c.name)  # checks the name is one path component
+                cd = containers.sub(c.name, create=True)
+                images = cd.sub(layout.CHECKPOINT_DIR, create=True) if c in selected else None
+                cd.write_file(layout.CONFIG_DUMP_FILE, layout.json_bytes(c.to_record()))
+                cd.write_file(layout.SPEC_DUMP_FILE, layout.json_bytes(c.spec))
+                cd.write_file(layout.STATUS_DUMP_FILE, layout.json_bytes(json_format.MessageToDict(c.status)))
+                if images is not None:
+                    work.append(_Work(c, cl, self.runtime_for(c), cd, images))
+                else:
+                    cd.close()
         return work
 
     async def _dump(self, w: _Work, opts: CheckpointOptions) -> None:
         try:
+            # runc/crun get paths through the descriptors podshim holds: whatever happens to
+            # output_path meanwhile, CRIU writes into the directory that was validated
             w.dump_seconds = await w.runtime.checkpoint(
-                w.view.name, w.view.id, w.layout.checkpoint_dir, w.layout.root, opts.criu, leave_running=True
+                w.view.name, w.view.id, Path(w.images.proc), Path(w.dir.proc), opts.criu, leave_running=True
             )
         except errors.Internal as e:
             # the failure removes output_path, CRIU log included: keep a copy for the operator
@@ -373,7 +418,7 @@ class PodCheckpointer:
             kept = self._keep_log(w)
             if kept is None:
                 raise
-            log_path = str(w.layout.dump_log)
+            log_path = str(Path(w.dir.proc) / layout.DUMP_LOG_FILE)
             if log_path in e.message:
                 raise errors.Internal(e.message.replace(log_path, kept)) from None
             raise errors.Internal(f"{e.message} (CRIU log: {kept})") from None
@@ -384,7 +429,7 @@ class PodCheckpointer:
             dest_dir = Path(self.config.state_dir) / "logs"
             dest_dir.mkdir(mode=layout.DIR_MODE, parents=True, exist_ok=True)
             dest = dest_dir / f"checkpoint-{w.view.id}.log"
-            fsutil.write_private_file(dest, w.layout.dump_log.read_bytes())
+            fsutil.write_private_file(dest, w.dir.read_bytes(layout.DUMP_LOG_FILE))
             return str(dest)
         except (OSError, errors.ShimError):
             return None
@@ -400,10 +445,10 @@ class PodCheckpointer:
         await run_to_end(
             rootfs_diff.capture_rootfs_diff,
             upper,
-            w.layout.rootfs_diff_tar,
+            w.dir.at(layout.ROOTFS_DIFF_TAR),
             exclude=w.view.mount_destinations,
             compress=opts.compress,
-            deleted_files=w.layout.deleted_files,
+            deleted_files=w.dir.at(layout.DELETED_FILES_FILE),
         )
         w.diff_seconds = time.monotonic() - start
 
@@ -435,12 +480,13 @@ class PodCheckpointer:
         timings: dict[str, float],
         stop: threading.Event,
     ) -> manifest.Manifest:
-        fsutil.make_tree_private(archive.root)
+        assert archive.dir is not None
+        archive.dir.make_private()
         rt = work[0].runtime
         dumped = {w.view.id: w for w in work}
         stats: dict[str, Any] = {}
         for w in work:
-            s = read_dump_stats(w.layout.stats_dump)
+            s = read_dump_stats(w.dir.at(layout.STATS_DUMP_FILE))
             s["dump_seconds"] = round(w.dump_seconds, 6)
             s["rootfs_diff_seconds"] = round(w.diff_seconds, 6)
             stats[w.view.name] = s
@@ -476,9 +522,10 @@ class PodCheckpointer:
         key = self.node_key()
         if key is not None:  # after the thaw, never inside the freeze window
             encrypt_start = time.monotonic()
-            crypto.encrypt_tree(archive.root, key, workers=2, stop=stop)
+            crypto.encrypt_tree(archive.dir, key, workers=2, stop=stop)
             timings["encrypt"] = time.monotonic() - encrypt_start  # m.timings: the same dict
-        return manifest.write_manifest(archive.root, m, workers=HASH_WORKERS, key=key, stop=stop)
+        archive.dir.check_in_place("output path", "the checkpoint")  # the last moment to refuse
+        return manifest.write_manifest(archive.dir, m, workers=HASH_WORKERS, key=key, stop=stop)
 
 
 def _options_record(opts: CheckpointOptions) -> dict[str, str]:

@@ -54,6 +54,7 @@ from shim.checkpoint import (
     FREEZE_TIMEOUT,
     PodCheckpointer,
     check_dumpable,
+    confirm_thawed,
     self_frozen,
 )
 from shim.config import Config
@@ -63,6 +64,7 @@ from shim.restore_hook import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_A
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.state import Journal
 from shim.upstream import Upstream, upstream_error
+from shim.wiring import RestoredContainers, WiringChecker
 
 log = logs.get("shim.container_checkpoint")
 
@@ -224,7 +226,7 @@ def file_entries(tree: Path, steps: _Steps) -> dict[str, dict[str, Any]]:
         if rel == MANIFEST_FILE:
             continue
         steps.check()
-        size, digest = fsutil.hash_file(tree / rel)
+        size, digest = fsutil.hash_file(tree / rel, stop=steps.cancel)  # stops at the deadline
         entries[rel] = {"size": size, "sha256": digest}
     return entries
 
@@ -507,6 +509,7 @@ class ContainerCheckpointer:
             if froze:
                 # synchronous on purpose: runs even while the task is being cancelled
                 freezer.thaw(cgroup, FREEZE_TIMEOUT, missing_ok=True)
+                confirm_thawed([cgroup], c.id)  # read back: no dump left to freeze it again
             thawed_at = time.monotonic()
         timings["freeze_window"] = thawed_at - frozen_at
         log.info("container thawed", container=c.id, freeze_window=round(timings["freeze_window"], 4))
@@ -845,10 +848,19 @@ def restore_config(req: cri.ContainerConfig, ck: ImportedCheckpoint, image: str)
 class ArchiveImporter:
     """CreateContainer from a container checkpoint tar, and removal of what it extracted."""
 
-    def __init__(self, config: Config, upstream: Upstream) -> None:
+    def __init__(
+        self,
+        config: Config,
+        upstream: Upstream,
+        wiring: WiringChecker | None = None,
+        restored: RestoredContainers | None = None,
+    ) -> None:
         self.config = config
         self.upstream = upstream
         self.root = Path(config.state_dir) / IMPORTS_DIR
+        # docs/architecture.md "Wiring check": refuse a node wired wrong; remember what to confirm
+        self.wiring = wiring
+        self.restored = restored
 
     async def create(
         self, req: cri.CreateContainerRequest, remaining: float | None
@@ -863,6 +875,9 @@ class ArchiveImporter:
         budget = (remaining if remaining is not None else DEFAULT_DEADLINE) - CLEANUP_MARGIN
         if budget <= 0:
             raise errors.DeadlineExceeded("the deadline leaves no time to import the checkpoint")
+        if self.wiring is not None:
+            handler = await self._sandbox_handler(req.pod_sandbox_id)
+            await self.wiring.require(handler, f"restore from {tar_path} refused, nothing was created")
         await self.sweep()
         await asyncio.to_thread(fsutil.make_private_dir, self.root)
         import_dir = self.root / secrets.token_hex(8)
@@ -889,6 +904,8 @@ class ArchiveImporter:
                 await asyncio.to_thread(
                     fsutil.write_private_file, import_dir / IMPORT_MARKER, resp.container_id.encode()
                 )
+                if self.restored is not None:  # StartContainer confirms its restore ran
+                    await asyncio.to_thread(self.restored.add, resp.container_id)
         except TimeoutError:
             shutil.rmtree(import_dir, ignore_errors=True)
             raise errors.DeadlineExceeded(
@@ -899,6 +916,20 @@ class ArchiveImporter:
             raise
         log.info("container created from checkpoint", archive=str(tar_path), container=resp.container_id)
         return resp
+
+    async def _sandbox_handler(self, pod_id: str) -> str:
+        """The runtime handler the sandbox's containers run with, as the upstream reports it."""
+        try:
+            resp = await self.upstream.runtime.PodSandboxStatus(
+                cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id), timeout=self.upstream.timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise errors.NotFound(
+                    f"pod sandbox {pod_id!r} not found: check the id with `podshim pods`"
+                ) from None
+            raise upstream_error(self.upstream.endpoint, e, f"reading pod {pod_id}") from None
+        return resp.status.runtime_handler
 
     async def _image(self, ck: ImportedCheckpoint, tar_path: Path) -> str:
         """The checkpoint's image as the upstream knows it: its name, else its id."""

@@ -16,7 +16,8 @@ import grpc
 import psutil
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import errors, logs, metrics
+from shim import aio, errors, logs, metrics
+from shim import restore as restore_mod
 from shim.archive import fsutil, layout
 from shim.cgroups import thaw_paths
 from shim.checkpoint import PodCheckpointer
@@ -25,6 +26,7 @@ from shim.container_checkpoint import ArchiveImporter, ContainerCheckpointer
 from shim.restore import PodRestorer
 from shim.state import Journal, OpRecord
 from shim.upstream import Upstream
+from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
 
 log = logs.get("shim.engine")
 
@@ -32,6 +34,11 @@ _CHECKPOINT_KINDS = ("checkpoint", "checkpoint-container")
 # How long recovery lets a crashed run's runc/CRIU finish (CRIU then cures and unseizes the
 # pod's processes) before it kills them.
 RECOVERY_WAIT = 120.0
+# Worker threads and operations (running or waiting for a thread) of the lanes RestorePod and
+# CreateContainer-from-a-tar run in: their archives, the caller's data, may take long to verify
+# or extract, and must not take the threads checkpoints need (docs/architecture.md "Cancellation").
+LANE_WORKERS = 2
+LANE_MAX_OPERATIONS = 32
 
 
 class OperationLocks:
@@ -85,14 +92,23 @@ class Engine:
         self.journal = Journal(Path(config.state_dir))
         self.locks = OperationLocks()
         self.checkpointer = PodCheckpointer(config, upstream, self.journal)
-        self.restorer = PodRestorer(config, upstream, self.journal)
+        # the wiring check and the containers created for a restore (docs/architecture.md "Wiring check")
+        self.wiring = WiringChecker(upstream)
+        self.restored = RestoredContainers(config.state_dir)
+        self.restorer = PodRestorer(config, upstream, self.journal, self.wiring, self.restored)
         self._recovering: set[asyncio.Task[None]] = set()  # background recoveries (see recover)
+        self._inflight: set[asyncio.Task[object]] = set()  # tasks of the operations running now (stop)
+        self.restore_lane = aio.Lane("restore", LANE_WORKERS, LANE_MAX_OPERATIONS)
+        self.import_lane = aio.Lane("import", LANE_WORKERS, LANE_MAX_OPERATIONS)
 
     @contextlib.contextmanager
     def _operation(self, name: str, keys: list[str], **fields: str) -> Iterator[None]:
         start = time.monotonic()
         result = "OK"
         log.info(f"{name} started", **fields)
+        task = asyncio.current_task()
+        if task is not None:
+            self._inflight.add(task)
         try:
             with self.locks.hold(name, keys):
                 yield
@@ -109,6 +125,8 @@ class Engine:
             log.error(f"{name} failed", error=repr(e), **fields)
             raise
         finally:
+            if task is not None:
+                self._inflight.discard(task)
             elapsed = time.monotonic() - start
             metrics.operations.labels(name, result).inc()
             metrics.operation_duration.labels(name).observe(elapsed)
@@ -146,7 +164,8 @@ class Engine:
         md = req.config.metadata
         keys = [f"pod {md.namespace}/{md.name}", f"path {req.checkpoint_path}"]
         with self._operation("restore_pod", keys, pod=f"{md.namespace}/{md.name}", path=req.checkpoint_path):
-            return await self.restorer.restore(req, context.time_remaining())
+            with self.restore_lane.enter():
+                return await self.restorer.restore(req, context.time_remaining())
 
     @property
     def container_checkpoint_mode(self) -> str:
@@ -159,7 +178,7 @@ class Engine:
 
     @functools.cached_property
     def archive_importer(self) -> ArchiveImporter:
-        return ArchiveImporter(self.config, self.upstream)
+        return ArchiveImporter(self.config, self.upstream, self.wiring, self.restored)
 
     async def checkpoint_container(
         self, req: cri.CheckpointContainerRequest, context: grpc.aio.ServicerContext
@@ -179,15 +198,80 @@ class Engine:
         """CreateContainer whose image is a container checkpoint tar (CRI-O's convention)."""
         path = req.config.image.image
         with self._operation("restore_container", [], pod=req.pod_sandbox_id, path=path):
-            return await self.archive_importer.create(req, context.time_remaining())
+            with self.import_lane.enter():
+                return await self.archive_importer.create(req, context.time_remaining())
 
     async def forget_container(self, container_id: str) -> None:
         """After RemoveContainer (its id) or RemovePodSandbox (""): remove the checkpoint imports
-        (CreateContainer from a tar) whose container is gone."""
+        (CreateContainer from a tar) whose container is gone, and forget the restored containers
+        that were removed without being started."""
         if container_id:
+            rid = self.restored.lookup(container_id)
+            if rid is not None:
+                self.restored.discard(rid)
             await self.archive_importer.forget(container_id)
         else:
+            await self._sweep_restored()
             await self.archive_importer.sweep()
+
+    async def startup(self) -> None:
+        """After recovery, before serving: reload the restored containers not started yet and
+        check the wiring of every runtime handler podshim restores with, in the background (a log
+        line and the podshim_wiring_ok gauge for each; the upstream may not be up yet)."""
+        self.restored.load()
+        handlers = ["", *self.config.runtimes]
+
+        async def check() -> None:
+            await self.wiring.at_startup(handlers)
+            await self._sweep_restored()
+
+        task = asyncio.create_task(check())
+        self._recovering.add(task)
+        task.add_done_callback(self._recovering.discard)
+
+    async def _sweep_restored(self) -> None:
+        """Forget restored containers the upstream no longer has (removed with their sandbox)."""
+        for cid in list(self.restored.ids):
+            try:
+                await self.upstream.runtime.ContainerStatus(
+                    cri.ContainerStatusRequest(container_id=cid), timeout=self.upstream.timeout
+                )
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    self.restored.discard(cid)
+
+    @property
+    def restores_pending(self) -> bool:
+        return bool(self.restored.ids)
+
+    def restored_id(self, container_id: str) -> str | None:
+        """The id of a container podshim created for a restore and that was not started yet, as
+        `container_id` (full or a unique prefix) names it; None for any other container. No
+        upstream call: StartContainer of other containers stays a plain passthrough."""
+        return self.restored.lookup(container_id)
+
+    async def confirm_restored(self, container_id: str) -> None:
+        """After StartContainer of a restored container answered OK: its process must come from
+        the checkpoint (podshim-runc's marker); else it is stopped and removed, FAILED_PRECONDITION."""
+        try:
+            await confirm_restored(self.upstream, self.config, container_id)
+        finally:
+            self.restored.discard(container_id)
+
+    async def stop(self, timeout: float) -> None:
+        """Graceful stop, after the server stopped taking calls and cancelled those left
+        (docs/architecture.md "Crash safety"): wait up to `timeout` for the operations still
+        undoing their work (thaw, clear output_path, remove a restore's sandbox, close the
+        journal record), then stop the background recoveries (their records stay for the next
+        start)."""
+        pending = {t for t in self._inflight | restore_mod.background_tasks() if not t.done()}
+        if pending:
+            log.info("stopping: waiting for operations to end", operations=len(pending), timeout=timeout)
+            _done, left = await asyncio.wait(pending, timeout=timeout)
+            if left:
+                log.error("stopping: operations still running; journal records kept", operations=len(left))
+        for t in list(self._recovering):
+            t.cancel()
 
     async def recover(self) -> None:
         """Undo what a crashed podshim left (DESIGN §8): thaw pods, remove partial archives,
@@ -204,6 +288,9 @@ class Engine:
             log.warning("recovering interrupted operation", kind=rec.kind, pod=rec.pod_key, phase=rec.phase)
             out = rec.data.get("output_path")
             leftovers = _processes_under(str(out)) if out and rec.kind in _CHECKPOINT_KINDS else []
+            if rec.data.get("dump_path") and rec.kind in _CHECKPOINT_KINDS:  # runc named it by fd
+                seen = {p.pid for p in leftovers}
+                leftovers += [p for p in _processes_under(str(rec.data["dump_path"])) if p.pid not in seen]
             if not leftovers:
                 await self._recover_record(rec)
                 continue

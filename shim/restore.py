@@ -33,6 +33,7 @@ from shim.restore_hook import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.sandbox import build_pod_view
 from shim.state import Journal
 from shim.upstream import Upstream, upstream_error
+from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
 
 log = logs.get("shim.restore")
 
@@ -145,6 +146,11 @@ def config_mismatch(name: str, requested: cri.ContainerConfig, archived: cri.Con
 _BACKGROUND: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
 
 
+def background_tasks() -> set[asyncio.Task[None]]:
+    """The rollbacks still running in the background (a graceful stop waits for them)."""
+    return set(_BACKGROUND)
+
+
 def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     """Run `coro` in a task that outlives a cancellation of its caller."""
     task = asyncio.ensure_future(coro)
@@ -236,10 +242,20 @@ class _Checked:
 
 
 class PodRestorer:
-    def __init__(self, config: Config, upstream: Upstream, journal: Journal) -> None:
+    def __init__(
+        self,
+        config: Config,
+        upstream: Upstream,
+        journal: Journal,
+        wiring: WiringChecker | None = None,
+        restored: RestoredContainers | None = None,
+    ) -> None:
         self.config = config
         self.upstream = upstream
         self.journal = journal
+        # docs/architecture.md "Wiring check": refuse a node wired wrong; remember what to confirm
+        self.wiring = wiring
+        self.restored = restored
         self._decrypting: set[Path] = set()  # decrypted dirs of restores in flight
 
     def node_key(self) -> crypto.NodeKey | None:
@@ -287,6 +303,9 @@ class PodRestorer:
             # the rollback, gRPC cancels this handler, but the sandbox must still be removed and
             # the journal record closed (a hung CRIU restore makes StopPodSandbox take seconds).
             await asyncio.shield(_background(self._abandon(sandbox, rec, decrypted)))
+            for cid in created.values():  # removed with the sandbox (else swept later)
+                if self.restored is not None:
+                    self.restored.discard(cid)
             if isinstance(e, TimeoutError):
                 raise errors.DeadlineExceeded(
                     f"restore of pod {md.namespace}/{md.name} did not finish within the caller's deadline; "
@@ -315,6 +334,8 @@ class PodRestorer:
                 f"runtime_handler {req.runtime_handler!r} is not configured in podshim "
                 f"(known: runc{''.join(', ' + h for h in self.config.runtimes)})"
             )
+        if self.wiring is not None:
+            await self.wiring.require(req.runtime_handler, "RestorePod refused, nothing was created")
         root = await run_to_end(paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots)
         key = await run_to_end(self.node_key)
         m = await run_to_end(manifest.load_and_verify, root, self.config.allowed_roots, 2, key)
@@ -495,6 +516,8 @@ class PodRestorer:
                     self.upstream.endpoint, e, f"creating container {p.entry.name!r}"
                 ) from None
             created[p.entry.name] = c.container_id
+            if self.restored is not None:  # StartContainer confirms its restore ran
+                await run_to_end(self.restored.add, c.container_id)
             if m.encryption is not None:  # whose decrypted dir it is, for _sweep_decrypted
                 await run_to_end(crypto.set_owner, p.dir, c.container_id)
             faults.hit("restore.after-container")
@@ -510,6 +533,12 @@ class PodRestorer:
                     raise upstream_error(
                         self.upstream.endpoint, e, f"starting restored container {p.entry.name!r}"
                     ) from None
+                cid = created[p.entry.name]
+                try:
+                    await confirm_restored(self.upstream, self.config, cid, p.entry.name)
+                finally:
+                    if self.restored is not None:
+                        self.restored.discard(cid)
         log.info("restore done", sandbox=resp.pod_sandbox_id, seconds=round(time.monotonic() - started, 4))
 
     async def _check_network(self, sandbox_id: str, recorded: dict[str, Any]) -> None:

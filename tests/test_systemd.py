@@ -89,6 +89,18 @@ def test_service_hardening_keeps_criu_working() -> None:
     assert svc["UMask"] == "0077"
 
 
+def test_service_stop_leaves_runc_and_criu_to_podshim() -> None:
+    """KillMode=mixed: a stop signals podshim alone (the default control-group also SIGTERMs the
+    runc/CRIU of a running checkpoint, whose orphaned CRIU then froze the pod again); podshim's
+    graceful stop (grace + clean-up) ends before systemd's SIGKILL."""
+    from shim.server.app import STOP_CLEANUP, STOP_GRACE
+
+    svc = unit(UNIT)["Service"]
+    assert svc["KillMode"] == "mixed"
+    assert svc.get("KillSignal", "SIGTERM") == "SIGTERM"
+    assert STOP_GRACE + STOP_CLEANUP < float(svc["TimeoutStopSec"])
+
+
 def test_service_directories_match_the_config() -> None:
     svc = unit(UNIT)["Service"]
     cfg = configmod.load(str(CONFIG), env={})

@@ -15,7 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shim import errors, faults
+from shim import errors, faults, logs
+from shim.aio import run_to_end
+
+log = logs.get("shim.criu.runtime")
 
 CRIU_LOG_TAIL = 6
 # Error lines CRIU prints on every run of this kind of host without failing because of them
@@ -58,6 +61,72 @@ def criu_error_lines(log_path: Path, limit: int = CRIU_LOG_TAIL) -> list[str]:
         if ("Error" in line or "error" in line) and not any(n in line for n in _HARMLESS)
     ]
     return (errs or [line.strip() for line in lines])[-limit:]
+
+
+END_DUMP_TIMEOUT = 10.0  # seconds for SIGKILLed runc/CRIU processes to disappear
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group `pgid` still has a member (zombies included): one syscall."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _dump_processes(pgid: int, image_dir: Path) -> list[int]:
+    """Live (not zombie) processes of a dump: the members of runc's process group (runc, its
+    CRIU and CRIU's helpers), and any process whose command line names the image dir (CRIU
+    titles itself `criu: dump --rpc ... -D <image_dir>`: found in another group too)."""
+    needle = os.fsencode(str(image_dir))
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+            fields = stat[stat.rfind(b")") + 2 :].split()
+            if fields[0] == b"Z":
+                continue
+            if int(fields[2]) == pgid:
+                found.append(int(entry.name))
+                continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read()
+            if b"criu" in os.path.basename(argv.split(b"\0", 1)[0]) and needle in argv:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found
+
+
+def end_dump(pgid: int, image_dir: Path, timeout: float = END_DUMP_TIMEOUT) -> None:
+    """SIGKILL every process of a dump (see _dump_processes) and wait until none is left.
+
+    Called on every abnormal end of `runc/crun checkpoint` (failure, signal, cancellation) before
+    the caller thaws: runc killed mid-dump (a service stop signals it) leaves its CRIU running,
+    and CRIU, when it ends, puts back the freezer state it found (FROZEN: podshim's cut), after
+    the thaw. A CRIU killed instead leaves the freezer alone and ptrace lets the tasks go."""
+    end = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        left = _dump_processes(pgid, image_dir)
+        if not left:
+            return
+        if time.monotonic() > end:
+            log.error(
+                "runtime/CRIU processes of a dump outlived SIGKILL", pids=left, image_dir=str(image_dir)
+            )
+            return
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 class OciRuntime:
@@ -118,11 +187,15 @@ class OciRuntime:
         try:
             out, _ = await proc.communicate()
         except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            # cancelled: runc and its CRIU must be gone before the caller thaws (see end_dump)
+            await run_to_end(end_dump, proc.pid, image_dir)
             with contextlib.suppress(Exception):
                 await asyncio.shield(proc.wait())
             raise
+        if proc.returncode != 0 or _group_alive(proc.pid):
+            # runc killed or failed: a CRIU it leaves behind would put back the FROZEN state it
+            # found after the caller's thaw and freeze the container for good
+            await run_to_end(end_dump, proc.pid, image_dir)
         if proc.returncode != 0:
             log_path = work_dir / "dump.log"
             detail = "; ".join(criu_error_lines(log_path)) or out.decode(errors="replace").strip()[-500:]

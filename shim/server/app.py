@@ -19,6 +19,10 @@ from shim.upstream import Upstream
 
 log = logs.get("shim.server")
 MAX_MESSAGE = 16 * 1024 * 1024
+# SIGTERM: seconds calls in flight get to finish, then seconds cancelled operations get to undo
+# their work; together within the unit's TimeoutStopSec (30 s), after which systemd SIGKILLs.
+STOP_GRACE = 15.0
+STOP_CLEANUP = 10.0
 
 
 def streaming_methods() -> frozenset[str]:
@@ -71,8 +75,12 @@ class Server:
         os.chmod(self.config.socket, 0o660)
         log.info("serving", socket=self.config.socket, upstream=self.config.upstream_endpoint)
 
-    async def stop(self, grace: float = 5.0) -> None:
+    async def stop(self, grace: float = 5.0, engine: Engine | None = None, cleanup: float = 0.0) -> None:
+        """Stop taking calls at once; give those in flight `grace` seconds, then cancel them; then
+        give podshim's operations `cleanup` seconds to undo what they did (engine.stop)."""
         await self.grpc.stop(grace)
+        if engine is not None:
+            await engine.stop(cleanup)
         await self.upstream.close()
         try:
             os.unlink(self.config.socket)
@@ -93,6 +101,7 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
     cni.preload()
     engine = engine_factory(config, upstream)
     await engine.recover()
+    await engine.startup()  # the wiring check runs in the background
     server = Server(config, engine, upstream)
     await server.start()
     stopping = asyncio.Event()
@@ -100,5 +109,11 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     await stopping.wait()
-    log.info("stopping")
-    await server.stop()
+    # A graceful stop (systemd's KillMode=mixed signals podshim alone; runc and CRIU go on): no
+    # new calls; a checkpoint or restore in flight may finish within STOP_GRACE, else it is
+    # cancelled and thaws, clears and rolls back as on a deadline, within STOP_CLEANUP.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: log.warning("already stopping"))
+    log.info("stopping", grace=STOP_GRACE)
+    await server.stop(STOP_GRACE, engine, STOP_CLEANUP)
+    log.info("stopped")

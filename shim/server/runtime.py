@@ -47,6 +47,17 @@ class Engine(Protocol):
 
     async def recover(self) -> None: ...
 
+    async def stop(self, timeout: float) -> None: ...  # graceful stop: let cancelled operations undo
+
+    async def startup(self) -> None: ...
+
+    @property
+    def restores_pending(self) -> bool: ...  # some container created for a restore is not started yet
+
+    def restored_id(self, container_id: str) -> str | None: ...  # created for a restore, not started
+
+    async def confirm_restored(self, container_id: str) -> None: ...  # raises if it was not restored
+
 
 M = TypeVar("M", bound=Message)
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
@@ -161,6 +172,31 @@ class RuntimeHandlers:
 
         return grpc.unary_unary_rpc_method_handler(create)
 
+    def start_container(self) -> grpc.RpcMethodHandler:
+        """StartContainer: forwarded as bytes. Only for a container podshim created for a restore
+        (looked up in memory: any other container costs no decoding and no added upstream call)
+        does podshim confirm afterwards that its process really came from the checkpoint; if not,
+        the container is stopped and removed and the call fails FAILED_PRECONDITION
+        (docs/architecture.md "Wiring check")."""
+        forward = self.passthrough.unary(SERVICE + "StartContainer")
+
+        async def start(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            engine = self.engine
+            if engine is None or not engine.restores_pending:
+                return await forward(request, context)
+            req = await decode(cri.StartContainerRequest, request, context)
+            cid = engine.restored_id(req.container_id)
+            if cid is None:
+                return await forward(request, context)
+            response = await forward(request, context)
+            try:
+                await engine.confirm_restored(cid)
+            except errors.ShimError as e:
+                await context.abort(e.code, fit_message(e.message))
+            return response
+
+        return grpc.unary_unary_rpc_method_handler(start)
+
     def checkpoint_container(self) -> grpc.RpcMethodHandler:
         """CheckpointContainer: the upstream's when it has one (forwarded first, as bytes);
         podshim's own when it answers UNIMPLEMENTED (containerd 1.6), or always by config."""
@@ -217,6 +253,7 @@ class RuntimeHandlers:
             SERVICE + "StopPodSandbox": self.idempotent_stop("StopPodSandbox"),
             SERVICE + "StopContainer": self.idempotent_stop("StopContainer"),
             SERVICE + "CreateContainer": self.guarded_create(),
+            SERVICE + "StartContainer": self.start_container(),
             SERVICE + "CheckpointContainer": self.checkpoint_container(),
             SERVICE + "RemoveContainer": self.cleanup_after(
                 "RemoveContainer", lambda raw: cri.RemoveContainerRequest.FromString(raw).container_id

@@ -1,0 +1,187 @@
+"""A service stop under a running checkpoint (issue 11 item 1): what `systemctl stop/restart
+podshim` does to runc, CRIU and podshim.
+
+* The runtime process killed mid-dump (SIGTERM to `runc checkpoint`, alone or with its process
+  group, CRIU included: what the unit's old `KillMode=control-group` did): the operation fails,
+  and the container is thawed and STAYS thawed (an orphaned CRIU used to put back the FROZEN
+  state it found a second later, with no journal record left to undo it).
+* podshim alone SIGTERMed mid-checkpoint (`KillMode=mixed`): it stops accepting calls, lets the
+  operation finish or aborts it, thaws, closes the journal and exits by itself.
+
+After each: the pod THAWED (polled for a while after the answer), running and counting, the
+journal empty, output_path empty or a complete archive, and the next checkpoint works.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from shim.archive import manifest as mf
+from shim.server.app import STOP_GRACE
+from testbed import _sys, pods
+from testbed.bed import TestBed
+
+from .helpers import (
+    Call,
+    CounterPod,
+    Rt,
+    assert_checkpoint_works,
+    assert_empty_dir,
+    assert_thawed_and_counting,
+    freezer_state,
+    journal_files,
+    new_output_dir,
+    processes_under,
+    restart_podshim,
+    start_counter_pod,
+    stopped_processes,
+    wait_criu_dumping,
+    wait_journal_empty,
+    wait_serving,
+)
+
+pytestmark = pytest.mark.e2e
+
+WATCH = 3.0  # seconds the freezer is watched after the answer: the orphan CRIU re-froze in ~1-2 s
+
+
+def _runtime_pid(out: Path) -> int:
+    """The `runc checkpoint` process writing into `out`."""
+    found = [p for p in processes_under(out) if "runc" in Path((_sys.read_cmdline(p) or [""])[0]).name]
+    assert found, "no runc checkpoint process found"
+    return found[0]
+
+
+def _never_frozen_again(cgroups: list[str], seconds: float = WATCH) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        states = {cg: freezer_state(cg) for cg in cgroups}
+        assert all(s == "THAWED" for s in states.values()), f"frozen again after the answer: {states}"
+        time.sleep(0.02)
+
+
+def _still_counting(rt: Rt, cp: CounterPod, bed: TestBed, out: Path) -> None:
+    _never_frozen_again(cp.cgroups)
+    wait_journal_empty(bed)
+    assert_thawed_and_counting(rt, cp)
+    assert processes_under(out) == []
+
+
+@pytest.mark.parametrize("target", ["runc", "process-group"])
+def test_runtime_terminated_mid_dump(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path], target: str
+) -> None:
+    cp = start_counter_pod(rt, bed, f"term-{target}", pod_cleanup, mem_mib=512)
+    out = new_output_dir(bed, f"term-{target}")
+    archives.append(out)
+    call = Call(rt, cp.id, out)
+    call.start()
+    wait_criu_dumping(out, call, min_bytes=32 << 20)
+    runc = _runtime_pid(out)
+    if target == "runc":
+        os.kill(runc, signal.SIGTERM)  # CRIU goes on alone
+    else:
+        os.killpg(os.getpgid(runc), signal.SIGTERM)
+    call.join(120)
+    assert call.error is not None, "CheckpointPod succeeded although runc was killed"
+    print(f"runc SIGTERMed ({target}): {call.error.code()}: {call.error.details()}")
+    assert call.error.code() == grpc.StatusCode.INTERNAL, call.error.details()
+    _still_counting(rt, cp, bed, out)
+    assert_empty_dir(out)
+    archives.append(assert_checkpoint_works(rt, bed, cp))
+
+
+def test_container_checkpoint_runtime_terminated_mid_dump(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]
+) -> None:
+    """The same through CheckpointContainer (podshim's own KEP-2008 checkpoint)."""
+    cp = start_counter_pod(rt, bed, "term-ctr", pod_cleanup, mem_mib=512)
+    cid = cp.pod.containers["counter"]
+    where = new_output_dir(bed, "term-ctr")
+    archives.append(where)
+    errors: list[grpc.RpcError] = []
+
+    def run() -> None:
+        try:
+            rt.CheckpointContainer(
+                cri.CheckpointContainerRequest(container_id=cid, location=str(where)), timeout=120
+            )
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    runc: list[int] = []
+    while time.monotonic() < deadline and t.is_alive():
+        # the staging dir is inside `where`; runc names it in its argv
+        runc = [p for p in processes_under(where) if "runc" in Path((_sys.read_cmdline(p) or [""])[0]).name]
+        criu = [p for p in _sys.descendants(set(runc)) if "criu" in (_sys.read_cmdline(p) or [""])[0]]
+        if runc and criu and sum(f.stat().st_size for f in where.rglob("pages-*.img")) >= 32 << 20:
+            break
+        time.sleep(0.005)
+    else:
+        pytest.fail("CRIU was not seen dumping")
+    os.kill(runc[0], signal.SIGTERM)
+    t.join(120)
+    assert errors, "CheckpointContainer succeeded although runc was killed"
+    assert errors[0].code() == grpc.StatusCode.INTERNAL, errors[0].details()
+    _still_counting(rt, cp, bed, where)
+    assert list(where.iterdir()) == [], "a tar or staging dir was left"
+
+
+@pytest.mark.parametrize("mode", ["mixed-finishes", "mixed-aborts", "control-group"])
+def test_podshim_terminated_mid_checkpoint(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path], mode: str
+) -> None:
+    """SIGTERM to podshim mid-dump, alone (KillMode=mixed, the unit's setting) or with all its
+    descendants (runc and CRIU too). podshim stops taking calls and exits by itself; the pod is
+    thawed, alive and counting; the journal is closed. mixed-finishes: the dump (held with
+    SIGSTOP past the 5 s podshim used to give) ends within the grace: the checkpoint completes.
+    mixed-aborts: held past the grace: podshim cancels it, thaws and clears output_path."""
+    cp = start_counter_pod(rt, bed, f"stop-{mode}", pod_cleanup, mem_mib=512)
+    out = new_output_dir(bed, f"stop-{mode}")
+    archives.append(out)
+    call = Call(rt, cp.id, out)
+    call.start()
+    criu = wait_criu_dumping(out, call, min_bytes=32 << 20)
+    podshim = bed.podshim_pid
+    assert podshim is not None
+    if mode == "control-group":
+        for pid in {podshim, *_sys.descendants({podshim}), *processes_under(out)}:
+            _sys.kill(pid, signal.SIGTERM)
+    else:
+        hold = 6.0 if mode == "mixed-finishes" else STOP_GRACE + 5.0
+        with stopped_processes(criu):
+            _sys.kill(podshim, signal.SIGTERM)
+            time.sleep(hold)
+            if mode == "mixed-aborts":
+                assert processes_under(out) == [], "podshim did not end the dump after its grace"
+    assert not _sys.wait_gone({podshim}, STOP_GRACE + 30), "podshim did not stop on SIGTERM"
+    call.join(60)
+    print(f"podshim SIGTERMed ({mode}) mid-dump: {call.error.code() if call.error else 'OK'}")
+    # nothing frozen, nothing running for the dump, the journal closed: before any restart
+    _never_frozen_again(cp.cgroups)
+    assert processes_under(out) == []
+    assert journal_files(bed) == [], "podshim stopped without closing its journal record"
+    if mode == "mixed-finishes":
+        assert call.error is None, f"the checkpoint was not let finish: {call.error.details()}"
+        mf.load_and_verify(out, [str(bed.checkpoint_root)])
+    else:
+        assert call.error is not None
+        assert_empty_dir(out)
+    for n in cp.pod.containers:  # alive and counting without podshim
+        last = cp.last_count(n)
+        pods.wait_count(cp.pod.log_path(n), last + 2, timeout=15)
+    restart_podshim(bed)
+    wait_serving(rt)
+    assert_thawed_and_counting(rt, cp)
+    archives.append(assert_checkpoint_works(rt, bed, cp))
