@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from shim.archive.fsutil import DIR_MODE, FILE_MODE, temp_name_for
-from shim.errors import Internal, InvalidArgument, NotFound, ShimError
+from shim.errors import FailedPrecondition, Internal, InvalidArgument, NotFound, ShimError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -41,9 +41,14 @@ def _parts(rel: str | Path) -> list[str]:
 class DirHandle:
     """One directory opened with O_NOFOLLOW; `path` is where it was opened (messages only)."""
 
-    def __init__(self, fd: int, path: Path) -> None:
+    def __init__(self, fd: int, path: Path, asked: str | None = None) -> None:
         self.fd = fd
         self.path = Path(path)
+        self.asked = asked  # the caller's spelling of `path` (it may pass through a symlink)
+
+    def __del__(self) -> None:  # a handle dropped on an error path still gives its fd back
+        with contextlib.suppress(OSError, AttributeError):
+            self.close()
 
     # ------------------------------------------------------------------ opening
 
@@ -131,6 +136,18 @@ class DirHandle:
         except OSError:
             return False
         return (st.st_dev, st.st_ino) == self.identity()
+
+    def check_in_place(self, what: str, during: str) -> None:
+        """FailedPrecondition when the path this directory was opened at (or the caller's
+        spelling of it) no longer names it: someone replaced or moved it meanwhile."""
+        shown = self.asked or str(self.path)
+        if self.is_at(self.path) and (self.asked is None or self.is_at(self.asked)):
+            return
+        raise FailedPrecondition(
+            f"{what} {shown} was replaced during {during} (it no longer names the directory podshim "
+            "opened): nothing was written outside it and the partial files were removed; retry with "
+            "a directory nobody else renames or replaces"
+        )
 
     def free_bytes(self) -> int:
         """Bytes an unprivileged writer may still use on this directory's file system."""
@@ -253,6 +270,25 @@ class DirHandle:
             with contextlib.suppress(FileNotFoundError):
                 self.remove(name)
         self.fsync()
+
+
+def open_checked(real: Path, asked: str, what: str, empty: bool = False) -> DirHandle:
+    """Open the directory `real` that paths.py validated for the request path `asked`, and make
+    sure it is still that one (and, with `empty`, still empty) now that podshim holds it."""
+    d = DirHandle.open(real)
+    d.asked = asked
+    if not d.is_at(asked):
+        d.close()
+        raise InvalidArgument(f"{what} {asked} changed while it was checked: retry")
+    if empty:
+        names = d.names()
+        if names:
+            d.close()
+            raise InvalidArgument(
+                f"{what} {asked} is not empty (contains {names[0]!r}): "
+                "pass an empty directory; podshim never removes caller files"
+            )
+    return d
 
 
 class HeldTree:

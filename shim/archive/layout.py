@@ -13,9 +13,11 @@ Per-container file names are those of checkpointctl (`lib/metadata.go`) and go-c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from shim.archive.dirfd import DirHandle
 
 # the modes belong to the layout contract (files 0600, dirs 0700): re-exported here
 from shim.archive.fsutil import DIR_MODE as DIR_MODE
@@ -103,9 +105,11 @@ class ContainerLayout:
 
 @dataclass(frozen=True)
 class ArchiveLayout:
-    """Paths of a pod checkpoint rooted at `root` (an already validated directory)."""
+    """Paths of a pod checkpoint rooted at `root` (an already validated directory); `dir`: that
+    directory held open, what every write goes through while it is made (dirfd.py)."""
 
     root: Path
+    dir: DirHandle | None = field(default=None, compare=False)
 
     @property
     def manifest(self) -> Path:

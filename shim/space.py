@@ -1,0 +1,102 @@
+"""Will the checkpoint fit? An estimate of its size, checked before anything is frozen.
+
+A full disk is handled cleanly, but only after the pod was frozen and dumped: that freeze is
+the cost the workload pays for nothing. So CheckpointPod and CheckpointContainer estimate the
+archive first (docs/architecture.md "CheckpointPod" step 1): the resident memory of the
+selected containers' processes (what CRIU writes, file-backed pages overcounted a little) plus
+their writable layers (the overlay upper dirs the rootfs diff tars), plus a margin, and refuse
+with RESOURCE_EXHAUSTED when the file system of the directory podshim holds has less free.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from shim import errors
+from shim.archive.dirfd import DirHandle
+from shim.cgroups import cgroup_procs
+from shim.sandbox import ContainerView
+
+MARGIN_FRACTION = 0.10  # of the estimate: CRIU's own images, logs, the manifest, tar headers
+MARGIN_BYTES = 64 << 20  # and a floor: a pod of tiny processes still needs some room
+TAR_ENTRY_BYTES = 1536  # a tar header with a PAX record, per entry of a writable layer
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Estimate:
+    memory: int  # resident memory of the containers' processes
+    layers: int  # their writable layers, as tarred
+    margin: int
+
+    @property
+    def total(self) -> int:
+        return self.memory + self.layers + self.margin
+
+
+def memory_bytes(c: ContainerView) -> int:
+    """Resident memory (RSS) of every process in the container's cgroup."""
+    import psutil
+
+    total = 0
+    for pid in cgroup_procs(c.cgroups_path):
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            continue  # ended meanwhile
+    return total
+
+
+def layer_bytes(upper: Path | None, stop: threading.Event | None = None) -> int:
+    """What the rootfs diff of the overlay upper dir `upper` takes: regular files' sizes plus a
+    header per entry. Symlinks are not followed; a directory that vanishes is skipped."""
+    if upper is None:
+        return 0
+    total = 0
+    stack = [os.fspath(upper)]
+    while stack:
+        if stop is not None and stop.is_set():
+            break
+        d = stack.pop()
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    st = e.stat(follow_symlinks=False)
+                    total += TAR_ENTRY_BYTES
+                    if stat.S_ISREG(st.st_mode):
+                        total += st.st_size
+                    elif stat.S_ISDIR(st.st_mode):
+                        stack.append(e.path)
+        except OSError:
+            continue
+    return total
+
+
+def estimate(containers: list[ContainerView], stop: threading.Event | None = None) -> Estimate:
+    memory = sum(memory_bytes(c) for c in containers)
+    layers = sum(layer_bytes(c.upperdir(), stop) for c in containers)
+    return Estimate(memory, layers, int((memory + layers) * MARGIN_FRACTION) + MARGIN_BYTES)
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.1f} MiB"
+
+
+def check_fits(
+    d: DirHandle, containers: list[ContainerView], what: str, stop: threading.Event | None = None
+) -> Estimate:
+    """ResourceExhausted, saying how much is needed and how much is free, when the file system
+    of `d` (statvfs of the descriptor podshim holds) cannot hold the checkpoint."""
+    est = estimate(containers, stop)
+    free = d.free_bytes()
+    if free < est.total:
+        raise errors.ResourceExhausted(
+            f"{what} has {_mib(free)} free, the checkpoint needs about {_mib(est.total)} "
+            f"(memory {_mib(est.memory)} + writable layers {_mib(est.layers)} + margin {_mib(est.margin)}); "
+            "nothing was frozen: free space there or choose a path on a larger file system"
+        )
+    return est
