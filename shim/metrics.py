@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _OP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -38,6 +38,12 @@ archive_size = Histogram(
     "Size of the written checkpoint",
     ["operation"],
     buckets=_SIZE_BUCKETS,
+)
+wiring_ok = Gauge(
+    "podshim_wiring_ok",
+    "Whether the upstream runtime handler runs podshim-runc and passes podshim.* annotations "
+    "(1 yes, 0 no: restores on it are refused, -1 cannot verify)",
+    ["handler"],
 )
 
 
