@@ -3,13 +3,59 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
+from shim import errors
+
 T = TypeVar("T")
+
+
+class Lane:
+    """A bounded share of podshim's worker threads for one kind of operation (docs/architecture.md
+    "Cancellation"): the blocking steps of every operation entered here run on this lane's own
+    `workers` threads, so a flood of slow restores (an archive that takes minutes to hash) queues
+    behind itself instead of taking every thread of the loop's default executor, where a healthy
+    CheckpointPod's steps run. At most `max_operations` operations may be inside (running or
+    queued for a thread); one more is refused at once with RESOURCE_EXHAUSTED."""
+
+    def __init__(self, name: str, workers: int, max_operations: int) -> None:
+        self.name = name
+        self.workers = workers
+        self.max_operations = max_operations
+        self.active = 0
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=f"podshim-{self.name}")
+        return self._pool
+
+    @contextlib.contextmanager
+    def enter(self) -> Iterator[None]:
+        """Run the caller's operation in this lane: every run_to_end inside it (and in tasks it
+        starts) uses the lane's threads."""
+        if self.active >= self.max_operations:
+            raise errors.ResourceExhausted(
+                f"{self.active} {self.name} operations are already in progress (at most "
+                f"{self.max_operations}); retry when some have ended"
+            )
+        self.active += 1
+        token = _LANE.set(self)
+        try:
+            yield
+        finally:
+            _LANE.reset(token)
+            self.active -= 1
+
+
+_LANE: contextvars.ContextVar[Lane | None] = contextvars.ContextVar("podshim_lane", default=None)
 
 
 async def run_to_end(
@@ -18,15 +64,25 @@ async def run_to_end(
     """Like asyncio.to_thread, but a cancellation (the caller's deadline) waits for the thread to
     finish before it propagates. A thread cannot be stopped from outside: without this, a freeze
     could land after the thaw, or a file be written into output_path after it was cleared.
-    `stop`, if given, is set on cancellation so that a cooperative `fn` ends early."""
+    `stop`, if given, is set on cancellation so that a cooperative `fn` ends early. Inside a
+    Lane (Lane.enter) `fn` runs on the lane's threads; a call still queued there when cancelled
+    never runs."""
     loop = asyncio.get_running_loop()
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-    future = loop.run_in_executor(None, call)
+    lane = _LANE.get()
+    queued: Future[T] | None = None
+    if lane is None:
+        future = loop.run_in_executor(None, call)
+    else:
+        queued = lane.pool.submit(call)
+        future = asyncio.wrap_future(queued, loop=loop)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
         if stop is not None:
             stop.set()
+        if queued is not None and queued.cancel():
+            raise  # it had not started: nothing to wait for
         while not future.done():
             try:
                 await asyncio.shield(future)
