@@ -156,7 +156,7 @@ def confirm_thawed(cgroups: list[str], pod_id: str) -> None:
 
 def check_dumpable(c: ContainerView) -> None:
     """Refuse what CRIU cannot dump, before anything is frozen: processes in the container's
-    cgroup outside its process tree are exec sessions (they would fail the dump)."""
+    cgroup outside its process tree (exec sessions, detached daemons) would fail the dump."""
     import psutil
 
     try:
@@ -165,10 +165,9 @@ def check_dumpable(c: ContainerView) -> None:
         raise errors.FailedPrecondition(f"container {c.name!r}: its process {c.pid} is gone") from None
     extra = sorted(set(cgroup_procs(c.cgroups_path)) - tree)
     if extra:
-        raise errors.FailedPrecondition(
-            f"container {c.name!r} has an exec session or stray process (pids {extra[:5]}): "
-            "CRIU cannot dump processes outside the container's tree; retry when it has ended"
-        )
+        from shim import strays
+
+        raise strays.refusal(c.name, extra)  # what each is (exec session or not) and what to do
 
 
 @dataclass

@@ -636,3 +636,48 @@ def test_exec_session_is_refused(rt: Rt, bed: TestBed, counter_pod: pods.Pod) ->
             except ProcessLookupError:
                 pass
         t.join(20)
+
+
+def test_detached_daemon_is_refused_with_what_to_do(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    """A daemon that detached into the pod's shared PID namespace (its parent is now the pause
+    process) sits in the container's cgroup outside its process tree and never ends: the refusal
+    names it (pid, comm, parent) and says to stop it or move it out, not to wait for it."""
+    config = pods.pod_config(f"stray-{secrets.token_hex(3)}", log_root)
+    config.linux.security_context.namespace_options.pid = cri.POD
+    pod_id = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=config)).pod_sandbox_id
+    pod_cleanup.append(pod_id)
+    cc = busybox("app", "(sleep 1000 &); exec sleep 1001")
+    cc.linux.security_context.namespace_options.pid = cri.POD
+    cid = rt.CreateContainer(
+        cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config)
+    ).container_id
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+    pod = pods.Pod(pod_id, config, {"app": cid})
+    cgroup = FREEZER / container_cgroup(rt, cid).lstrip("/")
+
+    def daemon() -> int | None:
+        for pid in (cgroup / "cgroup.procs").read_text().split():
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"1000"]:
+                return int(pid)
+        return None
+
+    stray = pods.wait_for(daemon, what="the detached daemon")
+    out = empty_dir(bed, "stray")
+    details = assert_refused_cleanly(
+        rt,
+        bed,
+        pod,
+        out,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        lambda: checkpoint(rt, pod_id, out),
+        "'app'",
+        f"process {stray} (sleep), child of",
+        "(pause)",
+        "outside its process tree",
+        "will not end by itself",
+        "stop it, or move it out of the container's cgroup",
+        counters=(),
+    )
+    assert "retry when it has ended" not in details and "exec session" not in details
