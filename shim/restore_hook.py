@@ -219,10 +219,20 @@ def _kill_restore(pgid: int, cgroups_path: str, dirs: list[Path]) -> None:
 def _keep_log(log_path: Path, state_dir: str, container_id: str) -> str:
     """Copy the CRIU log out of the bundle (which the upstream deletes) for the operator."""
     try:
+        # private whatever the upstream's umask (CRIU logs name the workload's files and sockets)
         dest_dir = Path(state_dir) / "logs"
-        dest_dir.mkdir(parents=True, exist_ok=True)
+        dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(dest_dir, 0o700)
         dest = dest_dir / f"restore-{container_id}.log"
-        dest.write_bytes(log_path.read_bytes())
+        data = log_path.read_bytes()
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
         return str(dest)
     except OSError:
         return str(log_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +42,25 @@ def _prepare_socket(path: str) -> None:
         os.unlink(path)  # a stale socket of a previous run
     except FileNotFoundError:
         pass
+
+
+def prepare_state_dir(path: str) -> None:
+    """server.state_dir private (0700) whatever the umask or the unit: it holds the journal, kept
+    CRIU logs, container checkpoint imports and decrypted images. An existing one open to others
+    is narrowed to 0700, with a warning."""
+    d = Path(path)
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(d)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            log.warning(
+                "server.state_dir was open to other users; made it 0700",
+                state_dir=path,
+                mode=oct(stat.S_IMODE(st.st_mode)),
+            )
+            os.chmod(d, 0o700)
+    except OSError as e:
+        raise StartupError(f"server.state_dir {path}: {e.strerror or e}") from None
 
 
 class StartupError(Exception):
@@ -97,6 +117,7 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
             raise StartupError(
                 f"server.metrics_address {config.metrics_address}: {e.strerror or e}"
             ) from None
+    prepare_state_dir(config.state_dir)
     upstream = Upstream(config.upstream_endpoint, config.upstream_timeout)
     cni.preload()
     engine = engine_factory(config, upstream)
