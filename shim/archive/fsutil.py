@@ -6,6 +6,7 @@ Every durable state file of podshim (journal records, manifest.json) goes throug
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
@@ -217,6 +218,37 @@ def hash_file(
     finally:
         os.close(fd)
     return size, h.hexdigest()
+
+
+def hole_bytes(path: Path, limit: int, stop: threading.Event | None = None) -> int:
+    """How many bytes of `path` are holes (read back as zeros, stored nowhere), counting up to
+    just past `limit` (the caller only asks whether there are more). 0 at once for a file whose
+    allocated blocks cover its size (every file CRIU, tar and podshim write); otherwise the
+    holes are found with SEEK_DATA/SEEK_HOLE, so a file system that compresses (its blocks
+    undercount without any hole) is not mistaken for a sparse file. `stop` set: Stopped."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        if st.st_blocks * 512 >= size:
+            return 0
+        holes = pos = 0
+        while pos < size and holes <= limit:
+            if stop is not None and stop.is_set():
+                raise Stopped(f"checking {path} stopped: the operation was cancelled")
+            try:
+                data = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno != errno.ENXIO:  # ENXIO: no data after pos, the rest is a hole
+                    raise
+                data = size
+            holes += min(data, size) - pos
+            if data >= size:
+                break
+            pos = os.lseek(fd, data, os.SEEK_HOLE)
+        return holes
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: Path, chunk_size: int = CHUNK_SIZE) -> str:

@@ -19,8 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from shim.archive import crypto
-from shim.archive.fsutil import atomic_write, fsync_tree, hash_and_flush, hash_file, map_in_threads
-from shim.archive.layout import MANIFEST_FILE
+from shim.archive.fsutil import (
+    atomic_write,
+    fsync_tree,
+    hash_and_flush,
+    hash_file,
+    hole_bytes,
+    map_in_threads,
+)
+from shim.archive.layout import (
+    CHECKPOINT_DIR,
+    CONFIG_DUMP_FILE,
+    DELETED_FILES_FILE,
+    MANIFEST_FILE,
+    ROOTFS_DIFF_TAR,
+    SPEC_DUMP_FILE,
+)
 from shim.archive.paths import check_member_path, validate_archive_dir
 from shim.errors import (
     DataLoss,
@@ -37,6 +51,20 @@ FORMAT_PREFIX = "podshim.checkpoint."
 
 # A manifest lists one line per file; far beyond any real pod, small enough to parse safely.
 MAX_MANIFEST_BYTES = 64 << 20
+# Directory nesting of an archive tree: podshim's is 4 deep (containers/<name>/checkpoint/<file>).
+MAX_TREE_DEPTH = 16
+# Holes a member may have (bytes, and at most half of its size) before it counts as a sparse
+# file: podshim, CRIU and tar never write one, and hashing gigabytes of holes is work for nothing.
+MAX_HOLE_BYTES = 64 << 20
+# What every checkpointed container of a podshim archive has (relative to its dir): CheckpointPod
+# has written each since the first format, so a manifest without `members` must list them too.
+REQUIRED_MEMBERS = (
+    CONFIG_DUMP_FILE,
+    SPEC_DUMP_FILE,
+    f"{CHECKPOINT_DIR}/inventory.img",
+    ROOTFS_DIFF_TAR,
+    DELETED_FILES_FILE,
+)
 
 POST_CHECKPOINT_RUNNING = "RUNNING"
 POST_CHECKPOINT_STOPPED = "STOPPED"
@@ -75,6 +103,9 @@ class ContainerEntry:
     restart_count: int
     checkpointed: bool  # False: recorded for the pod view only (e.g. exited)
     dir: str  # relative to the archive root, e.g. "containers/app"
+    # the files of a checkpointed container, relative to `dir` (write_manifest fills it); None in
+    # manifests written before it existed (then REQUIRED_MEMBERS is what is checked)
+    members: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +155,7 @@ class Manifest:
                 "metadata": self.sandbox.metadata,
                 "config": self.sandbox.config,
             },
-            "containers": [vars(c).copy() for c in self.containers],
+            "containers": [_container_dict(c) for c in self.containers],
             "timings": self.timings,
             "criu_stats": self.criu_stats,
             "options": self.options,
@@ -167,6 +198,7 @@ class Manifest:
                     restart_count=p.typed(c, "restart_count", int, cw),
                     checkpointed=p.typed(c, "checkpointed", bool, cw),
                     dir=p.typed(c, "dir", str, cw),
+                    members=_parse_members(p, c, cw),
                 )
             )
         files = {}
@@ -201,6 +233,43 @@ class Manifest:
             post_checkpoint_state=p.typed(d, "post_checkpoint_state", str),
             files=files,
             encryption=_parse_encryption(p, d),
+        )
+
+
+def _container_dict(c: ContainerEntry) -> dict[str, Any]:
+    d = vars(c).copy()
+    if c.members is None:
+        del d["members"]  # as a manifest written before the field existed
+    return d
+
+
+def _parse_members(p: _Parser, c: dict[str, Any], where: str) -> list[str] | None:
+    if "members" not in c:
+        return None
+    members = p.typed(c, "members", list, where)
+    if not all(isinstance(x, str) for x in members):
+        raise p.bad(f"{where}.members", "a list of strings")
+    return members
+
+
+def check_container_members(root: Path, m: Manifest, c: ContainerEntry) -> None:
+    """A checkpointed container's files, as the manifest lists them, are all it must have: the
+    members it records (exactly), and in any case REQUIRED_MEMBERS. DataLoss otherwise: a
+    rootfs-diff.tar removed with its manifest entry would restore without the writable layer."""
+    prefix = c.dir.rstrip("/") + "/"
+    listed = {rel[len(prefix) :] for rel in m.files if rel.startswith(prefix)}
+    missing = sorted((set(REQUIRED_MEMBERS) | set(c.members or ())) - listed)
+    if missing:
+        said = "its manifest entry lists" if c.members is not None else "every podshim checkpoint has"
+        raise DataLoss(
+            f"checkpoint {root} is incomplete: container {c.name!r} has no {_names(missing)} "
+            f"({said} them): the archive lost part of the container's state; take a new checkpoint"
+        )
+    extra = sorted(listed - set(c.members)) if c.members is not None else []
+    if extra:
+        raise DataLoss(
+            f"checkpoint {root} was modified: container {c.name!r} has {_names(extra)}, which its "
+            "manifest entry does not list; the archive cannot be trusted, take a new checkpoint"
         )
 
 
@@ -291,13 +360,14 @@ def check_format(fmt: str, where: str = MANIFEST_FILE) -> None:
 def _scan_tree(root: Path, err: Callable[[str], ShimError]) -> dict[str, int]:
     """Regular files under `root` (relative posix path -> size), manifest.json excluded.
 
-    Anything but directories and regular files (symlinks, fifos, devices, sockets) raises
-    `err(message)`: an archive tree is plain data, and a symlink could point reads outside it.
+    Anything but directories and regular files (symlinks, fifos, devices, sockets), and
+    directories nested deeper than MAX_TREE_DEPTH, raise `err(message)`: an archive tree is plain
+    data, and a symlink could point reads outside it.
     """
     out: dict[str, int] = {}
-    stack: list[tuple[Path, str]] = [(root, "")]
+    stack: list[tuple[Path, str, int]] = [(root, "", 0)]
     while stack:
-        d, prefix = stack.pop()
+        d, prefix, depth = stack.pop()
         try:
             with os.scandir(d) as it:
                 entries = list(it)
@@ -305,9 +375,17 @@ def _scan_tree(root: Path, err: Callable[[str], ShimError]) -> dict[str, int]:
             raise Internal(f"cannot list {d}: {e}") from e
         for e in entries:
             rel = f"{prefix}{e.name}"
-            st = e.stat(follow_symlinks=False)
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError as ex:
+                raise err(f"{root}: cannot stat {rel[:200]!r}: {ex.strerror}") from None
             if stat.S_ISDIR(st.st_mode):
-                stack.append((Path(e.path), rel + "/"))
+                if depth + 1 >= MAX_TREE_DEPTH:
+                    raise err(
+                        f"{root}: directories nest deeper than {MAX_TREE_DEPTH} levels "
+                        f"({rel[:120]!r}...); a checkpoint is at most {MAX_TREE_DEPTH} deep"
+                    )
+                stack.append((Path(e.path), rel + "/", depth + 1))
             elif stat.S_ISREG(st.st_mode):
                 if rel != MANIFEST_FILE:
                     out[rel] = st.st_size
@@ -361,12 +439,21 @@ def write_manifest(
     except OSError as e:
         raise Internal(f"cannot checksum/fsync checkpoint {root}: {e}; check the disk") from e
     manifest.files = {rel: FileEntry(size=s, sha256=h) for rel, (s, h) in zip(rels, results, strict=True)}
+    _record_members(manifest, rels)
     fsync_tree(root, files=False)  # entries of every dir durable before the marker exists
     if key is not None:
         manifest.encryption = Encryption(scheme=crypto.SCHEME, key_id=key.key_id)
         manifest.mac_key = key.manifest_key()
     atomic_write(root / MANIFEST_FILE, manifest.to_json())
     return manifest
+
+
+def _record_members(manifest: Manifest, rels: list[str]) -> None:
+    """Each checkpointed container's files (what RestorePod checks it still has)."""
+    for c in manifest.containers:
+        if c.checkpointed:
+            prefix = c.dir.rstrip("/") + "/"
+            c.members = [rel[len(prefix) :] for rel in rels if rel.startswith(prefix)]
 
 
 def read_manifest(root: Path) -> Manifest:
@@ -404,10 +491,14 @@ def _read_doc(root: Path) -> tuple[Path, Any]:
     return path, doc
 
 
-def verify_files(root: Path, manifest: Manifest, workers: int = 1) -> None:
+def verify_files(
+    root: Path, manifest: Manifest, workers: int = 1, stop: threading.Event | None = None
+) -> None:
     """Check the tree under `root` against `manifest.files`: exact set, sizes, sha256.
 
-    Sizes are compared before any byte is hashed, so truncation fails fast.
+    Sizes are compared before any byte is hashed, so truncation fails fast; so is a member that
+    cannot be what podshim wrote without reading it: a sparse file (check_allocated). `stop`
+    set (the caller was cancelled): fsutil.Stopped at the next chunk.
     """
     root = Path(root)
     _check_members(root, manifest)
@@ -433,8 +524,9 @@ def verify_files(root: Path, manifest: Manifest, workers: int = 1) -> None:
             f"{expected[r].size}" + (f" (and {len(wrong_size) - 1} more)" if wrong_size[1:] else "")
         )
     rels = sorted(expected)
+    check_allocated(root, {r: expected[r].size for r in rels}, stop)
     try:
-        results = map_in_threads(lambda rel: hash_file(root / rel), rels, workers)
+        results = map_in_threads(lambda rel: hash_file(root / rel, stop=stop), rels, workers)
     except OSError as e:
         raise Internal(f"cannot read checkpoint {root}: {e}") from e
     bad = [
@@ -452,13 +544,43 @@ def verify_files(root: Path, manifest: Manifest, workers: int = 1) -> None:
         )
 
 
+def check_allocated(root: Path, sizes: dict[str, int], stop: threading.Event | None = None) -> None:
+    """Refuse (DataLoss), before reading a byte, a member larger than the file system holding it
+    or mostly holes (over MAX_HOLE_BYTES and over half its size): a sparse file reads back as
+    gigabytes of zeros that podshim never wrote, and hashing them would only burn the caller's
+    deadline (docs/architecture.md "RestorePod")."""
+    try:
+        vfs = os.statvfs(root)
+        capacity = vfs.f_blocks * vfs.f_frsize
+        for rel, size in sizes.items():
+            if capacity and size > capacity:
+                raise DataLoss(
+                    f"checkpoint {root} is corrupt: {rel} is {size} bytes, more than its file system "
+                    f"holds ({capacity} bytes): a sparse file podshim never wrote; take a new checkpoint"
+                )
+            limit = max(MAX_HOLE_BYTES, size // 2)
+            holes = hole_bytes(root / rel, limit, stop)
+            if holes > limit:
+                raise DataLoss(
+                    f"checkpoint {root} is corrupt: {rel} is {size} bytes of which over {holes} are "
+                    "holes (a sparse file): podshim never writes one, refused before reading it; if the "
+                    "archive was copied with holes (rsync -S, cp --sparse=always) copy it again without"
+                )
+    except OSError as e:
+        raise Internal(f"cannot read checkpoint {root}: {e}") from e
+
+
 def _names(rels: list[str], limit: int = 5) -> str:
     shown = ", ".join(rels[:limit])
     return shown + (f" and {len(rels) - limit} more" if len(rels) > limit else "")
 
 
 def load_and_verify(
-    path: str | Path, allowed_roots: Sequence[str], workers: int = 1, key: crypto.NodeKey | None = None
+    path: str | Path,
+    allowed_roots: Sequence[str],
+    workers: int = 1,
+    key: crypto.NodeKey | None = None,
+    stop: threading.Event | None = None,
 ) -> Manifest:
     """Validate the archive dir, parse its manifest and verify every file; return the manifest.
 
@@ -466,11 +588,12 @@ def load_and_verify(
     checksum mismatch (naming the file), missing or extra file. FailedPrecondition: unknown
     format. InvalidArgument: path outside the roots, escaping member paths, symlinks inside.
     Encrypted archives (check_encryption): FailedPrecondition without `key` (this node's key),
-    DataLoss for another key or a manifest whose MAC does not match.
+    DataLoss for another key or a manifest whose MAC does not match. `stop` set (the caller
+    was cancelled): fsutil.Stopped at the next chunk read.
     """
     root = validate_archive_dir(str(path), allowed_roots)
     where, doc = _read_doc(root)
     manifest = Manifest.from_dict(doc, str(where))
     check_encryption(root, doc, manifest, key)
-    verify_files(root, manifest, workers)
+    verify_files(root, manifest, workers, stop)
     return manifest
