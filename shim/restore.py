@@ -24,7 +24,7 @@ import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import cni, errors, faults, logs
+from shim import cni, cri_checks, errors, faults, logs
 from shim.aio import run_to_end
 from shim.archive import crypto, layout, manifest, paths, rootfs_diff
 from shim.config import Config
@@ -195,6 +195,41 @@ def _container_record(
     return record
 
 
+def check_record(root: Path, entry: manifest.ContainerEntry, record: dict[str, Any]) -> None:
+    """config.dump must name the image manifest.json names (DATA_LOSS: an inconsistent archive,
+    refused here rather than when StartContainer restores the container)."""
+    images = {"image": record.get("image"), "config.image": archived_config(record).image.image}
+    for where, image in images.items():
+        if image and image != entry.image:
+            raise errors.DataLoss(
+                f"checkpoint {root} is inconsistent: container {entry.name!r}'s config.dump has {where} "
+                f"{image!r}, manifest.json says {entry.image!r}; the archive cannot be trusted, take a "
+                "new checkpoint"
+            )
+
+
+def upstream_handlers(info: Any) -> set[str] | None:
+    """The runtime handlers containerd's verbose Status reports (info["config"]: its CRI config,
+    containerd.runtimes), or None when it reports none in that shape (another upstream)."""
+    try:
+        runtimes = json.loads(info.get("config") or "")["containerd"]["runtimes"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return set(runtimes) if isinstance(runtimes, dict) else None
+
+
+def unknown_handler(e: grpc.aio.AioRpcError, handler: str) -> errors.InvalidArgument | None:
+    """containerd's answer to RunPodSandbox with a handler it lacks ("no runtime for "ghost" is
+    configured", code UNKNOWN) as the INVALID_ARGUMENT it is; None for any other error."""
+    details = e.details() or ""
+    if handler and "no runtime for" in details:
+        return errors.InvalidArgument(
+            f"runtime_handler {handler!r} is configured in podshim but not in the upstream "
+            f"({details}): add it to the upstream's config, or restore with another runtime_handler"
+        )
+    return None
+
+
 @dataclass
 class _Planned:
     entry: manifest.ContainerEntry
@@ -328,17 +363,24 @@ class PodRestorer:
         opts = RestoreOptions.parse(dict(req.options))
         if not req.HasField("config") or not req.config.metadata.name:
             raise errors.InvalidArgument("config (the new PodSandboxConfig with metadata) is required")
+        cri_checks.check_sandbox_config(req.config)  # what the upstream could not undo
+        for i, cc in enumerate(req.container_configs):
+            cri_checks.check_container_config(cc, f"container_configs[{i}]")
         runtime = self.config.runtime_for_handler(req.runtime_handler)
         if runtime is None:
             raise errors.InvalidArgument(
                 f"runtime_handler {req.runtime_handler!r} is not configured in podshim "
                 f"(known: runc{''.join(', ' + h for h in self.config.runtimes)})"
             )
+        await self._check_upstream_handler(req.runtime_handler)
         if self.wiring is not None:
             await self.wiring.require(req.runtime_handler, "RestorePod refused, nothing was created")
         root = await run_to_end(paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots)
         key = await run_to_end(self.node_key)
-        m = await run_to_end(manifest.load_and_verify, root, self.config.allowed_roots, 2, key)
+        stop = threading.Event()  # set at the deadline: hashing stops at its next chunk
+        m = await run_to_end(
+            manifest.load_and_verify, root, self.config.allowed_roots, 2, key, stop, stop=stop
+        )
         await run_to_end(check_this_host, m, self.config.runtime.criu, runtime.binary)
         plan = await self._plan(req, m, layout.ArchiveLayout(root), key)
         network = await run_to_end(_recorded_network, root, m, key)
@@ -380,7 +422,9 @@ class PodRestorer:
         plan = []
         for entry in dumped:
             cl = archive.container(entry.name)
+            manifest.check_container_members(archive.root, m, entry)
             record = _container_record(archive.root, cl, m, key)
+            check_record(archive.root, entry, record)
             requested = by_name[entry.name]
             problem = config_mismatch(entry.name, requested, archived_config(record))
             if problem is None:
@@ -389,6 +433,26 @@ class PodRestorer:
                 raise errors.InvalidArgument(problem)
             plan.append(_Planned(entry, requested, cl.root))
         return plan
+
+    async def _check_upstream_handler(self, handler: str) -> None:
+        """A runtime_handler podshim knows but the upstream does not: INVALID_ARGUMENT before
+        anything is created (containerd's verbose Status lists its runtimes). When the upstream
+        does not say, RunPodSandbox's own answer is mapped instead (unknown_handler)."""
+        if not handler:
+            return
+        try:
+            resp = await self.upstream.runtime.Status(
+                cri.StatusRequest(verbose=True), timeout=self.upstream.timeout
+            )
+        except grpc.aio.AioRpcError:
+            return
+        known = upstream_handlers(resp.info)
+        if known is not None and handler not in known:
+            raise errors.InvalidArgument(
+                f"runtime_handler {handler!r} is configured in podshim but not in the upstream "
+                f"(it has: {', '.join(sorted(known)) or 'none'}): add it to the upstream's config, "
+                "or restore with another runtime_handler; nothing was created"
+            )
 
     async def _image_mismatch(
         self, entry: manifest.ContainerEntry, requested: cri.ContainerConfig, record: dict
@@ -494,6 +558,9 @@ class PodRestorer:
                 timeout=self.upstream.timeout,
             )
         except grpc.aio.AioRpcError as e:
+            unknown = unknown_handler(e, req.runtime_handler)
+            if unknown is not None:
+                raise unknown from None
             raise upstream_error(self.upstream.endpoint, e, "creating the new sandbox") from None
         faults.hit("restore.sandbox-unrecorded")
         sandbox.append(resp.pod_sandbox_id)

@@ -13,7 +13,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, errors, logs
+from shim import __version__, cri_checks, errors, logs
 from shim.server.proxy import Passthrough
 
 log = logs.get("shim.server")
@@ -165,12 +165,32 @@ class RuntimeHandlers:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"annotation {reserved[0]!r} is reserved for podshim's RestorePod: remove it",
                 )
+            try:
+                cri_checks.check_container_config(req.config)
+            except errors.InvalidArgument as e:
+                await context.abort(e.code, fit_message(e.message))
             if req.config.image.image.startswith("/"):
                 resp = await from_archive(req, context)
                 return resp.SerializeToString()
             return await forward(request, context)
 
         return grpc.unary_unary_rpc_method_handler(create)
+
+    def guarded_run_sandbox(self) -> grpc.RpcMethodHandler:
+        """RunPodSandbox: decoded only to refuse a config the upstream would turn into a sandbox
+        nobody can remove (a NUL, ';' or '=' in the name: shim/cri_checks.py), INVALID_ARGUMENT
+        before anything is created; forwarded as the original bytes."""
+        forward = self.passthrough.unary(SERVICE + "RunPodSandbox")
+
+        async def run(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            req = await decode(cri.RunPodSandboxRequest, request, context)
+            try:
+                cri_checks.check_sandbox_config(req.config)
+            except errors.InvalidArgument as e:
+                await context.abort(e.code, fit_message(e.message))
+            return await forward(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(run)
 
     def start_container(self) -> grpc.RpcMethodHandler:
         """StartContainer: forwarded as bytes. Only for a container podshim created for a restore
@@ -253,6 +273,7 @@ class RuntimeHandlers:
             SERVICE + "StopPodSandbox": self.idempotent_stop("StopPodSandbox"),
             SERVICE + "StopContainer": self.idempotent_stop("StopContainer"),
             SERVICE + "CreateContainer": self.guarded_create(),
+            SERVICE + "RunPodSandbox": self.guarded_run_sandbox(),
             SERVICE + "StartContainer": self.start_container(),
             SERVICE + "CheckpointContainer": self.checkpoint_container(),
             SERVICE + "RemoveContainer": self.cleanup_after(
