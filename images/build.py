@@ -7,8 +7,8 @@ Writes into OUT_DIR:
 
 * ``pause.tar``   -> ``localhost/podshim/pause:1``   (/pause, static)
 * ``busybox.tar`` -> ``localhost/podshim/busybox:1`` (static busybox + applet symlinks, /etc, /tmp)
-* ``counter.tar`` -> ``localhost/podshim/counter:1`` (busybox layer + /counter and /ticker,
-  Entrypoint /counter)
+* ``counter.tar`` -> ``localhost/podshim/counter:1`` (busybox layer + /counter,
+  /ticker and /sharer; Entrypoint /counter)
 * ``images.json``  the list of images: name, tar file, manifest/config digests
 * ``stamp``        hash of every input; a rebuild is skipped when it matches
 
@@ -274,7 +274,8 @@ def busybox_layer() -> Layer:
 def input_stamp() -> str:
     """A hash of everything the output depends on."""
     h = hashlib.sha256()
-    for path in (Path(__file__).resolve(), HERE / "pause.c", HERE / "counter.c", HERE / "ticker.c", BUSYBOX):
+    sources = [HERE / f"{name}.c" for name in ("pause", "counter", "ticker", "sharer")]
+    for path in (Path(__file__).resolve(), *sources, BUSYBOX):
         h.update(path.name.encode() + b"\0" + sha256_hex(path.read_bytes()).encode() + b"\n")
     cc = subprocess.run([CC[0], "--version"], capture_output=True, text=True, check=True).stdout
     h.update(" ".join(CC).encode() + b"\n" + cc.encode() + oci_arch().encode())
@@ -297,12 +298,14 @@ def build_all(out_dir: Path, force: bool = False) -> list[BuiltImage]:
             pause = compile_c(HERE / "pause.c", Path(tmp) / "pause")
             counter = compile_c(HERE / "counter.c", Path(tmp) / "counter")
             ticker = compile_c(HERE / "ticker.c", Path(tmp) / "ticker")
+            sharer = compile_c(HERE / "sharer.c", Path(tmp) / "sharer")
         pause_layer = Layer()
         pause_layer.add_file("pause", pause, 0o755)
         base = busybox_layer()
         counter_layer = Layer()
         counter_layer.add_file("counter", counter, 0o755)
         counter_layer.add_file("ticker", ticker, 0o755)  # periodic timers (tests of issue 14)
+        counter_layer.add_file("sharer", sharer, 0o755)  # state shared between containers (issue 14)
         specs = [
             ImageSpec(PAUSE_IMAGE, "pause.tar", [pause_layer], entrypoint=["/pause"]),
             ImageSpec(BUSYBOX_IMAGE, "busybox.tar", [base], cmd=["sh"]),

@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
@@ -199,3 +200,80 @@ def test_periodic_timers_keep_firing_after_restore(
             f"after the restore {', '.join(stopped)} stopped firing: first {first[:4]}, last {last[:4]} "
             f"({len(ticks(log_path))} lines)"
         ) from None
+
+
+# ---------------------------------------------------------------------------- 3. shared state
+
+# kind -> (container a's /sharer args, container b's, options, what the refusal names)
+SHARED = {
+    "sysv-shm": (["sysv", "5e1f"], ["sysv", "5e1f"], {}, "SysV shared memory segment key 0x5e1f"),
+    "posix-shm": (["posix", "podshim-seg"], ["posix", "podshim-seg"], {}, "/dev/shm/podshim-seg"),
+    "unix-stream": (["listen", "podshim-sk"], ["connect", "podshim-sk"], {}, "unix stream connection"),
+    "unix-stream-ext": (
+        ["listen", "podshim-sk"],
+        ["connect", "podshim-sk"],
+        {"ext-unix-sk": "true"},
+        "unix stream connection",
+    ),
+}
+
+
+def freezer_state(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, ctrls, path = line.split(":", 2)
+        if "freezer" in ctrls.split(","):
+            return Path(f"/sys/fs/cgroup/freezer{path}/freezer.state").read_text().strip()
+        if ctrls == "" and Path(f"/sys/fs/cgroup{path}/cgroup.freeze").exists():
+            return (
+                "FROZEN"
+                if Path(f"/sys/fs/cgroup{path}/cgroup.freeze").read_text().strip() == "1"
+                else "THAWED"
+            )
+    return "THAWED"
+
+
+@pytest.mark.parametrize("kind", SHARED)
+def test_state_shared_between_containers_is_refused_before_freezing(
+    rt: Stub,
+    bed: TestBed,
+    log_root: Path,
+    pod_cleanup: list[str],
+    runtime_handler: str,
+    out_dirs: list[Path],
+    kind: str,
+) -> None:
+    """SysV shared memory in the pod's IPC namespace, a POSIX segment in the pod's /dev/shm, a
+    unix stream connection between two containers: CheckpointPod refuses them up front
+    (FAILED_PRECONDITION naming the object and the containers), leaving the pod running, unfrozen."""
+    args_a, args_b, options, needle = SHARED[kind]
+    tag = f"share-{kind}-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
+    containers = {
+        "alpha": pods.container_config("alpha", command=["/sharer"], args=args_a),
+        "beta": pods.container_config("beta", command=["/sharer"], args=args_b),
+    }
+    src = pods.run_pod(rt, tag, log_root, containers, runtime_handler=runtime_handler)
+    pod_cleanup.append(src.id)
+    for name in containers:
+        log_path = src.log_path(name)
+        pods.wait_for(lambda p=log_path: b"ready" in _read(p), what=f"{name} holding its state")
+    out = new_out(bed, tag, out_dirs)
+    with pytest.raises(grpc.RpcError) as err:
+        checkpoint(rt, src.id, out, options)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    message = err.value.details()
+    for part in (needle, "'alpha'", "'beta'", "nothing was frozen"):
+        assert part in message, f"{part!r} not in {message!r}"
+    assert list(out.iterdir()) == [], "the refused checkpoint wrote into output_path"
+    for name, cid in src.containers.items():
+        st = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status
+        assert st.state == cri.CONTAINER_RUNNING, f"{name} is {cri.ContainerState.Name(st.state)}"
+        assert freezer_state(container_pid(rt, cid)) == "THAWED"
+        r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["true"], timeout=10))
+        assert r.exit_code == 0, f"{name} does not answer after the refusal"
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return b""

@@ -1,0 +1,96 @@
+/*
+ * sharer: holds state shared between two containers of a pod (podshim's tests of what a pod
+ * checkpoint refuses; in the counter image as /sharer).
+ *
+ *   sharer sysv KEY          create (or attach) a SysV shared memory segment with KEY (hex)
+ *                            in the pod's IPC namespace and keep it attached
+ *   sharer posix NAME        shm_open(NAME) in /dev/shm (create or open), map it, keep it
+ *   sharer listen NAME       listen on the abstract unix stream socket @NAME (the pod's network
+ *                            namespace), accept one connection and keep it
+ *   sharer connect NAME      connect to @NAME (retrying until it listens) and keep the connection
+ *
+ * Prints `ready <mode>` (flushed) once the state is held, then sleeps until killed.
+ * Built static: `gcc -O2 -static -o sharer sharer.c`.
+ */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/shm.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+static void die(const char *what)
+{
+	perror(what);
+	exit(2);
+}
+
+static socklen_t abstract_addr(struct sockaddr_un *sa, const char *name)
+{
+	memset(sa, 0, sizeof(*sa));
+	sa->sun_family = AF_UNIX;
+	size_t n = strlen(name);
+	if (n + 1 > sizeof(sa->sun_path))
+		n = sizeof(sa->sun_path) - 1;
+	memcpy(sa->sun_path + 1, name, n); /* sun_path[0] == 0: abstract */
+	return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+}
+
+int main(int argc, char **argv)
+{
+	if (argc != 3) {
+		fprintf(stderr, "usage: sharer sysv KEY | posix NAME | listen NAME | connect NAME\n");
+		return 2;
+	}
+	const char *mode = argv[1], *arg = argv[2];
+	if (!strcmp(mode, "sysv")) {
+		key_t key = (key_t)strtol(arg, NULL, 16);
+		int id = shmget(key, 65536, IPC_CREAT | 0600);
+		if (id < 0)
+			die("sharer: shmget");
+		char *p = shmat(id, NULL, 0);
+		if (p == (void *)-1)
+			die("sharer: shmat");
+		p[0] = 'x';
+	} else if (!strcmp(mode, "posix")) {
+		int fd = shm_open(arg, O_CREAT | O_RDWR, 0600);
+		if (fd < 0)
+			die("sharer: shm_open");
+		if (ftruncate(fd, 65536) < 0)
+			die("sharer: ftruncate");
+		char *p = mmap(NULL, 65536, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+		if (p == MAP_FAILED)
+			die("sharer: mmap");
+		p[0] = 'x';
+	} else if (!strcmp(mode, "listen") || !strcmp(mode, "connect")) {
+		struct sockaddr_un sa;
+		socklen_t len = abstract_addr(&sa, arg);
+		int s = socket(AF_UNIX, SOCK_STREAM, 0);
+		if (s < 0)
+			die("sharer: socket");
+		if (!strcmp(mode, "listen")) {
+			if (bind(s, (struct sockaddr *)&sa, len) < 0 || listen(s, 1) < 0)
+				die("sharer: bind/listen");
+			printf("listening %s\n", arg);
+			fflush(stdout);
+			if (accept(s, NULL, NULL) < 0)
+				die("sharer: accept");
+		} else {
+			while (connect(s, (struct sockaddr *)&sa, len) < 0)
+				usleep(50000);
+		}
+	} else {
+		fprintf(stderr, "sharer: unknown mode %s\n", mode);
+		return 2;
+	}
+	printf("ready %s\n", mode);
+	fflush(stdout);
+	for (;;)
+		pause();
+}
