@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import functools
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import aio, errors, logs, metrics
 from shim import restore as restore_mod
 from shim.archive import fsutil, layout
+from shim.archive.dirfd import DirHandle
 from shim.cgroups import thaw_paths
 from shim.checkpoint import PodCheckpointer
 from shim.config import Config
@@ -330,10 +330,16 @@ class Engine:
                 thaw_paths(list(data.get("cgroups", [])))
                 out = data.get("output_path")
                 if rec.kind == "checkpoint-container" and out and fsutil.is_temp_name(Path(out).name):
-                    shutil.rmtree(out, ignore_errors=True)  # podshim's staging dir next to the tar
+                    # podshim's staging dir next to the tar, removed through its parent opened with
+                    # O_NOFOLLOW: a parent replaced by a symlink since is left alone
+                    staging = Path(out)
+                    with contextlib.suppress(OSError, errors.ShimError), DirHandle.open(staging.parent) as d:
+                        d.remove(staging.name)
                 elif out and not (Path(out) / layout.MANIFEST_FILE).exists():
                     with contextlib.suppress(OSError, errors.NotFound):  # NotFound: dir removed since
                         fsutil.clear_dir_contents(Path(out))
+                elif out:
+                    _remove_manifest_temps(Path(out))
             elif rec.kind == "restore" and data.get("sandbox_id"):
                 await self.restorer.rollback_sandbox(str(data["sandbox_id"]))
             elif rec.kind == "restore" and isinstance(data.get("sandbox_metadata"), dict):
@@ -359,6 +365,28 @@ OPERATION_OF_KIND = {
     "restore": "restore_pod",
     "checkpoint-container": "checkpoint_container",
 }
+
+
+def _remove_manifest_temps(out: Path) -> None:
+    """A complete archive whose checkpoint died while rewriting manifest.json (the final timings)
+    keeps the old manifest (the rename never happened) and the temporary file, which verifying
+    would refuse as a file the manifest does not list: remove it."""
+    try:
+        with os.scandir(out) as it:
+            temps = [
+                e.name
+                for e in it
+                if e.name.startswith(f".{layout.MANIFEST_FILE}")
+                and fsutil.is_temp_name(e.name)
+                and e.is_file(follow_symlinks=False)
+            ]
+        for name in temps:
+            os.unlink(out / name)
+            log.warning("removed the temporary file of an interrupted manifest write", path=str(out / name))
+        if temps:
+            fsutil.fsync_dir(out)
+    except FileNotFoundError:
+        return
 
 
 def _processes_under(path: str) -> list[psutil.Process]:

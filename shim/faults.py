@@ -2,7 +2,9 @@
 
 Inactive unless PODSHIM_FAILPOINTS is set, e.g.
 `PODSHIM_FAILPOINTS=checkpoint.after-freeze=kill,restore.after-sandbox=error`.
-Actions: `kill` (SIGKILL this process: a crash), `error` (raise Internal), `sleep:<seconds>`.
+Actions: `kill` (SIGKILL this process: a crash), `error` (raise Internal), `sleep:<seconds>`;
+`<action>@<n>` acts on the n-th hit only (e.g. `write-file.manifest.json=kill@2`: during the
+second write of a manifest).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def _parse(spec: str) -> dict[str, str]:
 
 
 _POINTS = _parse(os.environ.get(ENV, ""))
+_HITS: dict[str, int] = {}
 
 
 def hit(name: str) -> None:
@@ -33,6 +36,11 @@ def hit(name: str) -> None:
     action = _POINTS.get(name)
     if action is None:
         return
+    action, at, nth = action.partition("@")
+    if at:
+        _HITS[name] = _HITS.get(name, 0) + 1
+        if _HITS[name] != int(nth):
+            return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "error":

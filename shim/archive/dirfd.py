@@ -22,6 +22,7 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from shim import faults
 from shim.archive.fsutil import DIR_MODE, FILE_MODE, temp_name_for
 from shim.errors import FailedPrecondition, Internal, InvalidArgument, NotFound, ShimError
 
@@ -157,7 +158,7 @@ class DirHandle:
     @property
     def proc(self) -> str:
         """A path to this very directory for code that only takes paths (subprocesses too)."""
-        return f"/proc/{os.getpid()}/fd/{self.fd}"
+        return f"{proc_fd_dir()}/{self.fd}"
 
     def at(self, name: str) -> Path:
         """`name` inside this directory as a path that cannot be redirected above it."""
@@ -191,6 +192,7 @@ class DirHandle:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            faults.hit(f"write-file.{name}")  # a crash here leaves the temporary file
             os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except BaseException as e:
             with contextlib.suppress(OSError):
@@ -270,6 +272,12 @@ class DirHandle:
             with contextlib.suppress(FileNotFoundError):
                 self.remove(name)
         self.fsync()
+
+
+def proc_fd_dir() -> str:
+    """Where this process's descriptors show as paths: the prefix of every path that runc, crun
+    and CRIU are given (crash recovery looks for processes naming it)."""
+    return f"/proc/{os.getpid()}/fd"
 
 
 def open_checked(real: Path, asked: str, what: str, empty: bool = False) -> DirHandle:

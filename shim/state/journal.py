@@ -190,6 +190,7 @@ class Journal:
         A corrupt record is reported (logged with where it went) and renamed to
         `<name>.corrupt` beside the others, so it is kept for the operator and never replayed.
         """
+        self._remove_temp_files()
         result = self.scan()
         for c in result.corrupt:
             moved = self.quarantine(c)
@@ -200,6 +201,23 @@ class Journal:
                 moved_to=str(moved.moved_to) if moved.moved_to else None,
             )
         return result.records
+
+    def _remove_temp_files(self) -> None:
+        """Temporary files of record writes a crash interrupted (the rename never happened, so
+        they are not the record): at start nothing else writes here, so they go."""
+        try:
+            entries = [e for e in os.scandir(self.ops_dir) if is_temp_name(e.name)]
+        except FileNotFoundError:
+            return
+        for e in entries:
+            try:
+                os.unlink(e.path)
+            except OSError as err:
+                log.warning("cannot remove a temporary journal file", path=e.path, error=str(err))
+                continue
+            log.info("removed the temporary file of an interrupted journal write", path=e.path)
+        if entries:
+            fsync_dir(self.ops_dir)
 
     def quarantine(self, c: CorruptRecord) -> CorruptRecord:
         """Rename a corrupt record out of the replay set; returns it with `moved_to` set."""
