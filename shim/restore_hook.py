@@ -173,26 +173,88 @@ def _run_guarded(cmd: list[str], cgroups_path: str, work: Path, state_dir: Path,
     kills the restore's process group and every process in the container's cgroup, detaches the
     mounts CRIU left under the work dir and the runtime's state dir, and removes a state dir the
     killed restore never completed (so the upstream's `delete` finds nothing to trip on)."""
+    # The work dir, held by an O_PATH descriptor (close-on-exec: runc does not get it): the
+    # upstream renames the bundle (<id> -> .<id>) while it deletes it, so the watchdog finds CRIU's
+    # mounts below through the descriptor, never through a path that may be gone.
+    held = _hold_dirs([work])
     # stdio and every other descriptor the upstream gave us go to the restored process.
     child = subprocess.Popen(cmd, close_fds=False, start_new_session=True, env=env)
     read_end, write_end = os.pipe()
     if os.fork() == 0:  # the watchdog
         try:
             os.close(write_end)
-            os.closerange(0, read_end)  # hold none of the upstream's stdio open
-            os.closerange(read_end + 1, 4096)
+            keep = sorted({read_end, *held.values()})
+            os.closerange(0, keep[0])  # hold none of the upstream's stdio open
+            for lo, hi in zip(keep, [*keep[1:], 4096], strict=True):
+                os.closerange(lo + 1, hi)
             if os.read(read_end, 1) == b"":  # EOF: podshim-runc died mid-restore
-                _kill_restore(child.pid, cgroups_path, [work, state_dir])
+                _kill_restore(child.pid, cgroups_path, [work, state_dir], held)
         finally:
             os._exit(0)
     os.close(read_end)
+    for fd in held.values():
+        os.close(fd)
     returncode = child.wait()
     os.write(write_end, b"d")  # done: the watchdog leaves everything alone
     os.close(write_end)
     return returncode
 
 
-def _kill_restore(pgid: int, cgroups_path: str, dirs: list[Path]) -> None:
+def _hold_dirs(dirs: list[Path]) -> dict[Path, int]:
+    """O_PATH descriptors of the existing `dirs` (a renamed directory stays reachable by them)."""
+    held = {}
+    for d in dirs:
+        try:
+            held[d] = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+    return held
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: space, tab, newline and backslash are octal escapes there."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def _detach_mounts_below(dirs: list[Path], held: dict[Path, int], rounds: int = 20) -> None:
+    """Detach (umount2 MNT_DETACH, no subprocess) every mount below `dirs`: shortest first (a
+    detached mount takes its subtree along), then look again until none is left. A held
+    directory is named through /proc/self/fd (its current place, wherever it was renamed to)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    mnt_detach = 2
+    for _ in range(rounds):
+        roots = []  # (how to name the directory now, its path as mountinfo shows it)
+        for d in dirs:
+            if d in held:
+                via = f"/proc/self/fd/{held[d]}"
+                try:
+                    roots.append((via, os.readlink(via)))
+                except OSError:
+                    continue
+            else:
+                roots.append((str(d), str(d)))
+        try:
+            with open("/proc/self/mountinfo") as f:
+                mounts = [_unescape(line.split()[4]) for line in f]
+        except OSError:
+            return
+        targets = set()
+        for via, real in roots:
+            prefix = real.rstrip("/") + "/"
+            targets.update(via + m[len(real.rstrip("/")) :] for m in mounts if m.startswith(prefix))
+        if not targets:
+            return
+        for target in sorted(targets, key=len):
+            libc.umount2(os.fsencode(target), mnt_detach)  # EINVAL: gone with its parent already
+
+
+def _kill_restore(
+    pgid: int, cgroups_path: str, dirs: list[Path], held: dict[Path, int] | None = None
+) -> None:
     import contextlib
 
     from shim.cgroups import cgroup_procs
@@ -204,11 +266,7 @@ def _kill_restore(pgid: int, cgroups_path: str, dirs: list[Path]) -> None:
             for pid in cgroup_procs(cgroups_path):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-    prefixes = tuple(f"{d}/" for d in dirs)
-    with contextlib.suppress(OSError):
-        mounts = [line.split()[4] for line in open("/proc/self/mountinfo")]
-        for target in sorted((m for m in mounts if m.startswith(prefixes)), key=len, reverse=True):
-            subprocess.run(["umount", "-l", target], check=False, capture_output=True)
+    _detach_mounts_below(dirs, held or {})
     state_dir = dirs[-1]
     if state_dir.is_dir() and not (state_dir / "state.json").exists():
         import shutil
