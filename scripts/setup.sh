@@ -18,7 +18,9 @@
 #   3b. containerd 1.7 (trixie) and 2.1 (sid) binary packages unpacked (not installed) into
 #      /var/cache/podshim/containerd/<minor>/bin for the test bed (PODSHIM_TEST_CONTAINERD).
 #   4. Python: .venv, `pip install -e '.[dev]'` when pyproject.toml changed, and pycriu
-#      (from CRIU's source, *_pb2 regenerated with the venv's grpc_tools) into the venv.
+#      (from CRIU's source, *_pb2 regenerated with the venv's grpc_tools) into the venv;
+#      the compiled runtime wrapper native/podshim-runc.c as .venv/bin/podshim-runc (its
+#      Python hook is the console script .venv/bin/podshim-runc-hook).
 #
 # Environment:
 #   PODSHIM_BUILD_DIR   where sources are fetched and built (default /var/cache/podshim/build)
@@ -397,14 +399,62 @@ step_crun() {
 }
 
 # ---------------------------------------------------------------------------------------
+# podshim-runc, the compiled runtime wrapper (native/; docs/architecture.md "The runtime
+# wrapper"): $VENV/bin/podshim-runc, next to the Python hook $VENV/bin/podshim-runc-hook (a
+# console script). make rebuilds it when native/ changed; it is checked, then renamed into
+# place, so the name works at every moment for a containerd that is using it.
+# ---------------------------------------------------------------------------------------
+WRAPPER_BUILT=$REPO_ROOT/native/build/podshim-runc
+
+build_wrapper() {
+  step "podshim-runc: native/podshim-runc.c"
+  make -s -C "$REPO_ROOT/native" >/dev/null || die "building native/podshim-runc.c failed"
+  local out
+  out=$(PODSHIM_CONFIG=/dev/null PODSHIM_RUNTIME_BINARY=/bin/echo "$WRAPPER_BUILT" --root /x state id 2>&1) || true
+  [ "$out" = "--root /x state id" ] || die "$WRAPPER_BUILT does not exec the runtime: ${out:-no output}"
+}
+
+# install_wrapper: $VENV/bin/podshim-runc becomes the built wrapper (a rename; no-op if the same).
+install_wrapper() {
+  local dest=$VENV/bin/podshim-runc
+  if cmp -s "$WRAPPER_BUILT" "$dest"; then
+    info "$dest is the compiled wrapper, up to date"
+    return 0
+  fi
+  install -m 0755 "$WRAPPER_BUILT" "$dest.new" && mv -f "$dest.new" "$dest"
+  info "installed $dest (compiled; hands restores to $VENV/bin/podshim-runc-hook)"
+}
+
+# A venv from before the compiled wrapper has podshim-runc as pip's console script. The wrapper
+# takes the name before pip runs: the hook is the old script under its new name until pip
+# writes it, and the name leaves the old version's RECORD and entry points (pip's uninstall
+# removes the files of both), so pip keeps it.
+adopt_wrapper_name() {
+  local info
+  for info in "$VENV"/lib/python3*/site-packages/podshim-*.dist-info; do
+    [ -f "$info/RECORD" ] || continue
+    grep -q '/bin/podshim-runc,' "$info/RECORD" || grep -qs '^podshim-runc *=' "$info/entry_points.txt" || continue
+    if [ ! -e "$VENV/bin/podshim-runc-hook" ] && [ "$(head -c 2 "$VENV/bin/podshim-runc")" = '#!' ]; then
+      cp "$VENV/bin/podshim-runc" "$VENV/bin/podshim-runc-hook.new"
+      mv -f "$VENV/bin/podshim-runc-hook.new" "$VENV/bin/podshim-runc-hook"
+    fi
+    sed -i '/\/bin\/podshim-runc,/d' "$info/RECORD"
+    [ ! -f "$info/entry_points.txt" ] || sed -i '/^podshim-runc *=/d' "$info/entry_points.txt"
+  done
+}
+
+# ---------------------------------------------------------------------------------------
 # 4. Python: venv, project, pycriu
 # ---------------------------------------------------------------------------------------
 step_python() {
+  build_wrapper
   step "Python venv $VENV"
   if [ ! -x "$VENV/bin/python" ]; then
     info "python3 -m venv .venv"
     python3 -m venv "$VENV"
   fi
+  adopt_wrapper_name
+  [ ! -e "$VENV/bin/podshim-runc-hook" ] || install_wrapper
   local stamp=$VENV/.podshim-pyproject.sha256 want
   want=$(sha256sum pyproject.toml | cut -d' ' -f1)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
@@ -414,6 +464,8 @@ step_python() {
   else
     info "project installed, pyproject.toml unchanged"
   fi
+  [ -x "$VENV/bin/podshim-runc-hook" ] || die "pip did not install $VENV/bin/podshim-runc-hook"
+  install_wrapper
 
   step "pycriu in the venv"
   [ -f "$PYCRIU_SRC_DIR/VERSION" ] || die "no pycriu sources in $PYCRIU_SRC_DIR (CRIU step not done?)"

@@ -1,9 +1,11 @@
-"""podshim-runc: the OCI runtime binary the upstream runtime is configured to call.
+"""podshim-runc-hook: the Python side of podshim-runc (docs/architecture.md "The runtime wrapper").
 
-Every invocation is an exec of the real runtime (runc or crun) with the same argv, environment
-and file descriptors, except `create`/`start` of a container that carries podshim's restore
-annotation (RestorePod), which become a CRIU restore. This module imports as little as possible:
-containerd calls it for every state/kill/delete/exec.
+The upstream runtime calls the compiled podshim-runc (native/podshim-runc.c), which execs the
+real runtime itself and execs this hook, with the same argv, environment and file descriptors,
+only for `create`/`start` of a container that carries podshim's restore annotation (RestorePod,
+a container checkpoint archive) and for any call it cannot judge. This hook decides again from
+scratch: every invocation is an exec of the real runtime (runc or crun), except those
+`create`/`start`, which become a CRIU restore. It imports as little as possible.
 """
 
 from __future__ import annotations
