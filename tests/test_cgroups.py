@@ -1,15 +1,21 @@
 """shim.cgroups: mountinfo detection, cgroupsPath resolution, the freezer and the pod cut.
 
 The v1 tests drive this machine's real freezer hierarchy (root): a throwaway pod cgroup with
-two container cgroups, one `sleep` in each. The v2 paths run against a fake cgroup2 tree in
-tmp_path whose `cgroup.events` a small thread keeps up to date, as the kernel would.
+two container cgroups, one `sleep` in each. The v2 tests drive the host's real cgroup2
+hierarchy too (here the unified mount of a hybrid host, /sys/fs/cgroup/unified: no controllers,
+but cgroup.freeze works) with a worker process per container cgroup, confirmed through the
+kernel's cgroup.events and the workers' progress; a fake cgroup2 tree in tmp_path (its
+`cgroup.events` kept up to date by a small thread) covers what the kernel cannot be made to do,
+such as a task that never freezes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -520,3 +526,266 @@ def test_thaw_all_reports_failures(v2: tuple[Freezer, FakeV2Kernel], monkeypatch
     monkeypatch.setattr(f, "thaw", real)
     cut.thaw_all()
     assert cut.frozen == [] and f.state("/pod1/c1") is FreezerState.THAWED
+
+
+# ---------------------------------------------------------------------------- real cgroup v2
+#
+# This host is hybrid: the v1 hierarchies carry the controllers and cgroup2 is mounted at
+# /sys/fs/cgroup/unified with none, but cgroup.freeze works in any non-root cgroup there. The
+# v2 freezer and the pod cut run against that real hierarchy with real processes (the fake
+# tree above only covers what the kernel cannot be made to do, e.g. a task that never freezes).
+
+
+def _host_v2() -> Hierarchy | None:
+    """The host's cgroup2 mount (the unified hierarchy of a hybrid host, or /sys/fs/cgroup)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        mounts = parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    except OSError:
+        return None
+    v2 = [m for m in mounts if m.fstype == "cgroup2" and m.root == "/"]
+    return Hierarchy(CgroupMode.V2, Path(v2[0].mountpoint)) if v2 else None
+
+
+HOST_V2 = _host_v2()
+needs_v2 = pytest.mark.skipif(HOST_V2 is None, reason="needs root and a cgroup2 mount")
+
+# A worker that proves it runs: it rewrites its file with an ever larger number.
+_WORKER = (
+    "import sys,time\ni=0\nwhile True:\n i+=1\n open(sys.argv[1],'w').write(str(i))\n time.sleep(0.005)\n"
+)
+
+
+@dataclass
+class V2Pod:
+    freezer: Freezer
+    parent: str
+    containers: list[str]
+    procs: dict[str, subprocess.Popen[bytes]]
+    ticks: dict[str, Path]
+
+    def file(self, cg: str, name: str) -> str:
+        return (self.freezer.path(cg) / name).read_text()
+
+    def events_frozen(self, cg: str) -> bool:
+        """The kernel's own answer (cgroup.events), not podshim's reading of it."""
+        return "frozen 1" in self.file(cg, "cgroup.events").splitlines()
+
+    def tick(self, cg: str) -> int:
+        raw = self.ticks[cg].read_text().strip()
+        return int(raw) if raw else 0
+
+    def runs(self, cg: str) -> bool:
+        """The worker of `cg` advances (waits for it; fails if it never does)."""
+        start = self.tick(cg)
+        deadline = time.monotonic() + 20
+        while self.tick(cg) <= start:
+            assert time.monotonic() < deadline, f"the worker of {cg} does not run"
+            time.sleep(0.01)
+        return True
+
+    def stands_still(self, cg: str) -> bool:
+        """The worker of `cg` does not advance while it is frozen (it would several times here)."""
+        start = self.tick(cg)
+        time.sleep(0.2)
+        return self.tick(cg) == start
+
+    def assert_all_thawed(self) -> None:
+        for cg in (self.parent, *self.containers):
+            assert self.file(cg, "cgroup.freeze").strip() == "0", cg
+            assert not self.events_frozen(cg), cg
+        for cg in self.containers:
+            assert self.runs(cg)
+
+
+@pytest.fixture
+def v2pod(tmp_path: Path) -> Iterator[V2Pod]:
+    """A throwaway pod cgroup with two container cgroups in the host's real cgroup2 hierarchy,
+    one worker process in each; all removed afterwards (thawed first)."""
+    assert HOST_V2 is not None
+    f = Freezer(HOST_V2, poll_interval=0.001)
+    parent = f"/podshim-unittest-v2-{secrets.token_hex(4)}"
+    containers = [f"{parent}/c1", f"{parent}/c2"]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    ticks: dict[str, Path] = {}
+    f.path(parent).mkdir()
+    try:
+        for c in containers:
+            f.path(c).mkdir()
+            ticks[c] = tmp_path / f"{c.rsplit('/', 1)[1]}.tick"
+            ticks[c].write_text("")
+            p = subprocess.Popen([sys.executable, "-c", _WORKER, str(ticks[c])])
+            procs[c] = p
+            (f.path(c) / "cgroup.procs").write_text(str(p.pid))
+        pod = V2Pod(f, parent, containers, procs, ticks)
+        for c in containers:
+            assert pod.runs(c)
+        yield pod
+    finally:
+        for cg in (parent, *containers):  # thaw first: a frozen task acts on SIGKILL only when thawed
+            with contextlib.suppress(OSError):
+                (f.path(cg) / "cgroup.freeze").write_text("0")
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        for cg in (*containers, parent):
+            for _ in range(100):
+                try:
+                    f.path(cg).rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)
+    assert not f.path(parent).exists(), f"cgroup {parent} left behind"
+
+
+@pytest.mark.e2e
+@needs_v2
+def test_v2_real_detection_and_freeze_thaw(v2pod: V2Pod) -> None:
+    f, c1 = v2pod.freezer, v2pod.containers[0]
+    assert f.mode is CgroupMode.V2
+    assert cgroup_procs(c1, freezer=f) == [v2pod.procs[c1].pid]
+    f.freeze(c1, timeout=5)
+    assert v2pod.events_frozen(c1) and f.state(c1) is FreezerState.FROZEN and f.self_frozen(c1)
+    assert v2pod.stands_still(c1)
+    assert v2pod.runs(v2pod.containers[1])  # its sibling was not touched
+    f.thaw(c1, timeout=5)
+    assert not v2pod.events_frozen(c1) and f.state(c1) is FreezerState.THAWED
+    assert v2pod.runs(c1)
+
+
+@pytest.mark.e2e
+@needs_v2
+def test_v2_real_pod_cut(v2pod: V2Pod) -> None:
+    f, parent, cs = v2pod.freezer, v2pod.parent, v2pod.containers
+    with pod_cut(parent, cs, timeout=5, freezer=f) as cut:
+        # the cut is in place: the parent thawed again, each container held by its own cgroup
+        assert v2pod.file(parent, "cgroup.freeze").strip() == "0" and not v2pod.events_frozen(parent)
+        for c in cs:
+            assert v2pod.file(c, "cgroup.freeze").strip() == "1" and v2pod.events_frozen(c)
+        assert all(v2pod.stands_still(c) for c in cs)
+        assert is_frozen_anywhere([parent, *cs], freezer=f)
+        assert cut.frozen == cs and cut.timings.parent_freeze > 0 and cut.timings.parent_thaw > 0
+    v2pod.assert_all_thawed()
+    assert cut.timings.thawed_monotonic is not None and set(cut.timings.thaw) == set(cs)
+
+
+class _Interrupted(BaseException):
+    """Like a cancellation: not an Exception."""
+
+
+@pytest.mark.e2e
+@needs_v2
+@pytest.mark.parametrize("error", [RuntimeError("dump failed"), _Interrupted()])
+def test_v2_real_error_inside_the_cut_thaws(v2pod: V2Pod, error: BaseException) -> None:
+    with pytest.raises(type(error)):
+        with PodCut(v2pod.parent, v2pod.containers, timeout=5, freezer=v2pod.freezer):
+            assert all(v2pod.events_frozen(c) for c in v2pod.containers)
+            raise error
+    v2pod.assert_all_thawed()
+
+
+@pytest.mark.e2e
+@needs_v2
+def test_v2_real_failure_during_the_cut_thaws(v2pod: V2Pod) -> None:
+    parent, cs = v2pod.parent, v2pod.containers
+    cut = PodCut(parent, [*cs, f"{parent}/vanished"], timeout=5, freezer=v2pod.freezer)
+    with pytest.raises(NotFound, match="vanished"):
+        cut.freeze()
+    v2pod.assert_all_thawed()
+
+
+@pytest.mark.e2e
+@needs_v2
+def test_v2_real_deadline_during_the_cut_thaws(v2pod: V2Pod) -> None:
+    """Whatever step a tiny deadline cuts short, nothing stays frozen."""
+    outcomes = set()
+    for timeout in (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 5.0):
+        try:
+            with PodCut(v2pod.parent, v2pod.containers, timeout=timeout, freezer=v2pod.freezer):
+                outcomes.add("cut")
+        except FreezerTimeout:
+            outcomes.add("timeout")
+        v2pod.assert_all_thawed()
+    assert outcomes == {"cut", "timeout"}, outcomes
+
+
+@pytest.mark.e2e
+@needs_v2
+def test_v2_real_already_frozen_pod_and_paused_container(v2pod: V2Pod) -> None:
+    f, parent, (c1, c2) = v2pod.freezer, v2pod.parent, v2pod.containers
+    f.freeze(parent, timeout=5)
+    with pytest.raises(FailedPrecondition, match="already frozen"):
+        PodCut(parent, [c1, c2], freezer=f).freeze()
+    assert v2pod.events_frozen(parent)  # found frozen, left frozen
+    f.thaw(parent, timeout=5)
+    f.freeze(c1, timeout=5)  # paused by someone else
+    with PodCut(parent, [c1, c2], timeout=5, freezer=f) as cut:
+        assert cut.preexisting == [c1] and cut.frozen == [c2]
+    assert v2pod.events_frozen(c1) and not v2pod.events_frozen(c2)
+    f.thaw(c1, timeout=5)
+    v2pod.assert_all_thawed()
+
+
+_CRASHER = """
+import os, signal, sys
+from pathlib import Path
+from shim.cgroups import CgroupMode, Freezer, Hierarchy, PodCut
+from shim.state import Journal
+root, state, out, parent, *containers = sys.argv[1:]
+# as CheckpointPod does: journal the cgroups, then freeze; then die between freeze and thaw
+Journal(state).begin("checkpoint", "default/v2pod", {"output_path": out, "cgroups": [parent, *containers]})
+PodCut(parent, containers, freezer=Freezer(Hierarchy(CgroupMode.V2, Path(root)))).freeze()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.e2e
+@needs_v2
+def test_v2_real_crash_between_freeze_and_thaw_is_recovered(
+    v2pod: V2Pod, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """podshim dies (SIGKILL) with the pod cut in place; the next start's journal recovery
+    (Engine.recover) thaws the real v2 cgroups and clears the partial output."""
+    import asyncio
+
+    from shim import cgroups
+    from shim.cgroups import freezer as freezer_mod
+    from shim.config import Config
+    from shim.engine import Engine
+    from shim.state import Journal
+    from shim.upstream import Upstream
+
+    assert HOST_V2 is not None
+    parent, cs = v2pod.parent, v2pod.containers
+    state, out = tmp_path / "state", tmp_path / "out"
+    out.mkdir()
+    (out / "partial.img").write_bytes(b"x")
+    crash = subprocess.run(
+        [sys.executable, "-c", _CRASHER, str(HOST_V2.root), str(state), str(out), parent, *cs],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert crash.returncode == -9, crash.stderr
+    assert all(v2pod.events_frozen(c) for c in cs) and all(v2pod.stands_still(c) for c in cs)
+    assert len(Journal(state).pending()) == 1
+    # the host's default freezer is the v1 one here: recovery must act on the v2 hierarchy
+    monkeypatch.setattr(freezer_mod, "default_freezer", lambda: v2pod.freezer)
+    assert cgroups.thaw_paths is freezer_mod.thaw_paths
+
+    async def recover() -> None:
+        cfg = Config(state_dir=str(state), upstream_endpoint="unix:///nonexistent/podshim-test.sock")
+        upstream = Upstream(cfg.upstream_endpoint, 5.0)
+        try:
+            await Engine(cfg, upstream).recover()
+        finally:
+            await upstream.close()
+
+    asyncio.run(recover())
+    v2pod.assert_all_thawed()
+    assert Journal(state).pending() == []
+    assert list(out.iterdir()) == []
