@@ -150,6 +150,7 @@ def restore(
         # memory must not stay on disk.
         crypto.remove_decrypted(ckpt)
     if returncode != 0:
+        remove_cgroups(spec.get("linux", {}).get("cgroupsPath", ""))
         log_path = work / "restore.log"
         kept = _keep_log(log_path, cfg.state_dir, container_id)
         detail = "; ".join(criu_error_lines(log_path))
@@ -267,11 +268,44 @@ def _kill_restore(
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
     _detach_mounts_below(dirs, held or {})
+    remove_cgroups(cgroups_path)
     state_dir = dirs[-1]
     if state_dir.is_dir() and not (state_dir / "state.json").exists():
         import shutil
 
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def remove_cgroups(cgroups_path: str, attempts: int = 20) -> None:
+    """After a failed or killed restore: remove the container's cgroup in every hierarchy, with
+    what the runtime made below it (crun restores on cgroup v1 through a `.proxy-crun` child it
+    leaves behind when the restore fails, and the container's cgroup then cannot be removed by
+    anyone). Only empty cgroups go (rmdir); a few retries let the killed tasks leave."""
+    import time
+
+    from shim.cgroups import resolve_cgroups_path
+
+    try:
+        rel = resolve_cgroups_path(cgroups_path).strip("/")
+        mounts = [line.split(" - ", 1) for line in open("/proc/self/mountinfo")]
+    except Exception:  # noqa: BLE001 - nothing to clean up we can name
+        return
+    tops = [Path(a.split()[4]) / rel for a, b in mounts if b.split()[0] in ("cgroup", "cgroup2")]
+    for _ in range(attempts):
+        left = False
+        for top in tops:
+            if not top.is_dir():
+                continue
+            for d, _dirs, _files in sorted(os.walk(top), key=lambda w: len(w[0]), reverse=True):
+                try:
+                    os.rmdir(d)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    left = True
+        if not left:
+            return
+        time.sleep(0.05)
 
 
 def _keep_log(log_path: Path, state_dir: str, container_id: str) -> str:

@@ -5,7 +5,9 @@ keep firing, and more. Each test runs with runc and with crun (the `runtime_hand
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import secrets
 import shutil
@@ -18,7 +20,8 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
-from testbed import pods
+from shim.archive import manifest
+from testbed import _sys, pods
 from testbed.bed import TestBed
 
 pytestmark = pytest.mark.e2e
@@ -277,3 +280,64 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except FileNotFoundError:
         return b""
+
+
+# ---------------------------------------------------------------------------- 4. cgroups
+
+
+def cgroup_leftovers(parent: str) -> list[str]:
+    """Every cgroup directory left below the pod's cgroup parent, in any hierarchy."""
+    left = []
+    for top in _sys.cgroup_dirs(parent):
+        for d, dirs, _ in os.walk(top):
+            left.extend(str(Path(d, n)) for n in dirs)
+    return sorted(left)
+
+
+def test_failed_restore_leaves_no_cgroup(
+    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str, out_dirs: list[Path]
+) -> None:
+    """A restore whose CRIU fails at StartContainer (a damaged memory image the manifest vouches
+    for) leaves no cgroup behind once RestorePod removed its sandbox: crun's `.proxy-crun`
+    cgroups (one per hierarchy, per container) and the container's own go too."""
+    tag = f"cgleak-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
+    containers = {n: pods.container_config(n, args=SMALL_ARGS) for n in ("alpha", "beta")}
+    src = pods.run_pod(rt, f"{tag}-src", log_root, containers, runtime_handler=runtime_handler)
+    pod_cleanup.append(src.id)
+    for n in containers:
+        pods.wait_count(src.log_path(n), 3)
+    out = new_out(bed, tag, out_dirs)
+    checkpoint(rt, src.id, out)
+    img = out / "containers/beta/checkpoint/pagemap-1.img"  # the second container fails
+    raw = bytearray(img.read_bytes())
+    raw[:8] = bytes(b ^ 0xFF for b in raw[:8])
+    img.write_bytes(bytes(raw))
+    manifest.write_manifest(out, manifest.read_manifest(out))
+
+    config = pods.pod_config(f"{tag}-new", log_root)
+    parent = config.linux.cgroup_parent
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            resp = rt.RestorePod(
+                cri.RestorePodRequest(
+                    checkpoint_path=str(out),
+                    config=config,
+                    container_configs=list(containers.values()),
+                    runtime_handler=runtime_handler,
+                    options={"start": "true"},
+                ),
+                timeout=RPC_TIMEOUT,
+            )
+            pod_cleanup.append(resp.pod_sandbox_id)
+        assert "pagemap-1.img" in err.value.details(), err.value.details()
+        try:
+            pods.wait_for(lambda: not cgroup_leftovers(parent), timeout=10, what="no cgroup left")
+        except TimeoutError:
+            raise AssertionError(f"the failed restore left cgroups: {cgroup_leftovers(parent)}") from None
+    finally:
+        for d in sorted(cgroup_leftovers(parent), key=len, reverse=True):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        for d in _sys.cgroup_dirs(parent):
+            with contextlib.suppress(OSError):
+                d.rmdir()
