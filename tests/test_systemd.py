@@ -160,7 +160,13 @@ def test_containerd_dropin_installs_podshim_runc() -> None:
     assert "podshim.*" in runc["container_annotations"]
     binary = runc["options"]["BinaryName"]
     assert os.path.basename(binary) == "podshim-runc"
-    assert console_scripts()["podshim-runc"] == "shim.runc_wrapper:main"
+    # podshim-runc is the compiled wrapper (`make -C native install`), which hands restores to
+    # the console script podshim-runc-hook next to its real path
+    assert "podshim-runc" not in console_scripts()
+    assert console_scripts()["podshim-runc-hook"] == "shim.runc_wrapper:main"
+    native = (REPO / "native" / "Makefile").read_text()
+    assert "$(BINDIR)/podshim-runc" in native
+    assert '#define HOOK_NAME "podshim-runc-hook"' in (REPO / "native" / "podshim-runc.c").read_text()
     assert runc["options"]["CriuPath"] == configmod.load(str(CONFIG), env={}).runtime.criu
 
 
