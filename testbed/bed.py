@@ -96,7 +96,8 @@ def _module_exists(dotted: str) -> bool:
 
 
 def podshim_runc_available() -> bool:
-    """Whether the repo's ``podshim-runc`` wrapper is installed and has its module."""
+    """Whether the repo's ``podshim-runc`` wrapper is installed and has its module (the set-up
+    installs the compiled wrapper there, next to its Python hook ``podshim-runc-hook``)."""
     return (VENV_BIN / "podshim-runc").is_file() and _module_exists("shim.runc_wrapper")
 
 
@@ -959,6 +960,7 @@ _BED_PROGRAMS = {
     "criu",
     "podshim",
     "podshim-runc",
+    "podshim-runc-hook",  # the Python restore hook podshim-runc execs (a restore, its watchdog)
     "runc-wrapper",
 }
 
