@@ -25,7 +25,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, cni, errors, faults, logs, space
 from shim.aio import run_to_end
 from shim.archive import crypto, fsutil, layout, manifest, paths, rootfs_diff
-from shim.archive.dirfd import DirHandle, open_checked
+from shim.archive.dirfd import DirHandle, open_checked, proc_fd_dir
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, OciRuntime, binary_version, read_dump_stats
@@ -228,7 +228,7 @@ class PodCheckpointer:
             "checkpoint",
             pod.id,
             # dump_path: how runc/CRIU name output_path (recovery finds them by it after a crash)
-            {"output_path": str(out), "dump_path": held.proc, "cgroups": [pod.cgroup_parent, *ours]},
+            {"output_path": str(out), "dump_path": proc_fd_dir(), "cgroups": [pod.cgroup_parent, *ours]},
         )
         started = time.monotonic()
         try:

@@ -44,9 +44,10 @@ import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, errors, faults, logs
+from shim import __version__, errors, faults, logs, space
 from shim.aio import run_to_end
 from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
+from shim.archive.dirfd import DirHandle, HeldTree, open_checked, proc_fd_dir
 from shim.cgroups import default_freezer
 from shim.checkpoint import (
     CLEANUP_MARGIN,
@@ -98,6 +99,7 @@ class Location:
 
     directory: Path
     name: str | None
+    asked: str = ""  # the caller's spelling of `directory` (it may pass through a symlink)
 
     def target(self, default_name: str) -> Path:
         return self.directory / (self.name or default_name)
@@ -119,7 +121,7 @@ def check_location(location: str, allowed_roots: Sequence[str]) -> Location:
     if not location:
         if not roots[0].is_dir():
             raise errors.NotFound(f"location is empty and the checkpoint root {roots[0]} does not exist")
-        return Location(roots[0], None)
+        return Location(roots[0], None, str(roots[0]))
     norm = paths.check_syntax(location, "location")
     if os.path.isdir(norm):
         real = Path(os.path.realpath(norm))
@@ -128,7 +130,7 @@ def check_location(location: str, allowed_roots: Sequence[str]) -> Location:
             raise errors.InvalidArgument(
                 f"location {location}{via} is outside the allowed checkpoint roots ({roots_text})"
             )
-        return Location(real, None)
+        return Location(real, None, norm)
     parent, name = os.path.split(norm)
     real_parent = Path(os.path.realpath(parent))
     if not _inside_roots(real_parent, roots):
@@ -143,7 +145,7 @@ def check_location(location: str, allowed_roots: Sequence[str]) -> Location:
     paths.check_component(name, "location file name")
     if not real_parent.is_dir():
         raise errors.NotFound(f"the directory of location {location} does not exist: create {parent} first")
-    return Location(real_parent, name)
+    return Location(real_parent, name, parent)
 
 
 def rfc3339(ns: int | None = None, seconds_only: bool = False) -> str:
@@ -231,87 +233,108 @@ def file_entries(tree: Path, steps: _Steps) -> dict[str, dict[str, Any]]:
     return entries
 
 
-def _member_order(tree: Path) -> list[str]:
+class _FdRef:
+    """What tarfile.gettarinfo needs of a file object to stat an open descriptor."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd, self.name = fd, name
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def _member_order(tree: HeldTree) -> list[str]:
     """Every entry of `tree` (dirs too), metadata first, then the rest in sorted order."""
-    rest = []
-    for dirpath, dirs, files in os.walk(tree):
-        dirs.sort()
-        base = Path(dirpath)
-        for name in dirs + files:
-            rel = str((base / name).relative_to(tree))
-            if rel not in LEADING_MEMBERS:
-                rest.append(rel)
-    lead = [m for m in LEADING_MEMBERS if (tree / m).exists()]
+    rest = [rel for rel in [*tree.dirs, *tree.files] if rel and rel not in LEADING_MEMBERS]
+    lead = [m for m in LEADING_MEMBERS if m in tree.files]
     return lead + sorted(rest)
 
 
 def write_tar(
-    tree: Path, out: Path, steps: _Steps, manifest_for: Callable[[dict[str, dict[str, Any]]], bytes]
+    tree_dir: DirHandle,
+    staging: DirHandle,
+    steps: _Steps,
+    manifest_for: Callable[[dict[str, dict[str, Any]]], bytes],
 ) -> int:
-    """Tar `tree` into the new file `out` (0600, uncompressed, PAX, fsynced); returns its size.
+    """Tar `tree_dir` into the new file STAGING_TAR of `staging` (0600, uncompressed, PAX,
+    fsynced); returns its size. Both are read and written through their descriptors only.
 
     Member names are relative ("spec.dump", "checkpoint/inventory.img"), as containerd and
     CRI-O write them. Each file is hashed as it is copied; `manifest_for(files)` then gives the
     manifest, added as the last member. A partial tar is removed.
     """
     files: dict[str, dict[str, Any]] = {}
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, fsutil.FILE_MODE)
+    fd = staging.create(STAGING_TAR)
     try:
-        with os.fdopen(fd, "wb") as raw:
+        with (
+            tree_dir.tree(
+                lambda msg: errors.Internal(f"unexpected entry in a container checkpoint: {msg}")
+            ) as tree,
+            os.fdopen(fd, "wb") as raw,
+        ):
             with tarfile.open(
                 fileobj=raw, mode="w", format=tarfile.PAX_FORMAT, copybufsize=fsutil.CHUNK_SIZE
             ) as tar:
                 for rel in _member_order(tree):
                     steps.check()
-                    p = tree / rel
-                    ti = tar.gettarinfo(str(p), arcname=rel)
-                    if ti.isdir():
-                        tar.addfile(ti)
-                    elif ti.isreg():
-                        with open(p, "rb") as f:
-                            reader = _Reader(f, steps)
-                            tar.addfile(ti, reader)  # type: ignore[arg-type]
-                        if reader.size != ti.size:
-                            raise errors.Internal(f"{p} changed size while it was archived")
-                        files[rel] = {"size": reader.size, "sha256": reader.sha256.hexdigest()}
-                    else:
-                        raise errors.Internal(f"unexpected entry {p} in a container checkpoint")
+                    if rel in tree.dirs:
+                        tar.addfile(tar.gettarinfo(arcname=rel, fileobj=_FdRef(tree.dirs[rel].fd, rel)))
+                        continue
+                    parent, _, name = rel.rpartition("/")
+                    ffd = os.open(
+                        name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=tree.dirs[parent].fd
+                    )
+                    with os.fdopen(ffd, "rb") as f:
+                        ti = tar.gettarinfo(arcname=rel, fileobj=_FdRef(ffd, rel))
+                        if not ti.isreg():
+                            raise errors.Internal(f"unexpected entry {rel} in a container checkpoint")
+                        reader = _Reader(f, steps)
+                        tar.addfile(ti, reader)  # type: ignore[arg-type]
+                    if reader.size != ti.size:
+                        raise errors.Internal(f"{rel} changed size while it was archived")
+                    files[rel] = {"size": reader.size, "sha256": reader.sha256.hexdigest()}
                 data = manifest_for(files)
                 ti = tarfile.TarInfo(MANIFEST_FILE)
                 ti.size, ti.mode, ti.mtime = len(data), fsutil.FILE_MODE, int(time.time())
                 tar.addfile(ti, io.BytesIO(data))
             raw.flush()
             os.fsync(raw.fileno())
+            size = os.fstat(raw.fileno()).st_size
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(out)
+            os.unlink(STAGING_TAR, dir_fd=staging.fd)
         raise
-    return os.stat(out).st_size
+    return size
 
 
-def publish(staged: Path, directory: Path, name: str) -> Path:
-    """Give the finished tar `staged` its name in `directory` without ever replacing a file
-    (link(2) fails if the name exists), then make the new entry durable."""
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def publish(staging: DirHandle, where: DirHandle, name: str) -> Path:
+    """Give the finished tar (STAGING_TAR in `staging`) its name in `where` without ever
+    replacing a file (link(2) fails if the name exists), then make the new entry durable. Both
+    directories are reached through their held descriptors."""
+    target = where.path / name
     try:
-        try:
-            os.link(staged, name, dst_dir_fd=dfd, follow_symlinks=False)
-        except FileExistsError:
-            raise errors.InvalidArgument(
-                f"{directory / name} appeared while the checkpoint was written; it was left alone: "
-                "pass a new file name"
-            ) from None
-        except OSError as e:
-            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV):
-                raise errors.Internal(f"cannot create {directory / name}: {e}") from e
-            # a file system without hard links: a rename, after checking the name is free
-            if os.path.lexists(directory / name):
-                raise errors.InvalidArgument(f"{directory / name} appeared meanwhile; left alone") from None
-            os.rename(staged, name, dst_dir_fd=dfd)
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return directory / name
+        os.link(STAGING_TAR, name, src_dir_fd=staging.fd, dst_dir_fd=where.fd, follow_symlinks=False)
+    except FileExistsError:
+        raise errors.InvalidArgument(
+            f"{target} appeared while the checkpoint was written; it was left alone: pass a new file name"
+        ) from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV):
+            raise errors.Internal(f"cannot create {target}: {e}") from e
+        # a file system without hard links: a rename, after checking the name is free
+        if _exists(where, name):
+            raise errors.InvalidArgument(f"{target} appeared meanwhile; left alone") from None
+        os.rename(STAGING_TAR, name, src_dir_fd=staging.fd, dst_dir_fd=where.fd)
+    where.fsync()
+    return target
+
+
+def _exists(d: DirHandle, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=d.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------- checkpoint
@@ -403,7 +426,11 @@ class ContainerCheckpointer:
         target = loc.target(kubelet_name(pod, c.name, when))
         with hold([f"pod {pod.id}", f"path {target}"]):
             check_dumpable(c)
-            if os.path.lexists(target):
+            # the directory of the tar, held open: from here on it is reached only through that
+            # descriptor (dirfd.py), so replacing it cannot make podshim write elsewhere
+            where = open_checked(loc.directory, loc.asked or str(loc.directory), "location directory")
+            await run_to_end(space.check_fits, where, [c], f"location directory {loc.directory}")
+            if _exists(where, target.name):
                 if loc.name is not None:
                     raise errors.InvalidArgument(f"location {target} already exists: pass a new file name")
                 # a second checkpoint within the same second: a finer (still RFC 3339) time
@@ -417,6 +444,7 @@ class ContainerCheckpointer:
                 pod.id,
                 {
                     "output_path": str(staging),
+                    "dump_path": proc_fd_dir(),  # how runc/CRIU name it (recovery finds them by it)
                     "cgroups": ours,
                     "container_id": c.id,
                     "target": str(target),
@@ -424,11 +452,11 @@ class ContainerCheckpointer:
             )
             steps = _Steps()
             try:
-                fsutil.make_private_dir(staging, exist_ok=False)
+                held = where.mkdir(staging.name)
                 async with asyncio.timeout_at(deadline):
-                    result = await self._run(pod, c, staging, target, rec, steps, started)
+                    result = await self._run(pod, c, held, target, rec, steps, started, where)
             except TimeoutError:
-                self._abandon(staging, rec)
+                self._abandon(where, staging, rec)
                 total = budget + CLEANUP_MARGIN
                 raise errors.DeadlineExceeded(
                     f"checkpoint of container {c.name!r} ({c.id[:13]}) did not finish within the deadline "
@@ -436,32 +464,40 @@ class ContainerCheckpointer:
                     "retry with a longer timeout"
                 ) from None
             except BaseException:
-                self._abandon(staging, rec)
+                self._abandon(where, staging, rec)
                 raise
             self.journal.finish(rec)
+            where.close()
         return result
 
-    def _abandon(self, staging: Path, rec: Any) -> None:
+    def _abandon(self, where: DirHandle, staging: Path, rec: Any) -> None:
+        """Remove the staging dir through the location's held descriptor (never by path)."""
         try:
-            shutil.rmtree(staging, ignore_errors=True)
             with contextlib.suppress(OSError):
-                fsutil.fsync_dir(staging.parent)
+                where.remove(staging.name)
+                where.fsync()
         finally:
             self.journal.finish(rec)
+            where.close()
 
     async def _run(
         self,
         pod: PodView,
         c: ContainerView,
-        staging: Path,
+        staging: DirHandle,
         target: Path,
         rec: Any,
         steps: _Steps,
         started: float,
+        where: DirHandle,
     ) -> Result:
         timings: dict[str, float] = {}
-        tree = staging / STAGING_TREE
-        cl = layout.ContainerLayout(root=tree, rel="").create()
+        tree = staging.sub(STAGING_TREE, create=True)
+        tree.sub(layout.CHECKPOINT_DIR, create=True).close()
+        # Paths through the held tree's descriptor (runc/crun, tarfile and the rootfs diff take
+        # paths): they resolve inside podshim's own 0700 staging dir whatever happens to
+        # `location` meanwhile.
+        cl = layout.ContainerLayout(root=Path(tree.proc), rel="")
         upper = c.upperdir()
         if upper is None:
             raise errors.FailedPrecondition(
@@ -512,6 +548,9 @@ class ContainerCheckpointer:
                 confirm_thawed([cgroup], c.id)  # read back: no dump left to freeze it again
             thawed_at = time.monotonic()
         timings["freeze_window"] = thawed_at - frozen_at
+        # runc/CRIU wrote through the held descriptors: if the location's directory was replaced
+        # meanwhile, fail rather than publish a tar where the caller's path no longer leads
+        where.check_in_place("location directory", "the checkpoint")
         log.info("container thawed", container=c.id, freeze_window=round(timings["freeze_window"], 4))
 
         # After the thaw: config.dump, stats, manifest, the tar.
@@ -521,7 +560,7 @@ class ContainerCheckpointer:
             cl.config_dump,
             layout.json_bytes(self._config_dump(pod, c, runtime, checkpointed)),
         )
-        await steps.run(fsutil.make_tree_private, tree)
+        await steps.run(tree.make_private)
         stats = await steps.run(read_dump_stats, cl.stats_dump)
         host = await steps.run(self._host, runtime)
         tar_start = time.monotonic()
@@ -531,12 +570,15 @@ class ContainerCheckpointer:
             timings["total"] = time.monotonic() - started
             return layout.json_bytes(self._manifest(pod, c, host, stats, opts, timings, files))
 
-        staged = staging / STAGING_TAR
-        size = await steps.run(write_tar, tree, staged, steps, manifest_for)
+        size = await steps.run(write_tar, tree, staging, steps, manifest_for)
+        tree.close()
         faults.hit("checkpoint-container.before-publish")
+        where.check_in_place("location directory", "the checkpoint")  # the last moment to refuse
         # The commit point: from here on the checkpoint exists; only the staging dir is left to go.
-        path = publish(staged, target.parent, target.name)
-        shutil.rmtree(staging, ignore_errors=True)
+        path = publish(staging, where, target.name)
+        staging.close()
+        with contextlib.suppress(OSError):
+            where.remove(staging.path.name)
         timings["total"] = time.monotonic() - started
         log.info(
             "container checkpoint complete",
