@@ -42,33 +42,52 @@ LANE_MAX_OPERATIONS = 32
 
 
 class OperationLocks:
-    """At most one operation per pod (and per archive path): a second one gets ABORTED."""
+    """At most one operation per pod (and per archive path): a second one gets ABORTED. A key
+    may also be taken shared (RestorePod only reads its archive): any number of shared holders
+    at once, none while an exclusive one holds it (a checkpoint into that path, a recovery's
+    clean-up), and no exclusive holder while shared ones do."""
+
+    _SHARED = "shared "  # prefix of a shared key in what `acquire` returns (keys never start so)
 
     def __init__(self) -> None:
         self._held: dict[str, str] = {}
+        self._shared: dict[str, list[str]] = {}  # key -> the operations holding it shared
 
-    def acquire(self, operation: str, keys: list[str]) -> list[str]:
-        """Take every key or none (ABORTED naming the holder); returns the keys as held, which
-        is what `release` takes. A "path P" key is held by P's resolved form, so that aliases of
-        one directory ("D/.", "D//", a symlink to D) exclude each other too."""
+    def acquire(self, operation: str, keys: list[str], shared: list[str] | None = None) -> list[str]:
+        """Take every key (`shared` ones shared) or none (ABORTED naming the holder); returns the
+        keys as held, which is what `release` takes. A "path P" key is held by P's resolved form,
+        so that aliases of one directory ("D/.", "D//", a symlink to D) exclude each other too."""
         keys = [_canonical(k) for k in keys]
-        busy = [k for k in keys if k in self._held]
-        if busy:
-            k = busy[0]
-            raise errors.Aborted(
-                f"{operation}: another operation ({self._held[k]}) is in progress on {k}; retry when it ends"
-            )
+        shared_keys = [_canonical(k) for k in shared or []]
+        for k in [*keys, *shared_keys]:
+            holder = self._held.get(k)
+            if holder is None and k in keys and self._shared.get(k):
+                holder = self._shared[k][0]
+            if holder is not None:
+                raise errors.Aborted(
+                    f"{operation}: another operation ({holder}) is in progress on {k}; retry when it ends"
+                )
         for k in keys:
             self._held[k] = operation
-        return keys
+        for k in shared_keys:
+            self._shared.setdefault(k, []).append(operation)
+        return [*keys, *(self._SHARED + k for k in shared_keys)]
 
     def release(self, held: list[str]) -> None:
         for k in held:
-            self._held.pop(k, None)
+            if k.startswith(self._SHARED):
+                k = k.removeprefix(self._SHARED)
+                holders = self._shared.get(k, [])
+                if holders:
+                    holders.pop()
+                if not holders:
+                    self._shared.pop(k, None)
+            else:
+                self._held.pop(k, None)
 
     @contextlib.contextmanager
-    def hold(self, operation: str, keys: list[str]) -> Iterator[None]:
-        held = self.acquire(operation, keys)
+    def hold(self, operation: str, keys: list[str], shared: list[str] | None = None) -> Iterator[None]:
+        held = self.acquire(operation, keys, shared)
         try:
             yield
         finally:
@@ -102,7 +121,9 @@ class Engine:
         self.import_lane = aio.Lane("import", LANE_WORKERS, LANE_MAX_OPERATIONS)
 
     @contextlib.contextmanager
-    def _operation(self, name: str, keys: list[str], **fields: str) -> Iterator[None]:
+    def _operation(
+        self, name: str, keys: list[str], shared: list[str] | None = None, **fields: str
+    ) -> Iterator[None]:
         start = time.monotonic()
         result = "OK"
         log.info(f"{name} started", **fields)
@@ -110,7 +131,7 @@ class Engine:
         if task is not None:
             self._inflight.add(task)
         try:
-            with self.locks.hold(name, keys):
+            with self.locks.hold(name, keys, shared):
                 yield
         except errors.ShimError as e:
             result = e.code.name
@@ -162,8 +183,11 @@ class Engine:
         self, req: cri.RestorePodRequest, context: grpc.aio.ServicerContext
     ) -> cri.RestorePodResponse:
         md = req.config.metadata
-        keys = [f"pod {md.namespace}/{md.name}", f"path {req.checkpoint_path}"]
-        with self._operation("restore_pod", keys, pod=f"{md.namespace}/{md.name}", path=req.checkpoint_path):
+        # restores only read their archive: many at once (N replicas from one checkpoint); a
+        # checkpoint into that path or a recovery's clean-up of it excludes them
+        keys, shared = [f"pod {md.namespace}/{md.name}"], [f"path {req.checkpoint_path}"]
+        pod = f"{md.namespace}/{md.name}"
+        with self._operation("restore_pod", keys, shared, pod=pod, path=req.checkpoint_path):
             with self.restore_lane.enter():
                 return await self.restorer.restore(req, context.time_remaining())
 

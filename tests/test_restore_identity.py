@@ -5,6 +5,7 @@ keep firing, and more. Each test runs with runc and with crun (the `runtime_hand
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -12,6 +13,7 @@ import re
 import secrets
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -341,3 +343,51 @@ def test_failed_restore_leaves_no_cgroup(
         for d in _sys.cgroup_dirs(parent):
             with contextlib.suppress(OSError):
                 d.rmdir()
+
+
+# ---------------------------------------------------------------------------- 5. replicas
+
+
+def test_concurrent_restores_of_one_archive(
+    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str, out_dirs: list[Path]
+) -> None:
+    """Two RestorePod of one archive at the same time (replicas from one warm checkpoint): both
+    succeed (restores only read the archive) and both counters resume from the checkpoint."""
+    tag = f"replicas-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
+    cc = pods.container_config("app", args=["--mem-mib", "32", "--interval-ms", "50"])
+    src = pods.run_pod(rt, f"{tag}-src", log_root, {"app": cc}, runtime_handler=runtime_handler)
+    pod_cleanup.append(src.id)
+    pods.wait_count(src.log_path("app"), 10)
+    out = new_out(bed, tag, out_dirs)
+    checkpoint(rt, src.id, out)
+    at_checkpoint = pods.counts(src.log_path("app"))[-1]
+
+    configs = [pods.pod_config(f"{tag}-{i}", log_root) for i in range(2)]
+    barrier = threading.Barrier(len(configs))
+
+    def one(config: cri.PodSandboxConfig) -> cri.RestorePodResponse | grpc.RpcError:
+        barrier.wait()
+        try:
+            return rt.RestorePod(
+                cri.RestorePodRequest(
+                    checkpoint_path=str(out),
+                    config=config,
+                    container_configs=[cc],
+                    runtime_handler=runtime_handler,
+                    options={"start": "true"},
+                ),
+                timeout=RPC_TIMEOUT,
+            )
+        except grpc.RpcError as e:
+            return e
+
+    with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
+        results = list(pool.map(one, configs))
+    pod_cleanup.extend(r.pod_sandbox_id for r in results if isinstance(r, cri.RestorePodResponse))
+    failed = [f"{r.code().name}: {r.details()}" for r in results if isinstance(r, grpc.RpcError)]
+    assert not failed, f"concurrent restores of one archive failed: {failed}"
+    for config in configs:
+        log_path = Path(config.log_directory) / "app" / "0.log"
+        first = pods.wait_for(lambda p=log_path: pods.counts(p), what=f"output of {config.metadata.name}")[0]
+        assert 0 < first <= at_checkpoint + 3, f"{config.metadata.name} did not resume: first count {first}"
+        pods.wait_count(log_path, first + 5)  # it keeps counting
