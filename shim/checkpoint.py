@@ -215,21 +215,25 @@ class PodCheckpointer:
                 f"the caller's deadline passed while checking the request for pod {req.pod_sandbox_id}; "
                 "nothing was frozen or written: retry with a longer deadline"
             ) from None
-        post = req.post_checkpoint_state
-        end = caller_end - CLEANUP_MARGIN
-        if end <= loop.time():
-            raise errors.DeadlineExceeded(f"the deadline leaves no time to checkpoint pod {pod.name}")
         archive = layout.ArchiveLayout(out, held)
-        # What recovery thaws after a crash: the cgroups this checkpoint may freeze. A container
-        # someone else paused before (the cut leaves it so) is not ours to thaw.
-        paused = set(await run_to_end(self_frozen, [c.cgroups_path for c in selected]))
-        ours = [c.cgroups_path for c in selected if c.cgroups_path not in paused]
-        rec = self.journal.begin(
-            "checkpoint",
-            pod.id,
-            # dump_path: how runc/CRIU name output_path (recovery finds them by it after a crash)
-            {"output_path": str(out), "dump_path": proc_fd_dir(), "cgroups": [pod.cgroup_parent, *ours]},
-        )
+        try:
+            post = req.post_checkpoint_state
+            end = caller_end - CLEANUP_MARGIN
+            if end <= loop.time():
+                raise errors.DeadlineExceeded(f"the deadline leaves no time to checkpoint pod {pod.name}")
+            # What recovery thaws after a crash: the cgroups this checkpoint may freeze. A container
+            # someone else paused before (the cut leaves it so) is not ours to thaw.
+            paused = set(await run_to_end(self_frozen, [c.cgroups_path for c in selected]))
+            ours = [c.cgroups_path for c in selected if c.cgroups_path not in paused]
+            rec = self.journal.begin(
+                "checkpoint",
+                pod.id,
+                # dump_path: how runc/CRIU name output_path (recovery finds them by it after a crash)
+                {"output_path": str(out), "dump_path": proc_fd_dir(), "cgroups": [pod.cgroup_parent, *ours]},
+            )
+        except BaseException:
+            held.close()
+            raise
         started = time.monotonic()
         try:
             async with asyncio.timeout_at(end):
@@ -272,7 +276,11 @@ class PodCheckpointer:
             await run_to_end(check_dumpable, c)
         await run_to_end(check_shared_state, selected)  # what the containers share (shim/sharing.py)
         held = open_checked(out, req.output_path, "output path", empty=True)
-        await run_to_end(space.check_fits, held, selected, f"output path {req.output_path}")
+        try:
+            await run_to_end(space.check_fits, held, selected, f"output path {req.output_path}")
+        except BaseException:
+            held.close()
+            raise
         return opts, out, pod, selected, held
 
     def _abandon(self, archive: layout.ArchiveLayout, rec: Any) -> None:
@@ -393,15 +401,13 @@ class PodCheckpointer:
         with archive.dir.sub(layout.CONTAINERS_DIR, create=True) as containers:
             for c in recorded_containers(pod, selected):
                 cl = archive.container(c.name)  # checks the name is one path component
-                cd = containers.sub(c.name, create=True)
-                images = cd.sub(layout.CHECKPOINT_DIR, create=True) if c in selected else None
+                cd = archive.dir.adopt(containers.sub(c.name, create=True))  # closed with output_path
+                images = cd.adopt(cd.sub(layout.CHECKPOINT_DIR, create=True)) if c in selected else None
                 cd.write_file(layout.CONFIG_DUMP_FILE, layout.json_bytes(c.to_record()))
                 cd.write_file(layout.SPEC_DUMP_FILE, layout.json_bytes(c.spec))
                 cd.write_file(layout.STATUS_DUMP_FILE, layout.json_bytes(json_format.MessageToDict(c.status)))
                 if images is not None:
                     work.append(_Work(c, cl, self.runtime_for(c), cd, images))
-                else:
-                    cd.close()
         return work
 
     async def _dump(self, w: _Work, opts: CheckpointOptions) -> None:

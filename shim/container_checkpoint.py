@@ -429,30 +429,36 @@ class ContainerCheckpointer:
             # the directory of the tar, held open: from here on it is reached only through that
             # descriptor (dirfd.py), so replacing it cannot make podshim write elsewhere
             where = open_checked(loc.directory, loc.asked or str(loc.directory), "location directory")
-            await run_to_end(space.check_fits, where, [c], f"location directory {loc.directory}")
-            if _exists(where, target.name):
-                if loc.name is not None:
-                    raise errors.InvalidArgument(f"location {target} already exists: pass a new file name")
-                # a second checkpoint within the same second: a finer (still RFC 3339) time
-                target = loc.target(kubelet_name(pod, c.name, rfc3339()))
-            # a hidden sibling of the tar, named so that leftovers read as temporary files
-            staging = target.parent / fsutil.temp_name_for(STAGING_PREFIX)
-            # what recovery thaws after a crash: not a container someone else had paused
-            ours = [] if self_frozen([c.cgroups_path]) else [c.cgroups_path]
-            rec = self.journal.begin(
-                KIND,
-                pod.id,
-                {
-                    "output_path": str(staging),
-                    "dump_path": proc_fd_dir(),  # how runc/CRIU name it (recovery finds them by it)
-                    "cgroups": ours,
-                    "container_id": c.id,
-                    "target": str(target),
-                },
-            )
+            try:
+                await run_to_end(space.check_fits, where, [c], f"location directory {loc.directory}")
+                if _exists(where, target.name):
+                    if loc.name is not None:
+                        raise errors.InvalidArgument(
+                            f"location {target} already exists: pass a new file name"
+                        )
+                    # a second checkpoint within the same second: a finer (still RFC 3339) time
+                    target = loc.target(kubelet_name(pod, c.name, rfc3339()))
+                # a hidden sibling of the tar, named so that leftovers read as temporary files
+                staging = target.parent / fsutil.temp_name_for(STAGING_PREFIX)
+                # what recovery thaws after a crash: not a container someone else had paused
+                ours = [] if self_frozen([c.cgroups_path]) else [c.cgroups_path]
+                rec = self.journal.begin(
+                    KIND,
+                    pod.id,
+                    {
+                        "output_path": str(staging),
+                        "dump_path": proc_fd_dir(),  # how runc/CRIU name it (recovery finds them by it)
+                        "cgroups": ours,
+                        "container_id": c.id,
+                        "target": str(target),
+                    },
+                )
+            except BaseException:
+                where.close()
+                raise
             steps = _Steps()
             try:
-                held = where.mkdir(staging.name)
+                held = where.adopt(where.mkdir(staging.name))  # closed with `where`
                 async with asyncio.timeout_at(deadline):
                     result = await self._run(pod, c, held, target, rec, steps, started, where)
             except TimeoutError:
@@ -492,7 +498,7 @@ class ContainerCheckpointer:
         where: DirHandle,
     ) -> Result:
         timings: dict[str, float] = {}
-        tree = staging.sub(STAGING_TREE, create=True)
+        tree = staging.adopt(staging.sub(STAGING_TREE, create=True))
         tree.sub(layout.CHECKPOINT_DIR, create=True).close()
         # Paths through the held tree's descriptor (runc/crun, tarfile and the rootfs diff take
         # paths): they resolve inside podshim's own 0700 staging dir whatever happens to

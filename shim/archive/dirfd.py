@@ -46,6 +46,7 @@ class DirHandle:
         self.fd = fd
         self.path = Path(path)
         self.asked = asked  # the caller's spelling of `path` (it may pass through a symlink)
+        self._adopted: list[DirHandle] = []
 
     def __del__(self) -> None:  # a handle dropped on an error path still gives its fd back
         with contextlib.suppress(OSError, AttributeError):
@@ -78,7 +79,14 @@ class DirHandle:
             raise Internal(f"cannot open directory {p}: {e}") from e
         return cls(fd, p)
 
+    def adopt(self, child: DirHandle) -> DirHandle:
+        """Close `child` together with this handle (one close on every exit path)."""
+        self._adopted.append(child)
+        return child
+
     def close(self) -> None:
+        while self._adopted:
+            self._adopted.pop().close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
