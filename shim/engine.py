@@ -34,6 +34,10 @@ _CHECKPOINT_KINDS = ("checkpoint", "checkpoint-container")
 # How long recovery lets a crashed run's runc/CRIU finish (CRIU then cures and unseizes the
 # pod's processes) before it kills them.
 RECOVERY_WAIT = 120.0
+# A recovery that failed is retried while podshim runs: first after RETRY_FIRST seconds, then
+# doubling up to RETRY_MAX (docs/architecture.md "Crash safety").
+RETRY_FIRST = 0.5
+RETRY_MAX = 30.0
 # Worker threads and operations (running or waiting for a thread) of the lanes RestorePod and
 # CreateContainer-from-a-tar run in: their archives, the caller's data, may take long to verify
 # or extract, and must not take the threads checkpoints need (docs/architecture.md "Cancellation").
@@ -117,6 +121,8 @@ class Engine:
         self.restorer = PodRestorer(config, upstream, self.journal, self.wiring, self.restored)
         self._recovering: set[asyncio.Task[None]] = set()  # background recoveries (see recover)
         self._inflight: set[asyncio.Task[object]] = set()  # tasks of the operations running now (stop)
+        self._retrying: set[str] = set()  # op ids of records whose recovery is retried (retry_later)
+        self.restorer.on_kept = self.retry_later  # a restore whose rollback failed: retried
         self.restore_lane = aio.Lane("restore", LANE_WORKERS, LANE_MAX_OPERATIONS)
         self.import_lane = aio.Lane("import", LANE_WORKERS, LANE_MAX_OPERATIONS)
 
@@ -347,7 +353,7 @@ class Engine:
         finally:
             self.locks.release(keys)
 
-    async def _recover_record(self, rec: OpRecord) -> None:
+    async def _recover_record(self, rec: OpRecord, retry: bool = True) -> bool:
         data = rec.data
         try:
             if rec.kind in _CHECKPOINT_KINDS:
@@ -367,20 +373,71 @@ class Engine:
             elif rec.kind == "restore" and data.get("sandbox_id"):
                 await self.restorer.rollback_sandbox(str(data["sandbox_id"]))
             elif rec.kind == "restore" and isinstance(data.get("sandbox_metadata"), dict):
-                await self.restorer.rollback_unrecorded(data["sandbox_metadata"])
-        except Exception as e:  # noqa: BLE001 - logged; the record stays for the next start
+                await self.restorer.rollback_unrecorded(
+                    data["sandbox_metadata"], since=rec.started, settle_until=restore_mod.settle_deadline(rec)
+                )
+        except Exception as e:  # noqa: BLE001 - logged; the record stays, retried in the background
             log.error(
-                "recovery of interrupted operation failed; kept for the next start",
+                "recovery of interrupted operation failed; kept and retried",
                 kind=rec.kind,
                 pod=rec.pod_key,
                 record=str(rec.path),
                 error=getattr(e, "message", None) or repr(e),
             )
             metrics.operations.labels(OPERATION_OF_KIND[rec.kind], "RECOVERY_FAILED").inc()
-            return
+            if retry:
+                self.retry_later(rec)
+            return False
         self.journal.finish(rec)
         log.info("recovered interrupted operation", kind=rec.kind, pod=rec.pod_key, phase=rec.phase)
         metrics.operations.labels(OPERATION_OF_KIND[rec.kind], "RECOVERED").inc()
+        return True
+
+    def retry_later(self, rec: OpRecord) -> None:
+        """Retry the recovery of `rec` in the background while podshim runs (a sandbox containerd
+        would not remove yet, containerd down...), with a bounded backoff, until it succeeds."""
+        if rec.op_id in self._retrying:
+            return
+        self._retrying.add(rec.op_id)
+        task = asyncio.create_task(self._retry(rec))
+        self._recovering.add(task)
+        task.add_done_callback(self._recovering.discard)
+
+    async def _retry(self, rec: OpRecord) -> None:
+        """Holds the record's pod (and path) locks from the first attempt on: a new operation on
+        that pod is ABORTED until the recovery is done (a restore's sandbox is found by its
+        metadata, which a new restore of the same pod would share)."""
+        want = [f"pod {rec.pod_key}"]
+        if rec.kind in _CHECKPOINT_KINDS and rec.data.get("output_path"):
+            want.append(f"path {rec.data['output_path']}")
+        held: list[str] | None = None
+        delay = RETRY_FIRST
+        attempt = 0
+        try:
+            while True:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX)
+                if held is None:
+                    try:
+                        held = self.locks.acquire("recovery of an interrupted operation", want)
+                    except errors.Aborted:
+                        continue  # the failed operation still ends; next time
+                if not rec.path.exists():
+                    return  # finished meanwhile (a start-up recovery of the same record)
+                attempt += 1
+                log.warning(
+                    "retrying the recovery of an interrupted operation",
+                    kind=rec.kind,
+                    pod=rec.pod_key,
+                    attempt=attempt,
+                )
+                if await self._recover_record(rec, retry=False):
+                    return
+                log.warning("recovery retry failed", kind=rec.kind, pod=rec.pod_key, next_in=delay)
+        finally:
+            self._retrying.discard(rec.op_id)
+            if held is not None:
+                self.locks.release(held)
 
 
 # journal kind -> the `operation` label of podshim_operations_total (the gRPC method's name)

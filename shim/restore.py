@@ -15,8 +15,9 @@ import platform
 import re
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,35 @@ def config_mismatch(name: str, requested: cri.ContainerConfig, archived: cri.Con
 _BACKGROUND: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
 
 
+# Seconds after a RunPodSandbox left without an answer (or, after a crash, after the restore's
+# last journal write) during which recovery keeps looking for the sandbox it may still create.
+SANDBOX_SETTLE = 30.0
+# RunPodSandbox errors after which the upstream may still have created the sandbox
+_NO_ANSWER = frozenset(
+    {
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+
+
+def _epoch(rfc3339: str) -> float:
+    try:
+        return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def settle_deadline(rec: Any) -> float:
+    """Until when (epoch seconds) a restore record without a sandbox id may still see its
+    sandbox appear (see rollback_unrecorded)."""
+    since = rec.data.get("sandbox_unknown_since")
+    start = float(since) if isinstance(since, int | float) else _epoch(rec.updated)
+    return start + SANDBOX_SETTLE
+
+
 def background_tasks() -> set[asyncio.Task[None]]:
     """The rollbacks still running in the background (a graceful stop waits for them)."""
     return set(_BACKGROUND)
@@ -250,15 +280,16 @@ def _recorded_network(root: Path, m: manifest.Manifest, key: crypto.NodeKey | No
     return facts if isinstance(facts, dict) else {}
 
 
-def check_rootfs_diffs(plan: list[_Planned]) -> None:
-    """Refuse a rootfs diff podshim-runc would refuse, before any sandbox exists."""
+def check_rootfs_diffs(plan: list[_Planned], stop: threading.Event | None = None) -> None:
+    """Refuse a rootfs diff podshim-runc would refuse, before any sandbox exists (`stop`: the
+    caller was cancelled, see rootfs_diff.check_rootfs_diff)."""
     for p in plan:
         cl = layout.ContainerLayout(root=p.dir, rel="")
         if not cl.rootfs_diff_tar.exists():
             continue
         try:
             rootfs_diff.check_rootfs_diff(
-                cl.rootfs_diff_tar, rootfs_diff.read_deleted_files(cl.deleted_files)
+                cl.rootfs_diff_tar, rootfs_diff.read_deleted_files(cl.deleted_files), stop
             )
         except errors.ShimError as e:
             raise type(e)(f"container {p.entry.name!r}: {e.message}") from None
@@ -288,6 +319,8 @@ class PodRestorer:
         self.config = config
         self.upstream = upstream
         self.journal = journal
+        # called with the journal record of a rollback that failed (Engine retries it)
+        self.on_kept: Callable[[Any], None] | None = None
         # docs/architecture.md "Wiring check": refuse a node wired wrong; remember what to confirm
         self.wiring = wiring
         self.restored = restored
@@ -331,7 +364,8 @@ class PodRestorer:
             async with asyncio.timeout_at(end):
                 if m.encryption is not None:
                     await self._decrypt(root, m, plan, checked.key, decrypted)
-                await run_to_end(check_rootfs_diffs, plan)  # a hostile diff fails here, not at start
+                stop = threading.Event()
+                await run_to_end(check_rootfs_diffs, plan, stop, stop=stop)  # a hostile diff fails here
                 await self._create(req, m, plan, checked.opts, rec, sandbox, created, checked.network)
         except BaseException as e:
             # In a task of its own: when the caller's deadline passes (or it goes away) during
@@ -557,11 +591,17 @@ class PodRestorer:
                 cri.RunPodSandboxRequest(config=req.config, runtime_handler=req.runtime_handler),
                 timeout=self.upstream.timeout,
             )
+            faults.hit("restore.sandbox-answer")  # `error`: as if the answer were lost on the way
         except grpc.aio.AioRpcError as e:
+            if e.code() in _NO_ANSWER:
+                self._sandbox_unknown(rec)
             unknown = unknown_handler(e, req.runtime_handler)
             if unknown is not None:
                 raise unknown from None
             raise upstream_error(self.upstream.endpoint, e, "creating the new sandbox") from None
+        except BaseException:  # cancelled (the caller's deadline) or the like: no answer either
+            self._sandbox_unknown(rec)
+            raise
         faults.hit("restore.sandbox-unrecorded")
         sandbox.append(resp.pod_sandbox_id)
         self.journal.update(rec, "sandbox", sandbox_id=resp.pod_sandbox_id)
@@ -630,14 +670,31 @@ class PodRestorer:
             checkpointed_addresses=cni.addresses(recorded),
         )
 
+    def _sandbox_unknown(self, rec: Any) -> None:
+        """RunPodSandbox got no answer (cancelled, timed out, connection lost): the upstream may
+        have created the sandbox (or still be creating it) without podshim learning its id.
+        Recorded, so that the rollback looks for it by its metadata (rollback_unrecorded)."""
+        try:
+            self.journal.update(rec, "sandbox-unknown", sandbox_unknown_since=time.time())
+        except errors.ShimError as e:
+            log.error("cannot journal the unanswered RunPodSandbox", error=e.message)
+
     async def _abandon(self, sandbox: list[str], rec: Any, decrypted: list[Path] | None = None) -> None:
         rolled_back = False
         try:
-            await self._rollback(sandbox)
+            if sandbox:
+                await self._rollback(sandbox)
+            elif "sandbox_unknown_since" in rec.data:
+                await self.rollback_unrecorded(
+                    rec.data["sandbox_metadata"], since=rec.started, settle_until=settle_deadline(rec)
+                )
             rolled_back = True
         except errors.ShimError as e:
-            # The journal record stays: the next start of podshim removes the sandbox.
+            # The journal record stays: podshim retries in the background (Engine), and the next
+            # start of podshim replays it.
             log.error("rollback of restore failed; kept for recovery", sandbox=sandbox, error=e.message)
+            if self.on_kept is not None:
+                self.on_kept(rec)
         finally:
             for d in decrypted or []:
                 await run_to_end(crypto.remove_decrypted, d)
@@ -648,23 +705,33 @@ class PodRestorer:
         for sid in sandbox:
             await self.rollback_sandbox(sid)
 
-    async def rollback_unrecorded(self, metadata: dict[str, Any]) -> None:
-        """Remove the sandbox a crashed restore created before it recorded its id: the one
-        whose metadata (name, namespace, uid, attempt) is the request's. The upstream names
-        sandboxes after their metadata, so at most one matches, and recovery runs before
-        podshim serves again, so nobody else can have created it since."""
+    async def rollback_unrecorded(
+        self, metadata: dict[str, Any], since: str = "", settle_until: float = 0.0
+    ) -> None:
+        """Remove the sandbox a restore created without learning (or recording) its id: the one
+        whose metadata (name, namespace, uid, attempt) is the request's, created after the
+        restore began (`since`, RFC 3339). The upstream names sandboxes after their metadata, so
+        at most one matches; the restore's pod lock, held until the record is closed, keeps
+        podshim from creating another meanwhile. None found before `settle_until` (epoch
+        seconds): Unavailable, the RunPodSandbox left without an answer may still create it."""
         want = cri.PodSandboxMetadata()
         json_format.ParseDict(metadata, want)
+        after_ns = int((_epoch(since) - 5.0) * 1e9) if since else 0  # slack for clock steps
         try:
             resp = await self.upstream.runtime.ListPodSandbox(
                 cri.ListPodSandboxRequest(), timeout=self.upstream.timeout
             )
         except grpc.aio.AioRpcError as e:
             raise upstream_error(self.upstream.endpoint, e, "listing sandboxes for recovery") from None
-        for sb in resp.items:
-            if sb.metadata == want:
-                log.warning("removing the unrecorded sandbox of an interrupted restore", sandbox=sb.id)
-                await self.rollback_sandbox(sb.id)
+        found = [sb for sb in resp.items if sb.metadata == want and sb.created_at >= after_ns]
+        for sb in found:
+            log.warning("removing the unrecorded sandbox of an interrupted restore", sandbox=sb.id)
+            await self.rollback_sandbox(sb.id)
+        if not found and time.time() < settle_until:
+            raise errors.Unavailable(
+                f"no sandbox {want.namespace}/{want.name} yet: the RunPodSandbox left without an "
+                "answer may still create it; looking again"
+            )
 
     async def rollback_sandbox(self, sid: str) -> None:
         """Remove a sandbox a restore created (which removes its containers). Raises unless the
