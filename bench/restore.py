@@ -18,9 +18,14 @@
    Both read images that are in the page cache (the archive was just written, the copy just
    made); the disk is synced before each measurement. CRIU's own ``restore_time`` (from the
    ``stats-restore`` each restore leaves in its work dir) is shown for both.
+3. Replicas (issue 14): ``--replicas`` (4) restores of ONE archive (a ``--replica-mem`` (64) MiB
+   counter) at once, against one alone: from the requests (RestorePod + StartContainer, each in a
+   thread of its own) until every restored counter printed its next ``count=`` line. Restores of
+   one archive run side by side (they hold its path shared).
+   ``--skip-warm --skip-sizes`` runs this part alone.
 
 Ends with ``RESULT warm_start_ratio=… restore_ratio_vs_runc=…`` (medians; the runc ratio is the
-worst over the sizes).
+worst over the sizes), plus ``replicas_N_vs_one=…`` (N at once / one alone) when part 3 ran.
 """
 
 from __future__ import annotations
@@ -79,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3, help="repeats of every measurement (default 3)")
     p.add_argument("--skip-warm", action="store_true", help="skip part 1 (warm start)")
     p.add_argument("--skip-sizes", action="store_true", help="skip part 2 (podshim vs runc restore)")
+    p.add_argument("--replicas", type=int, default=4, help="concurrent restores of one archive (4)")
+    p.add_argument("--replica-mem", type=int, default=64, help="MiB of the replicas' counter (64)")
+    p.add_argument("--skip-replicas", action="store_true", help="skip part 3 (concurrent restores)")
     return p.parse_args(argv)
 
 
@@ -375,6 +383,63 @@ def size_sweep(rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed, args: argparse
     return results
 
 
+# ---------------------------------------------------------------------------- replicas
+
+
+def replicas(rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed, args: argparse.Namespace) -> dict:
+    """One restore alone vs `args.replicas` restores of the same archive at once (seconds until
+    every restored counter printed its next count line), `args.repeat` times each, alternating."""
+    n = max(2, args.replicas)
+    say(f"replicas: {n} restores of one {args.replica_mem} MiB archive at once vs one alone")
+    cc = counter_config("counter", args.replica_mem, 100)
+    configs = {"counter": cc}
+    source = start_counter_pod(rt, bed, "rep-src", configs)
+    pods.wait_count(source.log_path("counter"), 3, timeout=60)
+    archive = Path(bed.checkpoint_root) / "replicas"
+    checkpoint_pod(rt, source.id, archive)
+    res: dict[str, list] = {"one": [], "many": []}
+
+    def batch(count: int, tag: str) -> float:
+        t0 = time.perf_counter()
+        done: list[Restored | BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                done.append(podshim_restore(rt, bed, archive, configs, f"rep-{tag}-{i}"))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                done.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        took = time.perf_counter() - t0
+        for r in done:
+            if isinstance(r, Restored):
+                remove_pod(rt, r.pod_id)
+        errors_ = [r for r in done if not isinstance(r, Restored)]
+        if errors_:
+            e = errors_[0]
+            detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else repr(e)
+            raise RuntimeError(f"{len(errors_)} of {count} restores failed: {detail}")
+        return took
+
+    try:
+        for r in range(args.repeat):
+            for which in ("one", "many") if r % 2 == 0 else ("many", "one"):
+                took = batch(1 if which == "one" else n, f"{which}-{r}")
+                res[which].append(took)
+                say(f"  rep {r + 1} {which}: {took:.3f}s")
+    except (grpc.RpcError, RuntimeError, TimeoutError) as e:
+        say(f"  replicas failed: {e}")
+        res["error"] = [str(e)]
+    finally:
+        remove_pod(rt, source.id)
+        remove_tree(archive)
+    return {"n": n, **res}
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -384,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_summary(), flush=True)
     warm: dict = {}
     sweep: dict = {}
+    reps: dict = {}
     with bench_bed() as bed:
         rt = runtime_stub(bed.podshim_socket)
         say("warm-up: a small pod, CheckpointPod, RestorePod + StartContainer (not counted)")
@@ -399,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
             warm = warm_start(rt, bed, args)
         if not args.skip_sizes:
             sweep = size_sweep(rt, bed, args)
+        if not args.skip_replicas:
+            reps = replicas(rt, bed, args)
 
     warm_ratio = float("nan")
     if warm:
@@ -480,9 +548,24 @@ def main(argv: list[str] | None = None) -> int:
         for mem, res in sweep.items():
             if "error" in res:
                 print(f"size {mem} MiB: {res['error'][0]}")
+    extra: dict[str, float] = {}
+    if reps.get("one") and reps.get("many"):
+        n = reps["n"]
+        one, many = median(reps["one"]), median(reps["many"])
+        extra[f"replicas_{n}_vs_one"] = ratio(many, one)
+        print()
+        print(f"Replicas: {n} RestorePod + StartContainer of one archive at once vs one, seconds (medians)")
+        print(
+            table(
+                ["restores", "until every counter counts", "per restore"],
+                [["1", one, one], [str(n), many, many / n], [f"{n} / 1", extra[f"replicas_{n}_vs_one"], ""]],
+            )
+        )
+    if "error" in reps:
+        print(f"replicas: {reps['error'][0]}")
     print()
     print(f"target (issue 4): restored/cold <= {WARM_TARGET}")
-    print(result_line(warm_start_ratio=warm_ratio, restore_ratio_vs_runc=worst(ratios)), flush=True)
+    print(result_line(warm_start_ratio=warm_ratio, restore_ratio_vs_runc=worst(ratios), **extra), flush=True)
     return 0
 
 
