@@ -284,3 +284,42 @@ def test_ordinary_configs_pass() -> None:
     cri_checks.check_container_config(cri.ContainerConfig(metadata=cri.ContainerMetadata(name="a;b=c")))
     with pytest.raises(InvalidArgument, match="NUL"):
         cri_checks.check_container_config(cri.ContainerConfig(metadata=cri.ContainerMetadata(name="a\x00")))
+
+
+# ---------------------------------------------------------------------------- runtime handlers
+
+
+class _Err:
+    def __init__(self, details: str) -> None:
+        self._details = details
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_handler_the_upstream_lacks() -> None:
+    from shim.restore import unknown_handler, upstream_handlers
+
+    cfg = {"containerd": {"runtimes": {"runc": {}, "crun": {}}}}
+    assert upstream_handlers({"config": json.dumps(cfg)}) == {"runc", "crun"}
+    assert upstream_handlers({}) is None and upstream_handlers({"config": "[]"}) is None
+    # containerd 1.6's RunPodSandbox answer, the fallback when Status does not say
+    e = unknown_handler(_Err('failed to get sandbox runtime: no runtime for "ghost" is configured'), "ghost")  # type: ignore[arg-type]
+    assert isinstance(e, InvalidArgument) and "'ghost'" in e.message
+    assert unknown_handler(_Err("something else"), "ghost") is None  # type: ignore[arg-type]
+
+
+def test_rootfs_diff_check_stops_when_told(tmp_path: Path) -> None:
+    import tarfile
+
+    from shim.archive import rootfs_diff
+
+    tar = tmp_path / "rootfs-diff.tar"
+    with tarfile.open(tar, "w") as t:
+        for i in range(3):
+            t.addfile(tarfile.TarInfo(f"f{i}"))
+    rootfs_diff.check_rootfs_diff(tar, [], threading.Event())
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(fsutil.Stopped):
+        rootfs_diff.check_rootfs_diff(tar, [], stop)

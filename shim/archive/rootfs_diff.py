@@ -14,12 +14,13 @@ import os
 import shutil
 import stat
 import tarfile
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE, atomic_write
+from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE, Stopped, atomic_write
 from shim.archive.paths import check_member_path
 from shim.errors import DataLoss, FailedPrecondition, Internal, InvalidArgument, NotFound
 
@@ -567,13 +568,24 @@ def read_deleted_files(path: Path) -> list[str] | None:
     return entries
 
 
-def check_rootfs_diff(tar_path: Path, deleted: Sequence[str] | None = None) -> None:
+def check_rootfs_diff(
+    tar_path: Path, deleted: Sequence[str] | None = None, stop: threading.Event | None = None
+) -> None:
     """Refuse, without touching any rootfs, a diff that apply_rootfs_diff would refuse for its
     own content: corrupt tar, bad names or types, and members written through a symlink the
     same tar creates. (A symlink already in the target image is only seen when applying.)
-    RestorePod runs this before it creates anything, so a hostile archive fails there."""
+    RestorePod runs this before it creates anything, so a hostile archive fails there. `stop`
+    set (the caller was cancelled): Stopped at the next member (a gzip diff is decompressed
+    to find its headers)."""
     tar_path = Path(tar_path)
     with _open_tar(tar_path) as tar:
+        if stop is not None:
+            try:
+                for _member in tar:  # loads the members one by one; _plan then has them all
+                    if stop.is_set():
+                        raise Stopped(f"checking {tar_path} stopped: the operation was cancelled")
+            except (tarfile.TarError, EOFError) as e:
+                raise DataLoss(f"rootfs diff {tar_path} is truncated or corrupt ({e})") from e
         plan, _deletions = _plan(tar, tar_path, DiffSummary())
     symlinks = {(*parents, name) for ti, parents, name in plan if ti.issym()}
     for ti, parents, _name in plan:
