@@ -10,7 +10,6 @@ import errno
 import hashlib
 import os
 import secrets
-import shutil
 import stat
 import threading
 from collections.abc import Callable
@@ -135,9 +134,12 @@ def fsync_tree(root: Path, workers: int = 1, files: bool = True) -> None:
 def clear_dir_contents(path: Path) -> None:
     """Remove everything INSIDE `path`, never `path` itself (podshim never removes output_path).
 
-    Symlinks are removed, not followed; subdirectories are removed with shutil.rmtree, which
-    is symlink-attack safe on Linux (fd based).
+    `path` is opened with no component followed if it is a symlink (dirfd.DirHandle.open: a
+    directory replaced by a symlink is refused, InvalidArgument) and cleared through that
+    descriptor; symlinks inside are removed, not followed.
     """
+    from shim.archive.dirfd import DirHandle
+
     path = Path(path)
     try:
         st = os.lstat(path)
@@ -146,14 +148,8 @@ def clear_dir_contents(path: Path) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise InvalidArgument(f"cannot clear {path}: it is not a directory")
     try:
-        with os.scandir(path) as it:
-            entries = list(it)
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
-        fsync_dir(path)
+        with DirHandle.open(path) as d:
+            d.clear()
     except OSError as e:
         raise Internal(f"cannot remove the contents of {path}: {e}; remove them by hand") from e
 
