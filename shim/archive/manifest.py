@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from shim.archive import crypto
+from shim.archive.dirfd import DirHandle, held
 from shim.archive.fsutil import (
-    atomic_write,
-    fsync_tree,
     hash_and_flush,
     hash_file,
     hole_bytes,
@@ -417,7 +416,7 @@ def _check_members(root: Path, m: Manifest) -> None:
 
 
 def write_manifest(
-    root: Path,
+    root: Path | DirHandle,
     manifest: Manifest,
     workers: int = 1,
     key: crypto.NodeKey | None = None,
@@ -428,23 +427,29 @@ def write_manifest(
     Fills `manifest.files` (replacing any previous value) and returns the manifest. With `key`
     (the files were encrypted with it: crypto.encrypt_tree) it records the encryption and
     authenticates the manifest (its MAC is computed at every to_json()). `stop` set: raises
-    fsutil.Stopped at the next chunk (the caller was cancelled).
+    fsutil.Stopped at the next chunk (the caller was cancelled). `root` is listed, read and
+    written only through descriptors (a DirHandle the caller holds, or the path opened once).
     """
-    root = Path(root)
-    _check_members(root, manifest)
-    sizes = _scan_tree(root, lambda msg: Internal(f"unexpected entry in checkpoint: {msg}"))
-    rels = sorted(sizes)
-    try:
-        results = hash_and_flush([root / rel for rel in rels], workers, stop)
-    except OSError as e:
-        raise Internal(f"cannot checksum/fsync checkpoint {root}: {e}; check the disk") from e
-    manifest.files = {rel: FileEntry(size=s, sha256=h) for rel, (s, h) in zip(rels, results, strict=True)}
-    _record_members(manifest, rels)
-    fsync_tree(root, files=False)  # entries of every dir durable before the marker exists
-    if key is not None:
-        manifest.encryption = Encryption(scheme=crypto.SCHEME, key_id=key.key_id)
-        manifest.mac_key = key.manifest_key()
-    atomic_write(root / MANIFEST_FILE, manifest.to_json())
+    with held(root) as h:
+        _check_members(h.path, manifest)
+        with h.tree(lambda msg: Internal(f"unexpected entry in checkpoint: {msg}")) as tree:
+            rels = sorted(rel for rel in tree.files if rel != MANIFEST_FILE)
+            try:
+                results = hash_and_flush([tree.path(rel) for rel in rels], workers, stop)
+            except OSError as e:
+                raise Internal(f"cannot checksum/fsync checkpoint {h.path}: {e}; check the disk") from e
+            manifest.files = {
+                rel: FileEntry(size=s, sha256=d) for rel, (s, d) in zip(rels, results, strict=True)
+            }
+            _record_members(manifest, rels)
+            try:
+                tree.fsync_dirs()  # entries of every dir durable before the marker exists
+            except OSError as e:
+                raise Internal(f"cannot fsync checkpoint {h.path}: {e}; check the disk") from e
+        if key is not None:
+            manifest.encryption = Encryption(scheme=crypto.SCHEME, key_id=key.key_id)
+            manifest.mac_key = key.manifest_key()
+        h.write_file(MANIFEST_FILE, manifest.to_json())
     return manifest
 
 
