@@ -737,6 +737,12 @@ def _members(tar: tarfile.TarFile, where: Path) -> Iterator[tuple[tarfile.TarInf
                 yield m, None
                 continue
             rel = str(paths.check_member_path(m.name.rstrip("/"), f"{where}: member"))
+            parts = rel.split("/")
+            if len(parts) > manifest.MAX_TREE_DEPTH or any(len(p.encode()) > paths.NAME_MAX for p in parts):
+                raise errors.InvalidArgument(
+                    f"checkpoint archive {where}: member {m.name[:120]!r}... nests deeper than "
+                    f"{manifest.MAX_TREE_DEPTH} levels or has a component over {paths.NAME_MAX} bytes"
+                )
             if not (m.isreg() or m.isdir()):
                 kind = "symlink" if m.issym() else "hard link" if m.islnk() else "special file"
                 raise errors.InvalidArgument(

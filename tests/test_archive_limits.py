@@ -323,3 +323,21 @@ def test_rootfs_diff_check_stops_when_told(tmp_path: Path) -> None:
     stop.set()
     with pytest.raises(fsutil.Stopped):
         rootfs_diff.check_rootfs_diff(tar, [], stop)
+
+
+@pytest.mark.parametrize("name", ["/".join(["d"] * 1500) + "/f", "n" * 300], ids=["1500-deep", "long-name"])
+def test_container_tar_with_unusable_member_names(tmp_path: Path, name: str) -> None:
+    """CreateContainer from a container checkpoint tar: INVALID_ARGUMENT, not an uncaught
+    'File name too long' from mkdir/open (INTERNAL)."""
+    import io
+    import tarfile
+
+    from shim import container_checkpoint as cc
+
+    tar = tmp_path / "ck.tar"
+    with tarfile.open(tar, "w", format=tarfile.PAX_FORMAT) as t:
+        ti = tarfile.TarInfo(name)
+        ti.size = 1
+        t.addfile(ti, io.BytesIO(b"x"))
+    with pytest.raises(InvalidArgument, match="nests deeper than"):
+        cc.extract_archive(tar, tmp_path / "import", cc._Steps())
