@@ -296,6 +296,9 @@ class WiringChecker:
             except errors.Unavailable as e:
                 log.info("wiring check waits for the upstream", error=e.message)
                 await asyncio.sleep(STARTUP_RETRY_SECONDS)
+            except Exception:  # noqa: BLE001 - never kills podshim; each restore checks again
+                log.exception("wiring check at start-up failed; each restore checks again")
+                return
 
 
 # ---------------------------------------------------------------------------- restored containers

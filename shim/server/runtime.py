@@ -204,8 +204,10 @@ class RuntimeHandlers:
             engine = self.engine
             if engine is None or not engine.restores_pending:
                 return await forward(request, context)
-            req = await decode(cri.StartContainerRequest, request, context)
-            cid = engine.restored_id(req.container_id)
+            try:
+                cid = engine.restored_id(cri.StartContainerRequest.FromString(request).container_id)
+            except DecodeError:
+                cid = None  # the upstream answers a malformed request itself
             if cid is None:
                 return await forward(request, context)
             response = await forward(request, context)
@@ -213,6 +215,12 @@ class RuntimeHandlers:
                 await engine.confirm_restored(cid)
             except errors.ShimError as e:
                 await context.abort(e.code, fit_message(e.message))
+            except Exception as e:  # a bug: say so without a traceback
+                log.exception("unexpected error", method="StartContainer")
+                await context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    f"podshim: unexpected error confirming the restore of {cid}: {type(e).__name__}: {e}",
+                )
             return response
 
         return grpc.unary_unary_rpc_method_handler(start)
