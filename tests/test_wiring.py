@@ -214,8 +214,10 @@ class Archives:
 
 
 @pytest.fixture(scope="module")
-def archives_src(bed: TestBed, rt: Stub) -> Iterator[Archives]:
-    """Checkpoints taken in the session bed (wired right), to be restored in the wrong ones."""
+def archives_src(bed: TestBed, rt: Stub, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Archives]:
+    """Checkpoints taken in the session bed (wired right), to be restored in the wrong ones. The
+    container tar is podshim's own (an extra podshim with container_checkpoint = "always"), also
+    where the upstream implements CheckpointContainer itself (containerd 2.x)."""
     log_root = Path(bed.base_dir) / "pod-logs"
     cc = pods.container_config("counter", args=["--mem-mib", "4", "--interval-ms", "50"])
     src = pods.run_pod(rt, f"wiring-src-{secrets.token_hex(2)}", log_root, {"counter": cc})
@@ -227,10 +229,12 @@ def archives_src(bed: TestBed, rt: Stub) -> Iterator[Archives]:
         rt.CheckpointPod(
             cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
         )
-        rt.CheckpointContainer(
-            cri.CheckpointContainerRequest(container_id=src.containers["counter"], location=str(tar)),
-            timeout=RPC_TIMEOUT,
-        )
+        work = tmp_path_factory.mktemp("always")
+        with bed.extra_podshim(work, checkpoint={"container_checkpoint": "always"}) as (sock, _log):
+            pods.stubs(sock)[0].CheckpointContainer(
+                cri.CheckpointContainerRequest(container_id=src.containers["counter"], location=str(tar)),
+                timeout=RPC_TIMEOUT,
+            )
         restore_cc = pods.container_config("counter", args=list(cc.args))
         yield Archives(out, tar, [restore_cc])
     finally:
