@@ -29,7 +29,6 @@ import io
 import json
 import os
 import secrets
-import shutil
 import stat
 import tarfile
 import threading
@@ -48,6 +47,7 @@ from shim import __version__, errors, faults, logs, space
 from shim.aio import run_to_end
 from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.dirfd import DirHandle, HeldTree, open_checked, proc_fd_dir
+from shim.archive.dirfd import held as held_dir
 from shim.cgroups import default_freezer
 from shim.checkpoint import (
     CLEANUP_MARGIN,
@@ -209,27 +209,20 @@ class _Reader:
 # ---------------------------------------------------------------------------- archive files
 
 
-def _tree_files(tree: Path) -> list[str]:
-    """Relative paths of the regular files under `tree`; anything else is a bug (Internal)."""
-    out = []
-    for dirpath, _dirs, files in os.walk(tree):
-        for name in files:
-            p = Path(dirpath) / name
-            if not stat.S_ISREG(os.lstat(p).st_mode):
-                raise errors.Internal(f"unexpected non-regular file {p} in a container checkpoint")
-            out.append(str(p.relative_to(tree)))
-    return sorted(out)
-
-
-def file_entries(tree: Path, steps: _Steps) -> dict[str, dict[str, Any]]:
-    """size + sha256 of every regular file under `tree` but the manifest (what it lists)."""
+def file_entries(tree: Path | DirHandle, steps: _Steps) -> dict[str, dict[str, Any]]:
+    """size + sha256 of every regular file under `tree` but the manifest (what it lists), listed
+    and read through descriptors (dirfd.HeldTree); anything else is a bug (Internal)."""
     entries = {}
-    for rel in _tree_files(tree):
-        if rel == MANIFEST_FILE:
-            continue
-        steps.check()
-        size, digest = fsutil.hash_file(tree / rel, stop=steps.cancel)  # stops at the deadline
-        entries[rel] = {"size": size, "sha256": digest}
+    with (
+        held_dir(tree) as h,
+        h.tree(lambda msg: errors.Internal(f"unexpected entry in a container checkpoint: {msg}")) as t,
+    ):
+        for rel in sorted(t.files):
+            if rel == MANIFEST_FILE:
+                continue
+            steps.check()
+            size, digest = fsutil.hash_file(t.path(rel))
+            entries[rel] = {"size": size, "sha256": digest}
     return entries
 
 
@@ -754,25 +747,27 @@ def _members(tar: tarfile.TarFile, where: Path) -> Iterator[tuple[tarfile.TarInf
         raise errors.DataLoss(f"checkpoint archive {where} is truncated or corrupt: {tar_error(e)}") from e
 
 
-def extract_archive(tar_path: Path, dest: Path, steps: _Steps) -> list[str]:
+def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: _Steps) -> list[str]:
     """Extract the container checkpoint `tar_path` into the new directory `dest` (0700 dirs,
     0600 files); returns the files written. Members that escape (absolute, '..'), links and
     special files are refused (InvalidArgument); no member can follow a symlink, as none is
-    ever created. A duplicate member is refused too."""
-    fsutil.make_private_dir(dest, exist_ok=False)
+    ever created. A duplicate member is refused too. Every level is created and opened through
+    descriptors (O_NOFOLLOW, relative to its parent: dirfd.py), never by path."""
+    if not isinstance(dest, DirHandle):
+        fsutil.make_private_dir(dest, exist_ok=False)
     written: list[str] = []
-    with _open_outer(tar_path) as tar:
+    with _open_outer(tar_path) as tar, held_dir(dest) as root:
         for m, rel in _members(tar, tar_path):
             steps.check()
             if rel is None:
                 continue
-            p = dest / rel
+            parent, _, name = rel.rpartition("/")
             try:
                 if m.isdir():
-                    p.mkdir(mode=fsutil.DIR_MODE, parents=True, exist_ok=True)
+                    root.sub(rel, create=True).close()
                     continue
-                p.parent.mkdir(mode=fsutil.DIR_MODE, parents=True, exist_ok=True)
-                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                with root.sub(parent, create=True) as pd:
+                    fd = pd.create(name, fsutil.FILE_MODE)
             except FileExistsError:
                 raise errors.InvalidArgument(
                     f"checkpoint archive {tar_path}: member {m.name!r} repeats"
@@ -820,9 +815,15 @@ class ImportedCheckpoint:
     manifest: dict[str, Any] | None  # podshim's manifest (None: written by another runtime)
 
 
-def load_imported(root: Path, tar_path: Path, steps: _Steps) -> ImportedCheckpoint:
+def load_imported(
+    root: Path, tar_path: Path, steps: _Steps, held: DirHandle | None = None
+) -> ImportedCheckpoint:
     """Check an extracted container checkpoint: the required entries, and when it carries
-    podshim's manifest, the exact file set with sizes and sha256 (DataLoss otherwise)."""
+    podshim's manifest, the exact file set with sizes and sha256 (DataLoss otherwise). `held`:
+    `root` held open; it is then read and listed through that descriptor only."""
+    where = root
+    if held is not None:
+        root = Path(held.proc)
     missing = [m for m in REQUIRED_MEMBERS if not (root / m).is_file()]
     if missing:
         raise errors.InvalidArgument(
@@ -845,7 +846,7 @@ def load_imported(root: Path, tar_path: Path, steps: _Steps) -> ImportedCheckpoi
             raise errors.FailedPrecondition(
                 f"{tar_path}: format {m.get('format')!r} is not supported (this podshim reads {FORMAT})"
             )
-        actual = file_entries(root, steps)
+        actual = file_entries(held if held is not None else root, steps)
         expected = m["files"]
         if set(actual) != set(expected):
             odd = sorted(set(actual) ^ set(expected))
@@ -860,7 +861,7 @@ def load_imported(root: Path, tar_path: Path, steps: _Steps) -> ImportedCheckpoi
                 raise errors.DataLoss(
                     f"{tar_path} is corrupt: {rel} differs from its manifest (size or sha256)"
                 )
-    return ImportedCheckpoint(root=root, record=record, spec=spec, manifest=m)
+    return ImportedCheckpoint(root=where, record=record, spec=spec, manifest=m)
 
 
 def _spec_defaults(spec: dict[str, Any]) -> cri.ContainerConfig:
@@ -899,6 +900,13 @@ def restore_config(req: cri.ContainerConfig, ck: ImportedCheckpoint, image: str)
     return cc
 
 
+def _remove_import(imports: DirHandle, name: str) -> None:
+    """Remove the import dir `name` through <state_dir>/imports held open, then let go of it."""
+    with contextlib.suppress(OSError):
+        imports.remove(name)
+    imports.close()
+
+
 class ArchiveImporter:
     """CreateContainer from a container checkpoint tar, and removal of what it extracted."""
 
@@ -935,13 +943,17 @@ class ArchiveImporter:
         await self.sweep()
         await asyncio.to_thread(fsutil.make_private_dir, self.root)
         import_dir = self.root / secrets.token_hex(8)
-        await asyncio.to_thread(fsutil.make_private_dir, import_dir, False)
+        # <state_dir>/imports held open: the import dir is made, filled, marked and removed only
+        # through descriptors (dirfd.py), never through its path
+        imports = DirHandle.open(os.path.realpath(self.root))
         steps = _Steps()
         try:
+            held = imports.adopt(imports.mkdir(import_dir.name))
             async with asyncio.timeout(budget):
                 tree = import_dir / IMPORT_TREE
-                await steps.run(extract_archive, tar_path, tree, steps)
-                ck = await steps.run(load_imported, tree, tar_path, steps)
+                tree_held = held.adopt(held.mkdir(IMPORT_TREE))
+                await steps.run(extract_archive, tar_path, tree_held, steps)
+                ck = await steps.run(load_imported, tree, tar_path, steps, tree_held)
                 image = await self._image(ck, tar_path)
                 cc = restore_config(req.config, ck, image)
                 try:
@@ -955,19 +967,18 @@ class ArchiveImporter:
                     raise upstream_error(
                         self.upstream.endpoint, e, f"creating container {cc.metadata.name!r} from {tar_path}"
                     ) from None
-                await asyncio.to_thread(
-                    fsutil.write_private_file, import_dir / IMPORT_MARKER, resp.container_id.encode()
-                )
+                await asyncio.to_thread(held.write_file, IMPORT_MARKER, resp.container_id.encode())
                 if self.restored is not None:  # StartContainer confirms its restore ran
                     await asyncio.to_thread(self.restored.add, resp.container_id)
         except TimeoutError:
-            shutil.rmtree(import_dir, ignore_errors=True)
+            _remove_import(imports, import_dir.name)
             raise errors.DeadlineExceeded(
                 f"import of {tar_path} did not finish within the deadline; nothing was created"
             ) from None
         except BaseException:
-            shutil.rmtree(import_dir, ignore_errors=True)
+            _remove_import(imports, import_dir.name)
             raise
+        imports.close()
         log.info("container created from checkpoint", archive=str(tar_path), container=resp.container_id)
         return resp
 
@@ -1026,7 +1037,9 @@ class ArchiveImporter:
         return out
 
     def _remove(self, d: Path, why: str) -> None:
-        shutil.rmtree(d, ignore_errors=True)
+        # through <state_dir>/imports opened with O_NOFOLLOW at every level, never by path
+        with contextlib.suppress(OSError, errors.ShimError):
+            _remove_import(DirHandle.open(os.path.realpath(d.parent)), d.name)
         log.info("checkpoint import removed", dir=str(d), reason=why)
 
     async def forget(self, container_id: str) -> None:
