@@ -8,8 +8,11 @@
  *   sharer listen NAME       listen on the abstract unix stream socket @NAME (the pod's network
  *                            namespace), accept one connection and keep it
  *   sharer connect NAME      connect to @NAME (retrying until it listens) and keep the connection
+ *   sharer watch PATH        an inotify watch on PATH (creating it): prints `event <mask> PATH`
+ *                            for each write (IN_CLOSE_WRITE | IN_MODIFY)
  *
- * Prints `ready <mode>` (flushed) once the state is held, then sleeps until killed.
+ * Prints `ready <mode>` (flushed) once the state is held, then sleeps until killed (watch:
+ * reads and prints its events).
  * Built static: `gcc -O2 -static -o sharer sharer.c`.
  */
 #define _GNU_SOURCE
@@ -18,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/mman.h>
 #include <sys/shm.h>
 #include <sys/socket.h>
@@ -45,7 +49,7 @@ static socklen_t abstract_addr(struct sockaddr_un *sa, const char *name)
 int main(int argc, char **argv)
 {
 	if (argc != 3) {
-		fprintf(stderr, "usage: sharer sysv KEY | posix NAME | listen NAME | connect NAME\n");
+		fprintf(stderr, "usage: sharer sysv KEY | posix NAME | listen NAME | connect NAME | watch PATH\n");
 		return 2;
 	}
 	const char *mode = argv[1], *arg = argv[2];
@@ -84,6 +88,28 @@ int main(int argc, char **argv)
 		} else {
 			while (connect(s, (struct sockaddr *)&sa, len) < 0)
 				usleep(50000);
+		}
+	} else if (!strcmp(mode, "watch")) {
+		int f = open(arg, O_CREAT | O_WRONLY, 0644);
+		if (f < 0)
+			die("sharer: open");
+		close(f);
+		int in = inotify_init1(IN_CLOEXEC);
+		if (in < 0 || inotify_add_watch(in, arg, IN_CLOSE_WRITE | IN_MODIFY) < 0)
+			die("sharer: inotify");
+		printf("ready %s\n", mode);
+		fflush(stdout);
+		for (;;) {
+			char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+			ssize_t n = read(in, buf, sizeof(buf));
+			if (n <= 0)
+				continue; /* EINTR (a restore, a signal) */
+			for (char *p = buf; p < buf + n;) {
+				struct inotify_event *ev = (struct inotify_event *)p;
+				printf("event %#x %s\n", ev->mask, arg);
+				fflush(stdout);
+				p += sizeof(*ev) + ev->len;
+			}
 		}
 	} else {
 		fprintf(stderr, "sharer: unknown mode %s\n", mode);

@@ -58,6 +58,9 @@ class CheckpointOptions:
         "ext-unix-sk": "allow external unix sockets (default false)",
         "shell-job": "allow a container attached to a terminal (default false)",
         "rootfs-compression": "none (default) or gzip for rootfs-diff.tar",
+        "ghost-limit": "bytes (K/M/G suffix allowed) of a deleted but open file CRIU keeps (default 1M)",
+        "irmap-scan-paths": "comma-separated directories (container paths) where CRIU looks for the paths "
+        "of files watched with inotify/fanotify (default: none)",
     }
 
     @classmethod
@@ -86,9 +89,40 @@ class CheckpointOptions:
                 tcp_established=flag("tcp-established", False),
                 ext_unix_sk=flag("ext-unix-sk", False),
                 shell_job=flag("shell-job", False),
+                ghost_limit=_size(options.get("ghost-limit", "")),
+                irmap_scan_paths=_scan_paths(options.get("irmap-scan-paths", "")),
             ),
             compress=compression == "gzip",
         )
+
+
+GHOST_LIMIT_MAX = 1 << 40  # 1 TiB: a bound a typo cannot pass (the images hold the file)
+
+
+def _size(value: str) -> int:
+    """`ghost-limit`: bytes, optionally with a K, M or G suffix (binary, as CRIU reads it); "" is
+    0, CRIU's default (1 MiB)."""
+    v = value.strip().upper().removesuffix("B")
+    if not v:
+        return 0
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1], 1)
+    digits = v[:-1] if scale > 1 else v
+    if not digits.isdigit() or not 0 < int(digits) * scale <= GHOST_LIMIT_MAX:
+        raise errors.InvalidArgument(
+            f"option ghost-limit={value!r}: expected a size in bytes (e.g. 8388608 or 8M), 1 to 1T"
+        )
+    return int(digits) * scale
+
+
+def _scan_paths(value: str) -> tuple[str, ...]:
+    """`irmap-scan-paths`: absolute directories as the containers see them, comma-separated."""
+    paths = tuple(p.strip() for p in value.split(",") if p.strip())
+    for p in paths:
+        if not p.startswith("/") or ".." in p.split("/") or any(c in p for c in "\n\0"):
+            raise errors.InvalidArgument(
+                f"option irmap-scan-paths: {p!r} is not an absolute path inside the container (no '..')"
+            )
+    return paths
 
 
 def select_containers(pod: PodView, container_ids: list[str]) -> list[ContainerView]:
@@ -541,4 +575,6 @@ def _options_record(opts: CheckpointOptions) -> dict[str, str]:
         "ext-unix-sk": str(c.ext_unix_sk).lower(),
         "shell-job": str(c.shell_job).lower(),
         "rootfs-compression": "gzip" if opts.compress else "none",
+        "ghost-limit": str(c.ghost_limit or ""),
+        "irmap-scan-paths": ",".join(c.irmap_scan_paths),
     }

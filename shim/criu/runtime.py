@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +37,14 @@ class CriuOptions:
     tcp_established: bool = False
     ext_unix_sk: bool = False
     shell_job: bool = False
+    ghost_limit: int = 0  # bytes of a deleted-but-open file CRIU keeps in the images; 0: its 1 MiB
+    irmap_scan_paths: tuple[str, ...] = ()  # where CRIU looks for the paths of watched files
+
+    def config_lines(self) -> list[str]:
+        """CRIU options neither runc nor crun has a flag for: lines of a CRIU config file (the
+        CRIU they start reads the one CRIU_CONFIG_FILE names)."""
+        out = [f"ghost-limit {self.ghost_limit}"] if self.ghost_limit else []
+        return out + [f"irmap-scan-path {p}" for p in self.irmap_scan_paths]
 
     def flags(self) -> list[str]:
         out = []
@@ -46,6 +57,57 @@ class CriuOptions:
         if self.shell_job:
             out.append("--shell-job")
         return out
+
+
+@contextlib.contextmanager
+def _criu_config(opts: CriuOptions) -> Iterator[dict[str, str] | None]:
+    """The environment of a dump: CRIU_CONFIG_FILE naming a private file with the options
+    runc/crun have no flag for (removed after the dump); None (inherit) when there are none."""
+    lines = opts.config_lines()
+    if not lines:
+        yield None
+        return
+    fd, path = tempfile.mkstemp(prefix="podshim-criu-", suffix=".conf")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        yield {**os.environ, "CRIU_CONFIG_FILE": path}
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+# CRIU log lines that an option of podshim's would fix -> the hint for the refusal message
+_HINTS = (
+    (
+        re.compile(r"Can't dump ghost file (\S+) of (\d+) size"),
+        lambda m: (
+            f"; a deleted but open file ({m.group(1)}, {m.group(2)} bytes) is bigger than CRIU's "
+            f"ghost-file limit: retry with the CheckpointPod option ghost-limit={m.group(2)} (bytes, or more)"
+        ),
+    ),
+    (
+        re.compile(r"Can't dump that handle"),
+        lambda m: (
+            "; CRIU cannot find the path of a file watched with inotify/fanotify (in the container's "
+            "rootfs): retry with the CheckpointPod option irmap-scan-paths=<the watched file's directory, "
+            "as the container sees it>[,<another>]"
+        ),
+    ),
+)
+
+
+def option_hint(log_path: Path) -> str:
+    """Which CheckpointPod option would get past this CRIU failure ("" when none would)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return ""
+    for pattern, hint in _HINTS:
+        m = pattern.search(text)
+        if m:
+            return hint(m)
+    return ""
 
 
 def criu_error_lines(log_path: Path, limit: int = CRIU_LOG_TAIL) -> list[str]:
@@ -173,7 +235,21 @@ class OciRuntime:
         leave_running: bool = True,
     ) -> float:
         """Dump one container; returns the seconds it took. A failure names the container and
-        the CRIU log, with its last error lines. Cancellation kills runc and CRIU."""
+        the CRIU log, with its last error lines, and the option that would help, if one would.
+        Cancellation kills runc and CRIU."""
+        with _criu_config(opts) as env:  # the file lives as long as the dump
+            return await self._checkpoint(name, container_id, image_dir, work_dir, opts, leave_running, env)
+
+    async def _checkpoint(
+        self,
+        name: str,
+        container_id: str,
+        image_dir: Path,
+        work_dir: Path,
+        opts: CriuOptions,
+        leave_running: bool,
+        env: dict[str, str] | None,
+    ) -> float:
         argv = self.checkpoint_argv(container_id, image_dir, work_dir, opts, leave_running)
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
@@ -182,6 +258,7 @@ class OciRuntime:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # so a cancel can kill runc and the CRIU it started
+            env=env,
         )
         faults.hit("checkpoint.mid-dump")
         try:
@@ -202,7 +279,7 @@ class OciRuntime:
             raise errors.Internal(
                 f"checkpoint of container {name!r} ({container_id[:13]}) failed: "
                 f"{os.path.basename(self.binary)} exited {proc.returncode}: {detail} "
-                f"(CRIU log: {log_path})"
+                f"(CRIU log: {log_path}){option_hint(log_path)}"
             )
         return time.monotonic() - start
 

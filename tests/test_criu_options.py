@@ -1,0 +1,50 @@
+"""CheckpointPod's CRIU options without runc/crun flags (issue 14): ghost-limit and
+irmap-scan-paths are parsed strictly, reach CRIU through a config file, and a CRIU log that one of
+them would fix makes the failure name it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shim import errors
+from shim.checkpoint import CheckpointOptions
+from shim.criu.runtime import CriuOptions, option_hint
+
+
+@pytest.mark.parametrize(
+    ("value", "want"), [("2097152", 2097152), ("4M", 4 << 20), ("8k", 8 << 10), ("1G", 1 << 30), ("", 0)]
+)
+def test_ghost_limit_sizes(value: str, want: int) -> None:
+    assert CheckpointOptions.parse({"ghost-limit": value}).criu.ghost_limit == want
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "4X", "M", "1.5M", "2T"])
+def test_bad_ghost_limit_is_invalid(value: str) -> None:
+    with pytest.raises(errors.InvalidArgument, match="ghost-limit"):
+        CheckpointOptions.parse({"ghost-limit": value})
+
+
+def test_irmap_scan_paths() -> None:
+    opts = CheckpointOptions.parse({"irmap-scan-paths": "/data, /etc/app", "ghost-limit": "4M"}).criu
+    assert opts.irmap_scan_paths == ("/data", "/etc/app")
+    assert opts.config_lines() == ["ghost-limit 4194304", "irmap-scan-path /data", "irmap-scan-path /etc/app"]
+    assert CriuOptions().config_lines() == []
+    for bad in ("data", "/a/../b", "/a\nforce-irmap"):
+        with pytest.raises(errors.InvalidArgument, match="irmap-scan-paths"):
+            CheckpointOptions.parse({"irmap-scan-paths": bad})
+
+
+def test_failure_names_the_option_that_would_help(tmp_path: Path) -> None:
+    log = tmp_path / "dump.log"
+    log.write_text(
+        "(00.1) Error (criu/files-reg.c:1047): Can't dump ghost file /tmp/big of 2097152 size, "
+        "increase limit\n"
+    )
+    assert "ghost-limit=2097152" in option_hint(log)
+    log.write_text("(00.1) Error (criu/fsnotify.c:284): fsnotify: \tCan't dump that handle\n")
+    assert "irmap-scan-paths=" in option_hint(log)
+    log.write_text("(00.1) Error (criu/cr-dump.c:2111): Dumping FAILED.\n")
+    assert option_hint(log) == ""
+    assert option_hint(tmp_path / "missing.log") == ""
