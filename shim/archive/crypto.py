@@ -37,7 +37,6 @@ import hmac
 import json
 import os
 import secrets
-import shutil
 import struct
 import threading
 import time
@@ -48,9 +47,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from shim.archive.dirfd import DirHandle, held
-from shim.archive.fsutil import FILE_MODE, atomic_write, make_private_dir, temp_name_for
+from shim.archive.fsutil import FILE_MODE, make_private_dir, temp_name_for
 from shim.archive.fsutil import Stopped as Stopped  # one stop signal for all tree work
-from shim.errors import DataLoss, FailedPrecondition, Internal
+from shim.errors import DataLoss, FailedPrecondition, Internal, ShimError
 
 SCHEME = "aes-256-gcm-chunked-v1"
 KEY_SIZE = 32
@@ -371,30 +370,37 @@ def decrypt_members(
     archive: Path,
     rels: Iterable[str],
     prefix: str,
-    dest: Path,
+    dest: Path | DirHandle,
     key: NodeKey,
     workers: int = 1,
     stop: Any = None,
 ) -> None:
     """Decrypt the archive members `rels` that lie under `prefix` ("containers/<name>") into
-    `dest`, keeping their paths below `prefix` (directories 0700, files 0600)."""
-    archive, dest = Path(archive), Path(dest)
+    `dest`, keeping their paths below `prefix` (directories 0700, files 0600). `dest` is opened
+    once (O_NOFOLLOW at every level) and written only through descriptors (dirfd.py)."""
+    archive = Path(archive)
     mine = sorted(r for r in rels if r.startswith(prefix + "/"))
-    for rel in mine:
-        sub = Path(rel[len(prefix) + 1 :])
-        if sub.parent != Path("."):
-            make_private_dir(dest / sub.parent)
-    try:
-        _run_all(
-            lambda rel, ev: decrypt_file(archive / rel, dest / rel[len(prefix) + 1 :], rel, key, ev),
-            mine,
-            workers,
-            stop,
-        )
-    except (Stopped, DataLoss):
-        raise
-    except OSError as e:
-        raise Internal(f"cannot decrypt checkpoint {archive} into {dest}: {e}; check free space") from e
+    with held(dest) as d:
+        parents: dict[str, DirHandle] = {"": d}
+        try:
+            for rel in mine:
+                parent = rel[len(prefix) + 1 :].rpartition("/")[0]
+                if parent not in parents:
+                    parents[parent] = d.sub(parent, create=True)
+
+            def one(rel: str, ev: Any) -> None:
+                parent, _, name = rel[len(prefix) + 1 :].rpartition("/")
+                decrypt_file(archive / rel, parents[parent].at(name), rel, key, ev)
+
+            _run_all(one, mine, workers, stop)
+        except (Stopped, DataLoss):
+            raise
+        except OSError as e:
+            raise Internal(f"cannot decrypt checkpoint {archive} into {d.path}: {e}; check free space") from e
+        finally:
+            for k, sub in parents.items():
+                if k:
+                    sub.close()
 
 
 # ---------------------------------------------------------------------------- decrypted dirs
@@ -405,16 +411,22 @@ def decrypted_root(state_dir: str | Path) -> Path:
 
 
 def new_decrypted_dir(state_dir: str | Path, archive: Path, container: str) -> Path:
-    """A fresh `<state_dir>/decrypted/<random>/` (0700) holding its marker."""
+    """A fresh `<state_dir>/decrypted/<random>/` (0700) holding its marker, made through
+    `<state_dir>/decrypted` opened with O_NOFOLLOW (dirfd.py)."""
     root = make_private_dir(decrypted_root(state_dir))
-    d = root / secrets.token_hex(8)
-    make_private_dir(d, exist_ok=False)
-    write_marker(d, {"archive": str(archive), "container": container, "created": time.time()})
-    return d
+    name = secrets.token_hex(8)
+    with DirHandle.open(os.path.realpath(root)) as r, r.mkdir(name) as d:
+        _write_marker(d, {"archive": str(archive), "container": container, "created": time.time()})
+    return root / name
+
+
+def _write_marker(d: DirHandle, data: dict[str, Any]) -> None:
+    d.write_file(DECRYPTED_MARKER, (json.dumps(data) + "\n").encode())
 
 
 def write_marker(d: Path, data: dict[str, Any]) -> None:
-    atomic_write(Path(d) / DECRYPTED_MARKER, (json.dumps(data) + "\n").encode())
+    with held(d) as h:
+        _write_marker(h, data)
 
 
 def read_marker(d: Path) -> dict[str, Any] | None:
@@ -458,4 +470,7 @@ def list_decrypted(state_dir: str | Path) -> list[tuple[Path, dict[str, Any] | N
 
 
 def remove_decrypted(d: Path) -> None:
-    shutil.rmtree(d, ignore_errors=True)
+    """Remove decrypted dir `d` through its parent opened with O_NOFOLLOW (never by path)."""
+    d = Path(d)
+    with contextlib.suppress(OSError, ShimError), DirHandle.open(os.path.realpath(d.parent)) as parent:
+        parent.remove(d.name)
