@@ -52,6 +52,8 @@ APT_PACKAGES=(
   containerd runc iptables iproute2 containernetworking-plugins busybox-static
   # toolchain
   build-essential dpkg-dev pkgconf xz-utils ca-certificates python3 python3-venv patch
+  # podshim-runc, linked statically against musl (native/Makefile: a cheaper exec than glibc's)
+  musl-tools
   # CRIU 4.1 build dependencies (trixie's criu source package, without docs)
   libbsd-dev libcap-dev libgnutls28-dev libnet1-dev libnftables-dev libnl-3-dev
   libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev
