@@ -143,7 +143,9 @@ def test_short_deadline_stops_the_verification(rt: Rt, bed: TestBed, slow: Slow,
         rt.RestorePod(restore_request(bed, path), timeout=3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
     # Hashing all of it takes far longer than this bound (48 GiB); stopping takes one chunk.
+    deadline = time.monotonic()
     pods.wait_for(lambda: path_lock_free(rt, bed, path), timeout=10, interval=0.2, what="the path lock")
+    print(f"path lock free {time.monotonic() - deadline:.2f}s after the caller's deadline")
     pid = bed.podshim_pid
     assert pid is not None
     before = _rchar(pid)
@@ -151,7 +153,9 @@ def test_short_deadline_stops_the_verification(rt: Rt, bed: TestBed, slow: Slow,
     read = _rchar(pid) - before
     assert read < 32 << 20, f"podshim read {read >> 20} MiB in the second after the deadline"
     assert not [
-        p for p in rt.ListPodSandbox(cri.ListPodSandboxRequest()).items if p.metadata.name.startswith("slowrestore-")
+        p
+        for p in rt.ListPodSandbox(cri.ListPodSandboxRequest()).items
+        if p.metadata.name.startswith("slowrestore-")
     ]
 
 
@@ -169,7 +173,9 @@ def test_slow_restores_do_not_hold_up_a_checkpoint(
         assert not [c for c in calls if c.done()], [c.exception() for c in calls if c.done()]
         out = new_output_dir(bed, "slow-healthy")
         archives.append(out)
+        start = time.monotonic()
         checkpoint(rt, slow.source.id, out, timeout=60)
+        print(f"CheckpointPod with {SLOW} slow restores in flight: {time.monotonic() - start:.2f}s")
         assert (out / "manifest.json").is_file()
         still = [c for c in calls if not c.done()]
         assert len(still) == SLOW, "a slow restore ended before the checkpoint: the test proves nothing"
