@@ -341,3 +341,50 @@ def test_container_tar_with_unusable_member_names(tmp_path: Path, name: str) -> 
         t.addfile(ti, io.BytesIO(b"x"))
     with pytest.raises(InvalidArgument, match="nests deeper than"):
         cc.extract_archive(tar, tmp_path / "import", cc._Steps())
+
+
+def test_rootfs_diff_names_no_file_system_takes(tmp_path: Path) -> None:
+    """Refused by the up-front check (INVALID_ARGUMENT), not as ENAMETOOLONG when podshim-runc
+    applies the diff; a whiteout of a 255-byte name ('.wh.' + 255) and 1500-deep paths are fine."""
+    import io
+    import tarfile
+
+    from shim.archive import rootfs_diff
+
+    def tar_of(*members: tarfile.TarInfo) -> Path:
+        p = tmp_path / f"{len(list(tmp_path.iterdir()))}.tar"
+        with tarfile.open(p, "w", format=tarfile.PAX_FORMAT) as t:
+            for ti in members:
+                t.addfile(ti, io.BytesIO(b""))
+        return p
+
+    ok = [tarfile.TarInfo(".wh." + "w" * 255), tarfile.TarInfo("/".join(["d"] * 1500) + "/f")]
+    rootfs_diff.check_rootfs_diff(tar_of(*ok), [])
+    with pytest.raises(InvalidArgument, match="over 255 bytes"):
+        rootfs_diff.check_rootfs_diff(tar_of(tarfile.TarInfo("d/" + "n" * 256)), [])
+    link = tarfile.TarInfo("l")
+    link.type, link.linkname = tarfile.SYMTYPE, "x" * 5000
+    with pytest.raises(InvalidArgument, match="symlink target over 4096"):
+        rootfs_diff.check_rootfs_diff(tar_of(link), [])
+
+
+def test_long_names_below_the_depth_limit(tmp_path: Path) -> None:
+    """Directories of 255-byte names under a long archive path: past PATH_MAX before the depth
+    limit; INVALID_ARGUMENT, not an uncaught ENAMETOOLONG (or INTERNAL)."""
+    base = tmp_path
+    for i in range(4):
+        base = base / (str(i) * 250)
+    base.mkdir(parents=True)
+    d, _m = archive(base)
+    fd = os.open(d / "containers/app", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(MAX_TREE_DEPTH - 4):
+            os.mkdir(chr(ord("a") + i) * 255, dir_fd=fd)
+            nfd = os.open(chr(ord("a") + i) * 255, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    finally:
+        os.close(fd)
+    with pytest.raises(InvalidArgument, match="too long"):
+        load_and_verify(d, [str(base)])
+    subprocess.run(["rm", "-rf", str(tmp_path / ("0" * 250))], check=True)

@@ -7,6 +7,7 @@ only then writes manifest.json atomically: a directory without manifest.json is 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -371,6 +372,8 @@ def _scan_tree(root: Path, err: Callable[[str], ShimError]) -> dict[str, int]:
             with os.scandir(d) as it:
                 entries = list(it)
         except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:  # a tree of long names below the depth limit
+                raise err(f"{root}: {prefix[:120]!r}... is too long a path to read") from None
             raise Internal(f"cannot list {d}: {e}") from e
         for e in entries:
             rel = f"{prefix}{e.name}"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE, Stopped, atomic_write
-from shim.archive.paths import check_member_path
+from shim.archive.paths import NAME_MAX, PATH_MAX, check_member_path
 from shim.errors import DataLoss, FailedPrecondition, Internal, InvalidArgument, NotFound
 
 WHITEOUT_PREFIX = ".wh."
@@ -432,6 +432,12 @@ def _deleted_entry(entry: object) -> tuple[tuple[str, ...], str]:
 
 def _split(name: str) -> tuple[tuple[str, ...], str]:
     p = check_member_path(name, "rootfs diff member")
+    *dirs, last = p.parts
+    if last.startswith(WHITEOUT_PREFIX):  # ".wh.<name>" may be 4 bytes over what it deletes
+        last = last[len(WHITEOUT_PREFIX) :]
+    if any(len(part.encode("utf-8", "surrogateescape")) > NAME_MAX for part in (*dirs, last)):
+        # no file system takes such a name: refused up front, not as ENAMETOOLONG when applied
+        raise InvalidArgument(f"rootfs diff member {name[:120]!r}: a component is over {NAME_MAX} bytes")
     return tuple(p.parts[:-1]), p.parts[-1]
 
 
@@ -549,6 +555,10 @@ def _plan(tar: tarfile.TarFile, tar_path: Path, s: DiffSummary) -> tuple[list[_M
         else:
             if ti.islnk():
                 check_member_path(ti.linkname, f"hardlink target of {ti.name!r}")
+            elif ti.issym() and len(ti.linkname.encode("utf-8", "surrogateescape")) >= PATH_MAX:
+                raise InvalidArgument(
+                    f"rootfs diff member {ti.name[:120]!r}: symlink target over {PATH_MAX} bytes"
+                )
             elif not (ti.isreg() or ti.isdir() or ti.issym() or ti.isdev()):
                 raise InvalidArgument(f"rootfs diff member {ti.name!r} has unsupported type {ti.type!r}")
             plan.append((ti, parents, name))
