@@ -49,6 +49,30 @@ NETNS_DIRS = ("/run/netns", "/var/run/netns")  # containerd 1.6 CRI creates pod 
 SHIM_SOCKET_DIR = Path("/run/containerd/s")  # containerd 1.6 shims put their sockets here
 UNIX_PATH_MAX = 107
 
+# The upstream containerd the bed runs (PODSHIM_TEST_CONTAINERD): 1.6 is the system's (Debian 12),
+# 1.7 and 2.1 are unpacked by scripts/setup.sh from Debian's newer releases into a private prefix.
+CONTAINERD_VERSIONS = ("1.6", "1.7", "2.1")
+DEFAULT_CONTAINERD = "1.6"
+CONTAINERD_PREFIX = Path("/var/cache/podshim/containerd")
+
+
+def containerd_version_from_env() -> str:
+    """The upstream version tests run against: ``PODSHIM_TEST_CONTAINERD`` (default 1.6)."""
+    v = os.environ.get("PODSHIM_TEST_CONTAINERD", "") or DEFAULT_CONTAINERD
+    if v not in CONTAINERD_VERSIONS:
+        raise TestBedError(f"PODSHIM_TEST_CONTAINERD={v!r}: must be one of {', '.join(CONTAINERD_VERSIONS)}")
+    return v
+
+
+def containerd_bin_dir(version: str) -> Path | None:
+    """Where containerd ``version``'s containerd, shim and ctr are: None for the system's (on PATH)."""
+    if version == DEFAULT_CONTAINERD:
+        return None
+    d = CONTAINERD_PREFIX / version / "bin"
+    if not (d / "containerd").is_file() or not (d / "containerd-shim-runc-v2").is_file():
+        raise TestBedError(f"containerd {version} is not in {d}: run the set-up (scripts/setup.sh)")
+    return d
+
 
 class TestBedError(RuntimeError):
     """The bed could not start, or could not clean up completely."""
@@ -129,6 +153,7 @@ class TestBed:
         log_level: str = "info",
         save_logs_to: str | os.PathLike[str] | None = None,
         extra_env: dict[str, str] | None = None,
+        containerd: str | None = None,
     ) -> None:
         """
         base_dir: where everything lives; must not exist or be empty; removed by ``stop()``.
@@ -154,6 +179,10 @@ class TestBed:
         extra_env: environment variables added for containerd (and so its shims and
             podshim-runc) and podshim, e.g. ``PODSHIM_FAILPOINTS``. The attribute may be changed
             between ``stop_containerd()`` and ``start_containerd()`` (or a podshim restart).
+        containerd: the upstream version, one of ``CONTAINERD_VERSIONS`` (default: the variable
+            ``PODSHIM_TEST_CONTAINERD``, else 1.6, the system's). 1.7 and 2.1 run from the set-up's
+            private prefix, first on containerd's PATH so that it finds their runc shim; 2.x gets
+            config version 3.
         """
         self.base_dir = Path(base_dir or f"/run/podshim-testbed-{secrets.token_hex(4)}").absolute()
         self.start_podshim = start_podshim
@@ -168,6 +197,12 @@ class TestBed:
         self.save_logs_to = Path(save_logs_to) if save_logs_to else Path(logs_env) if logs_env else None
         self.namespace = NAMESPACE
         self.extra_env = dict(extra_env or {})
+        self.containerd_version = containerd or containerd_version_from_env()
+        if self.containerd_version not in CONTAINERD_VERSIONS:
+            raise TestBedError(
+                f"containerd {self.containerd_version!r}: must be one of {', '.join(CONTAINERD_VERSIONS)}"
+            )
+        self.containerd_bin_dir = containerd_bin_dir(self.containerd_version)
 
         b = self.base_dir
         self.containerd_socket = b / "containerd.sock"
@@ -206,6 +241,14 @@ class TestBed:
         self._started = False
 
     # ------------------------------------------------------------------ public API
+
+    def containerd_at_least(self, version: str) -> bool:
+        """Whether the bed's upstream is containerd ``version`` ("1.7", "2.0", ...) or newer."""
+
+        def key(v: str) -> tuple[int, ...]:
+            return tuple(int(p) for p in v.split("."))
+
+        return key(self.containerd_version) >= key(version)
 
     @property
     def log_paths(self) -> dict[str, Path]:
@@ -259,7 +302,8 @@ class TestBed:
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run ``ctr`` against this bed's containerd in namespace k8s.io."""
-        cmd = ["ctr", "--address", str(self.containerd_socket), "-n", self.namespace, *args]
+        ctr = str(self.containerd_bin_dir / "ctr") if self.containerd_bin_dir else "ctr"
+        cmd = [ctr, "--address", str(self.containerd_socket), "-n", self.namespace, *args]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if check and res.returncode != 0:
             raise TestBedError(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr.strip()}")
@@ -402,70 +446,7 @@ class TestBed:
         }
         (self.cni_conf_dir / "10-podshim.conflist").write_text(json.dumps(conflist, indent=2) + "\n")
 
-        cri = 'plugins."io.containerd.grpc.v1.cri"'
-        runtimes = [("runc", self._runc_binary(), self.runc_root_base)]
-        if self.crun_binary is not None:
-            runtimes.append(("crun", self.crun_binary, self.crun_root_base))
-        runtime_blocks = []
-        for name, binary, root in runtimes:
-            # the shim passes CriuPath as a global `--criu PATH`, which crun rejects (exit 64)
-            criu = ""
-            if name == "runc" and Path(CRIU).exists():
-                criu = f"\n          CriuPath = {_toml_str(CRIU)}"
-            runtime_blocks.append(
-                f"""
-      [{cri}.containerd.runtimes.{name}]
-        runtime_type = "io.containerd.runc.v2"
-        container_annotations = ["podshim.*"]
-        pod_annotations = ["podshim.*"]
-        [{cri}.containerd.runtimes.{name}.options]
-          BinaryName = {_toml_str(binary)}
-          Root = {_toml_str(root)}{criu}
-          SystemdCgroup = false
-"""
-            )
-        config = f"""# written by testbed/bed.py
-version = 2
-root = {_toml_str(self.containerd_root)}
-state = {_toml_str(self.containerd_state)}
-oom_score = 0
-
-[grpc]
-  address = {_toml_str(self.containerd_socket)}
-
-[ttrpc]
-  address = {_toml_str(str(self.containerd_socket) + ".ttrpc")}
-
-[debug]
-  address = ""
-  level = {_toml_str(self.log_level)}
-
-[metrics]
-  address = ""
-
-[plugins]
-  [plugins."io.containerd.internal.v1.opt"]
-    path = {_toml_str(self.base_dir / "containerd" / "opt")}
-
-  [{cri}]
-    sandbox_image = {_toml_str(PAUSE_IMAGE)}
-    restrict_oom_score_adj = true
-    enable_selinux = false
-    disable_apparmor = true
-    stream_server_address = "127.0.0.1"
-    stream_server_port = "0"
-    enable_tls_streaming = false
-
-    [{cri}.containerd]
-      snapshotter = "overlayfs"
-      default_runtime_name = "runc"
-{"".join(runtime_blocks)}
-    [{cri}.cni]
-      bin_dir = {_toml_str(CNI_BIN_DIR)}
-      conf_dir = {_toml_str(self.cni_conf_dir)}
-      max_conf_num = 1
-"""
-        self.containerd_config.write_text(config)
+        self.containerd_config.write_text(self._containerd_toml())
 
         b = self.base_dir
         crun_section = ""
@@ -501,6 +482,111 @@ level = "info"
         self.podshim_config.write_text(podshim)
         (b / "bed.json").write_text(json.dumps(self.describe(), indent=2) + "\n")
 
+    def _containerd_toml(self) -> str:
+        """containerd's config: version 2 for 1.6 and 1.7; version 3 for 2.x, whose CRI is split
+        into the plugins io.containerd.cri.v1.runtime (runtimes, CNI, OOM, SELinux/AppArmor) and
+        io.containerd.cri.v1.images (snapshotter, the pause image as pinned_images.sandbox), the
+        streaming server staying in io.containerd.grpc.v1.cri (docs/architecture.md, "containerd
+        1.6, 1.7 and 2.1")."""
+        v3 = self.containerd_version.startswith("2.")
+        cri = 'plugins."io.containerd.cri.v1.runtime"' if v3 else 'plugins."io.containerd.grpc.v1.cri"'
+        runtimes = [("runc", self._runc_binary(), self.runc_root_base)]
+        if self.crun_binary is not None:
+            runtimes.append(("crun", self.crun_binary, self.crun_root_base))
+        runtime_blocks = []
+        for name, binary, root in runtimes:
+            # the shim passes CriuPath as a global `--criu PATH`, which crun rejects (exit 64);
+            # containerd 2.x has no CriuPath (runc finds criu on PATH, where /usr/local/sbin is first)
+            criu = ""
+            if name == "runc" and Path(CRIU).exists() and not v3:
+                criu = f"\n          CriuPath = {_toml_str(CRIU)}"
+            runtime_blocks.append(
+                f"""
+      [{cri}.containerd.runtimes.{name}]
+        runtime_type = "io.containerd.runc.v2"
+        container_annotations = ["podshim.*"]
+        pod_annotations = ["podshim.*"]
+        [{cri}.containerd.runtimes.{name}.options]
+          BinaryName = {_toml_str(binary)}
+          Root = {_toml_str(root)}{criu}
+          SystemdCgroup = false
+"""
+            )
+        common = f"""# written by testbed/bed.py for containerd {self.containerd_version}
+version = {3 if v3 else 2}
+root = {_toml_str(self.containerd_root)}
+state = {_toml_str(self.containerd_state)}
+oom_score = 0
+
+[grpc]
+  address = {_toml_str(self.containerd_socket)}
+
+[ttrpc]
+  address = {_toml_str(str(self.containerd_socket) + ".ttrpc")}
+
+[debug]
+  address = ""
+  level = {_toml_str(self.log_level)}
+
+[metrics]
+  address = ""
+
+[plugins]
+  [plugins."io.containerd.internal.v1.opt"]
+    path = {_toml_str(self.base_dir / "containerd" / "opt")}
+"""
+        if v3:
+            images = 'plugins."io.containerd.cri.v1.images"'
+            return (
+                common
+                + f"""
+  [plugins."io.containerd.grpc.v1.cri"]
+    stream_server_address = "127.0.0.1"
+    stream_server_port = "0"
+    enable_tls_streaming = false
+
+  [{images}]
+    snapshotter = "overlayfs"
+    [{images}.pinned_images]
+      sandbox = {_toml_str(PAUSE_IMAGE)}
+
+  [{cri}]
+    restrict_oom_score_adj = true
+    enable_selinux = false
+    disable_apparmor = true
+
+    [{cri}.containerd]
+      default_runtime_name = "runc"
+{"".join(runtime_blocks)}
+    [{cri}.cni]
+      bin_dirs = [{_toml_str(CNI_BIN_DIR)}]
+      conf_dir = {_toml_str(self.cni_conf_dir)}
+      max_conf_num = 1
+"""
+            )
+        return (
+            common
+            + f"""
+  [{cri}]
+    sandbox_image = {_toml_str(PAUSE_IMAGE)}
+    restrict_oom_score_adj = true
+    enable_selinux = false
+    disable_apparmor = true
+    stream_server_address = "127.0.0.1"
+    stream_server_port = "0"
+    enable_tls_streaming = false
+
+    [{cri}.containerd]
+      snapshotter = "overlayfs"
+      default_runtime_name = "runc"
+{"".join(runtime_blocks)}
+    [{cri}.cni]
+      bin_dir = {_toml_str(CNI_BIN_DIR)}
+      conf_dir = {_toml_str(self.cni_conf_dir)}
+      max_conf_num = 1
+"""
+        )
+
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["PODSHIM_CONFIG"] = str(self.podshim_config)
@@ -508,6 +594,9 @@ level = "info"
         for p in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
             if p not in path.split(":"):
                 path = f"{path}:{p}" if path else p
+        if self.containerd_bin_dir is not None:
+            # containerd finds its runc shim on PATH; runc finds criu there (2.x has no CriuPath)
+            path = f"{self.containerd_bin_dir}:{os.path.dirname(CRIU)}:{path}"
         env["PATH"] = path
         env.update(self.extra_env)
         return env
@@ -546,7 +635,8 @@ level = "info"
             time.sleep(0.1)
 
     def _start_containerd(self) -> None:
-        cmd = ["containerd", "--config", str(self.containerd_config)]
+        binary = str(self.containerd_bin_dir / "containerd") if self.containerd_bin_dir else "containerd"
+        cmd = [binary, "--config", str(self.containerd_config)]
         self._containerd = self._spawn(cmd, self.containerd_log)
         self._containerd_pid = self._containerd.pid
         self._save_description()
@@ -653,6 +743,7 @@ level = "info"
             "runc_binary": str(self.runc_binary) if self.runc_binary else None,
             "crun_binary": str(self.crun_binary) if self.crun_binary else None,
             "crun_runtime": str(self.crun_runtime),
+            "containerd_version": self.containerd_version,
         }
 
     def _save_description(self) -> None:
@@ -668,6 +759,7 @@ level = "info"
             runc_binary=description.get("runc_binary"),
             crun_binary=description.get("crun_binary"),
             crun_runtime=description.get("crun_runtime"),
+            containerd=description.get("containerd_version") or DEFAULT_CONTAINERD,
         )
         bed.bed_id = description.get("bed_id", "")
         bed.bridge = description.get("bridge", "")
@@ -771,11 +863,17 @@ level = "info"
         return ids
 
     def _shim_sockets(self, ids: set[str]) -> set[str]:
-        """The ttrpc sockets of this bed's shims (containerd 1.6 puts them in /run/containerd/s)."""
+        """The ttrpc sockets of this bed's shims, in /run/containerd/s: named in the task dir's
+        ``address`` (containerd 1.6, 1.7) or ``bootstrap.json`` (2.x: {"address": ...})."""
         found = set()
         for task_id in ids:
+            d = self._task_dir() / task_id
+            addrs = []
             with contextlib.suppress(OSError):
-                addr = (self._task_dir() / task_id / "address").read_text().strip()
+                addrs.append((d / "address").read_text().strip())
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                addrs.append(str(json.loads((d / "bootstrap.json").read_text()).get("address") or ""))
+            for addr in addrs:
                 path = addr.removeprefix("unix://")
                 if Path(path).parent == SHIM_SOCKET_DIR:
                     found.add(path)

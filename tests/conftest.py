@@ -14,6 +14,34 @@ from api.runtime.v1 import api_pb2_grpc
 from testbed import pods
 from testbed.bed import TestBed
 
+# The end-to-end core: `make test` runs the whole suite on the default upstream (containerd 1.6)
+# and then `pytest -m core` on containerd 1.7 and 2.1 (PODSHIM_TEST_CONTAINERD, testbed/bed.py):
+# the demo flow, the proxy, CheckpointPod, RestorePod, container checkpoint and restore, crash
+# recovery (tests/faults) and the node's wiring.
+CORE_MODULES = (
+    "test_demo.py",
+    "test_proxy.py",
+    "test_checkpoint_pod.py",
+    "test_restore_pod.py",
+    "test_checkpoint_container.py",
+    "test_upstreams.py",
+    "test_wiring.py",
+    "faults/",
+)
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "core: the end-to-end core, also run on containerd 1.7 and 2.1 (tests/conftest.py)"
+    )
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    rel = Path(str(item.path)).resolve().relative_to(TESTS_DIR).as_posix()
+    if any(rel == m or (m.endswith("/") and rel.startswith(m)) for m in CORE_MODULES):
+        item.add_marker(pytest.mark.core)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.geteuid() != 0:

@@ -1,7 +1,9 @@
 """CheckpointContainer (KEP-2008) and restore of its tar through CreateContainer (issue 5), end to end.
 
-containerd 1.6 answers CheckpointContainer with UNIMPLEMENTED, so every call here goes through
-podshim's own checkpoint (the default `container_checkpoint = "fallback"`). The archive is
+containerd 1.6 and 1.7 answer CheckpointContainer with UNIMPLEMENTED, so every call here goes
+through podshim's own checkpoint (the default `container_checkpoint = "fallback"`); containerd 2.x
+checkpoints containers itself, so on 2.x this module runs podshim with `container_checkpoint =
+"always"` (tests/test_upstreams.py covers the fallback handing the call to 2.x). The archive is
 checked as the Kubernetes node e2e test and checkpointctl read it, restored into a new sandbox
 the CRI-O way (CreateContainer with the tar as image, then StartContainer), and read back with
 `podshim inspect`. Every refusal is checked for its gRPC code, the container still counting
@@ -15,11 +17,12 @@ import json
 import os
 import re
 import secrets
+import signal
 import stat
 import subprocess
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +181,26 @@ def refused_cleanly(
     pods.wait_for(clean, timeout=10, what="no file left behind")
     assert_unharmed(rt, pod, started_at=started.started_at)
     return details
+
+
+@pytest.fixture(scope="module", autouse=True)
+def podshims_own_checkpoint(bed: TestBed) -> Iterator[None]:
+    """containerd 2.x implements CheckpointContainer and the default fallback would hand every
+    call here to it: this module tests podshim's own, so restart podshim with "always" there (its
+    environment also reaches the restarts of the crash tests below), and back after the module."""
+    if not bed.containerd_at_least("2.0"):
+        yield  # 1.6 and 1.7 answer UNIMPLEMENTED: the default config already checkpoints in podshim
+        return
+    key = "PODSHIM_CHECKPOINT_CONTAINER_CHECKPOINT"
+    bed.extra_env[key] = "always"
+    bed.kill_podshim(signal.SIGTERM)
+    bed.start_podshim_again()
+    try:
+        yield
+    finally:
+        del bed.extra_env[key]
+        bed.kill_podshim(signal.SIGTERM)
+        bed.start_podshim_again()
 
 
 # ---------------------------------------------------------------------------- checkpoint

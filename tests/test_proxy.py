@@ -91,26 +91,37 @@ def test_container_lifecycle_exec_and_logs(
 
 
 def test_stop_of_gone_ids_is_idempotent(
-    rt: api_pb2_grpc.RuntimeServiceStub, direct_rt: api_pb2_grpc.RuntimeServiceStub
+    rt: api_pb2_grpc.RuntimeServiceStub, direct_rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed
 ) -> None:
     """containerd 1.6 answers NOT_FOUND; the CRI says Stop* are idempotent: podshim answers OK."""
-    with pytest.raises(grpc.RpcError) as err:
-        direct_rt.StopContainer(cri.StopContainerRequest(container_id="gone-container"))
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND  # the upstream deviation podshim corrects
-    rt.StopContainer(cri.StopContainerRequest(container_id="gone-container"))
-    rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id="gone-pod"))
+    gone = [
+        lambda s: s.StopContainer(cri.StopContainerRequest(container_id="gone-container")),
+        lambda s: s.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id="gone-pod")),
+    ]
+    for call in gone:
+        if bed.containerd_at_least("1.7"):
+            call(direct_rt)  # 1.7 and 2.x answer OK themselves: podshim's correction is a no-op
+        else:
+            with pytest.raises(grpc.RpcError) as err:
+                call(direct_rt)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND  # the deviation podshim corrects
+        call(rt)
 
 
 def test_upstream_errors_keep_code_and_message(
-    rt: api_pb2_grpc.RuntimeServiceStub, direct_rt: api_pb2_grpc.RuntimeServiceStub
+    rt: api_pb2_grpc.RuntimeServiceStub, direct_rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed
 ) -> None:
     calls = [
         lambda s: s.ContainerStatus(cri.ContainerStatusRequest(container_id="no-such-container")),
         lambda s: s.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id="no-such-pod")),
-        lambda s: s.RuntimeConfig(cri.RuntimeConfigRequest()),  # containerd 1.6 lacks it
-        lambda s: s.ListMetricDescriptors(cri.ListMetricDescriptorsRequest()),
         lambda s: s.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id="no-such-pod")),
+        lambda s: s.ListMetricDescriptors(cri.ListMetricDescriptorsRequest()),  # 1.6 to 2.1 lack it
     ]
+    runtime_config = lambda s: s.RuntimeConfig(cri.RuntimeConfigRequest())  # noqa: E731
+    if bed.containerd_at_least("2.0"):  # 2.x implements RuntimeConfig: passed through unchanged
+        assert runtime_config(rt) == runtime_config(direct_rt)
+    else:
+        calls.append(runtime_config)  # 1.6 and 1.7 answer UNIMPLEMENTED
     for call in calls:
         with pytest.raises(grpc.RpcError) as direct:
             call(direct_rt)

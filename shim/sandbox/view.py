@@ -190,7 +190,8 @@ async def build_pod_view(upstream: Upstream, pod_id: str, timeout: float | None 
         config=sinfo.get("config") or {},
         spec=sinfo.get("runtimeSpec") or {},
         pid=int(sinfo.get("pid") or 0),
-        runtime_handler=str(sinfo.get("runtimeHandler") or ""),
+        # containerd 2.x drops "runtimeHandler" from the verbose info; the status field has it
+        runtime_handler=sresp.status.runtime_handler or str(sinfo.get("runtimeHandler") or ""),
         network=sinfo.get("cniResult") or {},
     )
     try:

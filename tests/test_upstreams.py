@@ -1,0 +1,100 @@
+"""What podshim does with what each upstream implements itself (containerd 1.6, 1.7, 2.1; the bed's
+upstream is PODSHIM_TEST_CONTAINERD). With the default `container_checkpoint = "fallback"`,
+CheckpointContainer goes to the upstream first: containerd 1.6 and 1.7 answer UNIMPLEMENTED and
+podshim writes its own tar; containerd 2.x checkpoints the container itself and podshim passes its
+tar through. Either tar restores through podshim (CreateContainer with the tar as image, then
+StartContainer): the process continues from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from api.runtime.v1 import api_pb2_grpc
+from testbed import pods
+from testbed.bed import TestBed
+from testbed.checks import expect_error, journal_files
+
+pytestmark = pytest.mark.e2e
+
+Rt = api_pb2_grpc.RuntimeServiceStub
+CALL_TIMEOUT = 120.0
+
+
+def tar_members(path: Path) -> dict[str, tarfile.TarInfo]:
+    with tarfile.open(path) as tar:
+        return {m.name.rstrip("/"): m for m in tar.getmembers()}
+
+
+def tar_json(path: Path, name: str) -> Any:
+    with tarfile.open(path) as tar:
+        f = tar.extractfile(name)
+        assert f is not None
+        return json.loads(f.read())
+
+
+def test_checkpoint_container_is_upstream_first(
+    rt: Rt, direct_rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    counter = pods.container_config("counter", args=["--mem-mib", "8", "--interval-ms", "50"])
+    src = pods.run_pod(rt, f"upfirst-{secrets.token_hex(3)}", log_root, {"counter": counter})
+    pod_cleanup.append(src.id)
+    cid, src_log = src.containers["counter"], src.log_path("counter")
+    pods.wait_count(src_log, 10)
+    out = Path(bed.checkpoint_root) / f"upfirst-{secrets.token_hex(4)}"
+    out.mkdir(mode=0o700)
+
+    # what the upstream itself answers (an unknown id: nothing is written either way)
+    gone = cri.CheckpointContainerRequest(container_id="no-such-container", location=str(out / "x.tar"))
+    if bed.containerd_at_least("2.0"):  # 2.x implements CheckpointContainer
+        expect_error(grpc.StatusCode.NOT_FOUND, lambda: direct_rt.CheckpointContainer(gone, timeout=30))
+    else:  # 1.6 and 1.7 do not
+        expect_error(grpc.StatusCode.UNIMPLEMENTED, lambda: direct_rt.CheckpointContainer(gone, timeout=30))
+
+    # through podshim with the default config (fallback): the upstream's when it has one
+    target = out / "counter.tar"
+    before = pods.counts(src_log)[-1]
+    rt.CheckpointContainer(
+        cri.CheckpointContainerRequest(container_id=cid, location=str(target)), timeout=CALL_TIMEOUT
+    )
+    after = pods.counts(src_log)[-1]
+    entries = tar_members(target)
+    for required in ("spec.dump", "config.dump", "checkpoint/inventory.img", "rootfs-diff.tar"):
+        assert required in entries and entries[required].isreg(), (required, sorted(entries))
+    config = tar_json(target, "config.dump")
+    assert config["id"] == cid and config["rootfsImageName"] == pods.COUNTER_IMAGE
+    if bed.containerd_at_least("2.0"):
+        # containerd's own tar: its runtime type, no podshim manifest, podshim journaled nothing
+        assert "podshim-manifest.json" not in entries and "podshim" not in config
+        assert config["runtime"] == "io.containerd.runc.v2"
+    else:
+        assert tar_json(target, "podshim-manifest.json")["format"] == "podshim.container-checkpoint.v1"
+        assert config["runtime"] == "runc"
+    assert journal_files(bed.podshim_state_dir) == []
+    pods.wait_count(src_log, after + 3)  # the source keeps running
+
+    # either tar restores through podshim into a new sandbox: the counter continues
+    config_dst = pods.pod_config(f"updst-{secrets.token_hex(3)}", log_root)
+    pod_id = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=config_dst)).pod_sandbox_id
+    pod_cleanup.append(pod_id)
+    cc = pods.container_config("copy", image=str(target), args=[])  # the command comes from the tar
+    new_id = rt.CreateContainer(
+        cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config_dst),
+        timeout=CALL_TIMEOUT,
+    ).container_id
+    rt.StartContainer(cri.StartContainerRequest(container_id=new_id), timeout=CALL_TIMEOUT)
+    restored_log = Path(config_dst.log_directory) / cc.log_path
+    first = pods.wait_for(lambda: pods.counts(restored_log), what="restored counter output")[0]
+    assert before <= first <= after + 3, (before, first, after)
+    assert b"ready mem_mib" not in restored_log.read_bytes(), "the restored process started afresh"
+    pods.wait_count(restored_log, first + 5)
+    st = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=new_id)).status
+    assert st.state == cri.CONTAINER_RUNNING
