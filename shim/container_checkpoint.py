@@ -63,6 +63,7 @@ from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
 from shim.restore import RESTORE_FLAGS, archived_config
 from shim.restore_hook import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.sandbox import ContainerView, PodView, build_pod_view
+from shim.sharing import check_shared_state
 from shim.state import Journal
 from shim.upstream import Upstream, upstream_error
 from shim.wiring import RestoredContainers, WiringChecker
@@ -419,6 +420,7 @@ class ContainerCheckpointer:
         target = loc.target(kubelet_name(pod, c.name, when))
         with hold([f"pod {pod.id}", f"path {target}"]):
             check_dumpable(c)
+            check_shared_state([c])  # a file of the pod's /dev/shm in use: the restore could not open it
             # the directory of the tar, held open: from here on it is reached only through that
             # descriptor (dirfd.py), so replacing it cannot make podshim write elsewhere
             where = open_checked(loc.directory, loc.asked or str(loc.directory), "location directory")

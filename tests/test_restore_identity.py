@@ -466,3 +466,25 @@ def test_inotify_watch_in_rootfs_needs_irmap_scan_paths(
     r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["sh", "-c", "echo b >> /data/f"], timeout=10))
     assert r.exit_code == 0, r.stderr
     pods.wait_for(lambda: b"event " in _read(log_path), what="the restored watch to report the write")
+
+
+def test_checkpoint_container_refuses_a_dev_shm_file_in_use(
+    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
+) -> None:
+    """CheckpointContainer (KEP-2008) of a container holding a POSIX shared memory segment: the
+    pod's /dev/shm is not in the checkpoint, so the refusal comes before the freeze."""
+    tag = f"ccshm-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
+    cc = pods.container_config("alpha", command=["/sharer"], args=["posix", "podshim-seg"])
+    src = pods.run_pod(rt, tag, log_root, {"alpha": cc}, runtime_handler=runtime_handler)
+    pod_cleanup.append(src.id)
+    pods.wait_for(lambda: b"ready" in _read(src.log_path("alpha")), what="the segment")
+    location = Path(bed.checkpoint_root) / f"{tag}.tar"
+    with pytest.raises(grpc.RpcError) as err:
+        rt.CheckpointContainer(
+            cri.CheckpointContainerRequest(container_id=src.containers["alpha"], location=str(location)),
+            timeout=RPC_TIMEOUT,
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    assert "/dev/shm/podshim-seg" in err.value.details() and "'alpha'" in err.value.details()
+    assert not location.exists()
+    assert freezer_state(container_pid(rt, src.containers["alpha"])) == "THAWED"
