@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 PYTEST := .venv/bin/pytest
 
-.PHONY: setup demo test test-core test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load
+.PHONY: setup demo test test-core test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load bench-node
 
 setup:
 	bash scripts/setup.sh
@@ -65,4 +65,8 @@ bench-restore: setup
 bench-load: setup
 	$(PY) -m bench.load
 
-bench: bench-proxy bench-checkpoint bench-restore bench-load
+# What ordinary containers pay for podshim-runc: containerd with runc vs podshim-runc as BinaryName.
+bench-node: setup
+	$(PY) -m bench.node
+
+bench: bench-proxy bench-checkpoint bench-restore bench-load bench-node
