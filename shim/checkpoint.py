@@ -25,7 +25,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, cni, errors, faults, logs, space
 from shim.aio import run_to_end
 from shim.archive import crypto, fsutil, layout, manifest, paths, rootfs_diff
-from shim.archive.dirfd import DirHandle, open_checked, proc_fd_dir
+from shim.archive.dirfd import DirHandle, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, OciRuntime, binary_version, read_dump_stats
@@ -262,8 +262,7 @@ class PodCheckpointer:
             rec = self.journal.begin(
                 "checkpoint",
                 pod.id,
-                # dump_path: how runc/CRIU name output_path (recovery finds them by it after a crash)
-                {"output_path": str(out), "dump_path": proc_fd_dir(), "cgroups": [pod.cgroup_parent, *ours]},
+                {"output_path": str(out), "cgroups": [pod.cgroup_parent, *ours]},
             )
         except BaseException:
             held.close()
@@ -369,7 +368,7 @@ class PodCheckpointer:
                 await asyncio.gather(*dumps, *diffs, return_exceptions=True)
                 raise
             timings["dump"] = time.monotonic() - dump_start
-            # runc/CRIU wrote through the directory podshim holds (/proc/<pid>/fd/N), never
+            # runc/CRIU wrote through the directory podshim holds (/proc/self/fd/N), never
             # through output_path: if someone replaced output_path meanwhile, fail instead of
             # answering OK for a checkpoint the caller's path does not hold
             archive.dir.check_in_place("output path", "the checkpoint")
@@ -449,7 +448,13 @@ class PodCheckpointer:
             # runc/crun get paths through the descriptors podshim holds: whatever happens to
             # output_path meanwhile, CRIU writes into the directory that was validated
             w.dump_seconds = await w.runtime.checkpoint(
-                w.view.name, w.view.id, Path(w.images.proc), Path(w.dir.proc), opts.criu, leave_running=True
+                w.view.name,
+                w.view.id,
+                Path(w.images.proc),
+                Path(w.dir.proc),
+                opts.criu,
+                leave_running=True,
+                pass_fds=(w.images.fd, w.dir.fd),  # /proc/self/fd/N names them in runc/crun too
             )
         except errors.Internal as e:
             # the failure removes output_path, CRIU log included: keep a copy for the operator

@@ -46,7 +46,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, errors, faults, logs, space
 from shim.aio import run_to_end
 from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
-from shim.archive.dirfd import DirHandle, HeldTree, open_checked, proc_fd_dir
+from shim.archive.dirfd import DirHandle, HeldTree, open_checked
 from shim.archive.dirfd import held as held_dir
 from shim.cgroups import default_freezer
 from shim.checkpoint import (
@@ -442,7 +442,6 @@ class ContainerCheckpointer:
                     pod.id,
                     {
                         "output_path": str(staging),
-                        "dump_path": proc_fd_dir(),  # how runc/CRIU name it (recovery finds them by it)
                         "cgroups": ours,
                         "container_id": c.id,
                         "target": str(target),
@@ -530,7 +529,7 @@ class ContainerCheckpointer:
             faults.hit("checkpoint-container.after-freeze")
             log.info("container frozen", container=c.id, name=c.name)
             tasks = [
-                asyncio.ensure_future(self._dump(runtime, c, cl, opts, timings)),
+                asyncio.ensure_future(self._dump(runtime, c, cl, opts, timings, tree)),
                 asyncio.ensure_future(self._diff(steps, c, upper, cl, timings)),
             ]
             try:
@@ -591,10 +590,16 @@ class ContainerCheckpointer:
         return Result(path=path, size=size, freeze_window=timings["freeze_window"], timings=timings)
 
     async def _dump(
-        self, runtime: Any, c: ContainerView, cl: layout.ContainerLayout, opts: CriuOptions, timings: dict
+        self,
+        runtime: Any,
+        c: ContainerView,
+        cl: layout.ContainerLayout,
+        opts: CriuOptions,
+        timings: dict,
+        tree: DirHandle,
     ) -> None:
         timings["dump"] = await runtime.checkpoint(
-            c.name, c.id, cl.checkpoint_dir, cl.root, opts, leave_running=True
+            c.name, c.id, cl.checkpoint_dir, cl.root, opts, leave_running=True, pass_fds=(tree.fd,)
         )
 
     async def _diff(

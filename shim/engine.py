@@ -318,9 +318,6 @@ class Engine:
             log.warning("recovering interrupted operation", kind=rec.kind, pod=rec.pod_key, phase=rec.phase)
             out = rec.data.get("output_path")
             leftovers = _processes_under(str(out)) if out and rec.kind in _CHECKPOINT_KINDS else []
-            if rec.data.get("dump_path") and rec.kind in _CHECKPOINT_KINDS:  # runc named it by fd
-                seen = {p.pid for p in leftovers}
-                leftovers += [p for p in _processes_under(str(rec.data["dump_path"])) if p.pid not in seen]
             if not leftovers:
                 await self._recover_record(rec)
                 continue
@@ -470,15 +467,33 @@ def _remove_manifest_temps(out: Path) -> None:
         return
 
 
+def _holds(pid: int, path: str, prefix: str) -> bool:
+    """Whether process `pid` has a descriptor open on `path` or below it."""
+    try:
+        with os.scandir(f"/proc/{pid}/fd") as it:
+            for fd in it:
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd.path)
+                    if target == path or target.startswith(prefix):
+                        return True
+    except OSError:
+        pass
+    return False
+
+
 def _processes_under(path: str) -> list[psutil.Process]:
-    """Live processes whose argv names `path` or a path below it (the runc/crun `checkpoint
-    --image-path <path>/...` and CRIU's `criu: dump ... -D <path>/...` of a crashed podshim),
-    with their descendants."""
+    """Live processes whose argv names `path` or a path below it (CRIU's `criu: dump ... -D
+    <path>/...`), or that were given a directory of it as `/proc/self/fd/N` and hold it (the
+    runc/crun `checkpoint --image-path /proc/self/fd/N` of a crashed podshim: docs/architecture.md
+    "Path confinement"), with their descendants."""
     prefix = path.rstrip("/") + "/"
     found: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["cmdline"]):
         argv = p.info.get("cmdline") or []
-        if p.pid != os.getpid() and any(a == path or prefix in a for a in argv):
+        if p.pid == os.getpid():
+            continue
+        named = any(a == path or prefix in a for a in argv)
+        if named or (any(a.startswith("/proc/self/fd/") for a in argv) and _holds(p.pid, path, prefix)):
             found[p.pid] = p
             with contextlib.suppress(psutil.Error):
                 found.update((c.pid, c) for c in p.children(recursive=True))

@@ -7,9 +7,10 @@ directory (or one of its subdirectories) by a symlink while podshim works cannot
 touch anything outside (docs/architecture.md "Path confinement").
 
 Code that only takes a path (runc/crun's `--image-path`, tarfile, the encryption helpers) is
-given `/proc/<pid>/fd/<fd>/<name>`: the magic link resolves to the directory podshim holds,
+given `/proc/self/fd/<fd>/<name>`: the magic link resolves to the directory podshim holds,
 whatever was renamed or replaced since, and the final component is opened with O_NOFOLLOW by
-those helpers.
+those helpers. runc/crun inherit the descriptor (pass_fds, same number), so the path resolves
+in them too, and keeps resolving if podshim dies mid-dump.
 """
 
 from __future__ import annotations
@@ -165,8 +166,9 @@ class DirHandle:
 
     @property
     def proc(self) -> str:
-        """A path to this very directory for code that only takes paths (subprocesses too)."""
-        return f"{proc_fd_dir()}/{self.fd}"
+        """A path to this very directory for code that only takes paths; in a child process too
+        when the child inherits the descriptor (subprocess pass_fds keeps its number)."""
+        return f"/proc/self/fd/{self.fd}"
 
     def at(self, name: str) -> Path:
         """`name` inside this directory as a path that cannot be redirected above it."""
@@ -280,12 +282,6 @@ class DirHandle:
             with contextlib.suppress(FileNotFoundError):
                 self.remove(name)
         self.fsync()
-
-
-def proc_fd_dir() -> str:
-    """Where this process's descriptors show as paths: the prefix of every path that runc, crun
-    and CRIU are given (crash recovery looks for processes naming it)."""
-    return f"/proc/{os.getpid()}/fd"
 
 
 def open_checked(real: Path, asked: str, what: str, empty: bool = False) -> DirHandle:

@@ -143,7 +143,7 @@ def _dump_processes(pgid: int, image_dir: Path) -> list[int]:
     """Live (not zombie) processes of a dump: the members of runc's process group (runc, its
     CRIU and CRIU's helpers), and any process whose command line names the image dir (CRIU
     titles itself `criu: dump --rpc ... -D <image_dir>`: found in another group too)."""
-    needle = os.fsencode(str(image_dir))
+    needle = os.fsencode(os.path.realpath(image_dir))  # a /proc/self/fd/N/... path: where it is
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -233,12 +233,16 @@ class OciRuntime:
         work_dir: Path,
         opts: CriuOptions,
         leave_running: bool = True,
+        pass_fds: tuple[int, ...] = (),
     ) -> float:
         """Dump one container; returns the seconds it took. A failure names the container and
         the CRIU log, with its last error lines, and the option that would help, if one would.
-        Cancellation kills runc and CRIU."""
+        Cancellation kills runc and CRIU. `pass_fds`: descriptors runc/crun inherit (podshim
+        names its held directories `/proc/self/fd/<fd>`, docs/architecture.md "Path confinement")."""
         with _criu_config(opts) as env:  # the file lives as long as the dump
-            return await self._checkpoint(name, container_id, image_dir, work_dir, opts, leave_running, env)
+            return await self._checkpoint(
+                name, container_id, image_dir, work_dir, opts, leave_running, env, pass_fds
+            )
 
     async def _checkpoint(
         self,
@@ -249,6 +253,7 @@ class OciRuntime:
         opts: CriuOptions,
         leave_running: bool,
         env: dict[str, str] | None,
+        pass_fds: tuple[int, ...] = (),
     ) -> float:
         argv = self.checkpoint_argv(container_id, image_dir, work_dir, opts, leave_running)
         start = time.monotonic()
@@ -259,6 +264,7 @@ class OciRuntime:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # so a cancel can kill runc and the CRIU it started
             env=env,
+            pass_fds=pass_fds,
         )
         faults.hit("checkpoint.mid-dump")
         try:

@@ -143,13 +143,28 @@ def mounts_naming(bed: TestBed, ids: set[str]) -> list[str]:
 
 
 def processes_under(path: Path | str) -> list[int]:
-    """Live processes whose argv names `path` or a path below it (runc checkpoint, CRIU)."""
+    """Live processes whose argv names `path` or a path below it (CRIU's title), or that were
+    given it as `/proc/self/fd/N` and hold it open (runc/crun checkpoint: podshim passes them
+    its held directories)."""
     prefix = str(path).rstrip("/") + "/"
-    return [
-        pid
-        for pid in _sys.all_pids()
-        if _sys.alive(pid) and any(a == str(path) or prefix in a for a in _sys.read_cmdline(pid))
-    ]
+
+    def holds(pid: int) -> bool:
+        try:
+            targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            return False
+        return any(t == str(path) or t.startswith(prefix) for t in targets)
+
+    out = []
+    for pid in _sys.all_pids():
+        argv = _sys.read_cmdline(pid)
+        if not _sys.alive(pid):
+            continue
+        if any(a == str(path) or prefix in a for a in argv) or (
+            any(a.startswith("/proc/self/fd/") for a in argv) and holds(pid)
+        ):
+            out.append(pid)
+    return out
 
 
 def tree_listing(root: Path) -> list[str]:
