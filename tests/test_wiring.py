@@ -513,3 +513,88 @@ def test_start_of_an_unrestored_container_fails_and_removes_it(
             except grpc.RpcError:
                 pass
         time.sleep(0)
+
+
+# ---------------------------------------------------------------------------- StartContainer routing
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    code: grpc.StatusCode | None = None
+    details = ""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *_: object) -> None:
+        self.code, self.details = code, details
+        raise _Aborted(details)
+
+
+class _Passthrough:
+    """Counts the upstream calls StartContainer makes (all of them go through here)."""
+
+    def __init__(self) -> None:
+        self.forwarded: list[bytes] = []
+
+    def unary(self, method: str, recover: object = None) -> object:
+        async def forward(request: bytes, context: object) -> bytes:
+            self.forwarded.append(request)
+            return b""
+
+        return forward
+
+
+class _Engine:
+    def __init__(self, pending: set[str], fails: bool = False) -> None:
+        self.pending, self.fails = pending, fails
+        self.lookups: list[str] = []
+        self.confirmed: list[str] = []
+
+    @property
+    def restores_pending(self) -> bool:
+        return bool(self.pending)
+
+    def restored_id(self, container_id: str) -> str | None:
+        self.lookups.append(container_id)
+        return container_id if container_id in self.pending else None
+
+    async def confirm_restored(self, container_id: str) -> None:
+        self.confirmed.append(container_id)
+        if self.fails:
+            from shim.errors import FailedPrecondition
+
+            raise FailedPrecondition("its process was not restored")
+
+
+@pytest.mark.parametrize(
+    ("pending", "asked", "fails", "lookups", "confirmed", "code"),
+    [
+        (set(), "c1", False, [], [], None),  # no restore pending: not even decoded
+        ({"r1"}, "c1", False, ["c1"], [], None),  # another container: forwarded, nothing added
+        ({"r1"}, "r1", False, ["r1"], ["r1"], None),  # a restored one: checked after the start
+        ({"r1"}, "r1", True, ["r1"], ["r1"], grpc.StatusCode.FAILED_PRECONDITION),
+    ],
+)
+async def test_start_container_routing(
+    pending: set[str],
+    asked: str,
+    fails: bool,
+    lookups: list[str],
+    confirmed: list[str],
+    code: grpc.StatusCode | None,
+) -> None:
+    from shim.server.runtime import RuntimeHandlers
+
+    upstream, engine, context = _Passthrough(), _Engine(pending, fails), _Context()
+    handler = RuntimeHandlers(upstream, engine).handlers()[  # type: ignore[arg-type]
+        "/runtime.v1.RuntimeService/StartContainer"
+    ]
+    raw = cri.StartContainerRequest(container_id=asked).SerializeToString()
+    if code is None:
+        await handler.unary_unary(raw, context)
+    else:
+        with pytest.raises(_Aborted):
+            await handler.unary_unary(raw, context)
+    assert upstream.forwarded == [raw]  # one upstream call, the caller's bytes unchanged
+    assert (engine.lookups, engine.confirmed, context.code) == (lookups, confirmed, code)
