@@ -14,7 +14,8 @@ Measured, after a warm-up, in rounds that alternate the beds (the order rotates 
 
 1. pod start: RunPodSandbox + CreateContainer + StartContainer of one busybox container (until
    StartContainer returns); the pod is removed after each round, untimed;
-2. ExecSync of ``/bin/true`` in a running container, blocks of calls (GC off in a block);
+2. ExecSync of ``/bin/true`` in a running container, the beds alternating call by call (GC off
+   within a round);
 3. the wrapper per runtime call, outside containerd, with the bed's podshim config: ``state ID``
    of a running container and ``create --bundle B ... ID`` with that container's real bundle,
    through podshim-runc vs directly, with /bin/true standing in for the runtime (PODSHIM_RUNTIME_
@@ -53,7 +54,7 @@ STAND_IN = "/bin/true"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.node", description=__doc__.split("\n\n")[0])
     p.add_argument("--pod-rounds", type=int, default=20, help="pod starts per bed (default 20)")
-    p.add_argument("--exec-rounds", type=int, default=15, help="ExecSync rounds (default 15)")
+    p.add_argument("--exec-rounds", type=int, default=20, help="ExecSync rounds (default 20)")
     p.add_argument("--exec-block", type=int, default=10, help="ExecSync calls per bed and round")
     p.add_argument("--call-rounds", type=int, default=10, help="wrapper call rounds (default 10)")
     p.add_argument("--call-block", type=int, default=15, help="calls per kind, target and round")
@@ -127,15 +128,16 @@ def measure_exec(
         for _ in range(10):
             call(name)
     out: dict[str, list[float]] = {n: [] for n in names}
-    say(f"ExecSync /bin/true: {rounds} rounds x {block} calls per bed, alternating")
+    say(f"ExecSync /bin/true: {rounds} rounds x {block} calls per bed, the beds alternating call by call")
     for r in range(rounds):
-        for name in rotate(names, r):
-            gc.collect()
-            gc.disable()
-            try:
-                out[name].extend(call(name) for _ in range(block))
-            finally:
-                gc.enable()
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(block):
+                for name in rotate(names, r * block + i):
+                    out[name].append(call(name))
+        finally:
+            gc.enable()
     return out
 
 
