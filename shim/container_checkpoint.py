@@ -768,6 +768,11 @@ def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: _Steps) -> li
             steps.check()
             if rel is None:
                 continue
+            if rel.count("/") >= manifest.MAX_TREE_DEPTH:
+                raise errors.InvalidArgument(
+                    f"checkpoint archive {tar_path}: member {rel[:120]!r}... nests deeper than "
+                    f"{manifest.MAX_TREE_DEPTH} directories; a container checkpoint is at most that deep"
+                )
             parent, _, name = rel.rpartition("/")
             try:
                 if m.isdir():

@@ -303,10 +303,13 @@ def open_checked(real: Path, asked: str, what: str, empty: bool = False) -> DirH
     return d
 
 
+MAX_DEPTH = 32  # directories a held tree may nest (podshim's archives: 3); each level is an fd
+
+
 class HeldTree:
     """The directories of a tree held open (O_NOFOLLOW, each relative to its parent) and its
-    regular files (relative posix path -> size). Anything but directories and regular files
-    raises `err(message)`."""
+    regular files (relative posix path -> size). Anything but directories and regular files,
+    and directories nested deeper than MAX_DEPTH, raise `err(message)`."""
 
     def __init__(self, root: DirHandle, err: Callable[[str], ShimError]) -> None:
         self.root = root
@@ -325,6 +328,10 @@ class HeldTree:
         for name, st in entries:
             rel = f"{prefix}{name}"
             if stat.S_ISDIR(st.st_mode):
+                if rel.count("/") + 1 > MAX_DEPTH:
+                    raise err(
+                        f"{self.root.path}: directories nest deeper than {MAX_DEPTH} ({rel[:120]!r}...)"
+                    )
                 sub = d.sub(name)
                 self._owned.append(sub)
                 self.dirs[rel] = sub
