@@ -450,7 +450,9 @@ def _remove_manifest_temps(out: Path) -> None:
     keeps the old manifest (the rename never happened) and the temporary file, which verifying
     would refuse as a file the manifest does not list: remove it."""
     try:
-        with os.scandir(out) as it:
+        # listed and cleaned through the directory opened with O_NOFOLLOW at every level
+        # (docs/architecture.md "Path confinement"): a path replaced by a symlink is left alone
+        with DirHandle.open(out) as d, os.scandir(d.fd) as it:
             temps = [
                 e.name
                 for e in it
@@ -458,12 +460,14 @@ def _remove_manifest_temps(out: Path) -> None:
                 and fsutil.is_temp_name(e.name)
                 and e.is_file(follow_symlinks=False)
             ]
-        for name in temps:
-            os.unlink(out / name)
-            log.warning("removed the temporary file of an interrupted manifest write", path=str(out / name))
-        if temps:
-            fsutil.fsync_dir(out)
-    except FileNotFoundError:
+            for name in temps:
+                os.unlink(name, dir_fd=d.fd)
+                log.warning(
+                    "removed the temporary file of an interrupted manifest write", path=str(out / name)
+                )
+            if temps:
+                d.fsync()
+    except (FileNotFoundError, errors.NotFound, errors.InvalidArgument):
         return
 
 
