@@ -310,7 +310,10 @@ class PodCheckpointer:
         await run_to_end(check_shared_state, selected)  # what the containers share (shim/sharing.py)
         held = open_checked(out, req.output_path, "output path", empty=True)
         try:
-            await run_to_end(space.check_fits, held, selected, f"output path {req.output_path}")
+            stop = threading.Event()  # set when the deadline cancels the estimate: its walk ends
+            await run_to_end(
+                space.check_fits, held, selected, f"output path {req.output_path}", stop, stop=stop
+            )
         except BaseException:
             held.close()
             raise

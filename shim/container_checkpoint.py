@@ -425,7 +425,9 @@ class ContainerCheckpointer:
             # descriptor (dirfd.py), so replacing it cannot make podshim write elsewhere
             where = open_checked(loc.directory, loc.asked or str(loc.directory), "location directory")
             try:
-                await run_to_end(space.check_fits, where, [c], f"location directory {loc.directory}")
+                stop = threading.Event()  # set when the deadline cancels the estimate: its walk ends
+                what = f"location directory {loc.directory}"
+                await run_to_end(space.check_fits, where, [c], what, stop, stop=stop)
                 if _exists(where, target.name):
                     if loc.name is not None:
                         raise errors.InvalidArgument(
