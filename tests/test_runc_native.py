@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from shim import config as configmod
+from testbed.bed import TestBed
 
 REPO = Path(__file__).resolve().parents[1]
 NATIVE = REPO / "native"
@@ -384,6 +385,22 @@ def test_toml_outside_the_subset_goes_to_the_hook(node: Node, text: str) -> None
 def test_a_named_config_that_is_missing_goes_to_the_hook(node: Node) -> None:
     env = node.env(PODSHIM_CONFIG=str(node.tmp / "missing.toml"))
     assert node.who("state", "x", env=env) == "hook"
+
+
+def test_the_example_config_takes_the_fast_path(node: Node) -> None:
+    """systemd/config.toml, as a node installs it, is read by the wrapper itself: no Python."""
+    env = node.env(
+        PODSHIM_CONFIG=str(REPO / "systemd" / "config.toml"), PODSHIM_RUNTIME_BINARY=str(node.runc)
+    )
+    assert node.who("--root", "/run/containerd/runc/k8s.io", "state", "x", env=env) == "runc"
+
+
+@pytest.mark.e2e
+def test_the_test_beds_config_takes_the_fast_path(node: Node, bed: TestBed) -> None:
+    """The bed's podshim.toml (what the e2e tests and bench/node.py run with) too: else every
+    runtime call of the suite would silently go through Python."""
+    env = node.env(PODSHIM_CONFIG=str(bed.podshim_config), PODSHIM_RUNTIME_BINARY=str(node.runc))
+    assert node.who("--root", str(bed.runc_root), "state", "x", env=env) == "runc"
 
 
 # ---------------------------------------------------------------------------- the hook and errors
