@@ -495,9 +495,9 @@ class ContainerCheckpointer:
     ) -> Result:
         timings: dict[str, float] = {}
         tree = staging.adopt(staging.sub(STAGING_TREE, create=True))
-        tree.sub(layout.CHECKPOINT_DIR, create=True).close()
-        # Paths through the held tree's descriptor (runc/crun, tarfile and the rootfs diff take
-        # paths): they resolve inside podshim's own 0700 staging dir whatever happens to
+        images = tree.adopt(tree.sub(layout.CHECKPOINT_DIR, create=True))
+        # Paths through the held tree's descriptor (the rootfs diff and the stats reader take
+        # paths): /proc/self/fd/N/<name>, inside podshim's own 0700 staging dir whatever happens to
         # `location` meanwhile.
         cl = layout.ContainerLayout(root=Path(tree.proc), rel="")
         upper = c.upperdir()
@@ -506,9 +506,9 @@ class ContainerCheckpointer:
                 f"container {c.name!r}: cannot find its writable layer (overlayfs upperdir); "
                 "only the overlayfs snapshotter is supported"
             )
-        await steps.run(fsutil.write_private_file, cl.spec_dump, layout.json_bytes(c.spec))
+        await steps.run(tree.write_file, layout.SPEC_DUMP_FILE, layout.json_bytes(c.spec))
         await steps.run(
-            fsutil.write_private_file, cl.status_dump, layout.json_bytes(json_format.MessageToDict(c.status))
+            tree.write_file, layout.STATUS_DUMP_FILE, layout.json_bytes(json_format.MessageToDict(c.status))
         )
         runtime = self.pods.runtime_for(c)
         opts = _criu_options()
@@ -531,7 +531,7 @@ class ContainerCheckpointer:
             faults.hit("checkpoint-container.after-freeze")
             log.info("container frozen", container=c.id, name=c.name)
             tasks = [
-                asyncio.ensure_future(self._dump(runtime, c, cl, opts, timings, tree)),
+                asyncio.ensure_future(self._dump(runtime, c, opts, timings, tree, images)),
                 asyncio.ensure_future(self._diff(steps, c, upper, cl, timings)),
             ]
             try:
@@ -558,8 +558,8 @@ class ContainerCheckpointer:
         # After the thaw: config.dump, stats, manifest, the tar.
         self.journal.update(rec, "archiving")
         await steps.run(
-            fsutil.write_private_file,
-            cl.config_dump,
+            tree.write_file,
+            layout.CONFIG_DUMP_FILE,
             layout.json_bytes(self._config_dump(pod, c, runtime, checkpointed)),
         )
         await steps.run(tree.make_private)
@@ -595,13 +595,20 @@ class ContainerCheckpointer:
         self,
         runtime: Any,
         c: ContainerView,
-        cl: layout.ContainerLayout,
         opts: CriuOptions,
         timings: dict,
         tree: DirHandle,
+        images: DirHandle,
     ) -> None:
+        # runc/crun inherit the held directories and name them /proc/self/fd/N (dirfd.py)
         timings["dump"] = await runtime.checkpoint(
-            c.name, c.id, cl.checkpoint_dir, cl.root, opts, leave_running=True, pass_fds=(tree.fd,)
+            c.name,
+            c.id,
+            Path(images.proc),
+            Path(tree.proc),
+            opts,
+            leave_running=True,
+            pass_fds=(images.fd, tree.fd),
         )
 
     async def _diff(
