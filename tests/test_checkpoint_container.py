@@ -17,12 +17,11 @@ import json
 import os
 import re
 import secrets
-import signal
 import stat
 import subprocess
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,8 @@ from testbed import pods
 from testbed.bed import TestBed
 from testbed.checks import FREEZER, container_cgroup, expect_error, freezer_state, journal_files
 
-pytestmark = pytest.mark.e2e
+# podshim's own checkpoint: with "always" on containerd 2.x (tests/conftest.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("own_container_checkpoint")]
 
 Rt = api_pb2_grpc.RuntimeServiceStub
 
@@ -181,26 +181,6 @@ def refused_cleanly(
     pods.wait_for(clean, timeout=10, what="no file left behind")
     assert_unharmed(rt, pod, started_at=started.started_at)
     return details
-
-
-@pytest.fixture(scope="module", autouse=True)
-def podshims_own_checkpoint(bed: TestBed) -> Iterator[None]:
-    """containerd 2.x implements CheckpointContainer and the default fallback would hand every
-    call here to it: this module tests podshim's own, so restart podshim with "always" there (its
-    environment also reaches the restarts of the crash tests below), and back after the module."""
-    if not bed.containerd_at_least("2.0"):
-        yield  # 1.6 and 1.7 answer UNIMPLEMENTED: the default config already checkpoints in podshim
-        return
-    key = "PODSHIM_CHECKPOINT_CONTAINER_CHECKPOINT"
-    bed.extra_env[key] = "always"
-    bed.kill_podshim(signal.SIGTERM)
-    bed.start_podshim_again()
-    try:
-        yield
-    finally:
-        del bed.extra_env[key]
-        bed.kill_podshim(signal.SIGTERM)
-        bed.start_podshim_again()
 
 
 # ---------------------------------------------------------------------------- checkpoint
