@@ -15,6 +15,7 @@ journal empty, output_path empty or a complete archive, and the next checkpoint 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import threading
 import time
@@ -28,6 +29,7 @@ from shim.archive import manifest as mf
 from shim.server.app import STOP_GRACE
 from testbed import _sys, pods
 from testbed.bed import TestBed
+from testbed.checks import container_cgroup
 
 from .helpers import (
     Call,
@@ -55,8 +57,10 @@ WATCH = 3.0  # seconds the freezer is watched after the answer: the orphan CRIU 
 
 def _runtime_pid(out: Path) -> int:
     """The `runc checkpoint` process writing into `out`."""
-    found = [p for p in processes_under(out) if "runc" in Path((_sys.read_cmdline(p) or [""])[0]).name]
-    assert found, "no runc checkpoint process found"
+    found = [
+        p for p in processes_under(out) if Path((_sys.read_cmdline(p) or [""])[0]).name in ("runc", "crun")
+    ]
+    assert found, "no runc/crun checkpoint process found"
     return found[0]
 
 
@@ -75,18 +79,39 @@ def _still_counting(rt: Rt, cp: CounterPod, bed: TestBed, out: Path) -> None:
     assert processes_under(out) == []
 
 
-@pytest.mark.parametrize("target", ["runc", "process-group"])
+def _crun_counter_pod(rt: Rt, bed: TestBed, handler: str, cleanup: list[str]) -> CounterPod:
+    args = ["--mem-mib", "512", "--interval-ms", "100"]
+    configs = {"counter": pods.container_config("counter", args=args)}
+    pod = pods.run_pod(
+        rt, f"term-crun-{secrets.token_hex(3)}", bed.pod_logs_dir, configs, runtime_handler=handler
+    )
+    cleanup.append(pod.id)
+    pods.wait_count(pod.log_path("counter"), 2, timeout=60)
+    return CounterPod(pod, [pod.config.linux.cgroup_parent, container_cgroup(rt, pod.containers["counter"])])
+
+
+@pytest.mark.parametrize("target", ["runc", "process-group", "crun"])
 def test_runtime_terminated_mid_dump(
-    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path], target: str
+    rt: Rt,
+    bed: TestBed,
+    pod_cleanup: list[str],
+    archives: list[Path],
+    target: str,
+    request: pytest.FixtureRequest,
 ) -> None:
-    cp = start_counter_pod(rt, bed, f"term-{target}", pod_cleanup, mem_mib=512)
+    """SIGTERM to runc (or crun) alone: its CRIU goes on and used to re-freeze the pod after the
+    thaw; or to runc's whole process group, CRIU included."""
+    if target == "crun":
+        cp = _crun_counter_pod(rt, bed, request.getfixturevalue("crun_handler"), pod_cleanup)
+    else:
+        cp = start_counter_pod(rt, bed, f"term-{target}", pod_cleanup, mem_mib=512)
     out = new_output_dir(bed, f"term-{target}")
     archives.append(out)
     call = Call(rt, cp.id, out)
     call.start()
     wait_criu_dumping(out, call, min_bytes=32 << 20)
     runc = _runtime_pid(out)
-    if target == "runc":
+    if target in ("runc", "crun"):
         os.kill(runc, signal.SIGTERM)  # CRIU goes on alone
     else:
         os.killpg(os.getpgid(runc), signal.SIGTERM)
