@@ -9,6 +9,7 @@ it reads from fd 3 and stdin. No root, no containerd: the end-to-end restore tes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -393,6 +394,16 @@ def test_the_example_config_takes_the_fast_path(node: Node) -> None:
         PODSHIM_CONFIG=str(REPO / "systemd" / "config.toml"), PODSHIM_RUNTIME_BINARY=str(node.runc)
     )
     assert node.who("--root", "/run/containerd/runc/k8s.io", "state", "x", env=env) == "runc"
+
+
+def test_every_runtime_key_is_known_to_the_wrapper(node: Node) -> None:
+    """A key added to RuntimeConfig must be added to the C reader too, else every config using
+    it would silently take the Python path."""
+    for f in dataclasses.fields(configmod.RuntimeConfig):
+        if f.name in ("binary", "root"):
+            continue
+        node.write_config(f'[runtime]\nbinary = "{node.runc}"\n{f.name} = "/x"\n')
+        assert node.who("state", "x") == "runc", f.name
 
 
 @pytest.mark.e2e
