@@ -98,3 +98,22 @@ def test_checkpoint_container_is_upstream_first(
     pods.wait_count(restored_log, first + 5)
     st = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=new_id)).status
     assert st.state == cri.CONTAINER_RUNNING
+
+
+def test_checkpoint_pod_records_the_runtime_handler(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], archives: list[Path], crun_handler: str
+) -> None:
+    """containerd 2.x no longer puts `runtimeHandler` in the pod's verbose info (1.6 and 1.7 do):
+    podshim reads PodSandboxStatus.runtime_handler, so the archive still names the pod's handler
+    (what `podshim restorepod` restores with by default)."""
+    counter = pods.container_config("counter", args=["--mem-mib", "4", "--interval-ms", "50"])
+    pod = pods.run_pod(rt, f"handler-{secrets.token_hex(3)}", log_root, {"counter": counter}, crun_handler)
+    pod_cleanup.append(pod.id)
+    pods.wait_count(pod.log_path("counter"), 3)
+    out = Path(bed.checkpoint_root) / f"handler-{secrets.token_hex(4)}"
+    out.mkdir(mode=0o700)
+    archives.append(out)
+    req = cri.CheckpointPodRequest(pod_sandbox_id=pod.id, output_path=str(out))
+    rt.CheckpointPod(req, timeout=CALL_TIMEOUT)
+    status = json.loads((out / "sandbox" / "status.json").read_text())
+    assert status["runtime_handler"] == "crun", status.get("runtime_handler")
