@@ -122,6 +122,7 @@ class Engine:
         self._recovering: set[asyncio.Task[None]] = set()  # background recoveries (see recover)
         self._inflight: set[asyncio.Task[object]] = set()  # tasks of the operations running now (stop)
         self._retrying: set[str] = set()  # op ids of records whose recovery is retried (retry_later)
+        self._stopping = False  # drain(): no new operations
         self.restorer.on_kept = self.retry_later  # a restore whose rollback failed: retried
         self.restore_lane = aio.Lane("restore", LANE_WORKERS, LANE_MAX_OPERATIONS)
         self.import_lane = aio.Lane("import", LANE_WORKERS, LANE_MAX_OPERATIONS)
@@ -130,6 +131,8 @@ class Engine:
     def _operation(
         self, name: str, keys: list[str], shared: list[str] | None = None, **fields: str
     ) -> Iterator[None]:
+        if self._stopping:
+            raise errors.Unavailable(f"{name}: podshim is stopping; retry once it has restarted")
         start = time.monotonic()
         result = "OK"
         log.info(f"{name} started", **fields)
@@ -287,6 +290,15 @@ class Engine:
             await confirm_restored(self.upstream, self.config, container_id)
         finally:
             self.restored.discard(container_id)
+
+    async def drain(self, timeout: float) -> None:
+        """First step of a graceful stop: new operations are refused (UNAVAILABLE) and those in
+        flight get up to `timeout` seconds to finish (passed-through calls are served meanwhile)."""
+        self._stopping = True
+        pending = {t for t in self._inflight if not t.done()}
+        if pending:
+            log.info("stopping: letting operations finish", operations=len(pending), timeout=timeout)
+            await asyncio.wait(pending, timeout=timeout)
 
     async def stop(self, timeout: float) -> None:
         """Graceful stop, after the server stopped taking calls and cancelled those left

@@ -96,8 +96,13 @@ class Server:
         log.info("serving", socket=self.config.socket, upstream=self.config.upstream_endpoint)
 
     async def stop(self, grace: float = 5.0, engine: Engine | None = None, cleanup: float = 0.0) -> None:
-        """Stop taking calls at once; give those in flight `grace` seconds, then cancel them; then
-        give podshim's operations `cleanup` seconds to undo what they did (engine.stop)."""
+        """Graceful stop: podshim's operations in flight get `grace` seconds to finish (new ones
+        are refused; passed-through calls, long streams included, are served meanwhile); then the
+        server stops taking calls and cancels what is left within a second; then the cancelled
+        operations get `cleanup` seconds to undo what they did (engine.stop)."""
+        if engine is not None:
+            await engine.drain(grace)
+            grace = min(grace, 1.0)
         await self.grpc.stop(grace)
         if engine is not None:
             await engine.stop(cleanup)

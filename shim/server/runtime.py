@@ -47,6 +47,8 @@ class Engine(Protocol):
 
     async def recover(self) -> None: ...
 
+    async def drain(self, timeout: float) -> None: ...  # graceful stop: refuse new, let running finish
+
     async def stop(self, timeout: float) -> None: ...  # graceful stop: let cancelled operations undo
 
     async def startup(self) -> None: ...

@@ -188,7 +188,20 @@ def test_podshim_terminated_mid_checkpoint(
         hold = 6.0 if mode == "mixed-finishes" else STOP_GRACE + 5.0
         with stopped_processes(criu):
             _sys.kill(podshim, signal.SIGTERM)
-            time.sleep(hold)
+            start = time.monotonic()
+            if mode == "mixed-finishes":
+                # draining: a new operation is refused, passed-through calls are still served
+                time.sleep(0.5)
+                assert any(p.id == cp.id for p in rt.ListPodSandbox(cri.ListPodSandboxRequest()).items)
+                other = new_output_dir(bed, "while-stopping")
+                archives.append(other)
+                with pytest.raises(grpc.RpcError) as err:
+                    rt.CheckpointPod(
+                        cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(other)), timeout=10
+                    )
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+                assert "stopping" in (err.value.details() or "")
+            time.sleep(max(0.0, hold - (time.monotonic() - start)))
             if mode == "mixed-aborts":
                 assert processes_under(out) == [], "podshim did not end the dump after its grace"
     assert not _sys.wait_gone({podshim}, STOP_GRACE + 30), "podshim did not stop on SIGTERM"
