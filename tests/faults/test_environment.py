@@ -1,5 +1,6 @@
 """The environment failing under a running CheckpointPod: CRIU killed mid-dump, containerd
-restarted mid-operation, the checkpoint filesystem full mid-dump.
+restarted mid-operation, the checkpoint filesystem filled by another writer mid-dump (the size
+estimate before the freeze cannot foresee that).
 
 After each: a typed error naming what failed (or, where the failure cannot touch the dump, a
 complete archive), the pod THAWED and counting, output_path empty, the journal empty, podshim
@@ -131,10 +132,11 @@ def test_containerd_restarted_mid_checkpoint(
 
 @pytest.fixture
 def small_fs(bed: TestBed) -> Iterator[Path]:
-    """A 32 MiB tmpfs mounted inside the allowed checkpoint root (unmounted after)."""
+    """A 512 MiB tmpfs mounted inside the allowed checkpoint root (unmounted after): room enough
+    for the up-front size estimate of a 256 MiB pod, so the check before the freeze lets it pass."""
     mnt = Path(bed.checkpoint_root) / "small-fs"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(mnt)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m,mode=0700", "tmpfs", str(mnt)], check=True)
     try:
         yield mnt
     finally:
@@ -142,16 +144,36 @@ def small_fs(bed: TestBed) -> Iterator[Path]:
         mnt.rmdir()
 
 
+def _fill(fs: Path) -> Path:
+    """Take every free byte of `fs` (another writer on the node), as a file beside the archive."""
+    filler = fs / "filler"
+    chunk = b"\0" * (1 << 20)
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError:
+            pass
+    return filler
+
+
 def test_checkpoint_filesystem_full(rt: Rt, bed: TestBed, pod_cleanup: list[str], small_fs: Path) -> None:
+    """The filesystem had room when podshim estimated the archive (before the freeze), then another
+    writer took it all while CRIU dumped: a typed error naming the container, the pod thawed."""
     cp = start_counter_pod(rt, bed, "disk-full", pod_cleanup, mem_mib=256)
     out = new_output_dir(bed, "disk-full", parent=small_fs)
-    with pytest.raises(grpc.RpcError) as err:
-        checkpoint(rt, cp.id, out, timeout=120)
-    code, details = err.value.code(), err.value.details() or ""
+    call = Call(rt, cp.id, out)
+    call.start()
+    wait_criu_dumping(out, call)
+    filler = _fill(small_fs)
+    call.join(120)
+    assert call.error is not None, "CheckpointPod succeeded although its filesystem was full"
+    code, details = call.error.code(), call.error.details() or ""
     print(f"checkpoint filesystem full: {code}: {details}")
     assert code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED), details
     assert "No space left on device" in details or "ENOSPC" in details, details
     assert "'counter'" in details
+    filler.unlink()
     _after(rt, bed, cp, out)
     assert [p.name for p in small_fs.iterdir()] == [out.name]
     shutil.rmtree(assert_checkpoint_works(rt, bed, cp))
