@@ -1,0 +1,424 @@
+"""`podshim pull REF DIR`: a registry artifact back into a pod checkpoint directory, as untrusted
+input (docs/architecture.md "Checkpoints through a registry").
+
+* DIR must be an empty directory inside an allowed checkpoint root (the rules of RestorePod's
+  `checkpoint_path` and CheckpointPod's `output_path`: shim/archive/paths.py) and is written only
+  through the descriptor podshim opened (shim/archive/dirfd.py).
+* The OCI manifest must be podshim's artifact; the config (podshim's manifest.json) is checked
+  against its digest and parsed before any layer is fetched; the layers must be exactly the
+  archive's units. A layer announcing more bytes than its files can take (artifact.layer_cap) is
+  refused before it is fetched.
+* Each layer streams through: bytes counted and hashed as they arrive (more than announced:
+  refused at once; digest checked at its end), decompressed (zstd, capped), and read as a tar in
+  which only directories and regular files below the layer's own directory are accepted, each
+  file listed in the manifest with that size (checked from its header, before a byte is written)
+  and hashed as written (its sha256 checked at its end).
+* Everything lands in a staging directory inside DIR (`.podshim-pull-<random>`); only when every
+  layer verified are its entries renamed into DIR, manifest.json last. Any failure removes the
+  staging directory: DIR is left empty, never with something that looks complete. A pull killed
+  outright leaves the staging directory, which the next pull into DIR removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import tarfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+
+from shim import faults
+from shim.archive import manifest as mf
+from shim.archive import paths
+from shim.archive.dirfd import DirHandle, open_checked
+from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE
+from shim.archive.layout import MANIFEST_FILE
+from shim.distribution import artifact
+from shim.distribution.registry_auth import RegistryClient, client_for
+from shim.errors import DataLoss, InvalidArgument, ShimError, Unavailable
+
+STAGING_PREFIX = ".podshim-pull-"
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class PullResult:
+    ref: str
+    path: str
+    digest: str  # the OCI manifest's
+    manifest: mf.Manifest
+    annotations: dict[str, str] = field(default_factory=dict)
+    bytes_fetched: int = 0
+    seconds: float = 0.0
+
+
+def _stream_error(client: RegistryClient, e: BaseException) -> ShimError:
+    return Unavailable(
+        f"the transfer from registry {client.ref.host} broke off ({type(e).__name__}); nothing was kept: retry"
+    )
+
+
+class _Blob:
+    """A blob's bytes as they arrive: at most `size` (DataLoss the moment there are more), hashed;
+    `finish()` checks the count and the digest."""
+
+    def __init__(
+        self, client: RegistryClient, digest: str, size: int, what: str, on_bytes: Callable[[int], None]
+    ) -> None:
+        self.client = client
+        self.digest = digest
+        self.size = size
+        self.what = what
+        self.on_bytes = on_bytes
+        self.sha = hashlib.sha256()
+        self.count = 0
+        self.buf = b""
+        r = client.check(
+            client.do_request(client.url(client.ref.container.get_blob_url(digest)), "GET", stream=True),
+            f"fetching {what}",
+        )
+        self.response = r
+        self.chunks = r.iter_content(chunk_size=CHUNK_SIZE)
+
+    def _next(self) -> bytes:
+        try:
+            chunk = next(self.chunks, b"")
+        except (requests.exceptions.RequestException, OSError) as e:
+            raise _stream_error(self.client, e) from None
+        if chunk:
+            self.count += len(chunk)
+            if self.count > self.size:
+                raise DataLoss(
+                    f"registry artifact {self.client.ref.text}: {self.what} is larger than the {self.size} "
+                    "bytes its descriptor announces: refused, nothing was kept"
+                )
+            self.sha.update(chunk)
+            self.on_bytes(len(chunk))
+        return chunk
+
+    def read(self, n: int = -1) -> bytes:
+        while n < 0 or len(self.buf) < n:
+            chunk = self._next()
+            if not chunk:
+                break
+            self.buf += chunk
+        if n < 0:
+            out, self.buf = self.buf, b""
+        else:
+            out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def finish(self) -> None:
+        """Drain what the tar reader left (end blocks), then hold the blob to its descriptor."""
+        self.buf = b""
+        while self._next():
+            pass
+        self.response.close()
+        if self.count != self.size:
+            raise DataLoss(
+                f"registry artifact {self.client.ref.text}: {self.what} is {self.count} bytes, its "
+                f"descriptor announces {self.size}: refused, nothing was kept"
+            )
+        got = "sha256:" + self.sha.hexdigest()
+        if got != self.digest:
+            raise DataLoss(
+                f"registry artifact {self.client.ref.text}: {self.what} has digest {got}, its descriptor "
+                f"says {self.digest}: it was tampered with or corrupted; refused, nothing was kept"
+            )
+
+    def close(self) -> None:
+        self.response.close()
+
+
+class _Capped:
+    """A decompressed stream held to `cap` bytes (a small layer cannot inflate into a big one)."""
+
+    def __init__(self, reader: Any, cap: int, what: str) -> None:
+        self.reader = reader
+        self.cap = cap
+        self.what = what
+        self.count = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.reader.read(n if n >= 0 else CHUNK_SIZE)
+        self.count += len(data)
+        if self.count > self.cap:
+            raise DataLoss(
+                f"registry artifact: {self.what} decompresses to more than the {self.cap} bytes its files "
+                "can take: refused, nothing was kept"
+            )
+        return data
+
+
+def _read_all(blob: _Blob) -> bytes:
+    data = blob.read(-1)
+    blob.finish()
+    return data
+
+
+def pull(
+    ref: str,
+    dest: str | os.PathLike[str],
+    *,
+    allowed_roots: Sequence[str],
+    insecure: bool = False,
+    registry_config: str | None = None,
+    progress: Progress | None = None,
+) -> PullResult:
+    """Pull the pod checkpoint artifact `ref` into the empty directory `dest` (inside
+    `allowed_roots`). Returns what was pulled; any failure leaves `dest` empty."""
+    start = time.monotonic()
+    asked = os.fspath(dest)
+    real = paths.validate_archive_dir(asked, allowed_roots)  # confined, existing (NotFound)
+    d = open_checked(real, asked, "pull target")
+    with d:
+        _clear_stale_staging(d)
+        names = d.names()
+        if names:
+            raise InvalidArgument(
+                f"pull target {asked} is not empty (contains {names[0]!r}): pull into an empty directory"
+            )
+        client = client_for(ref, insecure=insecure, registry_config=registry_config)
+        staging_name = STAGING_PREFIX + secrets.token_hex(4)
+        staging = d.mkdir(staging_name)
+        try:
+            with staging:
+                result = _pull_into(client, ref, staging, progress)
+                result.path = str(real)
+                _publish(d, staging, staging_name)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                d.remove(staging_name)
+                d.fsync()
+            raise
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def _clear_stale_staging(d: DirHandle) -> None:
+    """Staging dirs an earlier pull left when it was killed: nothing else may be in `d` then."""
+    names = d.names()
+    if names and all(n.startswith(STAGING_PREFIX) for n in names):
+        for n in names:
+            d.remove(n)
+        d.fsync()
+
+
+def _fetch_manifest(client: RegistryClient) -> tuple[dict[str, Any], str]:
+    c = client.ref.container
+    r = client.check(
+        client.do_request(
+            client.url(c.manifest_url()), "GET", headers={"Accept": artifact.OCI_MANIFEST}, stream=True
+        ),
+        "fetching the manifest",
+    )
+    try:
+        raw = b""
+        for chunk in r.iter_content(chunk_size=65536):
+            raw += chunk
+            if len(raw) > artifact.MAX_OCI_MANIFEST_BYTES:
+                raise DataLoss(
+                    f"registry artifact {client.ref.text}: manifest is over {artifact.MAX_OCI_MANIFEST_BYTES} bytes"
+                )
+    except (requests.exceptions.RequestException, OSError) as e:
+        raise _stream_error(client, e) from None
+    finally:
+        r.close()
+    digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+    if c.digest and c.digest != digest:
+        raise DataLoss(f"registry artifact {client.ref.text}: the manifest served has digest {digest}")
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise DataLoss(f"registry artifact {client.ref.text}: the manifest is not JSON") from None
+    return doc, digest
+
+
+def _pull_into(client: RegistryClient, ref: str, staging: DirHandle, progress: Progress | None) -> PullResult:
+    doc, digest = _fetch_manifest(client)
+    art = artifact.parse_oci_manifest(doc)
+    fetched = 0
+    total = art.config_size + sum(x.size for x in art.layers)
+
+    def on_bytes(n: int) -> None:
+        nonlocal fetched
+        fetched += n
+        if progress is not None:
+            progress(fetched, total)
+
+    config = _read_all(
+        _Blob(client, art.config_digest, art.config_size, "the config (manifest.json)", on_bytes)
+    )
+    try:
+        mdoc = json.loads(config)
+    except ValueError:
+        raise DataLoss(
+            f"registry artifact {ref}: its config is not podshim's manifest.json (not JSON)"
+        ) from None
+    m = mf.Manifest.from_dict(mdoc, f"{ref} config")
+    for rel in m.files:
+        if str(paths.check_member_path(rel, f"{ref}: manifest file entry")) != rel or rel == MANIFEST_FILE:
+            raise InvalidArgument(
+                f"registry artifact {ref}: manifest file entry {rel[:120]!r} is not allowed"
+            )
+    units = {u.title: u for u in artifact.units_of(m)}
+    titles = [x.title for x in art.layers]
+    missing = sorted(set(units) - set(titles))
+    extra = sorted(set(titles) - set(units))
+    if missing or extra:
+        raise DataLoss(
+            f"registry artifact {ref}: its layers ({', '.join(titles)}) are not the checkpoint's "
+            f"({', '.join(units)})" + (f": {missing[0]} is missing" if missing else f": {extra[0]} is extra")
+        )
+    for layer in art.layers:  # before a byte of any layer is fetched
+        cap = artifact.layer_cap(units[layer.title], layer.media_type)
+        if layer.size > cap:
+            raise DataLoss(
+                f"registry artifact {ref}: layer {layer.title} announces {layer.size} bytes, its files "
+                f"(per the manifest) take at most {cap}: refused before fetching it"
+            )
+    written: set[str] = set()
+    for layer in art.layers:
+        _pull_layer(client, ref, staging, layer, units[layer.title], m, written, on_bytes)
+    missing_files = sorted(set(m.files) - written)
+    if missing_files:
+        raise DataLoss(f"registry artifact {ref}: {missing_files[0]} (in the manifest) is in no layer")
+    staging.write_file(MANIFEST_FILE, config)  # last, fsynced: the completion marker
+    return PullResult(ref, "", digest, m, art.annotations, fetched)
+
+
+def _pull_layer(
+    client: RegistryClient,
+    ref: str,
+    staging: DirHandle,
+    layer: artifact.Layer,
+    unit: artifact.Unit,
+    m: mf.Manifest,
+    written: set[str],
+    on_bytes: Callable[[int], None],
+) -> None:
+    what = f"layer {layer.title}"
+    blob = _Blob(client, layer.digest, layer.size, what, on_bytes)
+    try:
+        source: Any = blob
+        if layer.compression == "zstd":
+            import zstandard
+
+            source = _Capped(
+                zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True),
+                unit.tar_cap(),
+                what,
+            )
+        try:
+            tar = tarfile.open(fileobj=source, mode="r|", bufsize=CHUNK_SIZE)
+            for member in _members(tar, ref, layer.title):
+                _extract(tar, member, ref, staging, m, written)
+            tar.close()
+        except (tarfile.TarError, EOFError) as e:
+            raise DataLoss(f"registry artifact {ref}: {what} is not a readable tar ({e})") from None
+        except Exception as e:
+            if type(e).__name__ == "ZstdError":
+                raise DataLoss(f"registry artifact {ref}: {what} is not valid zstd ({e})") from None
+            raise
+        blob.finish()
+    finally:
+        blob.close()
+
+
+def _members(tar: tarfile.TarFile, ref: str, title: str) -> Iterator[tarfile.TarInfo]:
+    prefix = title + "/"
+    for member in tar:
+        name = member.name.rstrip("/")
+        rel = str(paths.check_member_path(name, f"registry artifact {ref}: layer {title} member"))
+        if rel != name or not (rel == title or rel.startswith(prefix)):
+            raise InvalidArgument(
+                f"registry artifact {ref}: layer {title} has member {member.name[:120]!r}, outside "
+                f"{prefix}: refused, nothing was kept"
+            )
+        if rel.count("/") >= mf.MAX_TREE_DEPTH:
+            raise InvalidArgument(f"registry artifact {ref}: member {rel[:120]!r}... nests too deep")
+        if not (member.isreg() or member.isdir()):
+            kind = "symlink" if member.issym() else "hard link" if member.islnk() else "special file"
+            raise InvalidArgument(
+                f"registry artifact {ref}: layer {title} member {rel[:120]!r} is a {kind}; a checkpoint "
+                "holds only regular files and directories: refused, nothing was kept"
+            )
+        member.name = rel
+        yield member
+
+
+def _extract(
+    tar: tarfile.TarFile,
+    member: tarfile.TarInfo,
+    ref: str,
+    staging: DirHandle,
+    m: mf.Manifest,
+    written: set[str],
+) -> None:
+    rel = member.name
+    if member.isdir():
+        staging.sub(rel, create=True).close()
+        return
+    entry = m.files.get(rel)
+    if entry is None:
+        raise DataLoss(f"registry artifact {ref}: {rel} is not in the checkpoint's manifest: refused")
+    if member.size != entry.size:
+        raise DataLoss(
+            f"registry artifact {ref}: {rel} is {member.size} bytes in its layer, the manifest says "
+            f"{entry.size}: refused before writing it"
+        )
+    if rel in written:
+        raise DataLoss(f"registry artifact {ref}: {rel} appears twice")
+    parent, _, name = rel.rpartition("/")
+    with staging.sub(parent, create=True) as pd:
+        fd = pd.create(name, FILE_MODE)
+    sha = hashlib.sha256()
+    try:
+        src = tar.extractfile(member)
+        assert src is not None
+        left = member.size
+        while left:
+            chunk = src.read(min(CHUNK_SIZE, left))
+            if not chunk:
+                raise DataLoss(f"registry artifact {ref}: {rel} is truncated in its layer")
+            sha.update(chunk)
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
+            left -= len(chunk)
+            faults.hit("pull.chunk")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if sha.hexdigest() != entry.sha256:
+        raise DataLoss(
+            f"registry artifact {ref}: {rel} has sha256 {sha.hexdigest()}, the manifest says {entry.sha256}: "
+            "it was tampered with or corrupted; refused, nothing was kept"
+        )
+    written.add(rel)
+
+
+def _publish(d: DirHandle, staging: DirHandle, staging_name: str) -> None:
+    """Move the verified tree from the staging dir into `d`: its directories, then manifest.json."""
+    staging.fsync()
+    for name in staging.names():
+        if name != MANIFEST_FILE:
+            os.rename(name, name, src_dir_fd=staging.fd, dst_dir_fd=d.fd)
+    os.rename(MANIFEST_FILE, MANIFEST_FILE, src_dir_fd=staging.fd, dst_dir_fd=d.fd)
+    os.rmdir(staging_name, dir_fd=d.fd)
+    d.fsync()
