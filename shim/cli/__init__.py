@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shim.cli import client, inspect, serve
+from shim.cli import client, distribution, inspect, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(sub)
     inspect.register(sub)
     client.register(sub)
+    distribution.register(sub)
     return parser
 
 

@@ -742,6 +742,25 @@ def build_restore_request(args: argparse.Namespace) -> tuple[cri.RestorePodReque
 
 @guarded("restorepod")
 def cmd_restorepod(args: argparse.Namespace) -> int:
+    if bool(args.path) == bool(args.from_ref):
+        raise UsageError("give the checkpoint directory PATH or --from REF (one of them)")
+    if not args.from_ref:
+        return _restorepod(args)
+    from shim.cli import distribution  # docs/architecture.md "Checkpoints through a registry"
+
+    pulled, created = distribution.pull_for_restore(args)
+    args.path = str(pulled)
+    ok = False
+    try:
+        rc = _restorepod(args)
+        ok = rc == EXIT_OK
+        return rc
+    finally:
+        if not ok and created and not args.print_request:
+            distribution.remove_pulled(pulled)
+
+
+def _restorepod(args: argparse.Namespace) -> int:
     req, derived = build_restore_request(args)
     fmt = output_of(args)
     if args.print_request:
@@ -831,7 +850,17 @@ def register(sub: Any) -> None:
         "config is the checkpointed one with a new uid and the name '<name>-restored'; containers "
         "without --container-config get their checkpointed config (both read from PATH).",
     )
-    p.add_argument("path", metavar="PATH", help="checkpoint directory (written by checkpointpod)")
+    p.add_argument("path", metavar="PATH", nargs="?", help="checkpoint directory (written by checkpointpod)")
+    p.add_argument(
+        "--from",
+        dest="from_ref",
+        metavar="REF",
+        help="pull the checkpoint from this registry reference first (podshim pull), then restore it",
+    )
+    p.add_argument("--pull-dir", metavar="DIR", help="with --from: pull into DIR (default: in an allowed root)")
+    from shim.cli import distribution  # the registry options of --from (shim/cli/distribution.py)
+
+    distribution.add_pull_options(p)
     p.add_argument("--config", metavar="POD-CONFIG", help="PodSandboxConfig, JSON or YAML")
     p.add_argument(
         "--container-config",
