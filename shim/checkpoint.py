@@ -24,7 +24,7 @@ from google.protobuf import json_format
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, cni, errors, faults, logs, space
 from shim.aio import run_to_end
-from shim.archive import crypto, fsutil, layout, manifest, paths, rootfs_diff
+from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.dirfd import DirHandle, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
@@ -560,6 +560,9 @@ class PodCheckpointer:
                 criu_version=binary_version(self.config.runtime.criu),
                 runtime_name=os.path.basename(rt.binary),
                 runtime_version=binary_version(rt.binary),
+                # what RestorePod on another node compares (shim/archive/compat.py)
+                cgroup_version=compat.cgroup_version(),
+                cpuinfo=compat.cpuinfo(self.config.runtime.criu),
             ),
             timings=timings,
             criu_stats=stats,

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
-import re
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -27,7 +25,7 @@ from google.protobuf import json_format
 from api.runtime.v1 import api_pb2 as cri
 from shim import cni, cri_checks, errors, faults, logs
 from shim.aio import run_to_end
-from shim.archive import crypto, layout, manifest, paths, rootfs_diff
+from shim.archive import compat, crypto, layout, manifest, paths, rootfs_diff
 from shim.config import Config
 from shim.criu.runtime import binary_version
 from shim.restore_hook import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
@@ -67,47 +65,22 @@ class RestoreOptions:
         return cls(start=value in ("true", "1", "yes"))
 
 
-def _major_minor(version: str) -> tuple[int, int]:
-    """(major, minor) of the first "N.N" in a version line ("runc version 1.1.5+ds1", "4.1.1")."""
-    found = re.search(r"(\d+)\.(\d+)", version)
-    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
-
-
 def check_host(m: manifest.Manifest, criu_version: str, runtime_name: str, runtime_version: str) -> None:
-    """The archive must come from a host this one can restore (FAILED_PRECONDITION otherwise):
-    same architecture, a CRIU and an OCI runtime at least as new, and the same OCI runtime (its
-    state and CRIU options differ between runc and crun; Podman refuses the mix too)."""
-    here = platform.machine()
-    if m.host.arch and m.host.arch != here:
-        raise errors.FailedPrecondition(
-            f"checkpoint was taken on {m.host.arch}, this node is {here}: restore it on a {m.host.arch} node"
-        )
-    theirs, ours = _major_minor(m.host.criu_version), _major_minor(criu_version)
-    if theirs > ours:
-        raise errors.FailedPrecondition(
-            f"checkpoint was written by CRIU {m.host.criu_version}, this node has CRIU {criu_version}: "
-            "upgrade CRIU on this node"
-        )
-    if m.host.runtime_name and m.host.runtime_name != runtime_name:
-        raise errors.FailedPrecondition(
-            f"checkpoint was taken with the OCI runtime {m.host.runtime_name}, the restore would use "
-            f"{runtime_name}: restore it with a runtime_handler whose runtime is {m.host.runtime_name}"
-        )
-    if m.host.runtime_version and _major_minor(m.host.runtime_version) > _major_minor(runtime_version):
-        raise errors.FailedPrecondition(
-            f"checkpoint was taken with {m.host.runtime_version}, this node has {runtime_version}: "
-            f"upgrade {runtime_name} on this node"
-        )
+    """The archive must come from a host this one can restore (FAILED_PRECONDITION naming each
+    mismatch otherwise): shim/archive/compat.py (architecture, kernel, CRIU and OCI runtime, cgroup
+    version; the CPU features with check_this_host, which has CRIU's binary)."""
+    compat.check(m, compat.Node.here(criu_version, runtime_name, runtime_version))
 
 
 def check_this_host(m: manifest.Manifest, criu_binary: str, runtime_binary: str) -> None:
-    """check_host with the versions of this node's CRIU and OCI runtime binaries."""
-    check_host(
-        m,
-        binary_version(criu_binary),
-        os.path.basename(runtime_binary),
-        binary_version(runtime_binary),
-    )
+    """check_host with this node's CRIU and OCI runtime binaries (their versions, the CPU check)."""
+    compat.refuse(this_host_mismatches(m, criu_binary, runtime_binary))
+
+
+def this_host_mismatches(m: manifest.Manifest, criu_binary: str, runtime_binary: str) -> list[str]:
+    name = os.path.basename(runtime_binary)
+    node = compat.Node.here(binary_version(criu_binary), name, binary_version(runtime_binary), criu_binary)
+    return compat.host_mismatches(m.host, node)
 
 
 def archived_config(record: dict[str, Any]) -> cri.ContainerConfig:
@@ -265,6 +238,7 @@ class _Planned:
     entry: manifest.ContainerEntry
     config: cri.ContainerConfig
     dir: Path
+    image_ref: str = ""  # the image id the checkpointed container ran (config.dump)
 
 
 def _recorded_network(root: Path, m: manifest.Manifest, key: crypto.NodeKey | None) -> dict[str, Any]:
@@ -415,8 +389,10 @@ class PodRestorer:
         m = await run_to_end(
             manifest.load_and_verify, root, self.config.allowed_roots, 2, key, stop, stop=stop
         )
-        await run_to_end(check_this_host, m, self.config.runtime.criu, runtime.binary)
+        # docs/architecture.md "RestorePod" 1: every way this node differs, in one refusal
+        problems = await run_to_end(this_host_mismatches, m, self.config.runtime.criu, runtime.binary)
         plan = await self._plan(req, m, layout.ArchiveLayout(root), key)
+        compat.refuse(problems + await self._missing_images(plan))
         network = await run_to_end(_recorded_network, root, m, key)
         return _Checked(opts, root, key, m, plan, network)
 
@@ -465,7 +441,7 @@ class PodRestorer:
                 problem = await self._image_mismatch(entry, requested, record)
             if problem:
                 raise errors.InvalidArgument(problem)
-            plan.append(_Planned(entry, requested, cl.root))
+            plan.append(_Planned(entry, requested, cl.root, str(record.get("image_ref") or "")))
         return plan
 
     async def _check_upstream_handler(self, handler: str) -> None:
@@ -487,6 +463,23 @@ class PodRestorer:
                 f"(it has: {', '.join(sorted(known)) or 'none'}): add it to the upstream's config, "
                 "or restore with another runtime_handler; nothing was created"
             )
+
+    async def _missing_images(self, plan: list[_Planned]) -> list[str]:
+        """Each planned container's image must be on this node with the id the checkpoint ran."""
+        out = []
+        for p in plan:
+            want = p.config.image.image
+            try:
+                st = await self.upstream.image.ImageStatus(
+                    cri.ImageStatusRequest(image=cri.ImageSpec(image=want)), timeout=self.upstream.timeout
+                )
+            except grpc.aio.AioRpcError as e:
+                raise upstream_error(self.upstream.endpoint, e, f"looking up image {want}") from None
+            present = st.image.id if st.HasField("image") else None
+            problem = compat.image_mismatch(p.entry.name, want, present, p.image_ref)
+            if problem:
+                out.append(problem)
+        return out
 
     async def _image_mismatch(
         self, entry: manifest.ContainerEntry, requested: cri.ContainerConfig, record: dict

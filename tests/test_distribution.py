@@ -542,3 +542,76 @@ def test_pull_outside_the_allowed_roots_is_invalid_argument(
             target(node_b, "absent"),
             allowed_roots=[str(node_b.checkpoint_root)],
         )
+
+
+# ---------------------------------------------------------------------- another node, or a clear refusal
+
+
+def other_cpu(recorded: str) -> str:
+    """The recorded cpuinfo.img with FPU state components (AVX-512) this CPU lacks."""
+    import base64
+
+    import pycriu
+
+    img = pycriu.images.load(io.BytesIO(base64.b64decode(recorded)))
+    entry = img["entries"][0]["x86_entry"][0]
+    entry["xfeatures_mask"] |= 0xE0
+    out = io.BytesIO()
+    pycriu.images.dump(img, out)
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def test_incompatible_node_is_refused_naming_each_mismatch(
+    source: Checkpoint, registry: Registry, node_b: TestBed, rt_b: Stub, tmp_path: Path
+) -> None:
+    """An archive recorded on a newer kernel, a CPU with AVX-512 state, cgroup v2, and a container
+    image id node B does not have (a plain archive: its manifest is not authenticated, so the edit
+    keeps the checksums right): `restorepod --from` answers FAILED_PRECONDITION naming all four,
+    creates no sandbox and removes what it pulled."""
+    m = mf.read_manifest(source.path)
+    assert m.host.cpuinfo and m.host.cgroup_version in ("1", "2")  # recorded at checkpoint time
+    edited = tmp_path / "edited"
+    shutil.copytree(source.path, edited)
+    dump = edited / "containers/counter/config.dump"
+    record = json.loads(dump.read_text())
+    record["image_ref"] = "sha256:" + "0" * 64
+    dump.write_text(json.dumps(record))
+    doc = json.loads((edited / "manifest.json").read_text())
+    doc["files"]["containers/counter/config.dump"] = {
+        "size": dump.stat().st_size,
+        "sha256": hashlib.sha256(dump.read_bytes()).hexdigest(),
+    }
+    doc["host"].update(
+        kernel="99.1.0",
+        cpuinfo=other_cpu(doc["host"]["cpuinfo"]),
+        cgroup_version="2" if doc["host"]["cgroup_version"] == "1" else "1",
+    )
+    (edited / "manifest.json").write_text(json.dumps(doc))
+    ref = registry.ref("pods/elsewhere", "v1")
+    push.push(edited, ref)
+    name = f"refused-{secrets.token_hex(2)}"
+    config = pods.pod_config(name, Path(node_b.base_dir) / "pod-logs")
+    cfg_file = tmp_path / "pod.json"
+    from google.protobuf import json_format
+
+    cfg_file.write_text(json_format.MessageToJson(config))
+    before = set(os.listdir(node_b.checkpoint_root))
+    res = cli(
+        "restorepod",
+        "--from",
+        ref,
+        "--config",
+        str(cfg_file),
+        "-r",
+        f"unix://{node_b.podshim_socket}",
+        "--podshim-config",
+        str(node_b.podshim_config),
+    )
+    assert res.returncode == 1, res.stdout + res.stderr
+    err = res.stderr
+    assert "FAILED_PRECONDITION" in err and "4 mismatches" in err, err
+    for needle in ("kernel 99.1.0", "CPU lacks features", "cgroup v", "the checkpoint ran sha256:000"):
+        assert needle in err, f"{needle!r} not in {err}"
+    f = cri.PodSandboxFilter(label_selector={"io.kubernetes.pod.name": name})
+    assert list(rt_b.ListPodSandbox(cri.ListPodSandboxRequest(filter=f)).items) == []
+    assert set(os.listdir(node_b.checkpoint_root)) == before  # the pulled copy went away again

@@ -85,6 +85,12 @@ class HostInfo:
     runtime_version: str = ""
     kernel: str = field(default_factory=lambda: platform.release())
     arch: str = field(default_factory=lambda: platform.machine())
+    # recorded since issue 17 (shim/archive/compat.py); "" in older manifests: not compared
+    cgroup_version: str = ""  # "1" (v1 or hybrid) or "2"
+    cpuinfo: str = ""  # base64 of `criu cpuinfo dump`'s cpuinfo.img
+
+
+OPTIONAL_HOST_FIELDS = ("cgroup_version", "cpuinfo")
 
 
 @dataclass
@@ -220,7 +226,13 @@ class Manifest:
         return cls(
             format=fmt,
             created=p.typed(d, "created", str),
-            host=HostInfo(**{k: p.typed(host, k, str, "host") for k in HostInfo.__dataclass_fields__}),
+            host=HostInfo(
+                **{
+                    k: p.typed(host, k, str, "host")
+                    for k in HostInfo.__dataclass_fields__
+                    if k in host or k not in OPTIONAL_HOST_FIELDS
+                }
+            ),
             sandbox=SandboxInfo(
                 id=p.typed(sb, "id", str, "sandbox"),
                 metadata=p.obj(sb, "metadata", "sandbox"),

@@ -1,0 +1,89 @@
+"""What RestorePod compares between the checkpointing node and this one (shim/archive/compat.py),
+without a bed: cgroup version detection, old manifests, several mismatches in one refusal."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import pytest
+
+from shim.archive import compat
+from shim.archive.manifest import HostInfo, Manifest, SandboxInfo
+from shim.errors import FailedPrecondition
+
+NODE = compat.Node("4.1.1", "runc", "runc version 1.1.5", platform.machine(), "6.18.4-x", "1")
+
+
+def archive(**host: str) -> Manifest:
+    info = HostInfo(criu_version="4.1.1", runtime_name="runc", runtime_version="runc version 1.1.5")
+    info.kernel, info.arch = "6.18.4-x", platform.machine()
+    for k, v in host.items():
+        setattr(info, k, v)
+    return Manifest(sandbox=SandboxInfo(id="x", metadata={}, config={}), host=info)
+
+
+def test_cgroup_version_from_mountinfo(tmp_path: Path) -> None:
+    v1 = tmp_path / "v1"
+    v1.write_text("30 1 0:26 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755\n")
+    v2 = tmp_path / "v2"
+    v2.write_text("30 1 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n")
+    assert compat.cgroup_version(str(v1)) == "1"
+    assert compat.cgroup_version(str(v2)) == "2"
+    assert compat.cgroup_version(str(tmp_path / "missing")) == ""
+
+
+def test_same_node_and_newer_node_pass() -> None:
+    compat.check(archive(cgroup_version="1"), NODE)
+    compat.check(archive(kernel="6.1.0", criu_version="4.0"), NODE)  # older checkpointing node: fine
+
+
+def test_every_mismatch_is_named_in_one_refusal() -> None:
+    m = archive(kernel="6.19.0", cgroup_version="2", criu_version="4.2", runtime_version="runc version 1.3")
+    with pytest.raises(FailedPrecondition) as err:
+        compat.check(m, NODE)
+    msg = err.value.message
+    assert "4 mismatches" in msg, msg
+    for needle in ("kernel 6.19.0", "cgroup v2", "upgrade CRIU", "upgrade runc"):
+        assert needle in msg, (needle, msg)
+
+
+def test_an_old_manifest_without_the_new_facts_is_read_and_not_compared() -> None:
+    doc = json.loads(archive().to_json())
+    for k in ("cgroup_version", "cpuinfo"):
+        del doc["host"][k]
+    m = Manifest.from_dict(doc)
+    assert m.host.cgroup_version == "" and m.host.cpuinfo == ""
+    compat.check(m, compat.Node("4.1.1", "runc", "runc version 1.1.5", platform.machine(), "6.18.4-x", "2"))
+
+
+def test_image_mismatch_messages() -> None:
+    assert compat.image_mismatch("app", "img:1", "sha256:a", "sha256:a") is None
+    assert "is not on this node" in (compat.image_mismatch("app", "img:1", None, "sha256:a") or "")
+    assert "the checkpoint ran sha256:a" in (
+        compat.image_mismatch("app", "img:1", "sha256:b", "sha256:a") or ""
+    )
+
+
+CRIU = "/usr/local/sbin/criu"
+
+
+@pytest.mark.skipif(
+    not Path(CRIU).exists() or platform.machine() != "x86_64", reason="x86 CRIU (scripts/setup.sh builds it)"
+)
+def test_cpu_features_are_compared_by_criu() -> None:
+    import base64
+    import io
+
+    import pycriu
+
+    here = compat.cpuinfo(CRIU)
+    assert here, "criu cpuinfo dump failed"
+    assert compat.cpuinfo_problem(here, CRIU) is None
+    img = pycriu.images.load(io.BytesIO(base64.b64decode(here)))
+    img["entries"][0]["x86_entry"][0]["xfeatures_mask"] |= 0xE0  # AVX-512 state this VM lacks
+    out = io.BytesIO()
+    pycriu.images.dump(img, out)
+    problem = compat.cpuinfo_problem(base64.b64encode(out.getvalue()).decode(), CRIU)
+    assert problem and "xfeatures" in problem, problem
