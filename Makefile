@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 PYTEST := .venv/bin/pytest
 
-.PHONY: setup demo test test-core test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load bench-node
+.PHONY: setup demo test test-core test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution
 
 setup:
 	bash scripts/setup.sh
@@ -69,4 +69,8 @@ bench-load: setup
 bench-node: setup
 	$(PY) -m bench.node
 
-bench: bench-proxy bench-checkpoint bench-restore bench-load bench-node
+# a pod checkpoint through an OCI registry: push/pull vs cp+sync, checkpoint on A → running on B (issue 17)
+bench-distribution: setup
+	$(PY) -m bench.distribution
+
+bench: bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution
