@@ -28,7 +28,9 @@ import os
 import secrets
 import tarfile
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +63,8 @@ class PullResult:
 
 def _stream_error(client: RegistryClient, e: BaseException) -> ShimError:
     return Unavailable(
-        f"the transfer from registry {client.ref.host} broke off ({type(e).__name__}); nothing was kept: retry"
+        f"the transfer from registry {client.ref.host} broke off ({type(e).__name__}); "
+        "nothing was kept: retry"
     )
 
 
@@ -104,16 +107,21 @@ class _Blob:
         return chunk
 
     def read(self, n: int = -1) -> bytes:
-        while n < 0 or len(self.buf) < n:
-            chunk = self._next()
-            if not chunk:
-                break
-            self.buf += chunk
+        """The next chunk as it arrived (a short read: tarfile and zstd ask again), or everything
+        with n < 0; b"" at the end."""
         if n < 0:
-            out, self.buf = self.buf, b""
-        else:
+            parts = [self.buf]
+            while chunk := self._next():
+                parts.append(chunk)
+            self.buf = b""
+            return b"".join(parts)
+        if self.buf:
             out, self.buf = self.buf[:n], self.buf[n:]
-        return out
+            return out
+        chunk = self._next()
+        if len(chunk) > n:
+            chunk, self.buf = chunk[:n], chunk[n:]
+        return chunk
 
     def readinto(self, b: Any) -> int:
         data = self.read(len(b))
@@ -233,7 +241,8 @@ def _fetch_manifest(client: RegistryClient) -> tuple[dict[str, Any], str]:
             raw += chunk
             if len(raw) > artifact.MAX_OCI_MANIFEST_BYTES:
                 raise DataLoss(
-                    f"registry artifact {client.ref.text}: manifest is over {artifact.MAX_OCI_MANIFEST_BYTES} bytes"
+                    f"registry artifact {client.ref.text}: manifest is over "
+                    f"{artifact.MAX_OCI_MANIFEST_BYTES} bytes"
                 )
     except (requests.exceptions.RequestException, OSError) as e:
         raise _stream_error(client, e) from None
@@ -324,23 +333,120 @@ def _pull_layer(
                 unit.tar_cap(),
                 what,
             )
+        writer = _Writer()
         try:
-            tar = tarfile.open(fileobj=source, mode="r|", bufsize=CHUNK_SIZE)
+            tar = _TarStream(source)
             for member in _members(tar, ref, layer.title):
-                _extract(tar, member, ref, staging, m, written)
-            tar.close()
+                _extract(tar, member, ref, staging, m, written, writer)
+            writer.drain()
         except (tarfile.TarError, EOFError) as e:
             raise DataLoss(f"registry artifact {ref}: {what} is not a readable tar ({e})") from None
         except Exception as e:
             if type(e).__name__ == "ZstdError":
                 raise DataLoss(f"registry artifact {ref}: {what} is not valid zstd ({e})") from None
             raise
+        finally:
+            writer.drain_quietly()
+            writer.close()
         blob.finish()
     finally:
         blob.close()
 
 
-def _members(tar: tarfile.TarFile, ref: str, title: str) -> Iterator[tarfile.TarInfo]:
+class _TarStream:
+    """A tar read straight off the stream: headers parsed by tarfile.TarInfo.frombuf (PAX `path`/
+    `size` records and GNU long names applied), file data handed out in the chunks as they came,
+    without the copies tarfile's stream mode makes. Truncation or a bad header: tarfile.TarError."""
+
+    MAX_META = 1 << 20  # a PAX or long-name record larger than this is not podshim's
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.buf = memoryview(b"")
+        self.owed = 0  # data of the current member nobody read yet
+
+    def _chunk(self) -> memoryview:
+        if not self.buf:
+            data = self.source.read(CHUNK_SIZE)
+            if not data:
+                raise tarfile.ReadError("unexpected end of data")
+            self.buf = memoryview(data)
+        return self.buf
+
+    def read_exact(self, n: int) -> bytes:
+        parts = []
+        while n:
+            c = self._chunk()
+            take = c[:n]
+            parts.append(bytes(take))
+            self.buf = c[len(take) :]
+            n -= len(take)
+        return b"".join(parts)
+
+    def data(self, n: int) -> Iterator[memoryview]:
+        """`n` bytes of member data as they arrive, then the padding to the next block skipped."""
+        self.owed = 0
+        left = n
+        while left:
+            c = self._chunk()
+            take = c[:left]
+            self.buf = c[len(take) :]
+            left -= len(take)
+            yield take
+        self.read_exact(-n % tarfile.BLOCKSIZE)
+
+    def __iter__(self) -> Iterator[tarfile.TarInfo]:
+        pax: dict[str, str] = {}
+        longname = ""
+        while True:
+            block = self.read_exact(tarfile.BLOCKSIZE)
+            if block.count(0) == tarfile.BLOCKSIZE:
+                return  # the end-of-archive blocks (what follows is drained and counted by _Blob)
+            ti = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+            if ti.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME):
+                if ti.size > self.MAX_META:
+                    raise tarfile.HeaderError(f"a {ti.size}-byte extended header")
+                meta = b"".join(bytes(x) for x in self.data(ti.size))
+                if ti.type == tarfile.GNUTYPE_LONGNAME:
+                    longname = meta.rstrip(b"\0").decode("utf-8", "surrogateescape")
+                elif ti.type == tarfile.XHDTYPE:
+                    pax.update(_pax_records(meta))
+                continue
+            if "path" in pax or longname:
+                ti.name = pax.get("path") or longname
+            if "size" in pax:
+                try:
+                    ti.size = int(pax["size"])
+                except ValueError:
+                    raise tarfile.HeaderError("a PAX size that is not a number") from None
+            if ti.size < 0:
+                raise tarfile.HeaderError("a negative size")
+            pax, longname = {}, ""
+            self.owed = ti.size
+            yield ti
+            for _ in self.data(self.owed):  # what the reader left of this member (a directory's)
+                pass
+
+
+def _pax_records(meta: bytes) -> dict[str, str]:
+    """`<len> <key>=<value>\\n` records (POSIX pax extended header)."""
+    out: dict[str, str] = {}
+    pos = 0
+    while pos < len(meta) and meta[pos] != 0:
+        sp = meta.find(b" ", pos)
+        if sp < 0 or not meta[pos:sp].isdigit():
+            raise tarfile.HeaderError("a malformed PAX record")
+        length = int(meta[pos:sp])
+        rec = meta[sp + 1 : pos + length]
+        if length <= sp - pos or pos + length > len(meta) or not rec.endswith(b"\n") or b"=" not in rec:
+            raise tarfile.HeaderError("a malformed PAX record")
+        key, _, value = rec[:-1].partition(b"=")
+        out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return out
+
+
+def _members(tar: _TarStream, ref: str, title: str) -> Iterator[tarfile.TarInfo]:
     prefix = title + "/"
     for member in tar:
         name = member.name.rstrip("/")
@@ -362,13 +468,66 @@ def _members(tar: tarfile.TarFile, ref: str, title: str) -> Iterator[tarfile.Tar
         yield member
 
 
+class _Writer:
+    """Writes and hashes the extracted files in a thread of its own (hashlib and os.write release
+    the GIL), so receiving, hashing the layer and parsing the tar go on meanwhile. Jobs run in
+    order; at most MAX_PENDING chunks wait. `drain()` raises the first failure."""
+
+    MAX_PENDING = 8
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="podshim-pull")
+        self.pending: deque[Future[None]] = deque()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self.pending.append(self.pool.submit(fn, *args))
+        while len(self.pending) > self.MAX_PENDING:
+            self.pending.popleft().result()
+
+    def drain(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+
+    def drain_quietly(self) -> None:
+        """Wait for what is queued, ignoring its failures (an error is already on its way)."""
+        while self.pending:
+            with contextlib.suppress(Exception):
+                self.pending.popleft().result()
+
+    def close(self) -> None:
+        for f in self.pending:
+            f.cancel()
+        self.pool.shutdown(wait=True)
+        self.pending.clear()
+
+
+def _write(fd: int, sha: Any, chunk: bytes) -> None:
+    sha.update(chunk)
+    view = memoryview(chunk)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _finish_file(fd: int, sha: Any, ref: str, rel: str, expected: str) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if sha.hexdigest() != expected:
+        raise DataLoss(
+            f"registry artifact {ref}: {rel} has sha256 {sha.hexdigest()}, the manifest says {expected}: "
+            "it was tampered with or corrupted; refused, nothing was kept"
+        )
+
+
 def _extract(
-    tar: tarfile.TarFile,
+    tar: _TarStream,
     member: tarfile.TarInfo,
     ref: str,
     staging: DirHandle,
     m: mf.Manifest,
     written: set[str],
+    writer: _Writer,
 ) -> None:
     rel = member.name
     if member.isdir():
@@ -384,33 +543,20 @@ def _extract(
         )
     if rel in written:
         raise DataLoss(f"registry artifact {ref}: {rel} appears twice")
+    written.add(rel)
     parent, _, name = rel.rpartition("/")
     with staging.sub(parent, create=True) as pd:
         fd = pd.create(name, FILE_MODE)
     sha = hashlib.sha256()
     try:
-        src = tar.extractfile(member)
-        assert src is not None
-        left = member.size
-        while left:
-            chunk = src.read(min(CHUNK_SIZE, left))
-            if not chunk:
-                raise DataLoss(f"registry artifact {ref}: {rel} is truncated in its layer")
-            sha.update(chunk)
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view) :]
-            left -= len(chunk)
+        for chunk in tar.data(member.size):
+            writer.submit(_write, fd, sha, chunk)
             faults.hit("pull.chunk")
-        os.fsync(fd)
-    finally:
+    except BaseException:
+        writer.drain_quietly()
         os.close(fd)
-    if sha.hexdigest() != entry.sha256:
-        raise DataLoss(
-            f"registry artifact {ref}: {rel} has sha256 {sha.hexdigest()}, the manifest says {entry.sha256}: "
-            "it was tampered with or corrupted; refused, nothing was kept"
-        )
-    written.add(rel)
+        raise
+    writer.submit(_finish_file, fd, sha, ref, rel, entry.sha256)  # closes fd
 
 
 def _publish(d: DirHandle, staging: DirHandle, staging_name: str) -> None:

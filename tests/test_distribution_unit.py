@@ -1,0 +1,167 @@
+"""shim/distribution without a registry (issue 17): the layer tars, the pulled manifest's shape,
+credentials and transport rules. End to end: tests/test_distribution.py."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from shim.archive import manifest as mf
+from shim.distribution import artifact, registry_auth
+from shim.distribution.pull import _TarStream
+from shim.errors import DataLoss, InvalidArgument
+
+
+def stream(data: bytes, chunk: int = 7000) -> _TarStream:
+    class Src:
+        def __init__(self) -> None:
+            self.pos = 0
+
+        def read(self, n: int) -> bytes:
+            out = data[self.pos : self.pos + min(n, chunk)]
+            self.pos += len(out)
+            return out
+
+    return _TarStream(Src())
+
+
+def members(data: bytes) -> dict[str, bytes]:
+    t = stream(data)
+    out = {}
+    for ti in t:
+        out[ti.name] = b"".join(bytes(x) for x in t.data(ti.size)) if ti.isreg() else b"<dir>"
+    return out
+
+
+def test_push_tars_read_back_with_long_names() -> None:
+    long = "containers/" + "c" * 200 + "/checkpoint/" + "p" * 120 + ".img"
+    body = b"x" * 70000
+    data = (
+        artifact.tar_header("containers/app", 0, True)
+        + artifact.tar_header(long, len(body), False)
+        + body
+        + artifact.tar_padding(len(body))
+        + artifact.TAR_END
+    )
+    assert members(data) == {"containers/app": b"<dir>", long: body}
+    with tarfile.open(fileobj=io.BytesIO(data)) as t:  # and any tar reader reads them the same
+        assert t.getnames() == ["containers/app", long]
+
+
+def test_gnu_long_names_and_skipped_directory_data() -> None:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as t:
+        ti = tarfile.TarInfo("sandbox/" + "n" * 150)
+        ti.size = 3
+        t.addfile(ti, io.BytesIO(b"abc"))
+    assert members(out.getvalue()) == {"sandbox/" + "n" * 150: b"abc"}
+
+
+@pytest.mark.parametrize("cut", [100, 512 + 10, 1024 + 5])
+def test_truncated_or_corrupt_tar_is_a_tar_error(cut: int) -> None:
+    data = (
+        artifact.tar_header("sandbox/a", 600, False)
+        + b"y" * 600
+        + artifact.tar_padding(600)
+        + artifact.TAR_END
+    )
+    with pytest.raises(tarfile.TarError):
+        members(data[:cut])
+    bad = bytearray(data)
+    bad[0] ^= 0xFF  # header checksum no longer matches
+    with pytest.raises(tarfile.TarError):
+        members(bytes(bad))
+
+
+def manifest_with(files: dict[str, int]) -> mf.Manifest:
+    return mf.Manifest(
+        sandbox=mf.SandboxInfo(id="s", metadata={"name": "web"}, config={}),
+        containers=[mf.ContainerEntry("app", "c", "img", "CONTAINER_RUNNING", 0, True, "containers/app")],
+        files={k: mf.FileEntry(v, "0" * 64) for k, v in files.items()},
+    )
+
+
+def test_units_group_files_by_layer_and_refuse_other_layouts() -> None:
+    m = manifest_with({"sandbox/config.json": 5, "containers/app/checkpoint/pages-1.img": 4096})
+    units = artifact.units_of(m)
+    assert [(u.title, u.container, u.size) for u in units] == [
+        ("sandbox", "", 5),
+        ("containers/app", "app", 4096),
+    ]
+    assert units[1].dirs() == ["containers/app", "containers/app/checkpoint"]
+    assert units[1].tar_cap() >= 4096 + 3 * 512
+    with pytest.raises(InvalidArgument, match="outside sandbox/"):
+        artifact.units_of(manifest_with({"elsewhere/x": 1}))
+
+
+def oci(**over: object) -> dict:
+    doc = artifact.oci_manifest(
+        artifact.descriptor(artifact.CONFIG_MEDIA_TYPE, "sha256:" + "a" * 64, 10),
+        [
+            artifact.descriptor(
+                artifact.LAYER_MEDIA_TYPE, "sha256:" + "b" * 64, 10, {artifact.TITLE: "sandbox"}
+            )
+        ],
+        {},
+    )
+    doc.update(over)
+    return doc
+
+
+def test_pulled_manifest_shape_is_checked() -> None:
+    assert artifact.parse_oci_manifest(oci()).layers[0].title == "sandbox"
+    for bad in (
+        oci(schemaVersion=1),
+        oci(
+            config={
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": "sha256:" + "a" * 64,
+                "size": 1,
+            }
+        ),
+        oci(layers=[]),
+        oci(layers=[{"mediaType": artifact.LAYER_MEDIA_TYPE, "digest": "md5:x", "size": 1}]),
+        oci(layers=[{"mediaType": "text/plain", "digest": "sha256:" + "b" * 64, "size": 1}]),
+    ):
+        with pytest.raises(DataLoss):
+            artifact.parse_oci_manifest(bad)
+    for title in ("../x", "containers/a/b", "/sandbox", "other"):
+        layer = artifact.descriptor(
+            artifact.LAYER_MEDIA_TYPE, "sha256:" + "b" * 64, 1, {artifact.TITLE: title}
+        )
+        with pytest.raises(InvalidArgument):
+            artifact.parse_oci_manifest(oci(layers=[layer]))
+
+
+def test_credentials_from_env_then_docker_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"auths": {"127.0.0.1:5000": {"auth": base64.b64encode(b"u:p@ss").decode()}}}))
+    got = registry_auth.credentials_for("127.0.0.1:5000", str(cfg), env={})
+    assert (got.username, got.password) == ("u", "p@ss") and "p@ss" not in repr(got)
+    got = registry_auth.credentials_for("127.0.0.1:5000", str(cfg), env={"PODSHIM_REGISTRY_AUTH": "e:pw"})
+    assert (got.username, got.source) == ("e", "$PODSHIM_REGISTRY_AUTH")
+    docker_dir = tmp_path / "docker"
+    docker_dir.mkdir()
+    (docker_dir / "config.json").write_text(cfg.read_text())
+    assert (
+        registry_auth.credentials_for("127.0.0.1:5000", env={"DOCKER_CONFIG": str(docker_dir)}).username
+        == "u"
+    )
+    assert not registry_auth.credentials_for("127.0.0.1:6000", str(cfg), env={})
+    with pytest.raises(InvalidArgument) as err:
+        registry_auth.credentials_for("h:1", env={"PODSHIM_REGISTRY_AUTH": "no-colon-secret"})
+    assert "no-colon-secret" not in err.value.message
+
+
+def test_plain_http_only_for_loopback_unless_insecure() -> None:
+    for host in ("127.0.0.1:5000", "localhost:5000", "[::1]:5000", "127.1.2.3"):
+        assert registry_auth.scheme_for(host, False) == "http", host
+    assert registry_auth.scheme_for("10.0.0.1:5000", False) == "https"
+    assert registry_auth.scheme_for("10.0.0.1:5000", True) == "http"
+    with pytest.raises(InvalidArgument, match="names no registry host"):
+        registry_auth.parse_reference("library/busybox:1")
