@@ -165,3 +165,20 @@ def test_plain_http_only_for_loopback_unless_insecure() -> None:
     assert registry_auth.scheme_for("10.0.0.1:5000", True) == "http"
     with pytest.raises(InvalidArgument, match="names no registry host"):
         registry_auth.parse_reference("library/busybox:1")
+
+
+def test_transfer_progress_on_a_terminal_only() -> None:
+    from shim.cli.distribution import TransferProgress
+
+    class TTY(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty, pipe = TTY(), io.StringIO()
+    for stream in (tty, pipe):
+        p = TransferProgress("push web", stream)
+        p(512 << 20, 1 << 30)
+        p(1 << 30, 1 << 30)
+        p.clear()
+    assert "push web: " in tty.getvalue() and "(100%)" in tty.getvalue() and "/s" in tty.getvalue()
+    assert pipe.getvalue() == ""
