@@ -354,11 +354,9 @@ def wait_criu_dumping(out: Path, call: Call, min_bytes: int = 1 << 20, timeout: 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and call.is_alive():
         runc = set(processes_under(out))
-        criu = [
-            p
-            for p in runc | _sys.descendants(runc)
-            if _sys.read_cmdline(p)[:1] and "criu" in _sys.read_cmdline(p)[0]
-        ]
+        # one read per process: one that exits between two reads has an empty command line
+        cmdlines = {p: _sys.read_cmdline(p)[:1] for p in runc | _sys.descendants(runc)}
+        criu = [p for p, argv0 in cmdlines.items() if argv0 and "criu" in argv0[0]]
         written = sum(f.stat().st_size for f in out.glob("containers/*/checkpoint/pages-*.img"))
         if criu and written >= min_bytes:
             return criu
