@@ -475,7 +475,7 @@ class PodRestorer:
                 )
             except grpc.aio.AioRpcError as e:
                 raise upstream_error(self.upstream.endpoint, e, f"looking up image {want}") from None
-            present = st.image.id if st.HasField("image") else None
+            present = [st.image.id, *st.image.repo_digests] if st.HasField("image") else None
             problem = compat.image_mismatch(p.entry.name, want, present, p.image_ref)
             if problem:
                 out.append(problem)

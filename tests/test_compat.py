@@ -59,10 +59,11 @@ def test_an_old_manifest_without_the_new_facts_is_read_and_not_compared() -> Non
 
 
 def test_image_mismatch_messages() -> None:
-    assert compat.image_mismatch("app", "img:1", "sha256:a", "sha256:a") is None
+    assert compat.image_mismatch("app", "img:1", ["sha256:a"], "sha256:a") is None
+    assert compat.image_mismatch("app", "img:1", ["sha256:a", "img@sha256:d"], "img@sha256:d") is None
     assert "is not on this node" in (compat.image_mismatch("app", "img:1", None, "sha256:a") or "")
     assert "the checkpoint ran sha256:a" in (
-        compat.image_mismatch("app", "img:1", "sha256:b", "sha256:a") or ""
+        compat.image_mismatch("app", "img:1", ["sha256:b"], "sha256:a") or ""
     )
 
 

@@ -160,17 +160,22 @@ def host_mismatches(host: HostInfo, node: Node) -> list[str]:
     return out
 
 
-def image_mismatch(container: str, image: str, present_id: str | None, recorded_ref: str) -> str | None:
-    """`present_id`: the id ImageStatus gave for `image` on this node (None: not present)."""
-    if present_id is None:
+def image_mismatch(
+    container: str, image: str, present: Sequence[str] | None, recorded_ref: str
+) -> str | None:
+    """`present`: what ImageStatus gave for `image` on this node, its id first, then its repo
+    digests (None: not present). The checkpoint's `image_ref` is one of those forms (containerd
+    reports a repo digest when the image has one, else the id)."""
+    if present is None:
         return (
             f"container {container!r}: image {image} is not on this node"
             + (f" (the checkpoint ran {recorded_ref})" if recorded_ref else "")
             + ": pull it first"
         )
-    if recorded_ref and present_id != recorded_ref:
+    if recorded_ref and recorded_ref not in present:
         return (
-            f"container {container!r}: image {image} is {present_id} on this node, the checkpoint ran "
+            f"container {container!r}: image {image} is {present[0] if present else '?'} on this node, "
+            "the checkpoint ran "
             f"{recorded_ref}: pull the checkpointed image"
         )
     return None
