@@ -857,7 +857,9 @@ def register(sub: Any) -> None:
         metavar="REF",
         help="pull the checkpoint from this registry reference first (podshim pull), then restore it",
     )
-    p.add_argument("--pull-dir", metavar="DIR", help="with --from: pull into DIR (default: in an allowed root)")
+    p.add_argument(
+        "--pull-dir", metavar="DIR", help="with --from: pull into DIR (default: in an allowed root)"
+    )
     from shim.cli import distribution  # the registry options of --from (shim/cli/distribution.py)
 
     distribution.add_pull_options(p)
