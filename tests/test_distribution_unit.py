@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -182,3 +183,37 @@ def test_transfer_progress_on_a_terminal_only() -> None:
         p.clear()
     assert "push web: " in tty.getvalue() and "(100%)" in tty.getvalue() and "/s" in tty.getvalue()
     assert pipe.getvalue() == ""
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from shim.cli import main; sys.exit(main())", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_cli_refusals_are_one_line_with_the_code(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    config = tmp_path / "podshim.toml"
+    config.write_text(f'[checkpoint]\nallowed_roots = ["{root}"]\n')
+    outside = tmp_path / "outside"
+    res = run_cli("pull", "127.0.0.1:9/pods/x:v1", str(outside), "--podshim-config", str(config))
+    assert res.returncode == 1 and "podshim pull: INVALID_ARGUMENT:" in res.stderr, res.stderr
+    assert "outside the allowed checkpoint roots" in res.stderr and "Traceback" not in res.stderr
+    assert not outside.exists()  # the directory the command created is gone again
+    empty = root / "empty"
+    empty.mkdir()
+    res = run_cli("push", str(empty), "127.0.0.1:9/pods/x:v1")
+    assert res.returncode == 1 and "podshim push: NOT_FOUND:" in res.stderr, res.stderr
+    res = run_cli("push", str(empty), "pods/x:v1")
+    assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "names no registry host" in res.stderr
+    res = run_cli("pull", "127.0.0.1:9/pods/x:v1", str(root / "new"), "--podshim-config", str(config))
+    assert res.returncode == 1 and "podshim pull: UNAVAILABLE:" in res.stderr, res.stderr  # nothing listens
+    assert not (root / "new").exists()
