@@ -442,7 +442,7 @@ def test_tampered_layer_is_data_loss_and_leaves_nothing(
         blob.write_bytes(original)
 
 
-@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "other-layer"])
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "other-layer", "dir-clash"])
 def test_escaping_layer_is_refused_and_writes_nothing_outside(
     kind: str, source: Checkpoint, registry: Registry, node_b: TestBed
 ) -> None:
@@ -453,10 +453,13 @@ def test_escaping_layer_is_refused_and_writes_nothing_outside(
             "absolute": str(outside),
             "symlink": "sandbox/link",
             "other-layer": "containers/counter/planted",
+            "dir-clash": "sandbox/config.json",  # a directory where the manifest has a file
         }[kind]
     )
     if kind == "symlink":
         ti.type, ti.linkname = tarfile.SYMTYPE, str(outside)
+    elif kind == "dir-clash":
+        ti.type = tarfile.DIRTYPE
     else:
         ti.size = 4
     ref = registry.ref("pods/escape", kind)

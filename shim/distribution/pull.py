@@ -22,6 +22,7 @@ input (docs/architecture.md "Checkpoints through a registry").
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -44,7 +45,7 @@ from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE
 from shim.archive.layout import MANIFEST_FILE
 from shim.distribution import artifact
 from shim.distribution.registry_auth import RegistryClient, client_for
-from shim.errors import DataLoss, InvalidArgument, ShimError, Unavailable
+from shim.errors import DataLoss, Internal, InvalidArgument, ResourceExhausted, ShimError, Unavailable
 
 STAGING_PREFIX = ".podshim-pull-"
 Progress = Callable[[int, int], None]
@@ -341,6 +342,18 @@ def _pull_layer(
             writer.drain()
         except (tarfile.TarError, EOFError) as e:
             raise DataLoss(f"registry artifact {ref}: {what} is not a readable tar ({e})") from None
+        except (FileExistsError, NotADirectoryError, IsADirectoryError):
+            raise InvalidArgument(
+                f"registry artifact {ref}: {what} names an entry twice (as a file and a directory): "
+                "refused, nothing was kept"
+            ) from None
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ResourceExhausted(
+                    f"the pull target's file system is full while writing {what}: nothing was kept; "
+                    "free space and retry"
+                ) from None
+            raise Internal(f"cannot write {what} of {ref} into the pull target: {e.strerror}") from None
         except Exception as e:
             if type(e).__name__ == "ZstdError":
                 raise DataLoss(f"registry artifact {ref}: {what} is not valid zstd ({e})") from None
