@@ -25,7 +25,7 @@ from shim.archive.fsutil import CHUNK_SIZE
 from shim.archive.layout import MANIFEST_FILE
 from shim.distribution import artifact
 from shim.distribution.registry_auth import RegistryClient, client_for
-from shim.errors import DataLoss, InvalidArgument, NotFound
+from shim.errors import DataLoss, Internal, InvalidArgument, NotFound
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all), archive bytes
 ZSTD_LEVEL = 1  # measured: ~3x faster than level 3 for a few percent less ratio on CRIU pages
@@ -201,6 +201,20 @@ def push(
     progress: Progress | None = None,
 ) -> PushResult:
     """Push the complete pod checkpoint at `archive` to `ref` (HOST[:PORT]/REPO[:TAG])."""
+    try:
+        return _push(archive, ref, compression, insecure, registry_config, progress)
+    except OSError as e:  # reading the archive
+        raise Internal(f"cannot read checkpoint {archive}: {e.strerror or e}") from None
+
+
+def _push(
+    archive: str | os.PathLike[str],
+    ref: str,
+    compression: str,
+    insecure: bool,
+    registry_config: str | None,
+    progress: Progress | None,
+) -> PushResult:
     if compression not in artifact.COMPRESSIONS:
         raise InvalidArgument(f"compression {compression!r}: one of {', '.join(artifact.COMPRESSIONS)}")
     start = time.monotonic()
