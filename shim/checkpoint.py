@@ -1,10 +1,10 @@
 """CheckpointPod (KEP-5823): a consistent pod-wide checkpoint with the shortest freeze window.
 
-Order of work (DESIGN §3): validate -> pod view -> journal -> write what needs no frozen state
--> freeze in one cut -> dump every container in parallel + capture rootfs diffs -> thaw (or kill
-for STOPPED) -> stats, encryption (with a node key: shim/archive/crypto.py), checksums, manifest
-(the completion marker). Any failure or the deadline
-thaws the pod, removes what was written inside output_path and returns a typed error.
+Order of work (docs/architecture.md "CheckpointPod"): validate -> pod view -> journal -> write what
+needs no frozen state -> freeze in one cut -> dump every container in parallel + capture rootfs
+diffs -> thaw (or kill for STOPPED) -> stats, encryption (with a node key: shim/archive/crypto.py),
+checksums, manifest (the completion marker). Any failure or the deadline thaws the pod, removes what
+was written inside output_path and returns a typed error.
 """
 
 from __future__ import annotations
@@ -259,7 +259,8 @@ class PodCheckpointer:
             # someone else paused before (the cut leaves it so) is not ours to thaw.
             paused = set(await run_to_end(self_frozen, [c.cgroups_path for c in selected]))
             ours = [c.cgroups_path for c in selected if c.cgroups_path not in paused]
-            rec = self.journal.begin(
+            rec = await run_to_end(  # fsync: never on the loop
+                self.journal.begin,
                 "checkpoint",
                 pod.id,
                 {"output_path": str(out), "cgroups": [pod.cgroup_parent, *ours]},
@@ -352,7 +353,7 @@ class PodCheckpointer:
 
         # 2. Freeze in one cut, dump all in parallel with the rootfs diffs, thaw.
         cut = PodCut(pod.cgroup_parent, [w.view.cgroups_path for w in work], timeout=FREEZE_TIMEOUT)
-        self.journal.update(rec, "frozen")
+        await run_to_end(self.journal.update, rec, "frozen")  # fsync: never on the loop
         try:
             await run_to_end(cut.freeze)
             faults.hit("checkpoint.after-freeze")

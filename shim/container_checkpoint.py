@@ -1,11 +1,12 @@
 """CheckpointContainer (KEP-2008) done by podshim, and restore of its archive through CreateContainer.
 
-Checkpoint (DESIGN §5): validate `location` and the container -> journal (cgroup, staging dir)
--> spec/status dumps -> freeze the container's cgroup -> `runc checkpoint --leave-running`
-while the rootfs diff is captured -> thaw (always, in a `finally`) -> config.dump, CRIU stats,
-podshim manifest with checksums -> one tar written into the staging dir next to the target,
-fsynced, then linked to its final name (never replacing a file) -> staging dir removed. Any
-failure or the deadline thaws the container and removes the staging dir: no file is left.
+Checkpoint (docs/architecture.md "CheckpointContainer"): validate `location` and the container ->
+journal (cgroup, staging dir) -> spec/status dumps -> freeze the container's cgroup -> `runc
+checkpoint --leave-running` while the rootfs diff is captured -> thaw (always, in a `finally`) ->
+config.dump, CRIU stats, podshim manifest with checksums -> one tar written into the staging dir
+next to the target, fsynced, then linked to its final name (never replacing a file) -> staging dir
+removed. Any failure or the deadline thaws the container and removes the staging dir: no file is
+left.
 
 The archive holds what one `containers/<name>/` of a pod checkpoint holds, under the names
 checkpointctl and the Kubernetes node e2e check read: config.dump, spec.dump, status.dump,
@@ -419,8 +420,9 @@ class ContainerCheckpointer:
         when = rfc3339(seconds_only=True)
         target = loc.target(kubelet_name(pod, c.name, when))
         with hold([f"pod {pod.id}", f"path {target}"]):
-            check_dumpable(c)
-            check_shared_state([c])  # a file of the pod's /dev/shm in use: the restore could not open it
+            await run_to_end(check_dumpable, c)
+            # a file of the pod's /dev/shm in use: the restore could not open it
+            await run_to_end(check_shared_state, [c])
             # the directory of the tar, held open: from here on it is reached only through that
             # descriptor (dirfd.py), so replacing it cannot make podshim write elsewhere
             where = open_checked(loc.directory, loc.asked or str(loc.directory), "location directory")
@@ -438,8 +440,9 @@ class ContainerCheckpointer:
                 # a hidden sibling of the tar, named so that leftovers read as temporary files
                 staging = target.parent / fsutil.temp_name_for(STAGING_PREFIX)
                 # what recovery thaws after a crash: not a container someone else had paused
-                ours = [] if self_frozen([c.cgroups_path]) else [c.cgroups_path]
-                rec = self.journal.begin(
+                ours = [] if await run_to_end(self_frozen, [c.cgroups_path]) else [c.cgroups_path]
+                rec = await run_to_end(  # fsync: never on the loop
+                    self.journal.begin,
                     KIND,
                     pod.id,
                     {
@@ -456,7 +459,19 @@ class ContainerCheckpointer:
             try:
                 held = where.adopt(where.mkdir(staging.name))  # closed with `where`
                 async with asyncio.timeout_at(deadline):
-                    result = await self._run(pod, c, held, target, rec, steps, started, where)
+                    size, timings = await self._run(pod, c, held, target, rec, steps, started, where)
+                # The commit point, past the deadline's reach as before (it ran between two awaits):
+                # from here on the checkpoint exists; only the staging dir is left to go.
+                path = await run_to_end(self._publish, held, where, target.name)
+                timings["total"] = time.monotonic() - started
+                log.info(
+                    "container checkpoint complete",
+                    container=c.id,
+                    path=str(path),
+                    bytes=size,
+                    **{k: round(v, 4) for k, v in timings.items()},
+                )
+                result = Result(path=path, size=size, freeze_window=timings["freeze_window"], timings=timings)
             except TimeoutError:
                 self._abandon(where, staging, rec)
                 total = budget + CLEANUP_MARGIN
@@ -492,7 +507,7 @@ class ContainerCheckpointer:
         steps: _Steps,
         started: float,
         where: DirHandle,
-    ) -> Result:
+    ) -> tuple[int, dict[str, float]]:
         timings: dict[str, float] = {}
         tree = staging.adopt(staging.sub(STAGING_TREE, create=True))
         images = tree.adopt(tree.sub(layout.CHECKPOINT_DIR, create=True))
@@ -518,7 +533,7 @@ class ContainerCheckpointer:
         freezer = default_freezer()
         cgroup = c.cgroups_path
         paused_before = await steps.run(freezer.self_frozen, cgroup)  # someone else's pause stays
-        self.journal.update(rec, "frozen")
+        await steps.run(self.journal.update, rec, "frozen")  # fsync: never on the loop
         froze = False
         frozen_at = thawed_at = time.monotonic()
         checkpointed = rfc3339()
@@ -556,7 +571,7 @@ class ContainerCheckpointer:
         log.info("container thawed", container=c.id, freeze_window=round(timings["freeze_window"], 4))
 
         # After the thaw: config.dump, stats, manifest, the tar.
-        self.journal.update(rec, "archiving")
+        await steps.run(self.journal.update, rec, "archiving")
         await steps.run(
             tree.write_file,
             layout.CONFIG_DUMP_FILE,
@@ -576,20 +591,17 @@ class ContainerCheckpointer:
         tree.close()
         faults.hit("checkpoint-container.before-publish")
         where.check_in_place("location directory", "the checkpoint")  # the last moment to refuse
-        # The commit point: from here on the checkpoint exists; only the staging dir is left to go.
-        path = publish(staging, where, target.name)
+        return size, timings
+
+    @staticmethod
+    def _publish(staging: DirHandle, where: DirHandle, name: str) -> Path:
+        """The commit point (in a worker thread: link, fsync, rmtree): the tar gets its name, then
+        the staging dir goes."""
+        path = publish(staging, where, name)
         staging.close()
         with contextlib.suppress(OSError):
             where.remove(staging.path.name)
-        timings["total"] = time.monotonic() - started
-        log.info(
-            "container checkpoint complete",
-            container=c.id,
-            path=str(path),
-            bytes=size,
-            **{k: round(v, 4) for k, v in timings.items()},
-        )
-        return Result(path=path, size=size, freeze_window=timings["freeze_window"], timings=timings)
+        return path
 
     async def _dump(
         self,

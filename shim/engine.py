@@ -1,5 +1,6 @@
 """The checkpoint/restore engine behind the gRPC layer: one lock per pod, the journal,
-metrics and logs around each operation, and crash recovery at start (DESIGN §8)."""
+metrics and logs around each operation, and crash recovery at start (docs/architecture.md
+"Crash safety")."""
 
 from __future__ import annotations
 
@@ -216,7 +217,8 @@ class Engine:
     async def checkpoint_container(
         self, req: cri.CheckpointContainerRequest, context: grpc.aio.ServicerContext
     ) -> cri.CheckpointContainerResponse:
-        """KEP-2008 in podshim: one tar at `location`, the container left running (DESIGN §5)."""
+        """KEP-2008 in podshim: one tar at `location`, the container left running
+        (docs/architecture.md "CheckpointContainer")."""
         hold = functools.partial(self.locks.hold, "checkpoint_container")
         # the pod and path locks are taken inside, once the container's pod is known
         with self._operation("checkpoint_container", [], container=req.container_id, path=req.location):
@@ -316,8 +318,8 @@ class Engine:
             t.cancel()
 
     async def recover(self) -> None:
-        """Undo what a crashed podshim left (DESIGN §8): thaw pods, remove partial archives,
-        remove half-restored sandboxes, and log each recovery.
+        """Undo what a crashed podshim left (docs/architecture.md "Crash safety"): thaw pods, remove
+        partial archives, remove half-restored sandboxes, and log each recovery.
 
         A record that cannot be recovered now is logged and kept for the next start: it never
         keeps podshim from serving. A checkpoint whose runc/CRIU outlived the crash (they run in

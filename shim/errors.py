@@ -1,4 +1,5 @@
-"""Typed errors of podshim's own operations, each carrying its gRPC status code (DESIGN §7).
+"""Typed errors of podshim's own operations, each carrying its gRPC status code
+(docs/architecture.md "Errors").
 
 Plain modules raise these; the gRPC layer turns them into a status with the same message.
 """

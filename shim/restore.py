@@ -1,4 +1,5 @@
-"""RestorePod (KEP-5823): a new, fully managed pod from a checkpoint (DESIGN §4).
+"""RestorePod (KEP-5823): a new, fully managed pod from a checkpoint (docs/architecture.md
+"RestorePod").
 
 Validate the archive and the request before touching anything; then RunPodSandbox and one
 CreateContainer per checkpointed container (in checkpoint order) through the upstream, each

@@ -34,9 +34,7 @@ from shim.cgroups import (
     cgroup_procs,
     detect_hierarchy,
     expand_slice,
-    is_frozen_anywhere,
     parse_mountinfo,
-    pod_cut,
     resolve_cgroups_path,
     thaw_paths,
 )
@@ -267,7 +265,7 @@ def test_v2_freeze_thaw(v2: tuple[Freezer, FakeV2Kernel]) -> None:
 
 def test_v2_pod_cut(v2: tuple[Freezer, FakeV2Kernel]) -> None:
     f, k = v2
-    with pod_cut("/pod1", ["/pod1/c1", "/pod1/c2"], timeout=2, freezer=f) as cut:
+    with PodCut("/pod1", ["/pod1/c1", "/pod1/c2"], timeout=2, freezer=f) as cut:
         assert _freeze_file(k, "pod1") == "0"
         assert f.state("/pod1") is FreezerState.THAWED
         for c in ("/pod1/c1", "/pod1/c2"):
@@ -292,12 +290,12 @@ def test_v2_cut_with_stuck_container_thaws_everything(v2: tuple[Freezer, FakeV2K
     f, k = v2
     k.stuck.add(k.root / "pod1" / "c2")
     with pytest.raises(FreezerTimeout, match="pod1"):
-        with pod_cut("/pod1", ["/pod1/c1", "/pod1/c2"], timeout=0.2, freezer=f):
+        with PodCut("/pod1", ["/pod1/c1", "/pod1/c2"], timeout=0.2, freezer=f):
             pytest.fail("the cut must not succeed")
     for c in ("pod1", "pod1/c1", "pod1/c2"):
         assert _freeze_file(k, c) == "0"
     k.tick()  # descendants of a thawed parent catch up (the fake lags the writes a little)
-    assert not is_frozen_anywhere(["/pod1", "/pod1/c1", "/pod1/c2"], freezer=f)
+    assert not f.frozen_among(["/pod1", "/pod1/c1", "/pod1/c2"])
 
 
 def test_v2_thaw_under_frozen_ancestor_names_it(v2: tuple[Freezer, FakeV2Kernel]) -> None:
@@ -400,12 +398,12 @@ def _task_frozen(pid: int) -> bool:
 def test_v1_pod_cut(v1pod: V1Pod) -> None:
     f, parent, cs = v1pod.freezer, v1pod.parent, v1pod.containers
     before = time.time()
-    with pod_cut(parent, cs, timeout=5, freezer=f) as cut:
+    with PodCut(parent, cs, timeout=5, freezer=f) as cut:
         assert v1pod.raw(parent) == "THAWED"
         for c in cs:
             assert v1pod.raw(c) == "FROZEN" and v1pod.raw(c, "freezer.self_freezing") == "1"
             assert _task_frozen(v1pod.procs[c].pid)
-        assert is_frozen_anywhere([parent, *cs], freezer=f)
+        assert f.frozen_among([parent, *cs])
         t = cut.timings
         assert t.cut_wall is not None and before <= t.cut_wall <= time.time()
         assert t.parent_freeze > 0 and set(t.containers_freeze) == set(cs) and t.parent_thaw > 0
@@ -414,7 +412,7 @@ def test_v1_pod_cut(v1pod: V1Pod) -> None:
         assert v1pod.raw(cg) == "THAWED"
     for c in cs:
         assert not _task_frozen(v1pod.procs[c].pid)
-    assert not is_frozen_anywhere([parent, *cs], freezer=f)
+    assert not f.frozen_among([parent, *cs])
     assert t.started_monotonic is not None and t.cut_monotonic is not None
     assert t.cut_done_monotonic is not None and t.thawed_monotonic is not None
     assert t.started_monotonic <= t.cut_monotonic <= t.cut_done_monotonic <= t.thawed_monotonic
@@ -482,7 +480,7 @@ def test_v1_recovery_thaw_paths(v1pod: V1Pod) -> None:
     f.freeze(parent)
     for c in cs:
         f.freeze(c)
-    assert is_frozen_anywhere([f"{parent}/gone", *cs], freezer=f)
+    assert f.frozen_among([f"{parent}/gone", *cs])
     # children listed before the parent on purpose: ancestors are thawed first
     thawed = thaw_paths([*cs, f"{parent}/gone", parent], timeout=2, freezer=f)
     assert sorted(thawed) == sorted([parent, *cs])
@@ -660,13 +658,13 @@ def test_v2_real_detection_and_freeze_thaw(v2pod: V2Pod) -> None:
 @needs_v2
 def test_v2_real_pod_cut(v2pod: V2Pod) -> None:
     f, parent, cs = v2pod.freezer, v2pod.parent, v2pod.containers
-    with pod_cut(parent, cs, timeout=5, freezer=f) as cut:
+    with PodCut(parent, cs, timeout=5, freezer=f) as cut:
         # the cut is in place: the parent thawed again, each container held by its own cgroup
         assert v2pod.file(parent, "cgroup.freeze").strip() == "0" and not v2pod.events_frozen(parent)
         for c in cs:
             assert v2pod.file(c, "cgroup.freeze").strip() == "1" and v2pod.events_frozen(c)
         assert all(v2pod.stands_still(c) for c in cs)
-        assert is_frozen_anywhere([parent, *cs], freezer=f)
+        assert f.frozen_among([parent, *cs])
         assert cut.frozen == cs and cut.timings.parent_freeze > 0 and cut.timings.parent_thaw > 0
     v2pod.assert_all_thawed()
     assert cut.timings.thawed_monotonic is not None and set(cut.timings.thaw) == set(cs)

@@ -24,7 +24,7 @@ R = TypeVar("R")
 
 CHUNK_SIZE = 1 << 20  # 1 MiB: large enough to amortise syscalls, small enough to stream
 
-FILE_MODE = 0o600  # memory images hold secrets (DESIGN §6)
+FILE_MODE = 0o600  # memory images hold secrets (docs/architecture.md "Archive layout")
 DIR_MODE = 0o700
 
 _TMP_MARK = ".tmp-"
@@ -247,11 +247,6 @@ def hole_bytes(path: Path, limit: int, stop: threading.Event | None = None) -> i
         os.close(fd)
 
 
-def sha256_file(path: Path, chunk_size: int = CHUNK_SIZE) -> str:
-    """sha256 hex digest of the file at `path`, read in `chunk_size` chunks."""
-    return hash_file(path, chunk_size)[1]
-
-
 def make_private_dir(path: Path, exist_ok: bool = True) -> Path:
     """Create `path` (and missing parents) with mode 0700, whatever the umask."""
     path = Path(path)
@@ -271,8 +266,8 @@ def write_private_file(path: Path, data: bytes) -> None:
 
 
 def make_tree_private(root: Path) -> None:
-    """Files 0600, directories 0700 (DESIGN §6): runc and CRIU create theirs with the umask's
-    0644/0755. Symlinks are left alone (write_manifest refuses them)."""
+    """Files 0600, directories 0700 (docs/architecture.md "Archive layout"): runc and CRIU create
+    theirs with the umask's 0644/0755. Symlinks are left alone (write_manifest refuses them)."""
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames:
             p = os.path.join(dirpath, name)

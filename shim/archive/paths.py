@@ -138,15 +138,6 @@ def check_member_path(relative: str, what: str = "archive member") -> PurePosixP
     return PurePosixPath(*parts)
 
 
-def confined_join(base: Path, relative: str) -> Path:
-    """Join `relative` under `base`, rejecting absolute or escaping members (lexical check).
-
-    Symlinks are not resolved here: trees read through this must have been checked to
-    contain none (see manifest.load_and_verify).
-    """
-    return Path(base) / check_member_path(relative)
-
-
 def check_component(name: str, what: str) -> str:
     """Validate one path component used as a directory name (e.g. a container name)."""
     if not isinstance(name, str) or name in ("", ".", ".."):

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE, Stopped, atomic_write
 from shim.archive.paths import NAME_MAX, PATH_MAX, check_member_path
@@ -671,9 +671,3 @@ def _apply_member(
         ns = _mtime_ns(ti)
         os.utime(name, ns=(ns, ns), dir_fd=pfd, follow_symlinks=False)
         s.devices += 1
-
-
-def member_names(tar_path: Path) -> list[str]:
-    """Names in a rootfs diff tar, normalised (for inspection and tests)."""
-    with _open_tar(Path(tar_path)) as tar:
-        return [str(PurePosixPath(n)) for n in tar.getnames()]

@@ -12,11 +12,8 @@ from shim.cgroups.freezer import (
     cgroup_procs,
     default_freezer,
     detect_hierarchy,
-    detect_mode,
     expand_slice,
-    is_frozen_anywhere,
     parse_mountinfo,
-    pod_cut,
     resolve_cgroups_path,
     thaw_paths,
 )
@@ -32,11 +29,8 @@ __all__ = [
     "cgroup_procs",
     "default_freezer",
     "detect_hierarchy",
-    "detect_mode",
     "expand_slice",
-    "is_frozen_anywhere",
     "parse_mountinfo",
-    "pod_cut",
     "resolve_cgroups_path",
     "thaw_paths",
 ]

@@ -1,9 +1,9 @@
 """cgroup freezer (v1 and v2), cgroup path resolution, and the pod-wide "freeze in one cut".
 
-The cut (DESIGN §3.4): freeze the pod's parent cgroup, which stops every process of the pod
-at once; freeze each container's own cgroup; thaw the parent. Each container then stays
-frozen by its own cgroup, and CRIU never runs under a frozen ancestor (it would hang: its
-thaw of the container cgroup has no effect there).
+The cut (docs/architecture.md "CheckpointPod" step 5): freeze the pod's parent cgroup, which stops
+every process of the pod at once; freeze each container's own cgroup; thaw the parent. Each
+container then stays frozen by its own cgroup, and CRIU never runs under a frozen ancestor (it would
+hang: its thaw of the container cgroup has no effect there).
 
 Every cgroup argument is an OCI `linux.cgroupsPath` in either driver's form (cgroupfs
 "/kubepods/besteffort/pod<uid>/<id>", systemd "slice:prefix:name" or a bare "<name>.slice"),
@@ -18,7 +18,7 @@ import functools
 import os
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,10 +123,6 @@ def detect_hierarchy(mountinfo: Path = MOUNTINFO, unified_mountpoint: str = UNIF
         f"no cgroup freezer on this host: {unified_mountpoint} is not cgroup2 and no cgroup v1 "
         f"hierarchy has the freezer controller (see {mountinfo}); mount one to checkpoint pods"
     )
-
-
-def detect_mode(mountinfo: Path = MOUNTINFO) -> CgroupMode:
-    return detect_hierarchy(mountinfo).mode
 
 
 # ---------------------------------------------------------------------------- path resolution
@@ -383,15 +379,6 @@ class CutTimings:
     cut_done_monotonic: float | None = None  # containers frozen by their own cgroups, parent thawed
     thawed_monotonic: float | None = None  # the last container thawed: the window ends
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "parent_freeze": self.parent_freeze,
-            "containers_freeze": dict(self.containers_freeze),
-            "parent_thaw": self.parent_thaw,
-            "thaw": dict(self.thaw),
-            "cut_wall": self.cut_wall,
-        }
-
 
 class PodCut:
     """Freeze a pod in one cut; `thaw_all` (always run: context exit, finally) undoes it.
@@ -539,22 +526,7 @@ class PodCut:
         self.thaw_all()
 
 
-@contextlib.contextmanager
-def pod_cut(
-    parent: str, containers: Sequence[str], timeout: float = DEFAULT_TIMEOUT, freezer: Freezer | None = None
-) -> Iterator[PodCut]:
-    """`with pod_cut(parent, containers, timeout) as cut:` — frozen inside, thawed on exit."""
-    cut = PodCut(parent, containers, timeout, freezer)
-    with cut:
-        yield cut
-
-
 # ---------------------------------------------------------------------------- helpers
-
-
-def is_frozen_anywhere(cgroups: Sequence[str], freezer: Freezer | None = None) -> bool:
-    """True when any existing cgroup of `cgroups` is frozen or freezing (recovery check)."""
-    return bool((freezer or default_freezer()).frozen_among(cgroups))
 
 
 def thaw_paths(

@@ -1,6 +1,7 @@
-"""Pod network facts (DESIGN §2): the interfaces, addresses and routes of a pod's network
-namespace, read with pyroute2. CheckpointPod records them in `sandbox/network.json` (beside the
-CNI result the upstream recorded); RestorePod checks the new pod's namespace against them.
+"""Pod network facts (docs/architecture.md "CheckpointPod" step 4): the interfaces, addresses and
+routes of a pod's network namespace, read with pyroute2. CheckpointPod records them in
+`sandbox/network.json` (beside the CNI result the upstream recorded); RestorePod checks the new
+pod's namespace against them.
 
 A restored pod gets a new IP from CNI like any new pod (KEP-5823); what must hold is that every
 interface the checkpointed processes could have used exists again under the same name, or

@@ -56,12 +56,6 @@ class ContainerView:
         """Where the runtime mounts things into the rootfs (never part of the writable layer)."""
         return [str(m.get("destination", "")) for m in self.spec.get("mounts", [])]
 
-    def namespace_path(self, kind: str) -> str | None:
-        for ns in self.spec.get("linux", {}).get("namespaces", []):
-            if ns.get("type") == kind:
-                return ns.get("path")
-        return None
-
     def upperdir(self) -> Path | None:
         """The overlayfs upper dir of the container's rootfs, i.e. its writable layer."""
         if self.pid <= 0:

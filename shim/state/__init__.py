@@ -1,4 +1,4 @@
-"""podshim's durable state: the journal of in-flight operations (DESIGN §8)."""
+"""podshim's durable state: the journal of in-flight operations (docs/architecture.md "Crash safety")."""
 
 from shim.state.journal import KINDS, CorruptRecord, Journal, JournalScan, OpRecord
 
