@@ -217,3 +217,22 @@ def test_cli_refusals_are_one_line_with_the_code(tmp_path: Path) -> None:
     res = run_cli("pull", "127.0.0.1:9/pods/x:v1", str(root / "new"), "--podshim-config", str(config))
     assert res.returncode == 1 and "podshim pull: UNAVAILABLE:" in res.stderr, res.stderr  # nothing listens
     assert not (root / "new").exists()
+
+
+def test_a_second_pull_into_the_same_target_is_aborted(tmp_path: Path) -> None:
+    import fcntl
+    import os
+
+    from shim.distribution import pull
+    from shim.errors import Aborted
+
+    root = tmp_path / "root"
+    target = root / "t"
+    target.mkdir(parents=True)
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a pull in progress holds it
+        with pytest.raises(Aborted, match="another pull"):
+            pull.pull("127.0.0.1:9/pods/x:v1", target, allowed_roots=[str(root)])
+    finally:
+        os.close(fd)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -45,7 +46,15 @@ from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE
 from shim.archive.layout import MANIFEST_FILE
 from shim.distribution import artifact
 from shim.distribution.registry_auth import RegistryClient, client_for
-from shim.errors import DataLoss, Internal, InvalidArgument, ResourceExhausted, ShimError, Unavailable
+from shim.errors import (
+    Aborted,
+    DataLoss,
+    Internal,
+    InvalidArgument,
+    ResourceExhausted,
+    ShimError,
+    Unavailable,
+)
 
 STAGING_PREFIX = ".podshim-pull-"
 Progress = Callable[[int, int], None]
@@ -196,6 +205,10 @@ def pull(
     real = paths.validate_archive_dir(asked, allowed_roots)  # confined, existing (NotFound)
     d = open_checked(real, asked, "pull target")
     with d:
+        try:  # one pull per target (released when the process ends, a killed pull's too)
+            fcntl.flock(d.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Aborted(f"another pull into {asked} is running: wait for it or pull elsewhere") from None
         _clear_stale_staging(d)
         names = d.names()
         if names:
@@ -209,7 +222,10 @@ def pull(
             with staging:
                 result = _pull_into(client, ref, staging, progress)
                 result.path = str(real)
-                _publish(d, staging, staging_name)
+                try:
+                    _publish(d, staging, staging_name)
+                except OSError as e:
+                    raise Internal(f"cannot move the pulled checkpoint into {asked}: {e.strerror}") from None
         except BaseException:
             with contextlib.suppress(OSError):
                 d.remove(staging_name)
