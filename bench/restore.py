@@ -69,11 +69,12 @@ from bench.common import (
     table,
     worst,
 )
+from shim import contract
 from testbed import pods
 from testbed.bed import NAMESPACE, TestBed
 
 WARM_TARGET = 0.15
-RESTORE_WORK_DIR = "podshim-restore"  # podshim-runc's CRIU work dir inside the container bundle
+RESTORE_WORK_DIR = contract.WORK_DIR  # podshim-runc's CRIU work dir inside the container bundle
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

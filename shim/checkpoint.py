@@ -22,7 +22,7 @@ import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, cni, errors, faults, logs, space
+from shim import __version__, cni, contract, errors, faults, logs, space
 from shim.aio import run_to_end
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.dirfd import DirHandle, open_checked
@@ -53,10 +53,10 @@ class CheckpointOptions:
     compress: bool = False  # gzip the rootfs diff
 
     KEYS = {
-        "file-locks": "handle file locks (default true)",
-        "tcp-established": "dump established TCP connections (default false)",
-        "ext-unix-sk": "allow external unix sockets (default false)",
-        "shell-job": "allow a container attached to a terminal (default false)",
+        contract.FILE_LOCKS: "handle file locks (default true)",
+        contract.TCP_ESTABLISHED: "dump established TCP connections (default false)",
+        contract.EXT_UNIX_SK: "allow external unix sockets (default false)",
+        contract.SHELL_JOB: "allow a container attached to a terminal (default false)",
         "rootfs-compression": "none (default) or gzip for rootfs-diff.tar",
         "ghost-limit": "bytes (K/M/G suffix allowed) of a deleted but open file CRIU keeps (default 1M)",
         "irmap-scan-paths": "comma-separated directories (container paths) where CRIU looks for the paths "
@@ -85,10 +85,10 @@ class CheckpointOptions:
             raise errors.InvalidArgument(f"option rootfs-compression={compression!r}: expected none or gzip")
         return cls(
             criu=CriuOptions(
-                file_locks=flag("file-locks", True),
-                tcp_established=flag("tcp-established", False),
-                ext_unix_sk=flag("ext-unix-sk", False),
-                shell_job=flag("shell-job", False),
+                file_locks=flag(contract.FILE_LOCKS, True),
+                tcp_established=flag(contract.TCP_ESTABLISHED, False),
+                ext_unix_sk=flag(contract.EXT_UNIX_SK, False),
+                shell_job=flag(contract.SHELL_JOB, False),
                 ghost_limit=_size(options.get("ghost-limit", "")),
                 irmap_scan_paths=_scan_paths(options.get("irmap-scan-paths", "")),
             ),
@@ -582,10 +582,7 @@ class PodCheckpointer:
 def _options_record(opts: CheckpointOptions) -> dict[str, str]:
     c = opts.criu
     return {
-        "file-locks": str(c.file_locks).lower(),
-        "tcp-established": str(c.tcp_established).lower(),
-        "ext-unix-sk": str(c.ext_unix_sk).lower(),
-        "shell-job": str(c.shell_job).lower(),
+        **contract.switches_record(c),
         "rootfs-compression": "gzip" if opts.compress else "none",
         "ghost-limit": str(c.ghost_limit or ""),
         "irmap-scan-paths": ",".join(c.irmap_scan_paths),

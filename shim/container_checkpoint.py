@@ -44,9 +44,17 @@ import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, errors, faults, logs, space
+from shim import __version__, contract, errors, faults, logs, space
 from shim.aio import run_to_end
 from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
+from shim.archive.container_tar import (
+    FORMAT,
+    LEADING_MEMBERS,
+    MANIFEST_FILE,
+    MAX_METADATA_BYTES,
+    REQUIRED_MEMBERS,
+    tar_error,
+)
 from shim.archive.dirfd import DirHandle, HeldTree, open_checked
 from shim.archive.dirfd import held as held_dir
 from shim.cgroups import default_freezer
@@ -60,9 +68,9 @@ from shim.checkpoint import (
     self_frozen,
 )
 from shim.config import Config
+from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
-from shim.restore import RESTORE_FLAGS, archived_config
-from shim.restore_hook import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
+from shim.restore import archived_config
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sharing import check_shared_state
 from shim.state import Journal
@@ -72,13 +80,6 @@ from shim.wiring import RestoredContainers, WiringChecker
 log = logs.get("shim.container_checkpoint")
 
 KIND = "checkpoint-container"  # journal kind: recover() thaws `cgroups`, removes `output_path`
-FORMAT = "podshim.container-checkpoint.v1"
-MANIFEST_FILE = "podshim-manifest.json"
-# Written first in the tar, so that inspectors find the metadata without reading the images.
-# The manifest comes last: it holds the checksums computed while the tar is written.
-LEADING_MEMBERS = (layout.CONFIG_DUMP_FILE, layout.SPEC_DUMP_FILE, layout.STATUS_DUMP_FILE)
-# The entries the Kubernetes node e2e check requires (test/e2e_node/checkpoint_container.go).
-REQUIRED_MEMBERS = (layout.SPEC_DUMP_FILE, layout.CONFIG_DUMP_FILE, f"{layout.CHECKPOINT_DIR}/inventory.img")
 STAGING_PREFIX = "podshim-checkpoint"  # the staging dir: .podshim-checkpoint.tmp-<hex> beside the tar
 STAGING_TREE = "tree"  # inside the staging dir: the files that go into the tar
 STAGING_TAR = "archive.tar"  # inside the staging dir: the tar until it is linked to its name
@@ -86,7 +87,6 @@ STAGING_TAR = "archive.tar"  # inside the staging dir: the tar until it is linke
 IMPORT_TREE = "archive"  # <state_dir>/imports/<random>/archive: the extracted checkpoint
 IMPORT_MARKER = "container-id"  # <state_dir>/imports/<random>/container-id: who uses it
 STALE_IMPORT_SECONDS = 900.0  # an import without a container after this long was interrupted
-MAX_METADATA_BYTES = 64 << 20  # config.dump, spec.dump, manifest: read whole, so bounded
 
 T = TypeVar("T")
 
@@ -698,12 +698,7 @@ class ContainerCheckpointer:
             "pod": {"id": pod.id, "name": md.name, "namespace": md.namespace, "uid": md.uid},
             "timings": {k: round(v, 6) for k, v in timings.items()},
             "criu_stats": stats,
-            "options": {
-                "file-locks": str(opts.file_locks).lower(),
-                "tcp-established": str(opts.tcp_established).lower(),
-                "ext-unix-sk": str(opts.ext_unix_sk).lower(),
-                "shell-job": str(opts.shell_job).lower(),
-            },
+            "options": contract.switches_record(opts),
             "files": files,
         }
 
@@ -728,16 +723,6 @@ def check_archive_file(path: str, allowed_roots: Sequence[str]) -> Path:
     if not stat.S_ISREG(st.st_mode):
         raise errors.InvalidArgument(f"checkpoint archive {path} is not a regular file (a tar)")
     return real
-
-
-def tar_error(e: BaseException) -> str:
-    """tarfile's reason on one line ("r:*" lists every compression it tried)."""
-    text = str(e)
-    if "could not be opened successfully" in text:
-        return "not a tar archive (plain, gzip, bzip2 or xz)"
-    if "unexpected end of data" in text:
-        return "truncated (unexpected end of data)"
-    return " ".join(text.split())
 
 
 def _open_outer(path: Path) -> tarfile.TarFile:
@@ -925,11 +910,10 @@ def restore_config(req: cri.ContainerConfig, ck: ImportedCheckpoint, image: str)
         cc.envs.extend(archived.envs)
     if not cc.working_dir:
         cc.working_dir = archived.working_dir
-    options = (ck.manifest or {}).get("options") or {"file-locks": "true"}  # CRI-O always dumps with them
+    # CRI-O always dumps with file locks
+    options = (ck.manifest or {}).get("options") or {contract.FILE_LOCKS: "true"}
     cc.annotations[RESTORE_ANNOTATION] = str(ck.root)
-    cc.annotations[RESTORE_OPTIONS_ANNOTATION] = ",".join(
-        k for k in RESTORE_FLAGS if options.get(k) == "true"
-    )
+    cc.annotations[RESTORE_OPTIONS_ANNOTATION] = contract.to_record(options)
     return cc
 
 

@@ -24,12 +24,12 @@ import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import cni, cri_checks, errors, faults, logs
+from shim import cni, contract, cri_checks, errors, faults, logs
 from shim.aio import run_to_end
 from shim.archive import compat, crypto, layout, manifest, paths, rootfs_diff
 from shim.config import Config
+from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.criu.runtime import binary_version
-from shim.restore_hook import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.sandbox import build_pod_view
 from shim.state import Journal
 from shim.upstream import Upstream, upstream_error
@@ -44,7 +44,6 @@ DEFAULT_DEADLINE = 600.0
 # Kubelet annotation carrying the restart count shown by `kubectl get pods`.
 RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
 # CRIU options recorded at checkpoint that the restore must repeat.
-RESTORE_FLAGS = ("file-locks", "tcp-established", "ext-unix-sk", "shell-job")
 
 
 @dataclass(frozen=True)
@@ -579,7 +578,7 @@ class PodRestorer:
     ) -> None:
         up = self.upstream.runtime
         started = time.monotonic()
-        criu_flags = ",".join(k for k in RESTORE_FLAGS if m.options.get(k) == "true")
+        criu_flags = contract.to_record(m.options)
         try:
             resp = await up.RunPodSandbox(
                 cri.RunPodSandboxRequest(config=req.config, runtime_handler=req.runtime_handler),

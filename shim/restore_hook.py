@@ -17,14 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESTORE_ANNOTATION = "podshim.restore.checkpoint-dir"  # no "/": containerd matches with filepath.Match
-RESTORE_OPTIONS_ANNOTATION = "podshim.restore.criu-options"
-RESTORED_MARKER = "podshim-restored"  # in the runtime's state dir of the container
-WORK_DIR = "podshim-restore"  # in the bundle: CRIU's work dir (log, restore stats, config)
-CRIU_CONFIG_ANNOTATION = "org.criu.config"  # runc/crun read CRIU options from this file
-# <state_dir>/imports: container checkpoint tars extracted by podshim's CreateContainer
-# (shim/container_checkpoint.py); podshim-owned, so accepted like the allowed roots.
-IMPORTS_DIR = "imports"
+from shim import contract
+from shim.contract import (
+    CRIU_CONFIG_ANNOTATION,
+    RESTORE_ANNOTATION,
+    RESTORE_OPTIONS_ANNOTATION,
+    RESTORED_MARKER,
+    WORK_DIR,
+)
 
 
 def _arg(rest: list[str], *names: str) -> str | None:
@@ -83,7 +83,7 @@ def restore(
 ) -> None:
     from shim import config, faults
     from shim.archive import crypto, layout, paths, rootfs_diff
-    from shim.criu.runtime import CriuOptions, OciRuntime, criu_error_lines
+    from shim.criu.runtime import OciRuntime, criu_error_lines
     from shim.errors import ShimError
 
     log_file = flags.get("--log")
@@ -91,11 +91,7 @@ def restore(
         cfg = config.load(check_files=False)  # the node key is podshim's business, not ours
         # podshim-owned dirs are accepted like the allowed roots: container checkpoint imports and
         # the plaintext of encrypted archives (shim/archive/crypto.py)
-        roots = [
-            *cfg.allowed_roots,
-            str(Path(cfg.state_dir) / IMPORTS_DIR),
-            str(crypto.decrypted_root(cfg.state_dir)),
-        ]
+        roots = [*cfg.allowed_roots, *contract.owned_roots(cfg.state_dir)]
         ckpt = paths.validate_archive_dir(str(ckpt), roots)
     except (config.ConfigError, ShimError) as e:
         _fail(f"restore of {container_id}: {e}", log_file)
@@ -121,14 +117,7 @@ def restore(
     spec.setdefault("annotations", {})[CRIU_CONFIG_ANNOTATION] = str(criu_conf)
     (bundle / "config.json").write_text(json.dumps(spec))
 
-    raw_opts = spec.get("annotations", {}).get(RESTORE_OPTIONS_ANNOTATION, "")
-    opt = {k: True for k in raw_opts.split(",") if k}
-    criu_opts = CriuOptions(
-        file_locks=opt.get("file-locks", False),
-        tcp_established=opt.get("tcp-established", False),
-        ext_unix_sk=opt.get("ext-unix-sk", False),
-        shell_job=opt.get("shell-job", False),
-    )
+    criu_opts = contract.from_record(spec.get("annotations", {}).get(RESTORE_OPTIONS_ANNOTATION, ""))
     # Keep the upstream's global flags (--root, --log, --log-format, --criu ...) as they were.
     cmd = OciRuntime(binary, flags.get("--root", "")).restore_argv(
         container_id,

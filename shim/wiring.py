@@ -36,7 +36,7 @@ import grpc
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors, logs, metrics
 from shim.config import Config
-from shim.restore_hook import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION, RESTORED_MARKER
+from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION, RESTORED_MARKER
 from shim.upstream import Upstream, upstream_error
 from shim.upstream.client import is_transport_failure
 

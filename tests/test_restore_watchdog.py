@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shim import restore_hook
+from shim import contract, restore_hook
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts)")
 
@@ -23,7 +23,7 @@ def _mounts_below(d: Path) -> list[str]:
 
 def test_mounts_detached_after_the_bundle_was_renamed(tmp_path: Path) -> None:
     bundle = tmp_path / "abc"
-    work = bundle / "podshim-restore"
+    work = bundle / contract.WORK_DIR
     yard = work / "yard dir"  # a space: mountinfo escapes it
     yard.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "yard", str(yard)], check=True)

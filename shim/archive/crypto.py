@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from shim import contract
 from shim.archive.dirfd import DirHandle, held
 from shim.archive.fsutil import FILE_MODE, make_private_dir, temp_name_for
 from shim.archive.fsutil import Stopped as Stopped  # one stop signal for all tree work
@@ -64,7 +65,7 @@ AAD_PREFIX = b"podshim.checkpoint.file.v1\0"
 FILE_INFO = b"podshim checkpoint file key v1"
 MANIFEST_INFO = b"podshim checkpoint manifest mac v1"
 
-DECRYPTED_DIR = "decrypted"  # <state_dir>/decrypted/<random>/: one container's plaintext
+DECRYPTED_DIR = contract.DECRYPTED_DIR  # <state_dir>/decrypted/<random>/: one container's plaintext
 DECRYPTED_MARKER = ".podshim-decrypted"  # JSON {archive, container, container_id, created}
 STALE_DECRYPTED_SECONDS = 900.0  # a dir without a container after this long was interrupted
 

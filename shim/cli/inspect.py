@@ -17,6 +17,9 @@ from typing import Any
 
 from shim import errors
 from shim.archive import fsutil, layout, manifest
+from shim.archive.container_tar import FORMAT as CONTAINER_FORMAT
+from shim.archive.container_tar import MANIFEST_FILE as CONTAINER_MANIFEST
+from shim.archive.container_tar import MAX_METADATA_BYTES, REQUIRED_MEMBERS, tar_error
 from shim.cli import client, output
 
 PAGES = f"{layout.CHECKPOINT_DIR}/pages-*.img"
@@ -151,8 +154,6 @@ def _network(root: Path, m: manifest.Manifest) -> dict[str, list[str]] | None:
 
 
 def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> Any:
-    from shim.container_checkpoint import MAX_METADATA_BYTES
-
     if member.size > MAX_METADATA_BYTES:
         raise errors.DataLoss(f"{path}: {member.name} is {member.size} bytes, too large to be metadata")
     f = tar.extractfile(member)
@@ -176,10 +177,6 @@ def _hash_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> str:
 
 
 def inspect_container_tar(path: Path, verify: bool) -> dict[str, Any]:
-    # imported here: the server modules are heavy for the other CLI commands
-    from shim.container_checkpoint import MANIFEST_FILE as CONTAINER_MANIFEST
-    from shim.container_checkpoint import REQUIRED_MEMBERS
-
     wanted = {layout.CONFIG_DUMP_FILE, layout.SPEC_DUMP_FILE, CONTAINER_MANIFEST}
     docs: dict[str, Any] = {}
     sizes: dict[str, int] = {}
@@ -196,8 +193,6 @@ def inspect_container_tar(path: Path, verify: bool) -> dict[str, Any]:
                 elif verify and member.isreg():
                     digests[name] = _hash_member(tar, member)
     except (tarfile.TarError, EOFError) as e:
-        from shim.container_checkpoint import tar_error
-
         raise errors.DataLoss(f"{path} is not a readable tar: {tar_error(e)}") from e
     record = docs.get(layout.CONFIG_DUMP_FILE) or {}
     spec = docs.get(layout.SPEC_DUMP_FILE) or {}
@@ -255,9 +250,6 @@ def inspect_container_tar(path: Path, verify: bool) -> dict[str, Any]:
 def _verify_tar(
     path: Path, m: dict[str, Any], sizes: dict[str, int], digests: dict[str, str], docs: dict[str, Any]
 ) -> None:
-    from shim.container_checkpoint import FORMAT as CONTAINER_FORMAT
-    from shim.container_checkpoint import MANIFEST_FILE as CONTAINER_MANIFEST
-
     if m.get("format") != CONTAINER_FORMAT:
         raise errors.FailedPrecondition(
             f"{path} has no podshim manifest ({CONTAINER_FORMAT}) to verify against"

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from shim import errors, faults, logs
+from shim import contract, errors, faults, logs
 from shim.aio import run_to_end
 
 log = logs.get("shim.criu.runtime")
@@ -47,16 +47,8 @@ class CriuOptions:
         return out + [f"irmap-scan-path {p}" for p in self.irmap_scan_paths]
 
     def flags(self) -> list[str]:
-        out = []
-        if self.file_locks:
-            out.append("--file-locks")
-        if self.tcp_established:
-            out.append("--tcp-established")
-        if self.ext_unix_sk:
-            out.append("--ext-unix-sk")
-        if self.shell_job:
-            out.append("--shell-job")
-        return out
+        """runc's and crun's switches: --<name> of each contract.CRIU_SWITCHES entry that is on."""
+        return [f"--{name}" for name, attr in contract.CRIU_SWITCHES.items() if getattr(self, attr)]
 
 
 @contextlib.contextmanager

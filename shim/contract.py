@@ -1,0 +1,69 @@
+"""The restore contract between podshim (the daemon) and podshim-runc (the OCI runtime wrapper):
+every name both sides must spell the same (docs/architecture.md "The runtime wrapper").
+
+The daemon creates a container with RESTORE_ANNOTATION (the checkpoint directory) and
+RESTORE_OPTIONS_ANNOTATION (the CRIU option record); the wrapper restores it at `create` and
+leaves RESTORED_MARKER in the runtime's state dir, which the daemon reads back. The compiled
+wrapper (native/podshim-runc.c) spells RESTORE_ANNOTATION, RESTORED_MARKER and HOOK_NAME in its
+own #defines; tests/test_contract.py keeps them equal. This module imports nothing of podshim's
+at import time: the wrapper loads it on every restore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shim.criu.runtime import CriuOptions
+
+RESTORE_ANNOTATION = "podshim.restore.checkpoint-dir"  # no "/": containerd matches with filepath.Match
+RESTORE_OPTIONS_ANNOTATION = "podshim.restore.criu-options"  # the CRIU option record (to_record)
+RESTORED_MARKER = "podshim-restored"  # in the runtime's state dir of the container
+HOOK_NAME = "podshim-runc-hook"  # the Python side the compiled wrapper execs
+WORK_DIR = "podshim-restore"  # in the bundle: CRIU's work dir (log, restore stats, config)
+CRIU_CONFIG_ANNOTATION = "org.criu.config"  # runc/crun read CRIU options from this file
+# <state_dir>/imports: container checkpoint tars extracted by podshim's CreateContainer
+# (shim/container_checkpoint.py); podshim-owned, so accepted like the allowed roots.
+IMPORTS_DIR = "imports"
+# <state_dir>/decrypted/<random>/: one container's plaintext of an encrypted archive
+# (shim/archive/crypto.py); podshim-owned too.
+DECRYPTED_DIR = "decrypted"
+
+# The CRIU switches, by the names CheckpointPod `options`, the archive manifests' `options` and
+# the restore record use, with the CriuOptions field each sets.
+FILE_LOCKS = "file-locks"
+TCP_ESTABLISHED = "tcp-established"
+EXT_UNIX_SK = "ext-unix-sk"
+SHELL_JOB = "shell-job"
+CRIU_SWITCHES: dict[str, str] = {
+    FILE_LOCKS: "file_locks",
+    TCP_ESTABLISHED: "tcp_established",
+    EXT_UNIX_SK: "ext_unix_sk",
+    SHELL_JOB: "shell_job",
+}
+
+
+def owned_roots(state_dir: str | Path) -> list[str]:
+    """The podshim-owned directories a checkpoint to restore may lie in, beside the allowed roots."""
+    return [str(Path(state_dir) / IMPORTS_DIR), str(Path(state_dir) / DECRYPTED_DIR)]
+
+
+def switches_record(opts: CriuOptions) -> dict[str, str]:
+    """The switches of `opts` as a manifest's `options` entries ("true"/"false")."""
+    return {name: str(getattr(opts, attr)).lower() for name, attr in CRIU_SWITCHES.items()}
+
+
+def to_record(options: Mapping[str, str]) -> str:
+    """The restore record (RESTORE_OPTIONS_ANNOTATION) of a manifest's `options`: the switches that
+    were on at the dump, comma-separated."""
+    return ",".join(name for name in CRIU_SWITCHES if options.get(name) == "true")
+
+
+def from_record(record: str) -> CriuOptions:
+    """The CriuOptions of a restore record: the named switches on, every other one off."""
+    from shim.criu.runtime import CriuOptions
+
+    on = {name for name in record.split(",") if name}
+    return CriuOptions(**{attr: name in on for name, attr in CRIU_SWITCHES.items()})

@@ -1,0 +1,79 @@
+"""The restore contract (shim/contract.py): one spelling for the daemon, the Python wrapper and the
+compiled wrapper, and the layering it stands for (issue 13)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from shim import contract
+from shim.criu.runtime import CriuOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIM = ROOT / "shim"
+
+
+def test_native_wrapper_defines_equal_the_contract() -> None:
+    source = (ROOT / "native" / "podshim-runc.c").read_text()
+    defines = dict(re.findall(r'^#define (\w+) "([^"]*)"', source, re.MULTILINE))
+    for name in ("RESTORE_ANNOTATION", "RESTORED_MARKER", "HOOK_NAME"):
+        assert defines.get(name) == getattr(contract, name), name
+
+
+@pytest.mark.parametrize(
+    ("options", "record"),
+    [
+        ({}, ""),
+        ({"file-locks": "true"}, "file-locks"),
+        (
+            {"file-locks": "false", "tcp-established": "true", "shell-job": "true"},
+            "tcp-established,shell-job",
+        ),
+        (
+            {"file-locks": "true", "tcp-established": "true", "ext-unix-sk": "true", "shell-job": "true"},
+            "file-locks,tcp-established,ext-unix-sk,shell-job",
+        ),
+        ({"rootfs-compression": "gzip", "ghost-limit": "5"}, ""),  # not CRIU switches of the restore
+    ],
+)
+def test_record_round_trip(options: dict[str, str], record: str) -> None:
+    assert contract.to_record(options) == record
+    back = contract.from_record(record)
+    for name, attr in contract.CRIU_SWITCHES.items():
+        assert getattr(back, attr) is (options.get(name) == "true"), name
+    assert contract.to_record(contract.switches_record(back)) == record
+
+
+def test_from_record_turns_unnamed_switches_off() -> None:
+    # CriuOptions' own default has file locks on (a dump); a restore record without them has them off
+    assert CriuOptions().file_locks and not contract.from_record("").file_locks
+    assert contract.from_record("shell-job,,").flags() == ["--shell-job"]
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_the_daemon_never_imports_the_wrapper() -> None:
+    wrapper = {"shim.restore_hook", "shim.runc_wrapper"}
+    for path in SHIM.rglob("*.py"):
+        if path.name in ("restore_hook.py", "runc_wrapper.py"):
+            continue
+        assert not (_imports(path) & wrapper), path
+
+
+def test_the_cli_never_imports_daemon_internals() -> None:
+    daemon = ("shim.checkpoint", "shim.restore", "shim.container_checkpoint", "shim.wiring", "shim.upstream")
+    for path in (SHIM / "cli").glob("*.py"):
+        bad = [m for m in _imports(path) if m.startswith(daemon)]
+        assert not bad, (path, bad)
