@@ -158,6 +158,11 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg"
   else
     info "all ${#APT_PACKAGES[@]} packages installed"
   fi
+  # docker-registry's package enables a registry on :5000 (all addresses) under systemd; the tests
+  # start their own on loopback (testbed/registry.py), so keep the packaged one off
+  if [ -d /run/systemd/system ] && systemctl is-enabled --quiet docker-registry 2>/dev/null; then
+    systemctl disable --now docker-registry >/dev/null 2>&1 && info "disabled the packaged docker-registry service"
+  fi
 }
 
 # ---------------------------------------------------------------------------------------
