@@ -27,6 +27,7 @@ CORE_MODULES = (
     "test_checkpoint_container.py",
     "test_upstreams.py",
     "test_wiring.py",
+    "test_distribution.py",
     "faults/",
 )
 TESTS_DIR = Path(__file__).resolve().parent
