@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import psutil
 
 from api.runtime.v1 import api_pb2 as cri
@@ -26,7 +25,7 @@ from shim.config import Config
 from shim.container_checkpoint import ArchiveImporter, ContainerCheckpointer
 from shim.restore import PodRestorer
 from shim.state import Journal, OpRecord
-from shim.upstream import Upstream
+from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
 
 log = logs.get("shim.engine")
@@ -165,13 +164,13 @@ class Engine:
                 log.info(f"{name} done", seconds=round(elapsed, 4), **fields)
 
     async def checkpoint_pod(
-        self, req: cri.CheckpointPodRequest, context: grpc.aio.ServicerContext
+        self, req: cri.CheckpointPodRequest, deadline: float | None
     ) -> cri.CheckpointPodResponse:
         # The upstream accepts a unique prefix of an id: lock the full id, so a prefix and the
         # full id (or CheckpointContainer, which locks the full id) exclude each other.
         keys = [f"pod {await self._full_pod_id(req.pod_sandbox_id)}", f"path {req.output_path}"]
         with self._operation("checkpoint_pod", keys, pod=req.pod_sandbox_id, path=req.output_path):
-            m = await self.checkpointer.checkpoint(req, context.time_remaining())
+            m = await self.checkpointer.checkpoint(req, deadline)
         metrics.freeze_window.observe(m.timings.get("freeze_window", 0.0))
         metrics.archive_size.labels("checkpoint_pod").observe(sum(f.size for f in m.files.values()))
         return cri.CheckpointPodResponse()
@@ -182,16 +181,12 @@ class Engine:
         if not pod_id:
             return pod_id
         try:
-            resp = await self.upstream.runtime.PodSandboxStatus(
-                cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id), timeout=self.upstream.timeout
-            )
-        except grpc.aio.AioRpcError:
+            resp = await self.upstream.pod_status(pod_id)
+        except errors.ShimError:
             return pod_id
         return resp.status.id or pod_id
 
-    async def restore_pod(
-        self, req: cri.RestorePodRequest, context: grpc.aio.ServicerContext
-    ) -> cri.RestorePodResponse:
+    async def restore_pod(self, req: cri.RestorePodRequest, deadline: float | None) -> cri.RestorePodResponse:
         md = req.config.metadata
         # restores only read their archive: many at once (N replicas from one checkpoint); a
         # checkpoint into that path or a recovery's clean-up of it excludes them
@@ -199,7 +194,7 @@ class Engine:
         pod = f"{md.namespace}/{md.name}"
         with self._operation("restore_pod", keys, shared, pod=pod, path=req.checkpoint_path):
             with self.restore_lane.enter():
-                return await self.restorer.restore(req, context.time_remaining())
+                return await self.restorer.restore(req, deadline)
 
     @property
     def container_checkpoint_mode(self) -> str:
@@ -215,26 +210,26 @@ class Engine:
         return ArchiveImporter(self.config, self.upstream, self.wiring, self.restored)
 
     async def checkpoint_container(
-        self, req: cri.CheckpointContainerRequest, context: grpc.aio.ServicerContext
+        self, req: cri.CheckpointContainerRequest, deadline: float | None
     ) -> cri.CheckpointContainerResponse:
         """KEP-2008 in podshim: one tar at `location`, the container left running
         (docs/architecture.md "CheckpointContainer")."""
         hold = functools.partial(self.locks.hold, "checkpoint_container")
         # the pod and path locks are taken inside, once the container's pod is known
         with self._operation("checkpoint_container", [], container=req.container_id, path=req.location):
-            result = await self.container_checkpointer.checkpoint(req, context.time_remaining(), hold)
+            result = await self.container_checkpointer.checkpoint(req, deadline, hold)
         metrics.freeze_window.observe(result.freeze_window)
         metrics.archive_size.labels("checkpoint_container").observe(result.size)
         return cri.CheckpointContainerResponse()
 
     async def create_container_from_archive(
-        self, req: cri.CreateContainerRequest, context: grpc.aio.ServicerContext
+        self, req: cri.CreateContainerRequest, deadline: float | None
     ) -> cri.CreateContainerResponse:
         """CreateContainer whose image is a container checkpoint tar (CRI-O's convention)."""
         path = req.config.image.image
         with self._operation("restore_container", [], pod=req.pod_sandbox_id, path=path):
             with self.import_lane.enter():
-                return await self.archive_importer.create(req, context.time_remaining())
+                return await self.archive_importer.create(req, deadline)
 
     async def forget_container(self, container_id: str) -> None:
         """After RemoveContainer (its id) or RemovePodSandbox (""): remove the checkpoint imports
@@ -268,11 +263,9 @@ class Engine:
         """Forget restored containers the upstream no longer has (removed with their sandbox)."""
         for cid in list(self.restored.ids):
             try:
-                await self.upstream.runtime.ContainerStatus(
-                    cri.ContainerStatusRequest(container_id=cid), timeout=self.upstream.timeout
-                )
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
+                await self.upstream.container_status(cid)
+            except errors.ShimError as e:
+                if is_not_found(e):
                     self.restored.discard(cid)
 
     @property

@@ -22,6 +22,11 @@ class ShimError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+        # set when the error is the upstream's answer (shim/upstream/errors.py): its code by name,
+        # its message, and whether the upstream could not be reached at all
+        self.upstream_code: str | None = None
+        self.upstream_details = ""
+        self.transport = False
 
     @property
     def code(self) -> grpc.StatusCode:

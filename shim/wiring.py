@@ -31,14 +31,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors, logs, metrics
 from shim.config import Config
 from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION, RESTORED_MARKER
-from shim.upstream import Upstream, upstream_error
-from shim.upstream.client import is_transport_failure
+from shim.upstream import Upstream, is_not_found
 
 log = logs.get("shim.wiring")
 
@@ -231,10 +228,12 @@ class WiringChecker:
                 return self._info
             timeout = min(self.upstream.timeout, 30.0)
             if not self._major:
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    v = await self.upstream.runtime.Version(cri.VersionRequest(), timeout=timeout)
+                with contextlib.suppress(errors.ShimError):
+                    v = await self.upstream.version(timeout=timeout)
                     self._major = major_version(v.runtime_version)
-            resp = await self.upstream.runtime.Status(cri.StatusRequest(verbose=True), timeout=timeout)
+            resp = await self.upstream.status(
+                verbose=True, doing="checking the runtime handler's wiring", timeout=timeout
+            )
             self._info, self._at = dict(resp.info), time.monotonic()
             return self._info
 
@@ -243,15 +242,13 @@ class WiringChecker:
         Status (other than being unreachable: that raises UNAVAILABLE) cannot be verified."""
         try:
             info = await self._status()
-        except grpc.aio.AioRpcError as e:
-            if is_transport_failure(e):
-                raise upstream_error(
-                    self.upstream.endpoint, e, "checking the runtime handler's wiring"
-                ) from None
+        except errors.ShimError as e:
+            if e.transport or e.upstream_code is None:
+                raise
             w = Wiring(
                 handler or "(default)",
                 Verdict.UNKNOWN,
-                f"the upstream's verbose Status failed ({e.code().name}: {e.details()})",
+                f"the upstream's verbose Status failed ({e.upstream_code}: {e.upstream_details})",
             )
         else:
             w = judge(info, handler, self._major)
@@ -343,8 +340,8 @@ class RestoredContainers:
 async def _runtime_root(upstream: Upstream, container_id: str) -> tuple[str, int]:
     """The container's OCI runtime root as the upstream reports it ('' if it does not), and its
     state."""
-    resp = await upstream.runtime.ContainerStatus(
-        cri.ContainerStatusRequest(container_id=container_id, verbose=True), timeout=upstream.timeout
+    resp = await upstream.container_status(
+        container_id, verbose=True, doing=f"checking the restore of container {container_id}"
     )
     try:
         info = json.loads(resp.info.get("info") or "{}")
@@ -370,12 +367,7 @@ def marker_verdict(roots: list[str], container_id: str) -> bool | None:
 async def confirm_restored(upstream: Upstream, config: Config, container_id: str, name: str = "") -> None:
     """After a successful StartContainer of a container created for a restore: the restore must
     have run. If not, the container is stopped and removed, and FailedPrecondition says so."""
-    try:
-        root, state = await _runtime_root(upstream, container_id)
-    except grpc.aio.AioRpcError as e:
-        raise upstream_error(
-            upstream.endpoint, e, f"checking the restore of container {container_id}"
-        ) from None
+    root, state = await _runtime_root(upstream, container_id)
     roots = [root, *(rt.root for rt in (config.runtime, *config.runtimes.values()))]
     verdict = marker_verdict(roots, container_id)
     if verdict:
@@ -391,16 +383,15 @@ async def confirm_restored(upstream: Upstream, config: Config, container_id: str
         return
     what = f"container {name!r} ({container_id[:13]})" if name else f"container {container_id[:13]}"
     log.error("restored container was not restored; removing it", container=container_id)
-    for call, request in (
-        (upstream.runtime.StopContainer, cri.StopContainerRequest(container_id=container_id, timeout=0)),
-        (upstream.runtime.RemoveContainer, cri.RemoveContainerRequest(container_id=container_id)),
-    ):
+    for call in (upstream.stop_container, upstream.remove_container):
         try:
-            await call(request, timeout=upstream.timeout)
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.NOT_FOUND:
+            await call(container_id)
+        except errors.ShimError as e:
+            if not is_not_found(e):
                 log.error(
-                    "removing the unrestored container failed", container=container_id, error=e.details()
+                    "removing the unrestored container failed",
+                    container=container_id,
+                    error=e.upstream_details,
                 )
     raise errors.FailedPrecondition(
         f"{what} started, but its process was not restored from the checkpoint: it ran from the start "

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import cni, errors
-from shim.upstream import Upstream, upstream_error
+from shim.upstream import Upstream, is_not_found
 
 CRI_NAMESPACE = "k8s.io"  # containerd's namespace for CRI objects: the runc root's last element
 
@@ -168,15 +167,13 @@ async def build_pod_view(upstream: Upstream, pod_id: str, timeout: float | None 
     if not pod_id:
         raise errors.InvalidArgument("pod_sandbox_id is empty: name the pod to checkpoint")
     try:
-        sresp = await upstream.runtime.PodSandboxStatus(
-            cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id, verbose=True), timeout=timeout
-        )
-    except grpc.aio.AioRpcError as e:
-        if e.code() == grpc.StatusCode.NOT_FOUND:
+        sresp = await upstream.pod_status(pod_id, verbose=True, timeout=timeout)
+    except errors.ShimError as e:
+        if is_not_found(e):
             raise errors.NotFound(
                 f"pod sandbox {pod_id!r} not found: check the id with `podshim pods`"
             ) from None
-        raise upstream_error(upstream.endpoint, e, f"reading pod {pod_id}") from None
+        raise
     sinfo = _info(sresp.info)
     pod = PodView(
         id=sresp.status.id,
@@ -188,21 +185,18 @@ async def build_pod_view(upstream: Upstream, pod_id: str, timeout: float | None 
         runtime_handler=sresp.status.runtime_handler or str(sinfo.get("runtimeHandler") or ""),
         network=sinfo.get("cniResult") or {},
     )
-    try:
-        listed = await upstream.runtime.ListContainers(
-            cri.ListContainersRequest(filter=cri.ContainerFilter(pod_sandbox_id=pod.id)), timeout=timeout
-        )
-    except grpc.aio.AioRpcError as e:
-        raise upstream_error(upstream.endpoint, e, f"listing containers of pod {pod_id}") from None
-    for c in sorted(listed.containers, key=lambda c: c.created_at):
+    listed = await upstream.list_containers(
+        cri.ContainerFilter(pod_sandbox_id=pod.id),
+        doing=f"listing containers of pod {pod_id}",
+        timeout=timeout,
+    )
+    for c in sorted(listed, key=lambda c: c.created_at):
         try:
-            cresp = await upstream.runtime.ContainerStatus(
-                cri.ContainerStatusRequest(container_id=c.id, verbose=True), timeout=timeout
-            )
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
+            cresp = await upstream.container_status(c.id, verbose=True, timeout=timeout)
+        except errors.ShimError as e:
+            if is_not_found(e):
                 continue  # removed meanwhile
-            raise upstream_error(upstream.endpoint, e, f"reading container {c.id}") from None
+            raise
         cinfo = _info(cresp.info)
         pod.containers.append(
             ContainerView(

@@ -22,25 +22,26 @@ RESERVED_ANNOTATION_PREFIX = "podshim."
 
 
 class Engine(Protocol):
-    """The checkpoint/restore orchestrations (shim/checkpoint.py, shim/restore.py)."""
+    """The checkpoint/restore orchestrations (shim/checkpoint.py, shim/restore.py). `deadline`:
+    the caller's time remaining in seconds (None: no deadline set)."""
 
     async def checkpoint_pod(
-        self, req: cri.CheckpointPodRequest, context: grpc.aio.ServicerContext
+        self, req: cri.CheckpointPodRequest, deadline: float | None
     ) -> cri.CheckpointPodResponse: ...
 
     async def restore_pod(
-        self, req: cri.RestorePodRequest, context: grpc.aio.ServicerContext
+        self, req: cri.RestorePodRequest, deadline: float | None
     ) -> cri.RestorePodResponse: ...
 
     async def checkpoint_container(
-        self, req: cri.CheckpointContainerRequest, context: grpc.aio.ServicerContext
+        self, req: cri.CheckpointContainerRequest, deadline: float | None
     ) -> cri.CheckpointContainerResponse: ...
 
     @property
     def container_checkpoint_mode(self) -> str: ...  # "fallback" (upstream first) or "always"
 
     async def create_container_from_archive(
-        self, req: cri.CreateContainerRequest, context: grpc.aio.ServicerContext
+        self, req: cri.CreateContainerRequest, deadline: float | None
     ) -> cri.CreateContainerResponse: ...
 
     async def forget_container(self, container_id: str) -> None: ...
@@ -270,8 +271,9 @@ class RuntimeHandlers:
         async def call(request: Message, context: grpc.aio.ServicerContext) -> Message:
             if self.engine is None:
                 raise errors.Unimplemented(f"podshim: {name} is not implemented yet")
-            fn: Handler = getattr(self.engine, _snake(name))
-            return await fn(request, context)
+            fn = getattr(self.engine, _snake(name))
+            # the engine sees the caller's deadline (seconds left, None: none set), never gRPC
+            return await fn(request, context.time_remaining())
 
         return call
 

@@ -1,5 +1,7 @@
-"""The CRI client to the upstream runtime (containerd or CRI-O)."""
+"""The CRI client to the upstream runtime (containerd or CRI-O): the channel, the typed calls
+(calls.py) and the mapping of its gRPC errors (errors.py)."""
 
+from shim.upstream.calls import is_not_found
 from shim.upstream.client import Upstream, upstream_error
 
-__all__ = ["Upstream", "upstream_error"]
+__all__ = ["Upstream", "is_not_found", "upstream_error"]

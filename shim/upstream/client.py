@@ -5,7 +5,10 @@ from __future__ import annotations
 import grpc
 
 from api.runtime.v1 import api_pb2_grpc
-from shim import errors
+from shim.upstream.calls import CriCalls
+from shim.upstream.errors import is_transport_failure as is_transport_failure
+from shim.upstream.errors import unavailable_message as unavailable_message
+from shim.upstream.errors import upstream_error as upstream_error
 
 MAX_MESSAGE = 16 * 1024 * 1024  # the kubelet's own CRI limit
 
@@ -20,35 +23,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),
 ]
 
-# Markers of a transport failure (the upstream is not there), as opposed to an UNAVAILABLE
-# status that the upstream itself returned.
-_TRANSPORT_MARKERS = (
-    "failed to connect",
-    "connection refused",
-    "no such file",
-    "socket closed",
-    "connect failed",
-    "broken pipe",
-    "connection reset",
-)
 
-
-def is_transport_failure(err: grpc.aio.AioRpcError) -> bool:
-    if err.code() != grpc.StatusCode.UNAVAILABLE:
-        return False
-    text = f"{err.details()} {err.debug_error_string()}".lower()
-    return any(m in text for m in _TRANSPORT_MARKERS)
-
-
-def unavailable_message(endpoint: str, err: grpc.aio.AioRpcError) -> str:
-    return (
-        f"podshim: upstream runtime at {endpoint} is unavailable ({err.details()}); "
-        "check that it is running — podshim reconnects by itself when it is back"
-    )
-
-
-class Upstream:
-    """The upstream endpoint: raw multicallables for the proxy and typed stubs for the engine."""
+class Upstream(CriCalls):
+    """The upstream endpoint: raw multicallables for the proxy, the typed calls (CriCalls) for
+    podshim's own work."""
 
     def __init__(self, endpoint: str, timeout: float = 120.0) -> None:
         self.endpoint = endpoint
@@ -76,18 +54,3 @@ class Upstream:
 
     async def close(self) -> None:
         await self.channel.close()
-
-
-def upstream_error(endpoint: str, err: grpc.aio.AioRpcError, doing: str) -> errors.ShimError:
-    """Turn an upstream failure met during podshim's own work into a typed error that says so."""
-    if is_transport_failure(err):
-        return errors.Unavailable(unavailable_message(endpoint, err))
-    cls = {
-        grpc.StatusCode.NOT_FOUND: errors.NotFound,
-        grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-        grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-        grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-        grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-        grpc.StatusCode.ABORTED: errors.Aborted,
-    }.get(err.code(), errors.Internal)
-    return cls(f"{doing}: upstream runtime answered {err.code().name}: {err.details()}")

@@ -30,6 +30,7 @@ from shim import errors
 from shim.config import Config
 from shim.engine import Engine
 from shim.state import Journal
+from shim.upstream.calls import CriCalls
 from testbed import _sys, pods
 from testbed.bed import TestBed
 from testbed.checks import FREEZER, container_cgroup, freezer_state
@@ -75,7 +76,9 @@ class FakeRuntime:
         return cri.PodSandboxStatusResponse()
 
 
-class FakeUpstream:
+class FakeUpstream(CriCalls):
+    """The typed calls (shim/upstream/calls.py) over FakeRuntime's raw ones."""
+
     endpoint = "unix:///nonexistent/fake.sock"
     timeout = 30.0
 
