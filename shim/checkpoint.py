@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
@@ -512,11 +511,9 @@ class PodCheckpointer:
         """Let the upstream record the exits (the processes are already dead)."""
         for w in work:
             try:
-                await self.upstream.runtime.StopContainer(
-                    cri.StopContainerRequest(container_id=w.view.id, timeout=0), timeout=self.upstream.timeout
-                )
-            except grpc.aio.AioRpcError as e:
-                log.warning("stop after checkpoint failed", container=w.view.name, error=e.details())
+                await self.upstream.stop_container(w.view.id)
+            except errors.ShimError as e:
+                log.warning("stop after checkpoint failed", container=w.view.name, error=e.upstream_details)
 
     def _finish_archive(
         self,

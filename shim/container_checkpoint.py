@@ -40,7 +40,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
@@ -74,7 +73,7 @@ from shim.restore import archived_config
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sharing import check_shared_state
 from shim.state import Journal
-from shim.upstream import Upstream, upstream_error
+from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, WiringChecker
 
 log = logs.get("shim.container_checkpoint")
@@ -371,24 +370,19 @@ class ContainerCheckpointer:
         """The container and its pod, from the upstream (an id prefix works as in crictl)."""
         if not container_id:
             raise errors.InvalidArgument("container_id is empty: name the container to checkpoint")
-        up = self.upstream.runtime
+        doing = f"reading container {container_id}"
         try:
-            st = await up.ContainerStatus(
-                cri.ContainerStatusRequest(container_id=container_id), timeout=self.upstream.timeout
-            )
-            listed = await up.ListContainers(
-                cri.ListContainersRequest(filter=cri.ContainerFilter(id=st.status.id)),
-                timeout=self.upstream.timeout,
-            )
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
+            st = await self.upstream.container_status(container_id, doing=doing)
+            listed = await self.upstream.list_containers(cri.ContainerFilter(id=st.status.id), doing=doing)
+        except errors.ShimError as e:
+            if is_not_found(e):
                 raise errors.NotFound(
                     f"container {container_id!r} not found: check the id with `crictl ps -a`"
                 ) from None
-            raise upstream_error(self.upstream.endpoint, e, f"reading container {container_id}") from None
-        if not listed.containers:
+            raise
+        if not listed:
             raise errors.NotFound(f"container {container_id!r} not found (removed meanwhile)")
-        pod = await build_pod_view(self.upstream, listed.containers[0].pod_sandbox_id)
+        pod = await build_pod_view(self.upstream, listed[0].pod_sandbox_id)
         c = pod.by_id(st.status.id)
         if c is None:
             raise errors.NotFound(f"container {container_id!r} not found in its pod (removed meanwhile)")
@@ -973,17 +967,14 @@ class ArchiveImporter:
                 ck = await steps.run(load_imported, tree, tar_path, steps, tree_held)
                 image = await self._image(ck, tar_path)
                 cc = restore_config(req.config, ck, image)
-                try:
-                    resp = await self.upstream.runtime.CreateContainer(
-                        cri.CreateContainerRequest(
-                            pod_sandbox_id=req.pod_sandbox_id, config=cc, sandbox_config=req.sandbox_config
-                        ),
-                        timeout=max(budget, 1.0),
-                    )
-                except grpc.aio.AioRpcError as e:
-                    raise upstream_error(
-                        self.upstream.endpoint, e, f"creating container {cc.metadata.name!r} from {tar_path}"
-                    ) from None
+                cid = await self.upstream.create_container(
+                    cri.CreateContainerRequest(
+                        pod_sandbox_id=req.pod_sandbox_id, config=cc, sandbox_config=req.sandbox_config
+                    ),
+                    doing=f"creating container {cc.metadata.name!r} from {tar_path}",
+                    timeout=max(budget, 1.0),
+                )
+                resp = cri.CreateContainerResponse(container_id=cid)
                 await asyncio.to_thread(held.write_file, IMPORT_MARKER, resp.container_id.encode())
                 if self.restored is not None:  # StartContainer confirms its restore ran
                     await asyncio.to_thread(self.restored.add, resp.container_id)
@@ -1002,15 +993,13 @@ class ArchiveImporter:
     async def _sandbox_handler(self, pod_id: str) -> str:
         """The runtime handler the sandbox's containers run with, as the upstream reports it."""
         try:
-            resp = await self.upstream.runtime.PodSandboxStatus(
-                cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id), timeout=self.upstream.timeout
-            )
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
+            resp = await self.upstream.pod_status(pod_id)
+        except errors.ShimError as e:
+            if is_not_found(e):
                 raise errors.NotFound(
                     f"pod sandbox {pod_id!r} not found: check the id with `podshim pods`"
                 ) from None
-            raise upstream_error(self.upstream.endpoint, e, f"reading pod {pod_id}") from None
+            raise
         return resp.status.runtime_handler
 
     async def _image(self, ck: ImportedCheckpoint, tar_path: Path) -> str:
@@ -1024,12 +1013,7 @@ class ArchiveImporter:
         if r.get("image_ref"):
             candidates.append(str(r["image_ref"]))
         for image in dict.fromkeys(candidates):
-            try:
-                st = await self.upstream.image.ImageStatus(
-                    cri.ImageStatusRequest(image=cri.ImageSpec(image=image)), timeout=self.upstream.timeout
-                )
-            except grpc.aio.AioRpcError as e:
-                raise upstream_error(self.upstream.endpoint, e, f"looking up image {image}") from None
+            st = await self.upstream.image_status(image)
             if st.HasField("image"):
                 return image
         raise errors.FailedPrecondition(
@@ -1082,9 +1066,7 @@ class ArchiveImporter:
                     await asyncio.to_thread(self._remove, d, "interrupted import")
                 continue
             try:
-                await self.upstream.runtime.ContainerStatus(
-                    cri.ContainerStatusRequest(container_id=owner), timeout=self.upstream.timeout
-                )
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
+                await self.upstream.container_status(owner)
+            except errors.ShimError as e:
+                if is_not_found(e):
                     await asyncio.to_thread(self._remove, d, f"container {owner} no longer exists")
