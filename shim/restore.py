@@ -20,7 +20,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
@@ -32,7 +31,7 @@ from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.criu.runtime import binary_version
 from shim.sandbox import build_pod_view
 from shim.state import Journal
-from shim.upstream import Upstream, upstream_error
+from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
 
 log = logs.get("shim.restore")
@@ -124,14 +123,7 @@ _BACKGROUND: set[asyncio.Task[None]] = set()  # strong references: the loop keep
 # last journal write) during which recovery keeps looking for the sandbox it may still create.
 SANDBOX_SETTLE = 30.0
 # RunPodSandbox errors after which the upstream may still have created the sandbox
-_NO_ANSWER = frozenset(
-    {
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.UNKNOWN,
-    }
-)
+_NO_ANSWER = frozenset({"CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "UNKNOWN"})
 
 
 def _epoch(rfc3339: str) -> float:
@@ -221,10 +213,9 @@ def upstream_handlers(info: Any) -> set[str] | None:
     return set(runtimes) if isinstance(runtimes, dict) else None
 
 
-def unknown_handler(e: grpc.aio.AioRpcError, handler: str) -> errors.InvalidArgument | None:
+def unknown_handler(details: str, handler: str) -> errors.InvalidArgument | None:
     """containerd's answer to RunPodSandbox with a handler it lacks ("no runtime for "ghost" is
     configured", code UNKNOWN) as the INVALID_ARGUMENT it is; None for any other error."""
-    details = e.details() or ""
     if handler and "no runtime for" in details:
         return errors.InvalidArgument(
             f"runtime_handler {handler!r} is configured in podshim but not in the upstream "
@@ -451,10 +442,8 @@ class PodRestorer:
         if not handler:
             return
         try:
-            resp = await self.upstream.runtime.Status(
-                cri.StatusRequest(verbose=True), timeout=self.upstream.timeout
-            )
-        except grpc.aio.AioRpcError:
+            resp = await self.upstream.status(verbose=True)
+        except errors.ShimError:
             return
         known = upstream_handlers(resp.info)
         if known is not None and handler not in known:
@@ -469,12 +458,7 @@ class PodRestorer:
         out = []
         for p in plan:
             want = p.config.image.image
-            try:
-                st = await self.upstream.image.ImageStatus(
-                    cri.ImageStatusRequest(image=cri.ImageSpec(image=want)), timeout=self.upstream.timeout
-                )
-            except grpc.aio.AioRpcError as e:
-                raise upstream_error(self.upstream.endpoint, e, f"looking up image {want}") from None
+            st = await self.upstream.image_status(want)
             present = [st.image.id, *st.image.repo_digests] if st.HasField("image") else None
             problem = compat.image_mismatch(p.entry.name, want, present, p.image_ref)
             if problem:
@@ -487,12 +471,7 @@ class PodRestorer:
         want = requested.image.image
         if want in (entry.image, record.get("image_ref")):
             return None
-        try:
-            st = await self.upstream.image.ImageStatus(
-                cri.ImageStatusRequest(image=cri.ImageSpec(image=want)), timeout=self.upstream.timeout
-            )
-        except grpc.aio.AioRpcError as e:
-            raise upstream_error(self.upstream.endpoint, e, f"looking up image {want}") from None
+        st = await self.upstream.image_status(want)
         if st.HasField("image") and st.image.id == record.get("image_ref"):
             return None
         return (
@@ -545,11 +524,9 @@ class PodRestorer:
                         log.info("decrypted checkpoint removed", dir=str(d), reason="interrupted restore")
                     continue
                 try:
-                    await self.upstream.runtime.ContainerStatus(
-                        cri.ContainerStatusRequest(container_id=str(owner)), timeout=self.upstream.timeout
-                    )
-                except grpc.aio.AioRpcError as e:
-                    if e.code() == grpc.StatusCode.NOT_FOUND:
+                    await self.upstream.container_status(str(owner))
+                except errors.ShimError as e:
+                    if is_not_found(e):
                         await run_to_end(crypto.remove_decrypted, d)
                         log.info("decrypted checkpoint removed", dir=str(d), reason=f"container {owner} gone")
         except Exception:  # noqa: BLE001 - a leftover is swept next time
@@ -576,25 +553,29 @@ class PodRestorer:
         created: dict[str, str],
         network: dict[str, Any],
     ) -> None:
-        up = self.upstream.runtime
         started = time.monotonic()
         criu_flags = contract.to_record(m.options)
         try:
-            resp = await up.RunPodSandbox(
+            sandbox_id = await self.upstream.run_pod_sandbox(
                 cri.RunPodSandboxRequest(config=req.config, runtime_handler=req.runtime_handler),
-                timeout=self.upstream.timeout,
+                doing="creating the new sandbox",
             )
-            faults.hit("restore.sandbox-answer")  # `error`: as if the answer were lost on the way
-        except grpc.aio.AioRpcError as e:
-            if e.code() in _NO_ANSWER:
+        except errors.ShimError as e:
+            if e.upstream_code in _NO_ANSWER:
                 self._sandbox_unknown(rec)
-            unknown = unknown_handler(e, req.runtime_handler)
+            unknown = unknown_handler(e.upstream_details, req.runtime_handler)
             if unknown is not None:
                 raise unknown from None
-            raise upstream_error(self.upstream.endpoint, e, "creating the new sandbox") from None
+            raise
         except BaseException:  # cancelled (the caller's deadline) or the like: no answer either
             self._sandbox_unknown(rec)
             raise
+        try:
+            faults.hit("restore.sandbox-answer")  # `error`: as if the answer were lost on the way
+        except BaseException:
+            self._sandbox_unknown(rec)
+            raise
+        resp = cri.RunPodSandboxResponse(pod_sandbox_id=sandbox_id)
         faults.hit("restore.sandbox-unrecorded")
         sandbox.append(resp.pod_sandbox_id)
         self.journal.update(rec, "sandbox", sandbox_id=resp.pod_sandbox_id)
@@ -602,19 +583,15 @@ class PodRestorer:
         log.info("restore sandbox created", sandbox=resp.pod_sandbox_id)
         await self._check_network(resp.pod_sandbox_id, network)
         for p in plan:
-            try:
-                c = await up.CreateContainer(
-                    cri.CreateContainerRequest(
-                        pod_sandbox_id=resp.pod_sandbox_id,
-                        config=self._container_config(p, criu_flags),
-                        sandbox_config=req.config,
-                    ),
-                    timeout=self.upstream.timeout,
-                )
-            except grpc.aio.AioRpcError as e:
-                raise upstream_error(
-                    self.upstream.endpoint, e, f"creating container {p.entry.name!r}"
-                ) from None
+            container_id = await self.upstream.create_container(
+                cri.CreateContainerRequest(
+                    pod_sandbox_id=resp.pod_sandbox_id,
+                    config=self._container_config(p, criu_flags),
+                    sandbox_config=req.config,
+                ),
+                doing=f"creating container {p.entry.name!r}",
+            )
+            c = cri.CreateContainerResponse(container_id=container_id)
             created[p.entry.name] = c.container_id
             if self.restored is not None:  # StartContainer confirms its restore ran
                 await run_to_end(self.restored.add, c.container_id)
@@ -624,15 +601,9 @@ class PodRestorer:
             log.info("restore container created", container=p.entry.name, id=c.container_id)
         if opts.start:
             for p in plan:
-                try:
-                    await up.StartContainer(
-                        cri.StartContainerRequest(container_id=created[p.entry.name]),
-                        timeout=self.upstream.timeout,
-                    )
-                except grpc.aio.AioRpcError as e:
-                    raise upstream_error(
-                        self.upstream.endpoint, e, f"starting restored container {p.entry.name!r}"
-                    ) from None
+                await self.upstream.start_container(
+                    created[p.entry.name], doing=f"starting restored container {p.entry.name!r}"
+                )
                 cid = created[p.entry.name]
                 try:
                     await confirm_restored(self.upstream, self.config, cid, p.entry.name)
@@ -710,13 +681,8 @@ class PodRestorer:
         want = cri.PodSandboxMetadata()
         json_format.ParseDict(metadata, want)
         after_ns = int((_epoch(since) - 5.0) * 1e9) if since else 0  # slack for clock steps
-        try:
-            resp = await self.upstream.runtime.ListPodSandbox(
-                cri.ListPodSandboxRequest(), timeout=self.upstream.timeout
-            )
-        except grpc.aio.AioRpcError as e:
-            raise upstream_error(self.upstream.endpoint, e, "listing sandboxes for recovery") from None
-        found = [sb for sb in resp.items if sb.metadata == want and sb.created_at >= after_ns]
+        items = await self.upstream.list_pod_sandboxes(doing="listing sandboxes for recovery")
+        found = [sb for sb in items if sb.metadata == want and sb.created_at >= after_ns]
         for sb in found:
             log.warning("removing the unrecorded sandbox of an interrupted restore", sandbox=sb.id)
             await self.rollback_sandbox(sb.id)
@@ -729,21 +695,18 @@ class PodRestorer:
     async def rollback_sandbox(self, sid: str) -> None:
         """Remove a sandbox a restore created (which removes its containers). Raises unless the
         upstream confirms it is gone."""
-        for call, request in (
-            (self.upstream.runtime.StopPodSandbox, cri.StopPodSandboxRequest(pod_sandbox_id=sid)),
-            (self.upstream.runtime.RemovePodSandbox, cri.RemovePodSandboxRequest(pod_sandbox_id=sid)),
-        ):
+        for call in (self.upstream.stop_pod_sandbox, self.upstream.remove_pod_sandbox):
             try:
-                await call(request, timeout=self.upstream.timeout)
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.NOT_FOUND:
-                    log.error("rollback of restore failed", sandbox=sid, error=e.details())
+                await call(sid)
+            except errors.ShimError as e:
+                if not is_not_found(e):
+                    log.error("rollback of restore failed", sandbox=sid, error=e.upstream_details)
         try:
-            await self.upstream.runtime.PodSandboxStatus(
-                cri.PodSandboxStatusRequest(pod_sandbox_id=sid), timeout=self.upstream.timeout
-            )
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
+            await self.upstream.pod_status(sid)
+        except errors.ShimError as e:
+            if is_not_found(e):
                 return
-            raise errors.Unavailable(f"cannot confirm sandbox {sid} was removed: {e.details()}") from None
+            raise errors.Unavailable(
+                f"cannot confirm sandbox {sid} was removed: {e.upstream_details}"
+            ) from None
         raise errors.Internal(f"sandbox {sid} of a failed restore could not be removed")

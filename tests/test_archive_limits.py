@@ -289,14 +289,6 @@ def test_ordinary_configs_pass() -> None:
 # ---------------------------------------------------------------------------- runtime handlers
 
 
-class _Err:
-    def __init__(self, details: str) -> None:
-        self._details = details
-
-    def details(self) -> str:
-        return self._details
-
-
 def test_handler_the_upstream_lacks() -> None:
     from shim.restore import unknown_handler, upstream_handlers
 
@@ -304,9 +296,9 @@ def test_handler_the_upstream_lacks() -> None:
     assert upstream_handlers({"config": json.dumps(cfg)}) == {"runc", "crun"}
     assert upstream_handlers({}) is None and upstream_handlers({"config": "[]"}) is None
     # containerd 1.6's RunPodSandbox answer, the fallback when Status does not say
-    e = unknown_handler(_Err('failed to get sandbox runtime: no runtime for "ghost" is configured'), "ghost")  # type: ignore[arg-type]
+    e = unknown_handler('failed to get sandbox runtime: no runtime for "ghost" is configured', "ghost")
     assert isinstance(e, InvalidArgument) and "'ghost'" in e.message
-    assert unknown_handler(_Err("something else"), "ghost") is None  # type: ignore[arg-type]
+    assert unknown_handler("something else", "ghost") is None
 
 
 def test_rootfs_diff_check_stops_when_told(tmp_path: Path) -> None:

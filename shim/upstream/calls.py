@@ -78,6 +78,13 @@ class CriCalls:
     ) -> str:
         return (await self._call(self.runtime.CreateContainer, req, doing, timeout)).container_id
 
+    async def start_container(
+        self, container_id: str, *, doing: str = "", timeout: float | None = None
+    ) -> None:
+        req = cri.StartContainerRequest(container_id=container_id)
+        doing = doing or f"starting container {container_id}"
+        await self._call(self.runtime.StartContainer, req, doing, timeout)
+
     async def stop_container(
         self, container_id: str, grace: int = 0, *, doing: str = "", timeout: float | None = None
     ) -> None:
