@@ -143,7 +143,7 @@ class Engine:
             with self.locks.hold(name, keys, shared):
                 yield
         except errors.ShimError as e:
-            result = e.code.name
+            result = e.code_name
             log.warning(f"{name} failed", code=result, error=e.message, **fields)
             raise
         except asyncio.CancelledError:

@@ -6,17 +6,12 @@ Plain modules raise these; the gRPC layer turns them into a status with the same
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import grpc
-
 
 class ShimError(Exception):
     """An error with the gRPC code the caller must see. The message says what failed and what to do."""
 
-    # The code by name: grpc is imported only when the code is read (podshim-runc, which raises
-    # these errors on every restore, never pays for importing grpc).
+    # The code by name: this module knows no gRPC (podshim-runc raises these errors on every
+    # restore and never imports grpc); shim/server turns the name into the status.
     code_name: str = "INTERNAL"
 
     def __init__(self, message: str) -> None:
@@ -27,12 +22,6 @@ class ShimError(Exception):
         self.upstream_code: str | None = None
         self.upstream_details = ""
         self.transport = False
-
-    @property
-    def code(self) -> grpc.StatusCode:
-        import grpc
-
-        return grpc.StatusCode[self.code_name]
 
 
 class NotFound(ShimError):

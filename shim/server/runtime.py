@@ -99,7 +99,7 @@ def typed_handler(
         try:
             return await fn(request, context)
         except errors.ShimError as e:
-            await context.abort(e.code, fit_message(e.message))
+            await context.abort(grpc.StatusCode[e.code_name], fit_message(e.message))
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # a bug: say so without leaking a traceback to the caller
@@ -171,7 +171,7 @@ class RuntimeHandlers:
             try:
                 cri_checks.check_container_config(req.config)
             except errors.InvalidArgument as e:
-                await context.abort(e.code, fit_message(e.message))
+                await context.abort(grpc.StatusCode[e.code_name], fit_message(e.message))
             if req.config.image.image.startswith("/"):
                 resp = await from_archive(req, context)
                 return resp.SerializeToString()
@@ -190,7 +190,7 @@ class RuntimeHandlers:
             try:
                 cri_checks.check_sandbox_config(req.config)
             except errors.InvalidArgument as e:
-                await context.abort(e.code, fit_message(e.message))
+                await context.abort(grpc.StatusCode[e.code_name], fit_message(e.message))
             return await forward(request, context)
 
         return grpc.unary_unary_rpc_method_handler(run)
@@ -217,7 +217,7 @@ class RuntimeHandlers:
             try:
                 await engine.confirm_restored(cid)
             except errors.ShimError as e:
-                await context.abort(e.code, fit_message(e.message))
+                await context.abort(grpc.StatusCode[e.code_name], fit_message(e.message))
             except Exception as e:  # a bug: say so without a traceback
                 log.exception("unexpected error", method="StartContainer")
                 await context.abort(
