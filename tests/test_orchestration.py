@@ -1,0 +1,232 @@
+"""The orchestrations' edge cases through the typed upstream seam (tests/fakes.py), in
+milliseconds: an upstream error at each step of RestorePod and the rollback that follows (its
+order, the error code the caller gets, the journal), deadlines, and CheckpointPod's upstream
+errors before anything is frozen. The end-to-end tests cover the same paths against containerd."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from shim import errors
+from shim.archive import manifest
+from shim.checkpoint import PodCheckpointer
+from shim.config import Config
+from shim.restore import PodRestorer, RestoreOptions, _Checked, _Planned
+from shim.state import Journal
+from tests.fakes import ENDPOINT, FakeUpstream, rpc_error, unreachable
+
+NAMES = ("a", "b")
+
+
+@pytest.fixture
+def up() -> FakeUpstream:
+    return FakeUpstream()
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> Config:
+    (tmp_path / "roots").mkdir()
+    return Config(state_dir=str(tmp_path / "state"), allowed_roots=(str(tmp_path / "roots"),))
+
+
+def _restorer(cfg: Config, up: FakeUpstream, start: bool = False) -> tuple[PodRestorer, list[Any]]:
+    r = PodRestorer(cfg, up, Journal(cfg.state_dir))  # type: ignore[arg-type]
+    kept: list[Any] = []
+    r.on_kept = kept.append
+    root = Path(cfg.allowed_roots[0])
+    plan = [
+        _Planned(
+            entry=manifest.ContainerEntry(
+                name=n,
+                id=f"old-{n}",
+                image="busybox",
+                state="CONTAINER_RUNNING",
+                restart_count=0,
+                checkpointed=True,
+                dir=f"containers/{n}",
+            ),
+            config=cri.ContainerConfig(metadata=cri.ContainerMetadata(name=n)),
+            dir=root / "containers" / n,
+        )
+        for n in NAMES
+    ]
+    m = manifest.Manifest(sandbox=manifest.SandboxInfo(id="old", metadata={}, config={}))
+    checked = _Checked(
+        opts=RestoreOptions(start=start), root=root, key=None, manifest=m, plan=plan, network={}
+    )
+
+    async def check(req: cri.RestorePodRequest) -> _Checked:
+        return checked
+
+    r._check = check  # type: ignore[method-assign]  # the archive's checks have their own tests
+    return r, kept
+
+
+def _request(handler: str = "") -> cri.RestorePodRequest:
+    md = cri.PodSandboxMetadata(name="web", namespace="default", uid="u-1")
+    return cri.RestorePodRequest(
+        checkpoint_path="/x", config=cri.PodSandboxConfig(metadata=md), runtime_handler=handler
+    )
+
+
+def _open_records(cfg: Config) -> list[Any]:
+    return Journal(cfg.state_dir).scan().records
+
+
+async def test_restore_creates_the_sandbox_then_each_container(cfg: Config, up: FakeUpstream) -> None:
+    r, kept = _restorer(cfg, up)
+    resp = await r.restore(_request(), 30.0)
+    assert up.calls == [("RunPodSandbox", "web"), ("CreateContainer", "a"), ("CreateContainer", "b")]
+    assert [c.name for c in resp.restored_containers] == list(NAMES)
+    assert resp.pod_sandbox_id in up.sandboxes and not _open_records(cfg) and not kept
+
+
+@pytest.mark.parametrize(
+    ("step", "fail", "start", "error", "says"),
+    [
+        (
+            "CreateContainer",
+            [rpc_error("INVALID_ARGUMENT", "bad mount")],
+            False,
+            errors.InvalidArgument,
+            "creating container 'a'",
+        ),
+        (
+            "CreateContainer",
+            [None, rpc_error("NOT_FOUND", "image gone")],
+            False,
+            errors.NotFound,
+            "creating container 'b'",
+        ),
+        (
+            "CreateContainer",
+            [None, rpc_error("RESOURCE_EXHAUSTED", "no room")],
+            False,
+            errors.Internal,
+            "RESOURCE_EXHAUSTED",
+        ),
+        (
+            "StartContainer",
+            [None, rpc_error("FAILED_PRECONDITION", "criu")],
+            True,
+            errors.FailedPrecondition,
+            "starting restored container 'b'",
+        ),
+    ],
+)
+async def test_an_upstream_error_after_the_sandbox_rolls_it_back(
+    cfg: Config, up: FakeUpstream, step: str, fail: list[Any], start: bool, error: type, says: str
+) -> None:
+    r, kept = _restorer(cfg, up, start=start)
+    up.fail[step] = fail
+    with pytest.raises(error, match=says):
+        await r.restore(_request(), 30.0)
+    sid = up.calls[0]
+    assert sid[0] == "RunPodSandbox"
+    # the rollback, in this order, after the failed step: stop, remove, then read back that it is gone
+    failed_at = max(i for i, (name, _) in enumerate(up.calls) if name == step)
+    rollback = up.calls[failed_at + 1 :]
+    assert [n for n, _ in rollback] == ["StopPodSandbox", "RemovePodSandbox", "PodSandboxStatus"]
+    assert len({a for _, a in rollback}) == 1 and not up.sandboxes
+    assert not _open_records(cfg) and not kept
+
+
+async def test_a_refused_sandbox_leaves_nothing_to_roll_back(cfg: Config, up: FakeUpstream) -> None:
+    r, kept = _restorer(cfg, up)
+    up.fail["RunPodSandbox"] = rpc_error("INVALID_ARGUMENT", "bad port mapping")
+    with pytest.raises(errors.InvalidArgument, match="creating the new sandbox"):
+        await r.restore(_request(), 30.0)
+    assert up.names() == ["RunPodSandbox"] and not _open_records(cfg) and not kept
+
+
+async def test_an_unanswered_sandbox_is_kept_for_recovery(cfg: Config, up: FakeUpstream) -> None:
+    """RunPodSandbox without an answer: the sandbox may still appear; the rollback looks for it
+    by its metadata, finds none yet, and keeps the record (Engine retries; a restart replays it).
+    The caller gets the upstream's own error."""
+    r, kept = _restorer(cfg, up)
+    up.fail["RunPodSandbox"] = unreachable()
+    with pytest.raises(errors.Unavailable, match=ENDPOINT):
+        await r.restore(_request(), 30.0)
+    assert up.names() == ["RunPodSandbox", "ListPodSandbox"]
+    (rec,) = _open_records(cfg)
+    assert "sandbox_unknown_since" in rec.data and [k.op_id for k in kept] == [rec.op_id]
+
+
+async def test_the_unknown_handler_answer_is_invalid_argument(cfg: Config, up: FakeUpstream) -> None:
+    r, _ = _restorer(cfg, up)
+    up.fail["RunPodSandbox"] = rpc_error(
+        "UNKNOWN", 'failed to get sandbox runtime: no runtime for "ghost" is configured'
+    )
+    with pytest.raises(errors.InvalidArgument, match="runtime_handler 'ghost'"):
+        await r.restore(_request("ghost"), 30.0)
+
+
+async def test_a_failed_rollback_keeps_the_record_and_the_first_error(cfg: Config, up: FakeUpstream) -> None:
+    r, kept = _restorer(cfg, up)
+    up.fail["CreateContainer"] = rpc_error("INVALID_ARGUMENT", "bad mount")
+    up.fail["StopPodSandbox"] = up.fail["RemovePodSandbox"] = up.fail["PodSandboxStatus"] = unreachable()
+    with pytest.raises(errors.InvalidArgument, match="bad mount"):
+        await r.restore(_request(), 30.0)
+    (rec,) = _open_records(cfg)
+    assert rec.data["sandbox_id"] in up.sandboxes and [k.op_id for k in kept] == [rec.op_id]
+
+
+async def test_the_deadline_ends_a_hung_create_and_rolls_back(cfg: Config, up: FakeUpstream) -> None:
+    r, kept = _restorer(cfg, up)
+    up.hang.add("CreateContainer")
+    with pytest.raises(errors.DeadlineExceeded, match="within the caller's deadline"):
+        await r.restore(_request(), 1.2)  # 0.2 s once the clean-up margin is kept
+    assert up.names()[-3:] == ["StopPodSandbox", "RemovePodSandbox", "PodSandboxStatus"]
+    assert not up.sandboxes and not _open_records(cfg) and not kept
+
+
+# ---------------------------------------------------------------------------- CheckpointPod
+
+
+def _checkpointer(cfg: Config, up: FakeUpstream) -> tuple[PodCheckpointer, Path]:
+    out = Path(cfg.allowed_roots[0]) / "out"
+    out.mkdir()
+    return PodCheckpointer(cfg, up, Journal(cfg.state_dir)), out  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("setup", "error", "says"),
+    [
+        (lambda up: None, errors.NotFound, "podshim pods"),  # no such sandbox
+        (lambda up: up.fail.__setitem__("PodSandboxStatus", unreachable()), errors.Unavailable, ENDPOINT),
+        (
+            lambda up: up.fail.__setitem__("PodSandboxStatus", rpc_error("DEADLINE_EXCEEDED", "slow")),
+            errors.DeadlineExceeded,
+            "reading pod p1",
+        ),
+        (
+            lambda up: up.sandboxes.__setitem__(
+                "p1", cri.PodSandboxStatus(id="p1", state=cri.SANDBOX_NOTREADY)
+            ),
+            errors.FailedPrecondition,
+            "not ready",
+        ),
+    ],
+)
+async def test_checkpoint_upstream_errors_before_the_freeze(
+    cfg: Config, up: FakeUpstream, setup: Any, error: type, says: str
+) -> None:
+    c, out = _checkpointer(cfg, up)
+    setup(up)
+    with pytest.raises(error, match=says):
+        await c.checkpoint(cri.CheckpointPodRequest(pod_sandbox_id="p1", output_path=str(out)), 30.0)
+    assert up.names()[0] == "PodSandboxStatus"
+    assert set(up.names()) <= {"PodSandboxStatus", "ListContainers"}  # nothing frozen, stopped or written
+    assert not list(out.iterdir()) and not _open_records(cfg)
+
+
+async def test_checkpoint_deadline_while_reading_the_pod(cfg: Config, up: FakeUpstream) -> None:
+    c, out = _checkpointer(cfg, up)
+    up.hang.add("PodSandboxStatus")
+    with pytest.raises(errors.DeadlineExceeded, match="nothing was frozen or written"):
+        await c.checkpoint(cri.CheckpointPodRequest(pod_sandbox_id="p1", output_path=str(out)), 0.3)
+    assert not list(out.iterdir()) and not _open_records(cfg)
