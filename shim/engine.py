@@ -16,14 +16,14 @@ import psutil
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import aio, errors, logs, metrics
-from shim import restore as restore_mod
 from shim.archive import fsutil, layout
 from shim.archive.dirfd import DirHandle
 from shim.cgroups import thaw_paths
-from shim.checkpoint import PodCheckpointer
 from shim.config import Config
-from shim.container_checkpoint import ArchiveImporter, ContainerCheckpointer
-from shim.restore import PodRestorer
+from shim.ops import restore_pod as restore_mod
+from shim.ops.checkpoint_container import ArchiveImporter, ContainerCheckpointer
+from shim.ops.checkpoint_pod import PodCheckpointer
+from shim.ops.restore_pod import PodRestorer
 from shim.state import Journal, OpRecord
 from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, WiringChecker, confirm_restored

@@ -24,7 +24,7 @@ from shim.archive.manifest import (
     read_manifest,
     write_manifest,
 )
-from shim.restore import _read_member
+from shim.ops.restore_pod import _read_member
 
 CHUNK = crypto.CHUNK_SIZE
 BLOCK = CHUNK + crypto.TAG_SIZE

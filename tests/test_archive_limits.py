@@ -290,7 +290,7 @@ def test_ordinary_configs_pass() -> None:
 
 
 def test_handler_the_upstream_lacks() -> None:
-    from shim.restore import unknown_handler, upstream_handlers
+    from shim.ops.restore_pod import unknown_handler, upstream_handlers
 
     cfg = {"containerd": {"runtimes": {"runc": {}, "crun": {}}}}
     assert upstream_handlers({"config": json.dumps(cfg)}) == {"runc", "crun"}
@@ -324,7 +324,7 @@ def test_container_tar_with_unusable_member_names(tmp_path: Path, name: str) -> 
     import io
     import tarfile
 
-    from shim import container_checkpoint as cc
+    from shim.ops import checkpoint_container as cc
 
     tar = tmp_path / "ck.tar"
     with tarfile.open(tar, "w", format=tarfile.PAX_FORMAT) as t:

@@ -73,7 +73,9 @@ def test_the_daemon_never_imports_the_wrapper() -> None:
 
 
 def test_the_cli_never_imports_daemon_internals() -> None:
-    daemon = ("shim.checkpoint", "shim.restore", "shim.container_checkpoint", "shim.wiring", "shim.upstream")
+    daemon = ("shim.ops", "shim.engine", "shim.wiring", "shim.upstream", "shim.server")
     for path in (SHIM / "cli").glob("*.py"):
+        if path.name == "serve.py":  # `podshim serve` starts the daemon itself
+            continue
         bad = [m for m in _imports(path) if m.startswith(daemon)]
         assert not bad, (path, bad)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from shim import errors
-from shim.checkpoint import CheckpointOptions
 from shim.criu.runtime import CriuOptions, option_hint
+from shim.ops.checkpoint_pod import CheckpointOptions
 
 
 @pytest.mark.parametrize(

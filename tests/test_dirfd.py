@@ -17,7 +17,7 @@ import pytest
 from shim import errors
 from shim.archive import crypto, dirfd, fsutil, manifest
 from shim.archive.dirfd import DirHandle, open_checked
-from shim.container_checkpoint import _Steps, extract_archive, file_entries
+from shim.ops.checkpoint_container import _Steps, extract_archive, file_entries
 
 
 def fingerprint(root: Path) -> dict[str, tuple[object, ...]]:

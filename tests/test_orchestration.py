@@ -13,9 +13,9 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors
 from shim.archive import manifest
-from shim.checkpoint import PodCheckpointer
 from shim.config import Config
-from shim.restore import PodRestorer, RestoreOptions, _Checked, _Planned
+from shim.ops.checkpoint_pod import PodCheckpointer
+from shim.ops.restore_pod import PodRestorer, RestoreOptions, _Checked, _Planned
 from shim.state import Journal
 from tests.fakes import ENDPOINT, FakeUpstream, rpc_error, unreachable
 

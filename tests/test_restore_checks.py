@@ -8,7 +8,7 @@ import pytest
 
 from shim.archive.manifest import HostInfo, Manifest, SandboxInfo
 from shim.errors import FailedPrecondition
-from shim.restore import check_host
+from shim.ops.restore_pod import check_host
 
 HERE = platform.machine()
 OTHER_ARCH = "riscv64" if HERE != "riscv64" else "x86_64"

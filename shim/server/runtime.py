@@ -22,8 +22,8 @@ RESERVED_ANNOTATION_PREFIX = "podshim."
 
 
 class Engine(Protocol):
-    """The checkpoint/restore orchestrations (shim/checkpoint.py, shim/restore.py). `deadline`:
-    the caller's time remaining in seconds (None: no deadline set)."""
+    """The checkpoint/restore orchestrations (shim/ops/). `deadline`: the caller's time remaining
+    in seconds (None: no deadline set)."""
 
     async def checkpoint_pod(
         self, req: cri.CheckpointPodRequest, deadline: float | None

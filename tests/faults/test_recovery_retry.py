@@ -161,7 +161,7 @@ async def test_unanswered_sandbox_is_waited_for(root: Path) -> None:  # noqa: F8
 
 
 async def test_unanswered_sandbox_that_never_appears(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    from shim import restore as restore_mod
+    from shim.ops import restore_pod as restore_mod
 
     monkeypatch.setattr(restore_mod, "SANDBOX_SETTLE", 1.0)
     up = FakeUpstream()

@@ -33,7 +33,7 @@ from shim.sharing import check_shared_state
 from shim.state import Journal
 from shim.upstream import Upstream
 
-log = logs.get("shim.checkpoint")
+log = logs.get("shim.ops.checkpoint_pod")
 
 FREEZE_TIMEOUT = 5.0  # seconds to confirm a cgroup froze/thawed
 CLEANUP_MARGIN = 0.5  # seconds kept from the caller's deadline to thaw and clean up

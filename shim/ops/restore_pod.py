@@ -34,7 +34,7 @@ from shim.state import Journal
 from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
 
-log = logs.get("shim.restore")
+log = logs.get("shim.ops.restore_pod")
 
 INVENTORY = "inventory.img"  # every CRIU image set has one (the node e2e check relies on it)
 CLEANUP_MARGIN = 1.0

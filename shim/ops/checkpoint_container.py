@@ -57,7 +57,10 @@ from shim.archive.container_tar import (
 from shim.archive.dirfd import DirHandle, HeldTree, open_checked
 from shim.archive.dirfd import held as held_dir
 from shim.cgroups import default_freezer
-from shim.checkpoint import (
+from shim.config import Config
+from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
+from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
+from shim.ops.checkpoint_pod import (
     CLEANUP_MARGIN,
     DEFAULT_DEADLINE,
     FREEZE_TIMEOUT,
@@ -66,17 +69,14 @@ from shim.checkpoint import (
     confirm_thawed,
     self_frozen,
 )
-from shim.config import Config
-from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
-from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
-from shim.restore import archived_config
+from shim.ops.restore_pod import archived_config
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sharing import check_shared_state
 from shim.state import Journal
 from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, WiringChecker
 
-log = logs.get("shim.container_checkpoint")
+log = logs.get("shim.ops.checkpoint_container")
 
 KIND = "checkpoint-container"  # journal kind: recover() thaws `cgroups`, removes `output_path`
 STAGING_PREFIX = "podshim-checkpoint"  # the staging dir: .podshim-checkpoint.tmp-<hex> beside the tar
