@@ -25,7 +25,7 @@ HOOK_NAME = "podshim-runc-hook"  # the Python side the compiled wrapper execs
 WORK_DIR = "podshim-restore"  # in the bundle: CRIU's work dir (log, restore stats, config)
 CRIU_CONFIG_ANNOTATION = "org.criu.config"  # runc/crun read CRIU options from this file
 # <state_dir>/imports: container checkpoint tars extracted by podshim's CreateContainer
-# (shim/ops/checkpoint_container.py); podshim-owned, so accepted like the allowed roots.
+# (shim/ops/restore_container.py); podshim-owned, so accepted like the allowed roots.
 IMPORTS_DIR = "imports"
 # <state_dir>/decrypted/<random>/: one container's plaintext of an encrypted archive
 # (shim/archive/crypto.py); podshim-owned too.

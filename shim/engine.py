@@ -21,8 +21,9 @@ from shim.archive.dirfd import DirHandle
 from shim.cgroups import thaw_paths
 from shim.config import Config
 from shim.ops import restore_pod as restore_mod
-from shim.ops.checkpoint_container import ArchiveImporter, ContainerCheckpointer
+from shim.ops.checkpoint_container import ContainerCheckpointer
 from shim.ops.checkpoint_pod import PodCheckpointer
+from shim.ops.restore_container import ArchiveImporter
 from shim.ops.restore_pod import PodRestorer
 from shim.state import Journal, OpRecord
 from shim.upstream import Upstream, is_not_found

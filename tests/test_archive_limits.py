@@ -324,7 +324,7 @@ def test_container_tar_with_unusable_member_names(tmp_path: Path, name: str) -> 
     import io
     import tarfile
 
-    from shim.ops import checkpoint_container as cc
+    from shim.ops import restore_container as rc
 
     tar = tmp_path / "ck.tar"
     with tarfile.open(tar, "w", format=tarfile.PAX_FORMAT) as t:
@@ -332,7 +332,7 @@ def test_container_tar_with_unusable_member_names(tmp_path: Path, name: str) -> 
         ti.size = 1
         t.addfile(ti, io.BytesIO(b"x"))
     with pytest.raises(InvalidArgument, match="nests deeper than"):
-        cc.extract_archive(tar, tmp_path / "import", cc._Steps())
+        rc.extract_archive(tar, tmp_path / "import", rc._Steps())
 
 
 def test_rootfs_diff_names_no_file_system_takes(tmp_path: Path) -> None:

@@ -17,7 +17,8 @@ import pytest
 from shim import errors
 from shim.archive import crypto, dirfd, fsutil, manifest
 from shim.archive.dirfd import DirHandle, open_checked
-from shim.ops.checkpoint_container import _Steps, extract_archive, file_entries
+from shim.ops.checkpoint_container import _Steps, file_entries
+from shim.ops.restore_container import extract_archive
 
 
 def fingerprint(root: Path) -> dict[str, tuple[object, ...]]:

@@ -1,0 +1,423 @@
+"""Restore from a container checkpoint tar (CRI-O's convention; docs/architecture.md
+"CheckpointContainer"): a CreateContainer whose image is an absolute path to such a tar.
+The tar is extracted (regular files and directories only, no member escaping) into
+`<state_dir>/imports/<random>/archive`, and the container is created upstream with the
+checkpoint's image and podshim's restore annotation; podshim-runc turns its `create` into a
+CRIU restore at StartContainer. The import dir goes when the container does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import stat
+import tarfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from api.runtime.v1 import api_pb2 as cri
+from shim import contract, errors, logs
+from shim.archive import fsutil, layout, manifest, paths
+from shim.archive.container_tar import (
+    FORMAT,
+    MANIFEST_FILE,
+    MAX_METADATA_BYTES,
+    REQUIRED_MEMBERS,
+    tar_error,
+)
+from shim.archive.dirfd import DirHandle
+from shim.archive.dirfd import held as held_dir
+from shim.config import Config
+from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
+from shim.ops.checkpoint_container import _Steps, file_entries
+from shim.ops.checkpoint_pod import (
+    CLEANUP_MARGIN,
+    DEFAULT_DEADLINE,
+)
+from shim.ops.restore_pod import archived_config
+from shim.upstream import Upstream, is_not_found
+from shim.wiring import RestoredContainers, WiringChecker
+
+log = logs.get("shim.ops.restore_container")
+
+IMPORT_TREE = "archive"  # <state_dir>/imports/<random>/archive: the extracted checkpoint
+IMPORT_MARKER = "container-id"  # <state_dir>/imports/<random>/container-id: who uses it
+STALE_IMPORT_SECONDS = 900.0  # an import without a container after this long was interrupted
+
+
+def check_archive_file(path: str, allowed_roots: Sequence[str]) -> Path:
+    """A CreateContainer image that is a path: a regular file strictly inside an allowed root."""
+    norm = paths.check_syntax(path, "checkpoint archive")
+    roots = paths.resolved_roots(allowed_roots)
+    real = Path(os.path.realpath(norm))
+    if not any(paths.is_inside(real, r) for r in roots):
+        roots_text = ", ".join(str(r) for r in roots)
+        raise errors.InvalidArgument(
+            f"checkpoint archive {path} is outside the allowed checkpoint roots ({roots_text})"
+        )
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        raise errors.NotFound(f"checkpoint archive {path} does not exist") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise errors.InvalidArgument(f"checkpoint archive {path} is not a regular file (a tar)")
+    return real
+
+
+def _open_outer(path: Path) -> tarfile.TarFile:
+    try:
+        return tarfile.open(path, mode="r:*", copybufsize=fsutil.CHUNK_SIZE)
+    except (tarfile.TarError, EOFError) as e:
+        raise errors.DataLoss(f"checkpoint archive {path} is not a readable tar: {tar_error(e)}") from e
+    except OSError as e:
+        raise errors.Internal(f"cannot read checkpoint archive {path}: {e}") from e
+
+
+def _members(tar: tarfile.TarFile, where: Path) -> Iterator[tuple[tarfile.TarInfo, str | None]]:
+    """Each member with its normalised relative name (None for the archive's own root entry).
+    Only regular files and directories are accepted (as containerd's hardened import)."""
+    try:
+        for m in tar:
+            if m.name.strip("/.") == "" and m.isdir():
+                yield m, None
+                continue
+            rel = str(paths.check_member_path(m.name.rstrip("/"), f"{where}: member"))
+            parts = rel.split("/")
+            if len(parts) > manifest.MAX_TREE_DEPTH or any(len(p.encode()) > paths.NAME_MAX for p in parts):
+                raise errors.InvalidArgument(
+                    f"checkpoint archive {where}: member {m.name[:120]!r}... nests deeper than "
+                    f"{manifest.MAX_TREE_DEPTH} levels or has a component over {paths.NAME_MAX} bytes"
+                )
+            if not (m.isreg() or m.isdir()):
+                kind = "symlink" if m.issym() else "hard link" if m.islnk() else "special file"
+                raise errors.InvalidArgument(
+                    f"checkpoint archive {where}: member {m.name!r} is a {kind}; "
+                    "a container checkpoint holds only regular files and directories"
+                )
+            yield m, rel
+    except (tarfile.TarError, EOFError) as e:
+        raise errors.DataLoss(f"checkpoint archive {where} is truncated or corrupt: {tar_error(e)}") from e
+
+
+def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: _Steps) -> list[str]:
+    """Extract the container checkpoint `tar_path` into the new directory `dest` (0700 dirs,
+    0600 files); returns the files written. Members that escape (absolute, '..'), links and
+    special files are refused (InvalidArgument); no member can follow a symlink, as none is
+    ever created. A duplicate member is refused too. Every level is created and opened through
+    descriptors (O_NOFOLLOW, relative to its parent: dirfd.py), never by path."""
+    if not isinstance(dest, DirHandle):
+        fsutil.make_private_dir(dest, exist_ok=False)
+    written: list[str] = []
+    with _open_outer(tar_path) as tar, held_dir(dest) as root:
+        for m, rel in _members(tar, tar_path):
+            steps.check()
+            if rel is None:
+                continue
+            if rel.count("/") >= manifest.MAX_TREE_DEPTH:
+                raise errors.InvalidArgument(
+                    f"checkpoint archive {tar_path}: member {rel[:120]!r}... nests deeper than "
+                    f"{manifest.MAX_TREE_DEPTH} directories; a container checkpoint is at most that deep"
+                )
+            parent, _, name = rel.rpartition("/")
+            try:
+                if m.isdir():
+                    root.sub(rel, create=True).close()
+                    continue
+                with root.sub(parent, create=True) as pd:
+                    fd = pd.create(name, fsutil.FILE_MODE)
+            except FileExistsError:
+                raise errors.InvalidArgument(
+                    f"checkpoint archive {tar_path}: member {m.name!r} repeats"
+                ) from None
+            except NotADirectoryError:
+                raise errors.InvalidArgument(
+                    f"checkpoint archive {tar_path}: member {m.name!r} is below a file"
+                ) from None
+            with os.fdopen(fd, "wb") as out:
+                src = tar.extractfile(m)
+                if src is None:
+                    raise errors.DataLoss(f"checkpoint archive {tar_path}: member {m.name!r} is unreadable")
+                try:
+                    while chunk := src.read(fsutil.CHUNK_SIZE):
+                        steps.check()
+                        out.write(chunk)
+                except (tarfile.TarError, EOFError) as e:
+                    raise errors.DataLoss(
+                        f"checkpoint archive {tar_path} is truncated: {tar_error(e)}"
+                    ) from e
+                except OSError as e:
+                    raise errors.Internal(f"cannot extract {m.name!r} of {tar_path}: {e}") from e
+            written.append(rel)
+    return written
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if st.st_size > MAX_METADATA_BYTES:
+        raise errors.DataLoss(f"{what} is {st.st_size} bytes, over the {MAX_METADATA_BYTES} limit")
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise errors.DataLoss(f"{what} is not valid JSON ({e}): the archive is corrupt") from e
+
+
+@dataclass
+class ImportedCheckpoint:
+    root: Path  # the extracted tree (the restore annotation points here)
+    record: dict[str, Any]  # config.dump
+    spec: dict[str, Any]  # spec.dump
+    manifest: dict[str, Any] | None  # podshim's manifest (None: written by another runtime)
+
+
+def load_imported(
+    root: Path, tar_path: Path, steps: _Steps, held: DirHandle | None = None
+) -> ImportedCheckpoint:
+    """Check an extracted container checkpoint: the required entries, and when it carries
+    podshim's manifest, the exact file set with sizes and sha256 (DataLoss otherwise). `held`:
+    `root` held open; it is then read and listed through that descriptor only."""
+    where = root
+    if held is not None:
+        root = Path(held.proc)
+    missing = [m for m in REQUIRED_MEMBERS if not (root / m).is_file()]
+    if missing:
+        raise errors.InvalidArgument(
+            f"{tar_path} is not a container checkpoint: it has no {', '.join(missing)}"
+        )
+    record = _read_json(root / layout.CONFIG_DUMP_FILE, f"{tar_path}: {layout.CONFIG_DUMP_FILE}")
+    spec = _read_json(root / layout.SPEC_DUMP_FILE, f"{tar_path}: {layout.SPEC_DUMP_FILE}")
+    if not isinstance(record, dict) or not isinstance(spec, dict):
+        raise errors.DataLoss(f"{tar_path}: config.dump and spec.dump must be JSON objects")
+    m = _read_json(root / MANIFEST_FILE, f"{tar_path}: {MANIFEST_FILE}")
+    if m is None and isinstance(record.get("podshim"), dict):
+        raise errors.DataLoss(
+            f"{tar_path} was written by podshim but has no {MANIFEST_FILE} (its last member): "
+            "the archive is truncated; take a new checkpoint"
+        )
+    if m is not None:
+        if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
+            raise errors.DataLoss(f"{tar_path}: {MANIFEST_FILE} is malformed")
+        if m.get("format") != FORMAT:
+            raise errors.FailedPrecondition(
+                f"{tar_path}: format {m.get('format')!r} is not supported (this podshim reads {FORMAT})"
+            )
+        actual = file_entries(held if held is not None else root, steps)
+        expected = m["files"]
+        if set(actual) != set(expected):
+            odd = sorted(set(actual) ^ set(expected))
+            raise errors.DataLoss(
+                f"{tar_path} does not match its manifest: {', '.join(odd[:5])} missing or extra"
+            )
+        for rel, fe in sorted(expected.items()):
+            if not isinstance(fe, dict) or actual[rel] != {
+                "size": fe.get("size"),
+                "sha256": fe.get("sha256"),
+            }:
+                raise errors.DataLoss(
+                    f"{tar_path} is corrupt: {rel} differs from its manifest (size or sha256)"
+                )
+    return ImportedCheckpoint(root=where, record=record, spec=spec, manifest=m)
+
+
+def _spec_defaults(spec: dict[str, Any]) -> cri.ContainerConfig:
+    """command/env/working dir from an OCI spec (an archive without podshim's CRI record)."""
+    proc = spec.get("process") or {}
+    envs = []
+    for e in proc.get("env") or []:
+        k, _, v = str(e).partition("=")
+        envs.append(cri.KeyValue(key=k, value=v))
+    return cri.ContainerConfig(
+        command=[str(a) for a in proc.get("args") or []], envs=envs, working_dir=str(proc.get("cwd") or "")
+    )
+
+
+def restore_config(req: cri.ContainerConfig, ck: ImportedCheckpoint, image: str) -> cri.ContainerConfig:
+    """The request's config (metadata, log path, mounts, labels, resources...) with the
+    checkpoint's image, its command/args/env/working dir where the request leaves them empty,
+    and podshim's restore annotations."""
+    archived = archived_config(ck.record) if ck.record.get("config") else _spec_defaults(ck.spec)
+    cc = cri.ContainerConfig()
+    cc.CopyFrom(req)
+    cc.image.CopyFrom(cri.ImageSpec(image=image))
+    if not cc.command:
+        cc.command.extend(archived.command)
+    if not cc.args:
+        cc.args.extend(archived.args)
+    if not cc.envs:
+        cc.envs.extend(archived.envs)
+    if not cc.working_dir:
+        cc.working_dir = archived.working_dir
+    # CRI-O always dumps with file locks
+    options = (ck.manifest or {}).get("options") or {contract.FILE_LOCKS: "true"}
+    cc.annotations[RESTORE_ANNOTATION] = str(ck.root)
+    cc.annotations[RESTORE_OPTIONS_ANNOTATION] = contract.to_record(options)
+    return cc
+
+
+def _remove_import(imports: DirHandle, name: str) -> None:
+    """Remove the import dir `name` through <state_dir>/imports held open, then let go of it."""
+    with contextlib.suppress(OSError):
+        imports.remove(name)
+    imports.close()
+
+
+class ArchiveImporter:
+    """CreateContainer from a container checkpoint tar, and removal of what it extracted."""
+
+    def __init__(
+        self,
+        config: Config,
+        upstream: Upstream,
+        wiring: WiringChecker | None = None,
+        restored: RestoredContainers | None = None,
+    ) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.root = Path(config.state_dir) / IMPORTS_DIR
+        # docs/architecture.md "Wiring check": refuse a node wired wrong; remember what to confirm
+        self.wiring = wiring
+        self.restored = restored
+
+    async def create(
+        self, req: cri.CreateContainerRequest, remaining: float | None
+    ) -> cri.CreateContainerResponse:
+        tar_path = await asyncio.to_thread(
+            check_archive_file, req.config.image.image, self.config.allowed_roots
+        )
+        if not req.pod_sandbox_id:
+            raise errors.InvalidArgument(
+                "pod_sandbox_id is empty: name the sandbox to create the container in"
+            )
+        budget = (remaining if remaining is not None else DEFAULT_DEADLINE) - CLEANUP_MARGIN
+        if budget <= 0:
+            raise errors.DeadlineExceeded("the deadline leaves no time to import the checkpoint")
+        if self.wiring is not None:
+            handler = await self._sandbox_handler(req.pod_sandbox_id)
+            await self.wiring.require(handler, f"restore from {tar_path} refused, nothing was created")
+        await self.sweep()
+        await asyncio.to_thread(fsutil.make_private_dir, self.root)
+        import_dir = self.root / secrets.token_hex(8)
+        # <state_dir>/imports held open: the import dir is made, filled, marked and removed only
+        # through descriptors (dirfd.py), never through its path
+        imports = DirHandle.open(os.path.realpath(self.root))
+        steps = _Steps()
+        try:
+            held = imports.adopt(imports.mkdir(import_dir.name))
+            async with asyncio.timeout(budget):
+                tree = import_dir / IMPORT_TREE
+                tree_held = held.adopt(held.mkdir(IMPORT_TREE))
+                await steps.run(extract_archive, tar_path, tree_held, steps)
+                ck = await steps.run(load_imported, tree, tar_path, steps, tree_held)
+                image = await self._image(ck, tar_path)
+                cc = restore_config(req.config, ck, image)
+                cid = await self.upstream.create_container(
+                    cri.CreateContainerRequest(
+                        pod_sandbox_id=req.pod_sandbox_id, config=cc, sandbox_config=req.sandbox_config
+                    ),
+                    doing=f"creating container {cc.metadata.name!r} from {tar_path}",
+                    timeout=max(budget, 1.0),
+                )
+                resp = cri.CreateContainerResponse(container_id=cid)
+                await asyncio.to_thread(held.write_file, IMPORT_MARKER, resp.container_id.encode())
+                if self.restored is not None:  # StartContainer confirms its restore ran
+                    await asyncio.to_thread(self.restored.add, resp.container_id)
+        except TimeoutError:
+            _remove_import(imports, import_dir.name)
+            raise errors.DeadlineExceeded(
+                f"import of {tar_path} did not finish within the deadline; nothing was created"
+            ) from None
+        except BaseException:
+            _remove_import(imports, import_dir.name)
+            raise
+        imports.close()
+        log.info("container created from checkpoint", archive=str(tar_path), container=resp.container_id)
+        return resp
+
+    async def _sandbox_handler(self, pod_id: str) -> str:
+        """The runtime handler the sandbox's containers run with, as the upstream reports it."""
+        try:
+            resp = await self.upstream.pod_status(pod_id)
+        except errors.ShimError as e:
+            if is_not_found(e):
+                raise errors.NotFound(
+                    f"pod sandbox {pod_id!r} not found: check the id with `podshim pods`"
+                ) from None
+            raise
+        return resp.status.runtime_handler
+
+    async def _image(self, ck: ImportedCheckpoint, tar_path: Path) -> str:
+        """The checkpoint's image as the upstream knows it: its name, else its id."""
+        r = ck.record
+        candidates = [
+            str(v)
+            for v in (r.get("rootfsImageName"), r.get("image"), r.get("rootfsImage"), r.get("rootfsImageRef"))
+            if v
+        ]
+        if r.get("image_ref"):
+            candidates.append(str(r["image_ref"]))
+        for image in dict.fromkeys(candidates):
+            st = await self.upstream.image_status(image)
+            if st.HasField("image"):
+                return image
+        raise errors.FailedPrecondition(
+            f"the image of checkpoint {tar_path} ({', '.join(candidates) or 'unnamed'}) is not on this node: "
+            "pull it first"
+        )
+
+    def _imports(self) -> list[tuple[Path, str | None]]:
+        try:
+            entries = sorted(os.scandir(self.root), key=lambda e: e.name)
+        except FileNotFoundError:
+            return []
+        out = []
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+            try:
+                owner: str | None = (Path(e.path) / IMPORT_MARKER).read_text().strip()
+            except OSError:
+                owner = None
+            out.append((Path(e.path), owner))
+        return out
+
+    def _remove(self, d: Path, why: str) -> None:
+        # through <state_dir>/imports opened with O_NOFOLLOW at every level, never by path
+        with contextlib.suppress(OSError, errors.ShimError):
+            _remove_import(DirHandle.open(os.path.realpath(d.parent)), d.name)
+        log.info("checkpoint import removed", dir=str(d), reason=why)
+
+    async def forget(self, container_id: str) -> None:
+        """After RemoveContainer: drop the import of that container (an id or unique prefix)."""
+        if not container_id:
+            return
+        imports = await asyncio.to_thread(self._imports)
+        hits = [(d, o) for d, o in imports if o and o.startswith(container_id)]
+        if len(hits) == 1:
+            await asyncio.to_thread(self._remove, hits[0][0], f"container {hits[0][1]} removed")
+
+    async def sweep(self) -> None:
+        """Drop imports whose container is gone (removed with its sandbox, or never created
+        because podshim stopped in the middle)."""
+        now = time.time()
+        for d, owner in await asyncio.to_thread(self._imports):
+            if owner is None:
+                try:
+                    age = now - d.stat().st_mtime
+                except OSError:
+                    continue
+                if age > STALE_IMPORT_SECONDS:
+                    await asyncio.to_thread(self._remove, d, "interrupted import")
+                continue
+            try:
+                await self.upstream.container_status(owner)
+            except errors.ShimError as e:
+                if is_not_found(e):
+                    await asyncio.to_thread(self._remove, d, f"container {owner} no longer exists")
