@@ -91,3 +91,25 @@ async def run_to_end(
             except BaseException:  # noqa: BLE001 - its own error is secondary to the cancellation
                 break
         raise
+
+
+class Stopped(Exception):
+    """A long blocking step was told to stop (its operation was cancelled): the one stop signal of
+    every thread podshim runs (fsutil, crypto, the container tar)."""
+
+
+class Steps:
+    """The blocking steps of one operation, each in a worker thread through run_to_end: when the
+    operation is cancelled (its deadline), `cancel` is set, long copies calling check() end
+    early (Stopped), and the step is awaited to its end, so nothing writes into a directory
+    after the clean-up removed it."""
+
+    def __init__(self) -> None:
+        self.cancel = threading.Event()
+
+    async def run(self, fn: Callable[..., T], /, *args: object, **kwargs: object) -> T:
+        return await run_to_end(fn, *args, stop=self.cancel, **kwargs)
+
+    def check(self) -> None:
+        if self.cancel.is_set():
+            raise Stopped("the operation was cancelled")

@@ -324,6 +324,7 @@ def test_container_tar_with_unusable_member_names(tmp_path: Path, name: str) -> 
     import io
     import tarfile
 
+    from shim.aio import Steps
     from shim.ops import restore_container as rc
 
     tar = tmp_path / "ck.tar"
@@ -332,7 +333,7 @@ def test_container_tar_with_unusable_member_names(tmp_path: Path, name: str) -> 
         ti.size = 1
         t.addfile(ti, io.BytesIO(b"x"))
     with pytest.raises(InvalidArgument, match="nests deeper than"):
-        rc.extract_archive(tar, tmp_path / "import", rc._Steps())
+        rc.extract_archive(tar, tmp_path / "import", Steps())
 
 
 def test_rootfs_diff_names_no_file_system_takes(tmp_path: Path) -> None:

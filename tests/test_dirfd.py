@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from shim import errors
+from shim.aio import Steps
 from shim.archive import crypto, dirfd, fsutil, manifest
 from shim.archive.dirfd import DirHandle, open_checked
-from shim.ops.checkpoint_container import _Steps, file_entries
+from shim.ops.checkpoint_container import file_entries
 from shim.ops.restore_container import extract_archive
 
 
@@ -152,8 +153,8 @@ def test_import_extracts_into_the_held_dir(tmp_path: Path, outside: Path) -> Non
     before = fingerprint(outside)
     with DirHandle.open(dest) as h:
         moved = swap(dest, outside)
-        assert extract_archive(tar, h, _Steps()) == ["spec.dump", "checkpoint/inventory.img"]
-        assert set(file_entries(h, _Steps())) == {"spec.dump", "checkpoint/inventory.img"}
+        assert extract_archive(tar, h, Steps()) == ["spec.dump", "checkpoint/inventory.img"]
+        assert set(file_entries(h, Steps())) == {"spec.dump", "checkpoint/inventory.img"}
     assert fingerprint(outside) == before
     assert (moved / "checkpoint" / "inventory.img").read_bytes() == b"i"
     assert stat.S_IMODE((moved / "checkpoint").stat().st_mode) == 0o700
@@ -164,7 +165,7 @@ def test_import_refuses_deep_nesting(tmp_path: Path) -> None:
     tar = tmp_path / "deep.tar"
     tar.write_bytes(_tar({"/".join(["d"] * 40) + "/f": b"x"}))
     with pytest.raises(errors.InvalidArgument, match="nests deeper"):
-        extract_archive(tar, tmp_path / "import", _Steps())
+        extract_archive(tar, tmp_path / "import", Steps())
 
 
 def test_held_tree_depth_is_bounded(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+from shim.aio import Stopped as Stopped  # one stop signal for all blocking work (shim/aio.py)
 from shim.errors import Internal, InvalidArgument, NotFound
 
 T = TypeVar("T")
@@ -28,10 +29,6 @@ FILE_MODE = 0o600  # memory images hold secrets (docs/architecture.md "Archive l
 DIR_MODE = 0o700
 
 _TMP_MARK = ".tmp-"
-
-
-class Stopped(Exception):
-    """A long file operation was told to stop (its caller was cancelled)."""
 
 
 def temp_name_for(name: str) -> str:

@@ -37,7 +37,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, contract, errors, faults, logs, space
-from shim.aio import run_to_end
+from shim.aio import Steps, run_to_end
 from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.container_tar import (
     FORMAT,
@@ -153,31 +153,11 @@ def kubelet_name(pod: PodView, container: str, when: str) -> str:
 # ---------------------------------------------------------------------------- threads
 
 
-class _Cancelled(Exception):
-    """A blocking step noticed that its operation was abandoned (deadline)."""
-
-
-class _Steps:
-    """Blocking steps of one operation in worker threads. When the operation is cancelled (its
-    deadline), `cancel` is set — long copies check it — and the step is awaited to its end, so
-    nothing writes into a directory after the clean-up removed it."""
-
-    def __init__(self) -> None:
-        self.cancel = threading.Event()
-
-    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await run_to_end(fn, *args, stop=self.cancel, **kwargs)
-
-    def check(self) -> None:
-        if self.cancel.is_set():
-            raise _Cancelled()
-
-
 class _Reader:
     """A file object for tarfile to copy from: hashes what it reads (one pass over the images)
     and stops when the operation is cancelled."""
 
-    def __init__(self, f: IO[bytes], steps: _Steps) -> None:
+    def __init__(self, f: IO[bytes], steps: Steps) -> None:
         self.f = f
         self.steps = steps
         self.sha256 = hashlib.sha256()
@@ -194,7 +174,7 @@ class _Reader:
 # ---------------------------------------------------------------------------- archive files
 
 
-def file_entries(tree: Path | DirHandle, steps: _Steps) -> dict[str, dict[str, Any]]:
+def file_entries(tree: Path | DirHandle, steps: Steps) -> dict[str, dict[str, Any]]:
     """size + sha256 of every regular file under `tree` but the manifest (what it lists), listed
     and read through descriptors (dirfd.HeldTree); anything else is a bug (Internal)."""
     entries = {}
@@ -231,7 +211,7 @@ def _member_order(tree: HeldTree) -> list[str]:
 def write_tar(
     tree_dir: DirHandle,
     staging: DirHandle,
-    steps: _Steps,
+    steps: Steps,
     manifest_for: Callable[[dict[str, dict[str, Any]]], bytes],
 ) -> int:
     """Tar `tree_dir` into the new file STAGING_TAR of `staging` (0600, uncompressed, PAX,
@@ -433,7 +413,7 @@ class ContainerCheckpointer:
             except BaseException:
                 where.close()
                 raise
-            steps = _Steps()
+            steps = Steps()
             try:
                 held = where.adopt(where.mkdir(staging.name))  # closed with `where`
                 async with asyncio.timeout_at(deadline):
@@ -482,7 +462,7 @@ class ContainerCheckpointer:
         staging: DirHandle,
         target: Path,
         rec: Any,
-        steps: _Steps,
+        steps: Steps,
         started: float,
         where: DirHandle,
     ) -> tuple[int, dict[str, float]]:
@@ -602,7 +582,7 @@ class ContainerCheckpointer:
         )
 
     async def _diff(
-        self, steps: _Steps, c: ContainerView, upper: Path, cl: layout.ContainerLayout, timings: dict
+        self, steps: Steps, c: ContainerView, upper: Path, cl: layout.ContainerLayout, timings: dict
     ) -> None:
         start = time.monotonic()
         await steps.run(

@@ -23,6 +23,7 @@ from typing import Any
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import contract, errors, logs
+from shim.aio import Steps
 from shim.archive import fsutil, layout, manifest, paths
 from shim.archive.container_tar import (
     FORMAT,
@@ -35,7 +36,7 @@ from shim.archive.dirfd import DirHandle
 from shim.archive.dirfd import held as held_dir
 from shim.config import Config
 from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
-from shim.ops.checkpoint_container import _Steps, file_entries
+from shim.ops.checkpoint_container import file_entries
 from shim.ops.checkpoint_pod import (
     CLEANUP_MARGIN,
     DEFAULT_DEADLINE,
@@ -105,7 +106,7 @@ def _members(tar: tarfile.TarFile, where: Path) -> Iterator[tuple[tarfile.TarInf
         raise errors.DataLoss(f"checkpoint archive {where} is truncated or corrupt: {tar_error(e)}") from e
 
 
-def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: _Steps) -> list[str]:
+def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> list[str]:
     """Extract the container checkpoint `tar_path` into the new directory `dest` (0700 dirs,
     0600 files); returns the files written. Members that escape (absolute, '..'), links and
     special files are refused (InvalidArgument); no member can follow a symlink, as none is
@@ -179,7 +180,7 @@ class ImportedCheckpoint:
 
 
 def load_imported(
-    root: Path, tar_path: Path, steps: _Steps, held: DirHandle | None = None
+    root: Path, tar_path: Path, steps: Steps, held: DirHandle | None = None
 ) -> ImportedCheckpoint:
     """Check an extracted container checkpoint: the required entries, and when it carries
     podshim's manifest, the exact file set with sizes and sha256 (DataLoss otherwise). `held`:
@@ -308,7 +309,7 @@ class ArchiveImporter:
         # <state_dir>/imports held open: the import dir is made, filled, marked and removed only
         # through descriptors (dirfd.py), never through its path
         imports = DirHandle.open(os.path.realpath(self.root))
-        steps = _Steps()
+        steps = Steps()
         try:
             held = imports.adopt(imports.mkdir(import_dir.name))
             async with asyncio.timeout(budget):
