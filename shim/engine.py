@@ -16,10 +16,8 @@ import psutil
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import aio, errors, logs, metrics
-from shim.archive import fsutil, layout
-from shim.archive.dirfd import DirHandle
-from shim.cgroups import thaw_paths
 from shim.config import Config
+from shim.ops import checkpoint_container, checkpoint_pod
 from shim.ops import restore_pod as restore_mod
 from shim.ops.checkpoint_container import ContainerCheckpointer
 from shim.ops.checkpoint_pod import PodCheckpointer
@@ -359,28 +357,14 @@ class Engine:
             self.locks.release(keys)
 
     async def _recover_record(self, rec: OpRecord, retry: bool = True) -> bool:
-        data = rec.data
+        # each operation undoes its own record (shim/ops/); the engine only dispatches
+        recover = {
+            "checkpoint": checkpoint_pod.recover,
+            "checkpoint-container": checkpoint_container.recover,
+            "restore": self.restorer.recover,
+        }[rec.kind]
         try:
-            if rec.kind in _CHECKPOINT_KINDS:
-                thaw_paths(list(data.get("cgroups", [])))
-                out = data.get("output_path")
-                if rec.kind == "checkpoint-container" and out and fsutil.is_temp_name(Path(out).name):
-                    # podshim's staging dir next to the tar, removed through its parent opened with
-                    # O_NOFOLLOW: a parent replaced by a symlink since is left alone
-                    staging = Path(out)
-                    with contextlib.suppress(OSError, errors.ShimError), DirHandle.open(staging.parent) as d:
-                        d.remove(staging.name)
-                elif out and not (Path(out) / layout.MANIFEST_FILE).exists():
-                    with contextlib.suppress(OSError, errors.NotFound):  # NotFound: dir removed since
-                        fsutil.clear_dir_contents(Path(out))
-                elif out:
-                    _remove_manifest_temps(Path(out))
-            elif rec.kind == "restore" and data.get("sandbox_id"):
-                await self.restorer.rollback_sandbox(str(data["sandbox_id"]))
-            elif rec.kind == "restore" and isinstance(data.get("sandbox_metadata"), dict):
-                await self.restorer.rollback_unrecorded(
-                    data["sandbox_metadata"], since=rec.started, settle_until=restore_mod.settle_deadline(rec)
-                )
+            await recover(rec)
         except Exception as e:  # noqa: BLE001 - logged; the record stays, retried in the background
             log.error(
                 "recovery of interrupted operation failed; kept and retried",
@@ -451,32 +435,6 @@ OPERATION_OF_KIND = {
     "restore": "restore_pod",
     "checkpoint-container": "checkpoint_container",
 }
-
-
-def _remove_manifest_temps(out: Path) -> None:
-    """A complete archive whose checkpoint died while rewriting manifest.json (the final timings)
-    keeps the old manifest (the rename never happened) and the temporary file, which verifying
-    would refuse as a file the manifest does not list: remove it."""
-    try:
-        # listed and cleaned through the directory opened with O_NOFOLLOW at every level
-        # (docs/architecture.md "Path confinement"): a path replaced by a symlink is left alone
-        with DirHandle.open(out) as d, os.scandir(d.fd) as it:
-            temps = [
-                e.name
-                for e in it
-                if e.name.startswith(f".{layout.MANIFEST_FILE}")
-                and fsutil.is_temp_name(e.name)
-                and e.is_file(follow_symlinks=False)
-            ]
-            for name in temps:
-                os.unlink(name, dir_fd=d.fd)
-                log.warning(
-                    "removed the temporary file of an interrupted manifest write", path=str(out / name)
-                )
-            if temps:
-                d.fsync()
-    except (FileNotFoundError, errors.NotFound, errors.InvalidArgument):
-        return
 
 
 def _holds(pid: int, path: str, prefix: str) -> bool:

@@ -46,9 +46,10 @@ from shim.archive.container_tar import (
 )
 from shim.archive.dirfd import DirHandle, HeldTree, open_checked
 from shim.archive.dirfd import held as held_dir
-from shim.cgroups import default_freezer
+from shim.cgroups import default_freezer, thaw_paths
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
+from shim.ops import checkpoint_pod
 from shim.ops.checkpoint_pod import (
     CLEANUP_MARGIN,
     DEFAULT_DEADLINE,
@@ -659,3 +660,21 @@ class ContainerCheckpointer:
             "options": contract.switches_record(opts),
             "files": files,
         }
+
+
+# ---------------------------------------------------------------------------- recovery
+
+
+async def recover(rec: Any) -> None:
+    """Undo a CheckpointContainer a crash interrupted: thaw the container's cgroup (unless someone
+    else had paused it) and remove podshim's staging dir next to the tar, through its parent
+    opened with O_NOFOLLOW (a parent replaced by a symlink since is left alone). A record without
+    a staging dir is recovered like a pod checkpoint's."""
+    out = rec.data.get("output_path")
+    if not (out and fsutil.is_temp_name(Path(out).name)):
+        await checkpoint_pod.recover(rec)
+        return
+    thaw_paths(list(rec.data.get("cgroups", [])))
+    staging = Path(out)
+    with contextlib.suppress(OSError, errors.ShimError), DirHandle.open(staging.parent) as d:
+        d.remove(staging.name)

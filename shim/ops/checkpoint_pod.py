@@ -10,6 +10,7 @@ was written inside output_path and returns a typed error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -584,3 +585,46 @@ def _options_record(opts: CheckpointOptions) -> dict[str, str]:
         "ghost-limit": str(c.ghost_limit or ""),
         "irmap-scan-paths": ",".join(c.irmap_scan_paths),
     }
+
+
+# ---------------------------------------------------------------------------- recovery
+
+
+async def recover(rec: Any) -> None:
+    """Undo a CheckpointPod a crash interrupted (its journal record; docs/architecture.md "Crash
+    safety"): thaw its cgroups; remove a partial archive, or only the temporary file of an
+    interrupted manifest rewrite of a complete one."""
+    data = rec.data
+    thaw_paths(list(data.get("cgroups", [])))
+    out = data.get("output_path")
+    if out and not (Path(out) / layout.MANIFEST_FILE).exists():
+        with contextlib.suppress(OSError, errors.NotFound):  # NotFound: dir removed since
+            fsutil.clear_dir_contents(Path(out))
+    elif out:
+        _remove_manifest_temps(Path(out))
+
+
+def _remove_manifest_temps(out: Path) -> None:
+    """A complete archive whose checkpoint died while rewriting manifest.json (the final timings)
+    keeps the old manifest (the rename never happened) and the temporary file, which verifying
+    would refuse as a file the manifest does not list: remove it."""
+    try:
+        # listed and cleaned through the directory opened with O_NOFOLLOW at every level
+        # (docs/architecture.md "Path confinement"): a path replaced by a symlink is left alone
+        with DirHandle.open(out) as d, os.scandir(d.fd) as it:
+            temps = [
+                e.name
+                for e in it
+                if e.name.startswith(f".{layout.MANIFEST_FILE}")
+                and fsutil.is_temp_name(e.name)
+                and e.is_file(follow_symlinks=False)
+            ]
+            for name in temps:
+                os.unlink(name, dir_fd=d.fd)
+                log.warning(
+                    "removed the temporary file of an interrupted manifest write", path=str(out / name)
+                )
+            if temps:
+                d.fsync()
+    except (FileNotFoundError, errors.NotFound, errors.InvalidArgument):
+        return

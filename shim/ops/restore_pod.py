@@ -669,6 +669,17 @@ class PodRestorer:
         for sid in sandbox:
             await self.rollback_sandbox(sid)
 
+    async def recover(self, rec: Any) -> None:
+        """Undo a RestorePod a crash interrupted (its journal record): remove the sandbox it
+        created, found by its recorded id, else by its recorded metadata."""
+        data = rec.data
+        if data.get("sandbox_id"):
+            await self.rollback_sandbox(str(data["sandbox_id"]))
+        elif isinstance(data.get("sandbox_metadata"), dict):
+            await self.rollback_unrecorded(
+                data["sandbox_metadata"], since=rec.started, settle_until=settle_deadline(rec)
+            )
+
     async def rollback_unrecorded(
         self, metadata: dict[str, Any], since: str = "", settle_until: float = 0.0
     ) -> None:
