@@ -230,3 +230,45 @@ async def test_checkpoint_deadline_while_reading_the_pod(cfg: Config, up: FakeUp
     with pytest.raises(errors.DeadlineExceeded, match="nothing was frozen or written"):
         await c.checkpoint(cri.CheckpointPodRequest(pod_sandbox_id="p1", output_path=str(out)), 0.3)
     assert not list(out.iterdir()) and not _open_records(cfg)
+
+
+async def test_deadline_while_a_decrypted_dir_is_made_still_removes_it(
+    cfg: Config, up: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's deadline lands while the thread making `<state_dir>/decrypted/<name>` runs:
+    run_to_end drops that thread's result, so the rollback must have known the name before. No
+    plaintext directory may outlive the failed RestorePod (it once stayed until the next restore)."""
+    import asyncio
+    import dataclasses
+    import threading
+
+    from shim.archive import crypto
+
+    made, release = threading.Event(), threading.Event()
+    real = crypto.new_decrypted_dir
+
+    def slow_new_decrypted_dir(*args: Any) -> Path:
+        d = real(*args)
+        made.set()
+        release.wait(10)  # the deadline passes while the dir exists and the thread still runs
+        return d
+
+    monkeypatch.setattr(crypto, "new_decrypted_dir", slow_new_decrypted_dir)
+    r, _ = _restorer(cfg, up)
+    plain_check = r._check
+
+    async def encrypted_check(req: cri.RestorePodRequest) -> _Checked:
+        checked = await plain_check(req)
+        checked.manifest.encryption = manifest.Encryption(scheme="test", key_id="k", mac="")
+        return dataclasses.replace(checked, key=object())  # type: ignore[arg-type]  # never read here
+
+    r._check = encrypted_check  # type: ignore[method-assign]
+    task = asyncio.ensure_future(r.restore(_request(), deadline=30))
+    assert await asyncio.to_thread(made.wait, 10), "the decrypted dir was never made"
+    task.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    left = list(crypto.decrypted_root(cfg.state_dir).iterdir())
+    assert left == [], f"plaintext dirs left behind: {left}"
+    assert up.names() == [], "nothing may reach the upstream once the deadline passed"

@@ -411,11 +411,17 @@ def decrypted_root(state_dir: str | Path) -> Path:
     return Path(state_dir) / DECRYPTED_DIR
 
 
-def new_decrypted_dir(state_dir: str | Path, archive: Path, container: str) -> Path:
-    """A fresh `<state_dir>/decrypted/<random>/` (0700) holding its marker, made through
-    `<state_dir>/decrypted` opened with O_NOFOLLOW (dirfd.py)."""
+def decrypted_dir_path(state_dir: str | Path) -> Path:
+    """A fresh name `<state_dir>/decrypted/<random>`, chosen before the directory is made, so that
+    a caller cancelled while new_decrypted_dir runs in a thread still knows what to remove."""
+    return decrypted_root(state_dir) / secrets.token_hex(8)
+
+
+def new_decrypted_dir(state_dir: str | Path, archive: Path, container: str, name: str | None = None) -> Path:
+    """A fresh `<state_dir>/decrypted/<name>/` (0700, `name` from decrypted_dir_path, else random)
+    holding its marker, made through `<state_dir>/decrypted` opened with O_NOFOLLOW (dirfd.py)."""
     root = make_private_dir(decrypted_root(state_dir))
-    name = secrets.token_hex(8)
+    name = name or secrets.token_hex(8)
     with DirHandle.open(os.path.realpath(root)) as r, r.mkdir(name) as d:
         _write_marker(d, {"archive": str(archive), "container": container, "created": time.time()})
     return root / name

@@ -494,9 +494,12 @@ class PodRestorer:
         assert key is not None  # load_and_verify refused an encrypted archive without one
         stop = threading.Event()
         for p in plan:
-            d = await run_to_end(crypto.new_decrypted_dir, self.config.state_dir, root, p.entry.name)
+            # recorded before the thread makes it: a deadline while it is being made (run_to_end
+            # then drops the thread's result) must still leave _abandon a plaintext dir to remove
+            d = crypto.decrypted_dir_path(self.config.state_dir)
             decrypted.append(d)
             self._decrypting.add(d)
+            await run_to_end(crypto.new_decrypted_dir, self.config.state_dir, root, p.entry.name, d.name)
             work = asyncio.ensure_future(
                 run_to_end(crypto.decrypt_members, root, list(m.files), p.entry.dir, d, key, 2, stop)
             )
