@@ -42,6 +42,7 @@ from shim.ops.checkpoint_pod import (
     DEFAULT_DEADLINE,
 )
 from shim.ops.restore_pod import archived_config
+from shim.sandbox.view import pod_status
 from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, WiringChecker
 
@@ -344,15 +345,7 @@ class ArchiveImporter:
 
     async def _sandbox_handler(self, pod_id: str) -> str:
         """The runtime handler the sandbox's containers run with, as the upstream reports it."""
-        try:
-            resp = await self.upstream.pod_status(pod_id)
-        except errors.ShimError as e:
-            if is_not_found(e):
-                raise errors.NotFound(
-                    f"pod sandbox {pod_id!r} not found: check the id with `podshim pods`"
-                ) from None
-            raise
-        return resp.status.runtime_handler
+        return (await pod_status(self.upstream, pod_id)).status.runtime_handler
 
     async def _image(self, ck: ImportedCheckpoint, tar_path: Path) -> str:
         """The checkpoint's image as the upstream knows it: its name, else its id."""

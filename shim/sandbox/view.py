@@ -160,20 +160,27 @@ def _runtime_root(info: dict[str, Any]) -> str:
     return os.path.join(root, CRI_NAMESPACE) if root else ""
 
 
-async def build_pod_view(upstream: Upstream, pod_id: str, timeout: float | None = None) -> PodView:
-    """The pod and all its containers (running and exited), ordered by creation; each upstream
-    call limited to `timeout` (default: the upstream's `[upstream] timeout_seconds`)."""
-    timeout = timeout if timeout is not None else upstream.timeout
-    if not pod_id:
-        raise errors.InvalidArgument("pod_sandbox_id is empty: name the pod to checkpoint")
+async def pod_status(
+    upstream: Upstream, pod_id: str, verbose: bool = False, timeout: float | None = None
+) -> cri.PodSandboxStatusResponse:
+    """The pod's status; an id the upstream does not know is NotFound saying how to find it."""
     try:
-        sresp = await upstream.pod_status(pod_id, verbose=True, timeout=timeout)
+        return await upstream.pod_status(pod_id, verbose=verbose, timeout=timeout)
     except errors.ShimError as e:
         if is_not_found(e):
             raise errors.NotFound(
                 f"pod sandbox {pod_id!r} not found: check the id with `podshim pods`"
             ) from None
         raise
+
+
+async def build_pod_view(upstream: Upstream, pod_id: str, timeout: float | None = None) -> PodView:
+    """The pod and all its containers (running and exited), ordered by creation; each upstream
+    call limited to `timeout` (default: the upstream's `[upstream] timeout_seconds`)."""
+    timeout = timeout if timeout is not None else upstream.timeout
+    if not pod_id:
+        raise errors.InvalidArgument("pod_sandbox_id is empty: name the pod to checkpoint")
+    sresp = await pod_status(upstream, pod_id, verbose=True, timeout=timeout)
     sinfo = _info(sresp.info)
     pod = PodView(
         id=sresp.status.id,
