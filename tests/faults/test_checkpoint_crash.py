@@ -8,6 +8,8 @@ container or mount appeared, the journal is empty, and the next CheckpointPod su
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -110,25 +112,45 @@ def test_kill_mid_dump_criu_finishes_before_restart(
     archives.append(assert_checkpoint_works(rt, bed, cp))
 
 
-def _hold_point(out: Path, timeout: float = 10.0) -> list[int]:
-    """runc and CRIU of the orphan dump once CRIU has begun writing memory pages."""
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found.update(int(c) for c in task.read_text().split())
+        except OSError:
+            pass
+    return found
+
+
+def _hold_orphans(out: Path, held: list[int], timeout: float = 60.0) -> None:
+    """SIGSTOP runc and its CRIU (the orphan dump of `out`) the moment CRIU is there.
+
+    Runs beside the crash, not after it: a fast machine dumps a whole pod in less time than
+    one scan of every process takes, so the watch starts before podshim spawns runc and, once
+    runc is known, follows only its children."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        runc = set(processes_under(out))
-        tree = runc | _sys.descendants(runc)
-        criu = [p for p in tree if _sys.read_cmdline(p)[:1] and "criu" in _sys.read_cmdline(p)[0]]
-        if criu and list(out.glob("containers/*/checkpoint/pages-*.img")):
-            return sorted(tree)
-        if not runc:
-            break
-        time.sleep(0.005)
-    pytest.fail("the orphan dump ended before the test could hold it mid-dump; use a larger pod")
+    runc: list[int] = []
+    while not runc and time.monotonic() < deadline:
+        runc = processes_under(out)
+        time.sleep(0.002)
+    tree = set(runc)
+    while tree and time.monotonic() < deadline:
+        tree = {p for p in tree if _sys.alive(p)}
+        for p in list(tree):
+            tree |= _children(p)
+        if any("criu" in (_sys.read_cmdline(p)[:1] or [""])[0] for p in tree):
+            for p in tree:
+                _sys.kill(p, signal.SIGSTOP)
+            held.extend(sorted(tree))
+            return
+        time.sleep(0.001)
 
 
 def test_kill_mid_dump_criu_outlives_restart(
     rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]
 ) -> None:
-    """The orphan runc/CRIU are still dumping when podshim comes back (held with SIGSTOP here).
+    """The orphan runc/CRIU are still dumping when podshim comes back (held with SIGSTOP here
+    from the moment CRIU starts).
     A thaw and clean-up at start would not last (CRIU re-freezes and keeps writing): the replay
     holds the pod (ABORTED) until they end, then thaws and clears."""
     cp = start_counter_pod(rt, bed, "crash-orphan", pod_cleanup, mem_mib=256)
@@ -136,10 +158,14 @@ def test_kill_mid_dump_criu_outlives_restart(
     mark = bed.podshim_log.stat().st_size
     out = new_output_dir(bed, "crash-orphan")
     archives.append(out)
+    orphans: list[int] = []
+    watch = threading.Thread(target=_hold_orphans, args=(out, orphans), daemon=True)
+    watch.start()
     with FailpointPodshim(bed, "checkpoint.mid-dump=kill") as fp:
         _crash(fp, cp.id, out)
-        orphans = _hold_point(out)
-        with stopped_processes(orphans):
+        watch.join(60)
+        assert orphans, "the orphan dump ended before the test could hold it mid-dump"
+        with stopped_processes(orphans):  # already stopped; SIGCONT at the end
             fp.kill()
             restart_podshim(bed)
             wait_serving(rt)
