@@ -5,7 +5,7 @@
  * crun) with the same argv, environment and file descriptors, except
  *   - `create` of a container whose bundle config.json carries podshim's restore annotation,
  *   - `start` of a container that create restored (marker <--root>/<id>/podshim-restored),
- * which go to the Python restore hook `podshim-runc-hook` (shim/runc_wrapper.py) next to this
+ * which go to the Python restore hook `podshim-runc-hook` (shim/wrapper/main.py) next to this
  * binary's real path, with the same argv. So does every call this program cannot judge safely
  * (a config or config.json it does not fully understand, an odd container id, an I/O error): the
  * hook then decides exactly as the Python wrapper always did. This file only dispatches; the
@@ -789,7 +789,7 @@ static int bundle_verdict(const char *bundle) {
 
 /* ------------------------------------------------------------------------------ main */
 
-/* Global flags of runc/crun that take a value (shim/runc_wrapper.py _VALUE_FLAGS). */
+/* Global flags of runc/crun that take a value (shim/wrapper/main.py _VALUE_FLAGS). */
 static int value_flag(const char *a) {
     static const char *const flags[] = {"--root", "--log", "--log-format", "--criu", "--rootless", "--cgroup-manager"};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
@@ -798,7 +798,7 @@ static int value_flag(const char *a) {
     return 0;
 }
 
-/* shim/restore_hook.py _arg: the first `NAME VALUE` or `NAME=VALUE` of rest, NAME in order. */
+/* shim/wrapper/restore.py _arg: the first `NAME VALUE` or `NAME=VALUE` of rest, NAME in order. */
 static const char *arg_value(char **rest, int n, const char *const *names) {
     for (int i = 0; i < n; i++)
         for (const char *const *name = names; *name; name++) {

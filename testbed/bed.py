@@ -122,7 +122,7 @@ def _module_exists(dotted: str) -> bool:
 def podshim_runc_available() -> bool:
     """Whether the repo's ``podshim-runc`` wrapper is installed and has its module (the set-up
     installs the compiled wrapper there, next to its Python hook ``podshim-runc-hook``)."""
-    return (VENV_BIN / "podshim-runc").is_file() and _module_exists("shim.runc_wrapper")
+    return (VENV_BIN / "podshim-runc").is_file() and _module_exists("shim.wrapper.main")
 
 
 def podshim_available() -> bool:

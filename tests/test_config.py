@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shim import config
-from shim.runc_wrapper import split_global
+from shim.wrapper.main import split_global
 
 
 def write(tmp_path: Path, text: str) -> str:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shim import restore_hook
 from shim.server import app
+from shim.wrapper import restore as restore_hook
 from testbed.bed import TestBed
 
 

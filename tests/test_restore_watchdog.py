@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shim import contract, restore_hook
+from shim import contract
+from shim.wrapper import restore as restore_hook
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts)")
 

@@ -350,7 +350,7 @@ def _fill(node: Node, text: str) -> str:
 
 
 def _python_choice(node: Node, root: str, env: dict[str, str]) -> str:
-    """What the Python wrapper (shim/runc_wrapper.real_runtime) would exec."""
+    """What the Python wrapper (shim/wrapper/main.real_runtime) would exec."""
     cfg = configmod.load(None, env=env, check_files=False)
     binary = (cfg.runtime_for_root(root) if root else cfg.runtime).binary
     return {str(node.runc): "runc", str(node.crun): "crun"}.get(binary, binary)
@@ -455,7 +455,7 @@ def test_the_installed_wrapper_is_the_compiled_one_with_its_hook(tmp_path: Path)
     wrapper cannot judge reaches the real hook, which reports the config error (exit code 2)."""
     wrapper, hook = VENV_BIN / "podshim-runc", VENV_BIN / "podshim-runc-hook"
     assert wrapper.read_bytes()[:4] == b"\x7fELF", "run the set-up (make setup)"
-    assert hook.read_text().startswith("#!") and "shim.runc_wrapper" in hook.read_text()
+    assert hook.read_text().startswith("#!") and "shim.wrapper.main" in hook.read_text()
     bad = tmp_path / "bad.toml"
     bad.write_text("[runtime]\nbinary = 3\n")
     proc = subprocess.run(

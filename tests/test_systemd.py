@@ -163,7 +163,7 @@ def test_containerd_dropin_installs_podshim_runc() -> None:
     # podshim-runc is the compiled wrapper (`make -C native install`), which hands restores to
     # the console script podshim-runc-hook next to its real path
     assert "podshim-runc" not in console_scripts()
-    assert console_scripts()["podshim-runc-hook"] == "shim.runc_wrapper:main"
+    assert console_scripts()["podshim-runc-hook"] == "shim.wrapper.main:main"
     native = (REPO / "native" / "Makefile").read_text()
     assert "$(BINDIR)/podshim-runc" in native
     assert '#define HOOK_NAME "podshim-runc-hook"' in (REPO / "native" / "podshim-runc.c").read_text()

@@ -54,7 +54,7 @@ def main() -> None:
     argv = sys.argv[1:]
     flags, command, rest = split_global(argv)
     if command in ("create", "start"):
-        from shim import restore_hook
+        from shim.wrapper import restore as restore_hook
 
         if command == "start" and restore_hook.already_restored(flags, rest):
             raise SystemExit(0)  # `create` restored it and it runs; no config needed to know
