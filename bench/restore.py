@@ -23,9 +23,15 @@
    thread of its own) until every restored counter printed its next ``count=`` line. Restores of
    one archive run side by side (they hold its path shared).
    ``--skip-warm --skip-sizes`` runs this part alone.
+4. Eager overhead (issue 15 item 3, measure_eager_overhead): RestorePod + StartContainer of a
+   ``--eager-mem`` (256) MiB counter against the floor of a plain ``runc restore`` of the same
+   images plus a plain RunPodSandbox straight through containerd, alternating, in one run; with
+   the median per-phase seconds from podshim's "restore done" log line. Prints
+   ``eager_overhead_ratio=… (restore+start …s, floor runc restore …s + RunPodSandbox …s)``.
 
 Ends with ``RESULT warm_start_ratio=… restore_ratio_vs_runc=…`` (medians; the runc ratio is the
-worst over the sizes), plus ``replicas_N_vs_one=…`` (N at once / one alone) when part 3 ran.
+worst over the sizes), plus ``replicas_N_vs_one=…`` (N at once / one alone) when part 3 ran and
+``eager_overhead_ratio=…`` when part 4 ran.
 """
 
 from __future__ import annotations
@@ -88,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=4, help="concurrent restores of one archive (4)")
     p.add_argument("--replica-mem", type=int, default=64, help="MiB of the replicas' counter (64)")
     p.add_argument("--skip-replicas", action="store_true", help="skip part 3 (concurrent restores)")
+    p.add_argument("--eager-mem", type=int, default=256, help="MiB of the eager-overhead counter (256)")
+    p.add_argument("--skip-eager", action="store_true", help="skip part 4 (podshim's eager overhead)")
     return p.parse_args(argv)
 
 
@@ -384,6 +392,111 @@ def size_sweep(rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed, args: argparse
     return results
 
 
+# ---------------------------------------------------------------------------- eager overhead
+
+EAGER_OVERHEAD_TARGET = 1.3  # issue 15 item 3
+
+
+def restore_phases(bed: TestBed, pod_id: str) -> dict[str, float]:
+    """The per-phase seconds podshim logged for the RestorePod that created `pod_id` (its
+    "restore done" line, `phases`), {} when it logged none."""
+    try:
+        lines = bed.podshim_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        if '"restore done"' in line and pod_id in line:
+            try:
+                phases = json.loads(line).get("phases") or {}
+            except ValueError:
+                return {}
+            return {k: float(v) for k, v in phases.items() if isinstance(v, int | float)}
+    return {}
+
+
+def measure_eager_overhead(
+    rt: api_pb2_grpc.RuntimeServiceStub,
+    bed: TestBed,
+    archive: Path,
+    configs: dict[str, cri.ContainerConfig],
+    rb: RawBundle,
+    repeat: int,
+    tag: str = "eo",
+) -> dict:
+    """podshim's own eager restore overhead (issue 15 item 3), measured in one run: RestorePod +
+    StartContainer of every container (until both calls returned) against the floor of a plain
+    ``runc restore --detach`` of the same images (raw_restore) plus a plain RunPodSandbox of an
+    empty pod straight through containerd (not through podshim). The three alternate, `repeat`
+    times each; medians. Returns {"ratio", "restore_start_s", "runc_s", "sandbox_s", "phases"
+    (median seconds per phase of podshim's "restore done" log line), and the raw lists}."""
+    direct = runtime_stub(bed.containerd_socket)
+    shim: list[float] = []
+    runc: list[float] = []
+    sandbox: list[float] = []
+    phases: dict[str, list[float]] = {}
+    for r in range(repeat):
+        order = ("podshim", "raw", "sandbox") if r % 2 == 0 else ("sandbox", "raw", "podshim")
+        for which in order:
+            if which == "podshim":
+                p = podshim_restore(rt, bed, archive, configs, f"{tag}-{r}")
+                shim.append(p.call + p.start)
+                for k, v in restore_phases(bed, p.pod_id).items():
+                    phases.setdefault(k, []).append(v)
+                remove_pod(rt, p.pod_id)
+            elif which == "raw":
+                runc.append(raw_restore(bed, rb, 1000 + r).runc)
+            else:
+                sandbox.append(sandbox_alone(direct, bed, f"{tag}-sandbox-{r}"))
+        say(
+            f"  eager rep {r + 1}: RestorePod + StartContainer {shim[-1]:.3f}s; runc restore "
+            f"{runc[-1]:.3f}s + RunPodSandbox {sandbox[-1]:.3f}s"
+        )
+    floor = median(runc) + median(sandbox)
+    return {
+        "ratio": ratio(median(shim), floor),
+        "restore_start_s": median(shim),
+        "runc_s": median(runc),
+        "sandbox_s": median(sandbox),
+        "phases": {k: median(v) for k, v in phases.items()},
+        "restore_start": shim,
+        "runc": runc,
+        "sandbox": sandbox,
+    }
+
+
+def eager_overhead(rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed, args: argparse.Namespace) -> dict:
+    """A ``--eager-mem`` MiB counter pod, checkpointed once, then measure_eager_overhead."""
+    mem = args.eager_mem
+    say(f"eager overhead: {mem} MiB, RestorePod + StartContainer vs runc restore + RunPodSandbox")
+    configs = {"counter": counter_config("counter", mem, 100)}
+    source = start_counter_pod(rt, bed, f"eo-src-{mem}", configs)
+    archive = Path(bed.checkpoint_root) / f"eager-{mem}"
+    rb: RawBundle | None = None
+    try:
+        pods.wait_count(source.log_path("counter"), 3, timeout=60)
+        checkpoint_pod(rt, source.id, archive)
+        rb = build_raw_bundle(bed, archive, source.containers["counter"], "counter")
+        return {"mem": mem, **measure_eager_overhead(rt, bed, archive, configs, rb, args.repeat)}
+    except (grpc.RpcError, RuntimeError, TimeoutError, subprocess.SubprocessError) as e:
+        detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+        say(f"  eager overhead failed: {detail}")
+        return {"mem": mem, "error": detail}
+    finally:
+        remove_pod(rt, source.id)
+        if rb is not None:
+            remove_tree(rb.base)
+        remove_tree(archive)
+
+
+def eager_overhead_line(eo: dict) -> str:
+    """The bench's summary line of measure_eager_overhead's result."""
+    return (
+        f"eager_overhead_ratio={eo['ratio']:.3f} (restore+start {eo['restore_start_s']:.3f}s, floor runc "
+        f"restore {eo['runc_s']:.3f}s + RunPodSandbox {eo['sandbox_s']:.3f}s; {eo['mem']} MiB, target "
+        f"<= {EAGER_OVERHEAD_TARGET})"
+    )
+
+
 # ---------------------------------------------------------------------------- replicas
 
 
@@ -451,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     warm: dict = {}
     sweep: dict = {}
     reps: dict = {}
+    eager: dict = {}
     with bench_bed() as bed:
         rt = runtime_stub(bed.podshim_socket)
         say("warm-up: a small pod, CheckpointPod, RestorePod + StartContainer (not counted)")
@@ -468,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
             sweep = size_sweep(rt, bed, args)
         if not args.skip_replicas:
             reps = replicas(rt, bed, args)
+        if not args.skip_eager:
+            eager = eager_overhead(rt, bed, args)
 
     warm_ratio = float("nan")
     if warm:
@@ -564,6 +680,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "error" in reps:
         print(f"replicas: {reps['error'][0]}")
+    if eager and "error" not in eager:
+        print()
+        print(f"Eager restore phases ({eager['mem']} MiB, podshim's log, median seconds; they overlap):")
+        print(table(["phase", "seconds"], [[k, v] for k, v in sorted(eager["phases"].items())]))
+        print(eager_overhead_line(eager))
+        extra["eager_overhead_ratio"] = eager["ratio"]
+    elif eager:
+        print(f"eager overhead: {eager['error']}")
     print()
     print(f"target (issue 4): restored/cold <= {WARM_TARGET}")
     print(result_line(warm_start_ratio=warm_ratio, restore_ratio_vs_runc=worst(ratios), **extra), flush=True)
