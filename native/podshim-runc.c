@@ -1,7 +1,7 @@
 /*
  * podshim-runc: the OCI runtime binary the upstream's runc handler calls (BinaryName).
  *
- * docs/architecture.md "The runtime wrapper": every call is an execv of the real runtime (runc or
+ * docs/architecture.md §7 (The runtime wrapper): every call is an execv of the real runtime (runc or
  * crun) with the same argv, environment and file descriptors, except
  *   - `create` of a container whose bundle config.json carries podshim's restore annotation,
  *   - `start` of a container that create restored (marker <--root>/<id>/podshim-restored),

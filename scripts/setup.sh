@@ -408,8 +408,8 @@ step_crun() {
 }
 
 # ---------------------------------------------------------------------------------------
-# podshim-runc, the compiled runtime wrapper (native/; docs/architecture.md "The runtime
-# wrapper"): $VENV/bin/podshim-runc, next to the Python hook $VENV/bin/podshim-runc-hook (a
+# podshim-runc, the compiled runtime wrapper (native/; docs/architecture.md §7 (The runtime
+# wrapper)): $VENV/bin/podshim-runc, next to the Python hook $VENV/bin/podshim-runc-hook (a
 # console script). make rebuilds it when native/ changed; it is checked, then renamed into
 # place, so the name works at every moment for a containerd that is using it.
 # ---------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The restore contract between podshim (the daemon) and podshim-runc (the OCI runtime wrapper):
-every name both sides must spell the same (docs/architecture.md "The runtime wrapper").
+every name both sides must spell the same (docs/architecture.md §7 (The runtime wrapper)).
 
 The daemon creates a container with RESTORE_ANNOTATION (the checkpoint directory) and
 RESTORE_OPTIONS_ANNOTATION (the CRIU option record); the wrapper restores it at `create` and

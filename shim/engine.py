@@ -1,6 +1,6 @@
 """The checkpoint/restore engine behind the gRPC layer: one lock per pod, the journal,
 metrics and logs around each operation, and crash recovery at start (docs/architecture.md
-"Crash safety")."""
+§16 (Crash safety))."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ _CHECKPOINT_KINDS = ("checkpoint", "checkpoint-container")
 # pod's processes) before it kills them.
 RECOVERY_WAIT = 120.0
 # A recovery that failed is retried while podshim runs: first after RETRY_FIRST seconds, then
-# doubling up to RETRY_MAX (docs/architecture.md "Crash safety").
+# doubling up to RETRY_MAX (docs/architecture.md §16 (Crash safety)).
 RETRY_FIRST = 0.5
 RETRY_MAX = 30.0
 # Worker threads and operations (running or waiting for a thread) of the lanes RestorePod and
 # CreateContainer-from-a-tar run in: their archives, the caller's data, may take long to verify
-# or extract, and must not take the threads checkpoints need (docs/architecture.md "Cancellation").
+# or extract, and must not take the threads checkpoints need (docs/architecture.md §11 (Cancellation)).
 LANE_WORKERS = 2
 LANE_MAX_OPERATIONS = 32
 
@@ -114,7 +114,7 @@ class Engine:
         self.journal = Journal(Path(config.state_dir))
         self.locks = OperationLocks()
         self.checkpointer = PodCheckpointer(config, upstream, self.journal)
-        # the wiring check and the containers created for a restore (docs/architecture.md "Wiring check")
+        # the wiring check and the containers created for a restore (docs/architecture.md §8 (Wiring check))
         self.wiring = WiringChecker(upstream)
         self.restored = RestoredContainers(config.state_dir)
         self.restorer = PodRestorer(config, upstream, self.journal, self.wiring, self.restored)
@@ -212,7 +212,7 @@ class Engine:
         self, req: cri.CheckpointContainerRequest, deadline: float | None
     ) -> cri.CheckpointContainerResponse:
         """KEP-2008 in podshim: one tar at `location`, the container left running
-        (docs/architecture.md "CheckpointContainer")."""
+        (docs/architecture.md §6 (CheckpointContainer))."""
         hold = functools.partial(self.locks.hold, "checkpoint_container")
         # the pod and path locks are taken inside, once the container's pod is known
         with self._operation("checkpoint_container", [], container=req.container_id, path=req.location):
@@ -296,7 +296,7 @@ class Engine:
 
     async def stop(self, timeout: float) -> None:
         """Graceful stop, after the server stopped taking calls and cancelled those left
-        (docs/architecture.md "Crash safety"): wait up to `timeout` for the operations still
+        (docs/architecture.md §16 (Crash safety)): wait up to `timeout` for the operations still
         undoing their work (thaw, clear output_path, remove a restore's sandbox, close the
         journal record), then stop the background recoveries (their records stay for the next
         start)."""
@@ -310,7 +310,7 @@ class Engine:
             t.cancel()
 
     async def recover(self) -> None:
-        """Undo what a crashed podshim left (docs/architecture.md "Crash safety"): thaw pods, remove
+        """Undo what a crashed podshim left (docs/architecture.md §16 (Crash safety)): thaw pods, remove
         partial archives, remove half-restored sandboxes, and log each recovery.
 
         A record that cannot be recovered now is logged and kept for the next start: it never
@@ -455,7 +455,7 @@ def _processes_under(path: str) -> list[psutil.Process]:
     """Live processes whose argv names `path` or a path below it (CRIU's `criu: dump ... -D
     <path>/...`), or that were given a directory of it as `/proc/self/fd/N` and hold it (the
     runc/crun `checkpoint --image-path /proc/self/fd/N` of a crashed podshim: docs/architecture.md
-    "Path confinement"), with their descendants."""
+    §13 (Path confinement)), with their descendants."""
     prefix = path.rstrip("/") + "/"
     found: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["cmdline"]):

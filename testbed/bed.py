@@ -486,8 +486,8 @@ level = "info"
         """containerd's config: version 2 for 1.6 and 1.7; version 3 for 2.x, whose CRI is split
         into the plugins io.containerd.cri.v1.runtime (runtimes, CNI, OOM, SELinux/AppArmor) and
         io.containerd.cri.v1.images (snapshotter, the pause image as pinned_images.sandbox), the
-        streaming server staying in io.containerd.grpc.v1.cri (docs/architecture.md, "containerd
-        1.6, 1.7 and 2.1")."""
+        streaming server staying in io.containerd.grpc.v1.cri (docs/architecture.md §17 (containerd
+        1.6, 1.7 and 2.1))."""
         v3 = self.containerd_version.startswith("2.")
         cri = 'plugins."io.containerd.cri.v1.runtime"' if v3 else 'plugins."io.containerd.grpc.v1.cri"'
         runtimes = [("runc", self._runc_binary(), self.runc_root_base)]

@@ -1,4 +1,4 @@
-"""The compiled podshim-runc (native/podshim-runc.c, docs/architecture.md "The runtime wrapper"):
+"""The compiled podshim-runc (native/podshim-runc.c, docs/architecture.md §7 (The runtime wrapper)):
 which calls it execs the real runtime with, and which it hands to the Python hook.
 
 The wrapper is built from the current source into a temporary directory, next to a fake hook;

@@ -1,5 +1,5 @@
-"""Can this node restore that checkpoint? (docs/architecture.md "RestorePod" 1, "Checkpoints
-through a registry"). RestorePod compares what the archive recorded of the checkpointing node
+"""Can this node restore that checkpoint? (docs/architecture.md §5 (RestorePod) step 1,
+§10 (Checkpoints through a registry)). RestorePod compares what the archive recorded of the checkpointing node
 (manifest.json `host`) with this node, before anything is created, and refuses with ONE
 FAILED_PRECONDITION naming every mismatch:
 

@@ -25,7 +25,7 @@ R = TypeVar("R")
 
 CHUNK_SIZE = 1 << 20  # 1 MiB: large enough to amortise syscalls, small enough to stream
 
-FILE_MODE = 0o600  # memory images hold secrets (docs/architecture.md "Archive layout")
+FILE_MODE = 0o600  # memory images hold secrets (docs/architecture.md §14 (Archive layout))
 DIR_MODE = 0o700
 
 _TMP_MARK = ".tmp-"
@@ -263,7 +263,7 @@ def write_private_file(path: Path, data: bytes) -> None:
 
 
 def make_tree_private(root: Path) -> None:
-    """Files 0600, directories 0700 (docs/architecture.md "Archive layout"): runc and CRIU create
+    """Files 0600, directories 0700 (docs/architecture.md §14 (Archive layout)): runc and CRIU create
     theirs with the umask's 0644/0755. Symlinks are left alone (write_manifest refuses them)."""
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames:

@@ -1,4 +1,5 @@
-"""The on-disk layout of a pod checkpoint (docs/architecture.md "Archive layout"): one place for every name.
+"""The on-disk layout of a pod checkpoint (docs/architecture.md §14 (Archive layout)): one place for
+every name.
 
 Per-container file names are those of checkpointctl (`lib/metadata.go`) and go-criu, so a
 `containers/<name>/` directory reads like a CRI-O/containerd container checkpoint.

@@ -568,7 +568,7 @@ def check_allocated(root: Path, sizes: dict[str, int], stop: threading.Event | N
     """Refuse (DataLoss), before reading a byte, a member larger than the file system holding it
     or mostly holes (over MAX_HOLE_BYTES and over half its size): a sparse file reads back as
     gigabytes of zeros that podshim never wrote, and hashing them would only burn the caller's
-    deadline (docs/architecture.md "RestorePod")."""
+    deadline (docs/architecture.md §5 (RestorePod))."""
     try:
         vfs = os.statvfs(root)
         capacity = vfs.f_blocks * vfs.f_frsize

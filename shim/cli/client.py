@@ -746,7 +746,7 @@ def cmd_restorepod(args: argparse.Namespace) -> int:
         raise UsageError("give the checkpoint directory PATH or --from REF (one of them)")
     if not args.from_ref:
         return _restorepod(args)
-    from shim.cli import distribution  # docs/architecture.md "Checkpoints through a registry"
+    from shim.cli import distribution  # docs/architecture.md §10 (Checkpoints through a registry)
 
     pulled, created = distribution.pull_for_restore(args)
     args.path = str(pulled)

@@ -230,7 +230,7 @@ class OciRuntime:
         """Dump one container; returns the seconds it took. A failure names the container and
         the CRIU log, with its last error lines, and the option that would help, if one would.
         Cancellation kills runc and CRIU. `pass_fds`: descriptors runc/crun inherit (podshim
-        names its held directories `/proc/self/fd/<fd>`, docs/architecture.md "Path confinement")."""
+        names its held directories `/proc/self/fd/<fd>`, docs/architecture.md §13 (Path confinement))."""
         with _criu_config(opts) as env:  # the file lives as long as the dump
             return await self._checkpoint(
                 name, container_id, image_dir, work_dir, opts, leave_running, env, pass_fds

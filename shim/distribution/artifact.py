@@ -1,4 +1,4 @@
-"""The OCI artifact a pod checkpoint becomes (docs/architecture.md "Checkpoints through a registry").
+"""The OCI artifact a pod checkpoint becomes (docs/architecture.md §10 (Checkpoints through a registry)).
 
     manifest (application/vnd.oci.image.manifest.v1+json, artifactType ARTIFACT_TYPE)
       config   CONFIG_MEDIA_TYPE: podshim's manifest.json, byte for byte

@@ -1,5 +1,5 @@
 """`podshim pull REF DIR`: a registry artifact back into a pod checkpoint directory, as untrusted
-input (docs/architecture.md "Checkpoints through a registry").
+input (docs/architecture.md §10 (Checkpoints through a registry)).
 
 * DIR must be an empty directory inside an allowed checkpoint root (the rules of RestorePod's
   `checkpoint_path` and CheckpointPod's `output_path`: shim/archive/paths.py) and is written only

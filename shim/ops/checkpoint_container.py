@@ -1,6 +1,6 @@
 """CheckpointContainer (KEP-2008) done by podshim.
 
-Checkpoint (docs/architecture.md "CheckpointContainer"): validate `location` and the container ->
+Checkpoint (docs/architecture.md §6 (CheckpointContainer)): validate `location` and the container ->
 journal (cgroup, staging dir) -> spec/status dumps -> freeze the container's cgroup -> `runc
 checkpoint --leave-running` while the rootfs diff is captured -> thaw (always, in a `finally`) ->
 config.dump, CRIU stats, podshim manifest with checksums -> one tar written into the staging dir

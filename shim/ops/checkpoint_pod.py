@@ -1,6 +1,6 @@
 """CheckpointPod (KEP-5823): a consistent pod-wide checkpoint with the shortest freeze window.
 
-Order of work (docs/architecture.md "CheckpointPod"): validate -> pod view -> journal -> write what
+Order of work (docs/architecture.md §4 (CheckpointPod)): validate -> pod view -> journal -> write what
 needs no frozen state -> freeze in one cut -> dump every container in parallel + capture rootfs
 diffs -> thaw (or kill for STOPPED) -> stats, encryption (with a node key: shim/archive/crypto.py),
 checksums, manifest (the completion marker). Any failure or the deadline thaws the pod, removes what
@@ -591,8 +591,8 @@ def _options_record(opts: CheckpointOptions) -> dict[str, str]:
 
 
 async def recover(rec: Any) -> None:
-    """Undo a CheckpointPod a crash interrupted (its journal record; docs/architecture.md "Crash
-    safety"): thaw its cgroups; remove a partial archive, or only the temporary file of an
+    """Undo a CheckpointPod a crash interrupted (its journal record; docs/architecture.md §16 (Crash
+    safety)): thaw its cgroups; remove a partial archive, or only the temporary file of an
     interrupted manifest rewrite of a complete one."""
     data = rec.data
     thaw_paths(list(data.get("cgroups", [])))
@@ -610,7 +610,7 @@ def _remove_manifest_temps(out: Path) -> None:
     would refuse as a file the manifest does not list: remove it."""
     try:
         # listed and cleaned through the directory opened with O_NOFOLLOW at every level
-        # (docs/architecture.md "Path confinement"): a path replaced by a symlink is left alone
+        # (docs/architecture.md §13 (Path confinement)): a path replaced by a symlink is left alone
         with DirHandle.open(out) as d, os.scandir(d.fd) as it:
             temps = [
                 e.name

@@ -1,5 +1,5 @@
 """Restore from a container checkpoint tar (CRI-O's convention; docs/architecture.md
-"CheckpointContainer"): a CreateContainer whose image is an absolute path to such a tar.
+§6 (CheckpointContainer)): a CreateContainer whose image is an absolute path to such a tar.
 The tar is extracted (regular files and directories only, no member escaping) into
 `<state_dir>/imports/<random>/archive`, and the container is created upstream with the
 checkpoint's image and podshim's restore annotation; podshim-runc turns its `create` into a
@@ -284,7 +284,7 @@ class ArchiveImporter:
         self.config = config
         self.upstream = upstream
         self.root = Path(config.state_dir) / IMPORTS_DIR
-        # docs/architecture.md "Wiring check": refuse a node wired wrong; remember what to confirm
+        # docs/architecture.md §8 (Wiring check): refuse a node wired wrong; remember what to confirm
         self.wiring = wiring
         self.restored = restored
 

@@ -1,5 +1,5 @@
 """RestorePod (KEP-5823): a new, fully managed pod from a checkpoint (docs/architecture.md
-"RestorePod").
+§5 (RestorePod)).
 
 Validate the archive and the request before touching anything; then RunPodSandbox and one
 CreateContainer per checkpointed container (in checkpoint order) through the upstream, each
@@ -286,7 +286,7 @@ class PodRestorer:
         self.journal = journal
         # called with the journal record of a rollback that failed (Engine retries it)
         self.on_kept: Callable[[Any], None] | None = None
-        # docs/architecture.md "Wiring check": refuse a node wired wrong; remember what to confirm
+        # docs/architecture.md §8 (Wiring check): refuse a node wired wrong; remember what to confirm
         self.wiring = wiring
         self.restored = restored
         self._decrypting: set[Path] = set()  # decrypted dirs of restores in flight
@@ -380,7 +380,7 @@ class PodRestorer:
         m = await run_to_end(
             manifest.load_and_verify, root, self.config.allowed_roots, 2, key, stop, stop=stop
         )
-        # docs/architecture.md "RestorePod" 1: every way this node differs, in one refusal
+        # docs/architecture.md §5 (RestorePod) step 1: every way this node differs, in one refusal
         problems = await run_to_end(this_host_mismatches, m, self.config.runtime.criu, runtime.binary)
         plan = await self._plan(req, m, layout.ArchiveLayout(root), key)
         compat.refuse(problems + await self._missing_images(plan))

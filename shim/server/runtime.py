@@ -200,7 +200,7 @@ class RuntimeHandlers:
         (looked up in memory: any other container costs no decoding and no added upstream call)
         does podshim confirm afterwards that its process really came from the checkpoint; if not,
         the container is stopped and removed and the call fails FAILED_PRECONDITION
-        (docs/architecture.md "Wiring check")."""
+        (docs/architecture.md §8 (Wiring check))."""
         forward = self.passthrough.unary(SERVICE + "StartContainer")
 
         async def start(request: bytes, context: grpc.aio.ServicerContext) -> bytes:

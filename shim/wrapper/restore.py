@@ -1,4 +1,4 @@
-"""The restore side of podshim-runc (docs/architecture.md "The runtime wrapper").
+"""The restore side of podshim-runc (docs/architecture.md §7 (The runtime wrapper)).
 
 RestorePod creates each container through the upstream with RESTORE_ANNOTATION naming its
 directory in the checkpoint. When the upstream later runs the OCI runtime's `create` for that
