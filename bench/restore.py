@@ -28,9 +28,18 @@
    images plus a plain RunPodSandbox straight through containerd, alternating, in one run; with
    the median per-phase seconds from podshim's "restore done" log line. Prints
    ``eager_overhead_ratio=… (restore+start …s, floor runc restore …s + RunPodSandbox …s)``.
+5. The restore grid (issue 15 item 4, bench/restore_grid.py): ``--grid-mem`` (256,1024,4096) MiB
+   × eager / lazy (RestorePod option ``lazy-pages=true``, when podshim takes it) / plain runc
+   restore (the floor) × warm / cold page cache: first output, fully resident (the counter's
+   pattern check passed), the first count; and the cold start of a ``--cold-mem`` (1024) MiB
+   counter with ``--init-seconds`` of initialisation. ``--skip-grid`` leaves it out.
 
-Ends with ``RESULT warm_start_ratio=… restore_ratio_vs_runc=…`` (medians; the runc ratio is the
-worst over the sizes), plus ``replicas_N_vs_one=…`` (N at once / one alone) when part 3 ran and
+With the grid, ends with exactly ``RESULT lazy_first_output_4g_s=… lazy_slope_s_per_gib=…
+eager_overhead_ratio=… warm_start_ratio_lazy=…`` (bench/restore_grid.py; eager_overhead_ratio is
+part 4's, or the grid's worst over its sizes when part 4 is skipped); the figures below are then
+printed on an ``also:`` line before it. Without the grid it ends with
+``RESULT warm_start_ratio=… restore_ratio_vs_runc=…`` (medians; the runc ratio is the worst over
+the sizes), plus ``replicas_N_vs_one=…`` (N at once / one alone) when part 3 ran and
 ``eager_overhead_ratio=…`` when part 4 ran.
 """
 
@@ -96,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-replicas", action="store_true", help="skip part 3 (concurrent restores)")
     p.add_argument("--eager-mem", type=int, default=256, help="MiB of the eager-overhead counter (256)")
     p.add_argument("--skip-eager", action="store_true", help="skip part 4 (podshim's eager overhead)")
+    p.add_argument("--grid-mem", default="256,1024,4096", help="sizes of the restore grid, part 5 (MiB)")
+    p.add_argument("--cold-mem", type=int, default=1024, help="MiB of the grid's cold start (1024)")
+    p.add_argument("--skip-grid", action="store_true", help="skip part 5 (the restore grid)")
     return p.parse_args(argv)
 
 
@@ -431,6 +443,7 @@ def measure_eager_overhead(
     (median seconds per phase of podshim's "restore done" log line), and the raw lists}."""
     direct = runtime_stub(bed.containerd_socket)
     shim: list[float] = []
+    calls: list[tuple[float, float]] = []  # (RestorePod, StartContainer)
     runc: list[float] = []
     sandbox: list[float] = []
     phases: dict[str, list[float]] = {}
@@ -440,6 +453,7 @@ def measure_eager_overhead(
             if which == "podshim":
                 p = podshim_restore(rt, bed, archive, configs, f"{tag}-{r}")
                 shim.append(p.call + p.start)
+                calls.append((p.call, p.start))
                 for k, v in restore_phases(bed, p.pod_id).items():
                     phases.setdefault(k, []).append(v)
                 remove_pod(rt, p.pod_id)
@@ -448,13 +462,15 @@ def measure_eager_overhead(
             else:
                 sandbox.append(sandbox_alone(direct, bed, f"{tag}-sandbox-{r}"))
         say(
-            f"  eager rep {r + 1}: RestorePod + StartContainer {shim[-1]:.3f}s; runc restore "
-            f"{runc[-1]:.3f}s + RunPodSandbox {sandbox[-1]:.3f}s"
+            f"  eager rep {r + 1}: RestorePod {calls[-1][0]:.3f}s + StartContainer {calls[-1][1]:.3f}s; "
+            f"runc restore {runc[-1]:.3f}s + RunPodSandbox {sandbox[-1]:.3f}s"
         )
     floor = median(runc) + median(sandbox)
     return {
         "ratio": ratio(median(shim), floor),
         "restore_start_s": median(shim),
+        "restore_pod_s": median([c for c, _ in calls]),
+        "start_container_s": median([s for _, s in calls]),
         "runc_s": median(runc),
         "sandbox_s": median(sandbox),
         "phases": {k: median(v) for k, v in phases.items()},
@@ -565,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep: dict = {}
     reps: dict = {}
     eager: dict = {}
+    grid: tuple[str, dict[str, float]] | None = None
     with bench_bed() as bed:
         rt = runtime_stub(bed.podshim_socket)
         say("warm-up: a small pod, CheckpointPod, RestorePod + StartContainer (not counted)")
@@ -584,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
             reps = replicas(rt, bed, args)
         if not args.skip_eager:
             eager = eager_overhead(rt, bed, args)
+        if not args.skip_grid:
+            grid = run_grid(rt, bed, args)
 
     warm_ratio = float("nan")
     if warm:
@@ -690,8 +709,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eager overhead: {eager['error']}")
     print()
     print(f"target (issue 4): restored/cold <= {WARM_TARGET}")
-    print(result_line(warm_start_ratio=warm_ratio, restore_ratio_vs_runc=worst(ratios), **extra), flush=True)
+    older = result_line(warm_start_ratio=warm_ratio, restore_ratio_vs_runc=worst(ratios), **extra)
+    if grid is None:
+        print(older, flush=True)
+        return 0
+    print("also: " + older.removeprefix("RESULT "))
+    grid_report, values = grid
+    print()
+    print(grid_report)
+    if "eager_overhead_ratio" in extra:  # part 4's figure, issue 15 item 3's own measurement
+        values["eager_overhead_ratio"] = extra["eager_overhead_ratio"]
+    print(result_line(**values), flush=True)
     return 0
+
+
+# ---------------------------------------------------------------------------- the grid (part 5)
+
+
+def run_grid(
+    rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed, args: argparse.Namespace
+) -> tuple[str, dict[str, float]]:
+    """Part 5 (bench/restore_grid.py, imported here: it uses this module's raw restore): the grid's
+    tables and its RESULT values."""
+    from bench import restore_grid
+
+    sizes = [int(x) for x in args.grid_mem.split(",") if x.strip()]
+    g = restore_grid.run(rt, bed, sizes, args.repeat, args.cold_mem, args.init_seconds)
+    return restore_grid.report(g), restore_grid.summarize(g)
 
 
 if __name__ == "__main__":
