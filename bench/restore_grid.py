@@ -9,6 +9,8 @@ checkpointed with CheckpointPod, then every repeat measures, in alternating orde
   the bench tries it once on a small archive first and says why when it does not;
 * mode **runc** (the floor): a plain ``runc restore --detach`` of a copy of the same CRIU images
   into a prepared bundle joined to the running source pod's namespaces (bench/restore.py part 2);
+* mode **runc-lazy** (the lazy floor): the same after starting a plain ``criu lazy-pages`` daemon
+  on the copy (counted), with ``runc restore --lazy-pages``;
 
 each with a **warm** page cache (every file of the archive, or of the copy, read just before) and
 **cold** (``sync; echo 3 > /proc/sys/vm/drop_caches`` just before). For each cell:
@@ -80,9 +82,9 @@ from bench.common import (
 )
 from bench.restore import RESTORE_WORK_DIR, RawBundle, build_raw_bundle, delete_raw, sandbox_alone, task_dir
 from testbed import pods
-from testbed.bed import TestBed
+from testbed.bed import CRIU, TestBed
 
-MODES = ("eager", "lazy", "runc")
+MODES = ("eager", "lazy", "runc", "runc-lazy")
 CACHES = ("warm", "cold")
 LAZY_OPTION = {"lazy-pages": "true"}
 VERIFY_RE = re.compile(rb"\bverify (ok|FAILED)\b[^\n]*")
@@ -238,6 +240,7 @@ def size_rows(g: GridResult) -> list[list[object]]:
                 overhead_ratio(s, "warm"),
                 overhead_ratio(s, "cold"),
                 ratio(s.cell("lazy", "warm").med("first_s"), s.cell("eager", "warm").med("first_s")),
+                ratio(s.cell("lazy", "warm").med("first_s"), s.cell("runc-lazy", "warm").med("first_s")),
             ]
         )
     return rows
@@ -251,6 +254,7 @@ SIZE_HEADERS = [
     "eager ovh warm",
     "eager ovh cold",
     "lazy/eager",
+    "lazy/runc-lazy",
 ]
 
 
@@ -260,10 +264,11 @@ def report(g: GridResult) -> str:
         f"Restore grid, seconds (medians of {g.repeat} repeats per cell; 'n' = samples), "
         f"{g.seconds:.0f} s in all; load at start / end: {' / '.join(g.loads)}",
         table(GRID_HEADERS, grid_rows(g)),
-        "restore = RestorePod + StartContainer (eager, lazy) or the runc restore call (runc); first output /"
-        "\nfully resident = from the first request until the restored counter's first new count line /"
-        "\nuntil its full pattern check (SIGUSR1, sent at the first line) printed 'verify ok'; CRIU ="
-        "\nrestore_time from stats-restore; first count = the value it resumed at (the source's last).",
+        "restore = RestorePod + StartContainer (eager, lazy) or the runc restore call (runc; runc-lazy: with"
+        "\nthe start of its criu lazy-pages); first output / fully resident = from the first request until"
+        "\nthe restored counter's first new count line / until its full pattern check (SIGUSR1, sent at the"
+        "\nfirst line) printed 'verify ok'; CRIU = restore_time from stats-restore; first count = the value"
+        "\nit resumed at (the source's last count before the freeze).",
     ]
     if g.lazy:
         out.append(f"lazy cells: n/a: {g.lazy}")
@@ -272,7 +277,7 @@ def report(g: GridResult) -> str:
         table(SIZE_HEADERS, size_rows(g)),
         "check ref = the pattern check on the resident source (its CPU cost, inside 'fully resident');"
         "\nsandbox = RunPodSandbox of an empty pod; eager ovh = eager restore / (runc restore + sandbox);"
-        "\nlazy/eager = first output, warm cache.",
+        "\nlazy/eager, lazy/runc-lazy = first output, warm cache.",
         "",
         f"Cold start: {g.cold_mem} MiB counter with {g.init_seconds} s of initialisation, RunPodSandbox .. "
         f"first output: median {median(g.cold_start):.3f} s of {len(g.cold_start)} "
@@ -428,9 +433,35 @@ class PipeLines:
         self.got_verify.set()
 
 
-def raw_cell(bed: TestBed, rb: RawBundle, index: int, cache: str) -> Sample:
+def start_lazy_daemon(images: Path, work: Path) -> subprocess.Popen[bytes]:
+    """A plain ``criu lazy-pages`` serving ``images`` from ``work``, once it listens (its status fd)."""
+    r_fd, w_fd = os.pipe()
+    try:
+        daemon = subprocess.Popen(
+            [CRIU, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
+             "--status-fd", str(w_fd), "-o", "lazy-pages.log"],
+            pass_fds=(w_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        os.close(w_fd)
+        w_fd = -1
+        if os.read(r_fd, 1) != b"\0":
+            daemon.kill()
+            daemon.wait()
+            tail = (work / "lazy-pages.log").read_text(errors="replace").splitlines()[-4:]
+            raise RuntimeError(f"criu lazy-pages did not start: {' | '.join(tail)}")
+        return daemon
+    finally:
+        if w_fd >= 0:
+            os.close(w_fd)
+        os.close(r_fd)
+
+
+def raw_cell(bed: TestBed, rb: RawBundle, index: int, cache: str, lazy: bool = False) -> Sample:
     """A plain ``runc restore --detach`` of the copied images into a fresh bundle (bench/restore.py
-    part 2), then SIGUSR1 at the first count line; killed and deleted afterwards."""
+    part 2), then SIGUSR1 at the first count line; killed and deleted afterwards. ``lazy``: first a
+    plain ``criu lazy-pages`` daemon on the images (counted), then ``runc restore --lazy-pages``
+    with the daemon's work dir; the daemon must have ended by itself (every page delivered) once
+    the pattern check passed."""
     raw_id = f"benchgrid-{secrets.token_hex(4)}"
     bundle = rb.base / f"bundle-{index}"
     work = rb.base / f"work-{index}"
@@ -442,9 +473,10 @@ def raw_cell(bed: TestBed, rb: RawBundle, index: int, cache: str) -> Sample:
     spec.setdefault("linux", {})["cgroupsPath"] = f"{bed.cgroup_root}/bench-raw/{raw_id}"
     (bundle / "config.json").write_text(json.dumps(spec))
     argv = runc_argv(
-        bed, "restore", "--detach", "--image-path", str(rb.images), "--work-path", str(work),
-        "--bundle", str(bundle), raw_id,
+        bed, "restore", "--detach", *(["--lazy-pages"] if lazy else []), "--image-path", str(rb.images),
+        "--work-path", str(work), "--bundle", str(bundle), raw_id,
     )  # fmt: skip
+    daemon: subprocess.Popen[bytes] | None = None
     r_fd, w_fd = os.pipe()
     reader = PipeLines(r_fd)
     rb.runs.append(raw_id)
@@ -452,6 +484,8 @@ def raw_cell(bed: TestBed, rb: RawBundle, index: int, cache: str) -> Sample:
     try:
         prepare_cache(cache, rb.images)
         t0 = time.perf_counter()
+        if lazy:
+            daemon = start_lazy_daemon(rb.images, work)
         proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=w_fd, stderr=stderr, timeout=600)
         t1 = time.perf_counter()
         os.close(w_fd)
@@ -468,6 +502,13 @@ def raw_cell(bed: TestBed, rb: RawBundle, index: int, cache: str) -> Sample:
         if reader.verify is None or b"verify ok" not in reader.verify[1]:
             got = reader.verify[1].decode(errors="replace") if reader.verify else "nothing"
             raise RuntimeError(f"the runc-restored counter's pattern check: {got}")
+        if daemon is not None:
+            try:
+                code = daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code != 0:
+                raise RuntimeError(f"criu lazy-pages did not end by itself after the check (exit {code})")
         m = COUNT_RE.search(reader.first[1])
         stats = read_criu_stats(work / "stats-restore", "restore")
         return Sample(
@@ -483,6 +524,9 @@ def raw_cell(bed: TestBed, rb: RawBundle, index: int, cache: str) -> Sample:
             os.close(w_fd)
         stderr.close()
         delete_raw(bed, raw_id)
+        if daemon is not None and daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
         os.close(r_fd)
         reader.thread.join(timeout=5)
         remove_tree(bundle)
@@ -598,8 +642,8 @@ def run_size(
         for r in range(repeat):
             for i, (mode, cache) in enumerate(order if r % 2 == 0 else order[::-1]):
                 try:
-                    if mode == "runc":
-                        s = raw_cell(bed, rb, r * 10 + i, cache)
+                    if mode.startswith("runc"):
+                        s = raw_cell(bed, rb, r * 10 + i, cache, lazy=mode == "runc-lazy")
                     else:
                         s = podshim_cell(
                             rt, bed, archive, configs, f"grid-{mem}-{mode}-{cache}-{r}", mode == "lazy", cache
