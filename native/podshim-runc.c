@@ -4,12 +4,13 @@
  * docs/architecture.md §7 (The runtime wrapper): every call is an execv of the real runtime (runc or
  * crun) with the same argv, environment and file descriptors, except
  *   - `create` of a container whose bundle config.json carries podshim's restore annotation,
- *   - `start` of a container that create restored (marker <--root>/<id>/podshim-restored),
- * which go to the Python restore hook `podshim-runc-hook` (shim/wrapper/main.py) next to this
+ * which goes to the Python restore hook `podshim-runc-hook` (shim/wrapper/main.py) next to this
  * binary's real path, with the same argv. So does every call this program cannot judge safely
  * (a config or config.json it does not fully understand, an odd container id, an I/O error): the
  * hook then decides exactly as the Python wrapper always did. This file only dispatches; the
- * restore itself, its watchdog, the CRIU config and the marker live in the hook.
+ * restore itself, its watchdog, the CRIU config and the marker live in the hook. `start` of a
+ * container that create restored (marker <--root>/<id>/podshim-restored) is a no-op: this program
+ * exits 0 itself, as the hook would (its Python start-up cost every restore ~0.1 s).
  *
  * The real runtime is chosen like shim/config.py: the TOML file $PODSHIM_CONFIG (else
  * /etc/podshim/config.toml if it exists), sections [runtime] and [runtimes.NAME] (binary, root),
@@ -848,8 +849,11 @@ int main(int argc, char **argv) {
                 to_hook();
             if (snprintf(marker, sizeof marker, "%s/%s/%s", root, id, RESTORED_MARKER) >= (int)sizeof marker)
                 to_hook();
-            if (stat(marker, &st) == 0 || (errno != ENOENT && errno != ENOTDIR && errno != ELOOP))
-                to_hook(); /* restored by create (or cannot tell): the hook answers */
+            if (stat(marker, &st) == 0)
+                _exit(0); /* create restored it and it runs: start is a no-op, as the hook says
+                             (already_restored), without a Python start-up on the restore's path */
+            if (errno != ENOENT && errno != ENOTDIR && errno != ELOOP)
+                to_hook(); /* cannot tell: the hook answers */
         }
     }
 
