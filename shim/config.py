@@ -45,6 +45,8 @@ class Config:
     container_checkpoint: str = "fallback"
     # Node key (32 random bytes, a root-owned 0600 file) encrypting CheckpointPod archives; "": none.
     encryption_key_file: str = ""
+    # RestorePod's default for its `lazy-pages` option (docs/architecture.md "Lazy restore")
+    lazy_pages: bool = False
     log_format: str = "json"
     log_level: str = "info"
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -83,6 +85,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
         "container_checkpoint": ("container_checkpoint", str),
         "encryption_key_file": ("encryption_key_file", str),
     },
+    "restore": {"lazy_pages": ("lazy_pages", bool)},
     "log": {"format": ("log_format", str), "level": ("log_level", str)},
 }
 _RUNTIME_KEYS: dict[str, type] = {f.name: str for f in fields(RuntimeConfig)}
@@ -98,6 +101,10 @@ def _typed(key: str, value: Any, kind: type) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
         return tuple(value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
     return value
@@ -152,6 +159,10 @@ def _from_env(env: dict[str, str]) -> dict[str, Any]:
             value: Any = raw
             if kind is list:
                 value = [p for p in raw.split(",") if p]
+            elif kind is bool:
+                if raw.lower() not in ("true", "false"):
+                    raise ConfigError(f"{name}: expected true or false, got {raw!r}")
+                value = raw.lower() == "true"
             elif kind is float:
                 try:
                     value = float(raw)

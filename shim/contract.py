@@ -30,6 +30,12 @@ IMPORTS_DIR = "imports"
 # <state_dir>/decrypted/<random>/: one container's plaintext of an encrypted archive
 # (shim/archive/crypto.py); podshim-owned too.
 DECRYPTED_DIR = "decrypted"
+# Lazy restore (docs/architecture.md "Lazy restore"): the daemon sets LAZY_PAGES_ANNOTATION to the
+# work dir <state_dir>/lazy/<random>/ of the container's `criu lazy-pages`, which listens on
+# LAZY_PAGES_SOCKET there; the wrapper restores with `--lazy-pages --work-path` that dir.
+LAZY_PAGES_ANNOTATION = "podshim.restore.lazy-pages-dir"
+LAZY_DIR = "lazy"
+LAZY_PAGES_SOCKET = "lazy-pages.socket"
 
 # The CRIU switches, by the names CheckpointPod `options`, the archive manifests' `options` and
 # the restore record use, with the CriuOptions field each sets.
@@ -48,6 +54,11 @@ CRIU_SWITCHES: dict[str, str] = {
 def owned_roots(state_dir: str | Path) -> list[str]:
     """The podshim-owned directories a checkpoint to restore may lie in, beside the allowed roots."""
     return [str(Path(state_dir) / IMPORTS_DIR), str(Path(state_dir) / DECRYPTED_DIR)]
+
+
+def lazy_root(state_dir: str | Path) -> Path:
+    """Where the work dirs of the lazy-pages daemons live (<state_dir>/lazy)."""
+    return Path(state_dir) / LAZY_DIR
 
 
 def switches_record(opts: CriuOptions) -> dict[str, str]:

@@ -362,6 +362,7 @@ class Engine:
             "checkpoint": checkpoint_pod.recover,
             "checkpoint-container": checkpoint_container.recover,
             "restore": self.restorer.recover,
+            "lazy-pages": self.restorer.lazy.recover,  # docs/architecture.md "Lazy restore"
         }[rec.kind]
         try:
             await recover(rec)
@@ -434,6 +435,7 @@ OPERATION_OF_KIND = {
     "checkpoint": "checkpoint_pod",
     "restore": "restore_pod",
     "checkpoint-container": "checkpoint_container",
+    "lazy-pages": "lazy_restore",
 }
 
 

@@ -39,6 +39,12 @@ archive_size = Histogram(
     ["operation"],
     buckets=_SIZE_BUCKETS,
 )
+lazy_restore_failures = Counter(
+    "podshim_lazy_restore_failures_total",
+    "Lazily restored containers killed because their lazy-pages daemon ended before delivering every "
+    "page (reason: killed, exit, podshim-restart)",
+    ["reason"],
+)
 wiring_ok = Gauge(
     "podshim_wiring_ok",
     "Whether the upstream runtime handler runs podshim-runc and passes podshim.* annotations "

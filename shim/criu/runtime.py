@@ -292,9 +292,12 @@ class OciRuntime:
         pid_file: str | None = None,
         console_socket: str | None = None,
         global_args: list[str] | None = None,
+        lazy_pages: bool = False,
     ) -> list[str]:
         """`restore --detach` into `bundle`. `global_args` replaces --root/--criu with the flags
-        the upstream passed (podshim-runc keeps its --log, --log-format, --systemd-cgroup...)."""
+        the upstream passed (podshim-runc keeps its --log, --log-format, --systemd-cgroup...).
+        `lazy_pages`: pages come from the `criu lazy-pages` listening in `work_dir`
+        (docs/architecture.md "Lazy restore")."""
         head = [self.binary, *global_args] if global_args is not None else self.global_args()
         argv = [*head, "restore", "--detach"]
         if self.is_runc:
@@ -304,6 +307,8 @@ class OciRuntime:
             argv += ["--pid-file", pid_file]
         if console_socket:
             argv += ["--console-socket", console_socket]
+        if lazy_pages:
+            argv.append("--lazy-pages")
         return [*argv, *opts.flags(), container_id]
 
 

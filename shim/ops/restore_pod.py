@@ -29,6 +29,7 @@ from shim.archive import compat, crypto, layout, manifest, paths, rootfs_diff
 from shim.config import Config
 from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.criu.runtime import binary_version
+from shim.ops.lazy_pages import Daemon, LazyPages, check_runtime
 from shim.sandbox import build_pod_view
 from shim.state import Journal
 from shim.upstream import Upstream, is_not_found
@@ -48,20 +49,28 @@ RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
 @dataclass(frozen=True)
 class RestoreOptions:
     start: bool = False  # start the containers (the KEP text's older walkthrough)
+    lazy_pages: bool = False  # memory through userfaultfd (docs/architecture.md "Lazy restore")
 
-    KEYS = {"start": "true: start the restored containers before returning (default false)"}
+    KEYS = {
+        "start": "true: start the restored containers before returning (default false)",
+        "lazy-pages": "true: restore memory lazily (default: the node's [restore] lazy_pages)",
+    }
 
     @classmethod
-    def parse(cls, options: dict[str, str]) -> RestoreOptions:
+    def parse(cls, options: dict[str, str], lazy_default: bool = False) -> RestoreOptions:
         unknown = sorted(set(options) - set(cls.KEYS))
         if unknown:
             raise errors.InvalidArgument(
                 f"unknown restore option(s) {', '.join(unknown)}; known: {', '.join(sorted(cls.KEYS))}"
             )
-        value = options.get("start", "false").strip().lower()
-        if value not in ("true", "false", "1", "0", "yes", "no"):
-            raise errors.InvalidArgument(f"option start={options['start']!r}: expected true or false")
-        return cls(start=value in ("true", "1", "yes"))
+
+        def switch(key: str, default: bool) -> bool:
+            value = options.get(key, str(default)).strip().lower()
+            if value not in ("true", "false", "1", "0", "yes", "no"):
+                raise errors.InvalidArgument(f"option {key}={options[key]!r}: expected true or false")
+            return value in ("true", "1", "yes")
+
+        return cls(start=switch("start", False), lazy_pages=switch("lazy-pages", lazy_default))
 
 
 def check_host(m: manifest.Manifest, criu_version: str, runtime_name: str, runtime_version: str) -> None:
@@ -290,6 +299,7 @@ class PodRestorer:
         self.wiring = wiring
         self.restored = restored
         self._decrypting: set[Path] = set()  # decrypted dirs of restores in flight
+        self.lazy = LazyPages(config, upstream, journal)  # docs/architecture.md "Lazy restore"
 
     def node_key(self) -> crypto.NodeKey | None:
         """The node key (`[checkpoint] encryption_key_file`), None when none is configured."""
@@ -349,6 +359,7 @@ class PodRestorer:
         finally:
             self._decrypting.difference_update(decrypted)
         self.journal.finish(rec)
+        self.lazy.forget_op(rec.op_id)  # its daemons (lazy-pages=true) are supervised on their own
         return cri.RestorePodResponse(
             pod_sandbox_id=sandbox[0],
             restored_containers=[
@@ -359,7 +370,7 @@ class PodRestorer:
     async def _check(self, req: cri.RestorePodRequest) -> _Checked:
         """Everything verified before anything is created: the request, the archive (every
         checksum), this host, the container configs against the checkpoint."""
-        opts = RestoreOptions.parse(dict(req.options))
+        opts = RestoreOptions.parse(dict(req.options), self.config.lazy_pages)
         if not req.HasField("config") or not req.config.metadata.name:
             raise errors.InvalidArgument("config (the new PodSandboxConfig with metadata) is required")
         cri_checks.check_sandbox_config(req.config)  # what the upstream could not undo
@@ -371,6 +382,8 @@ class PodRestorer:
                 f"runtime_handler {req.runtime_handler!r} is not configured in podshim "
                 f"(known: runc{''.join(', ' + h for h in self.config.runtimes)})"
             )
+        if opts.lazy_pages:  # FAILED_PRECONDITION naming a runtime without lazy restore
+            await run_to_end(check_runtime, runtime.binary, req.runtime_handler)
         await self._check_upstream_handler(req.runtime_handler)
         if self.wiring is not None:
             await self.wiring.require(req.runtime_handler, "RestorePod refused, nothing was created")
@@ -535,13 +548,17 @@ class PodRestorer:
         except Exception:  # noqa: BLE001 - a leftover is swept next time
             log.exception("sweeping decrypted checkpoints failed")
 
-    def _container_config(self, p: _Planned, criu_flags: str) -> cri.ContainerConfig:
+    def _container_config(
+        self, p: _Planned, criu_flags: str, lazy: Daemon | None = None
+    ) -> cri.ContainerConfig:
         cc = cri.ContainerConfig()
         cc.CopyFrom(p.config)
         if cc.metadata.attempt == 0:
             cc.metadata.attempt = p.entry.restart_count  # the restart count continues
         cc.annotations[RESTORE_ANNOTATION] = str(p.dir)
         cc.annotations[RESTORE_OPTIONS_ANNOTATION] = criu_flags
+        if lazy is not None:
+            cc.annotations[contract.LAZY_PAGES_ANNOTATION] = str(lazy.work)
         cc.annotations.setdefault(RESTART_COUNT_ANNOTATION, str(cc.metadata.attempt))
         return cc
 
@@ -586,16 +603,22 @@ class PodRestorer:
         log.info("restore sandbox created", sandbox=resp.pod_sandbox_id)
         await self._check_network(resp.pod_sandbox_id, network)
         for p in plan:
+            # lazy-pages=true: the container's daemon serves before the container exists
+            lazy = None
+            if opts.lazy_pages:
+                lazy = await self.lazy.start_for(p.dir, p.entry.name, rec, m.encryption is not None)
             container_id = await self.upstream.create_container(
                 cri.CreateContainerRequest(
                     pod_sandbox_id=resp.pod_sandbox_id,
-                    config=self._container_config(p, criu_flags),
+                    config=self._container_config(p, criu_flags, lazy),
                     sandbox_config=req.config,
                 ),
                 doing=f"creating container {p.entry.name!r}",
             )
             c = cri.CreateContainerResponse(container_id=container_id)
             created[p.entry.name] = c.container_id
+            if lazy is not None:
+                self.lazy.attach(lazy, c.container_id)
             if self.restored is not None:  # StartContainer confirms its restore ran
                 await run_to_end(self.restored.add, c.container_id)
             if m.encryption is not None:  # whose decrypted dir it is, for _sweep_decrypted
@@ -663,6 +686,7 @@ class PodRestorer:
             if self.on_kept is not None:
                 self.on_kept(rec)
         finally:
+            await self.lazy.abandon_op(rec.op_id)  # after the rollback: its containers are gone
             for d in decrypted or []:
                 await run_to_end(crypto.remove_decrypted, d)
             if rolled_back:

@@ -24,7 +24,7 @@ from shim.errors import Internal, InvalidArgument, NotFound
 
 log = logs.get("shim.state.journal")
 
-KINDS = ("checkpoint", "restore", "checkpoint-container")
+KINDS = ("checkpoint", "restore", "checkpoint-container", "lazy-pages")
 RECORD_VERSION = 1
 OPS_DIR = "ops"
 CORRUPT_SUFFIX = ".corrupt"

@@ -16,10 +16,13 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from shim import contract
 from shim.contract import (
     CRIU_CONFIG_ANNOTATION,
+    LAZY_PAGES_ANNOTATION,
+    LAZY_PAGES_SOCKET,
     RESTORE_ANNOTATION,
     RESTORE_OPTIONS_ANNOTATION,
     RESTORED_MARKER,
@@ -106,7 +109,8 @@ def restore(
 
     # CRIU only reads the image dir on restore (its log and restore stats go to the work dir, its
     # cwd), so the archive is used in place and never modified.
-    work = bundle / WORK_DIR
+    lazy = _lazy_dir(spec, cfg, container_id, log_file)
+    work = lazy or bundle / WORK_DIR
     work.mkdir(mode=0o700, exist_ok=True)
     # Established TCP connections are closed on restore (KEP-5823 alpha): neither runc nor crun
     # has a flag for it, so it goes through a CRIU config file: runc passes the one named by the
@@ -128,15 +132,17 @@ def restore(
         pid_file=_arg(rest, "--pid-file"),
         console_socket=_arg(rest, "--console-socket"),
         global_args=argv[: len(argv) - len(rest) - 1],
+        lazy_pages=lazy is not None,
     )
     # stdio and every other descriptor the upstream gave us go to the restored process.
     faults.hit("runc-wrapper.before-restore")
     state_dir = Path(flags.get("--root", "")) / container_id
     env = {**os.environ, "CRIU_CONFIG_FILE": str(criu_conf)}
     returncode = _run_guarded(cmd, spec.get("linux", {}).get("cgroupsPath", ""), work, state_dir, env)
-    if crypto.is_decrypted_dir(ckpt):
+    if crypto.is_decrypted_dir(ckpt) and lazy is None:
         # Decrypted images: CRIU is done with them (a failed create is not retried), and plaintext
-        # memory must not stay on disk.
+        # memory must not stay on disk. A lazy restore's daemon still reads them: podshim removes
+        # them when it has ended (docs/architecture.md "Lazy restore").
         crypto.remove_decrypted(ckpt)
     if returncode != 0:
         remove_cgroups(spec.get("linux", {}).get("cgroupsPath", ""))
@@ -154,6 +160,32 @@ def restore(
     except OSError as e:
         _fail(f"restored {container_id} but cannot record it in {marker_dir}: {e}", log_file)
     raise SystemExit(0)
+
+
+def _lazy_dir(spec: dict, cfg: Any, container_id: str, log_file: str | None) -> Path | None:
+    """The work dir of the container's `criu lazy-pages` (LAZY_PAGES_ANNOTATION), None for an eager
+    restore. Only a dir directly in a `lazy/` dir of podshim's state dir (or of an allowed root,
+    as for decrypted dirs) whose daemon listens is accepted."""
+    value = spec.get("annotations", {}).get(LAZY_PAGES_ANNOTATION)
+    if not value:
+        return None
+    real = Path(os.path.realpath(value))
+    roots = [Path(os.path.realpath(r)) for r in (cfg.state_dir, *cfg.allowed_roots)]
+    parent = real.parent
+    inside = any(parent.is_relative_to(r) for r in roots)
+    if parent.name != contract.LAZY_DIR or not real.is_dir() or not inside:
+        _fail(
+            f"restore of {container_id}: {LAZY_PAGES_ANNOTATION} {value!r} is not a lazy-pages work dir "
+            f"of podshim (in {contract.lazy_root(cfg.state_dir)})",
+            log_file,
+        )
+    if not (real / LAZY_PAGES_SOCKET).exists():
+        _fail(
+            f"restore of {container_id}: no lazy-pages daemon listens in {real} (it has ended): "
+            "remove the pod and restore again",
+            log_file,
+        )
+    return real
 
 
 def _run_guarded(cmd: list[str], cgroups_path: str, work: Path, state_dir: Path, env: dict[str, str]) -> int:

@@ -1,0 +1,464 @@
+"""Lazy restore (docs/architecture.md "Lazy restore"): one `criu lazy-pages` daemon per restored
+container, started and supervised by podshim.
+
+RestorePod with `lazy-pages=true` starts, before each CreateContainer, a daemon serving the
+container's CRIU images (the archive's, or the decrypted copy of an encrypted archive) from a work
+dir of its own, `<state_dir>/lazy/<random>/`, and names that dir in LAZY_PAGES_ANNOTATION;
+podshim-runc then restores with `--lazy-pages --work-path` it, so the process runs at once and its
+memory arrives through userfaultfd, on fault and in the background.
+
+The daemon's lifetime is the transfer's: it exits 0 once every page is delivered. Any other end
+(killed, a nonzero exit, an unreadable image) kills the container, with the reason in podshim's
+log, a line in the container's log and podshim_lazy_restore_failures_total. So that the process
+never runs on with missing memory, podshim holds a duplicate (pidfd_getfd) of every userfaultfd
+the daemon holds: when the daemon dies its faults stay blocked (killable) instead of reading zero
+pages, until podshim has killed the container. The journal records every live daemon; after a
+podshim restart `recover` kills the container of a daemon it can no longer supervise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import functools
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from api.runtime.v1 import api_pb2 as cri
+from shim import contract, errors, logs, metrics
+from shim.archive import crypto, layout
+from shim.config import Config
+from shim.state import Journal
+from shim.upstream import Upstream, is_not_found
+
+log = logs.get("shim.ops.lazy_pages")
+
+KIND = "lazy-pages"  # the journal kind of a live daemon
+LOG_NAME = "lazy-pages.log"  # the daemon's CRIU log, in its work dir
+READY_TIMEOUT = 30.0  # seconds for a daemon to listen (it reads the image set's metadata first)
+POLL = 0.02  # seconds between two looks for new userfaultfds in the daemon
+CONTAINER_CHECK = 2.0  # seconds between two looks at the container (gone: the daemon goes too)
+_SYS_PIDFD_GETFD = 438  # the same number on x86_64 and arm64 (the generic table)
+UFFD_LINK = "anon_inode:[userfaultfd]"
+
+
+@functools.lru_cache(maxsize=8)
+def runtime_supports(binary: str) -> bool:
+    """Whether the OCI runtime's `restore` has `--lazy-pages` (runc has; crun 1.21 has not)."""
+    try:
+        out = subprocess.run(
+            [binary, "restore", "--help"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--lazy-pages" in out.stdout + out.stderr
+
+
+def check_runtime(binary: str, handler: str) -> None:
+    """FAILED_PRECONDITION unless the handler's runtime can restore lazily."""
+    if not runtime_supports(binary):
+        raise errors.FailedPrecondition(
+            f"option lazy-pages=true: the runtime of handler {handler or 'runc'!r} ({binary}) has no "
+            "lazy restore (its `restore` lacks --lazy-pages); restore without lazy-pages, or with runc"
+        )
+
+
+def process_start_time(pid: int) -> int:
+    """The start time (clock ticks since boot) of `pid`, 0 if it is gone: with the pid, it names a
+    process across pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _pidfd_getfd(pidfd: int, fd: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    got = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(got)
+
+
+def daemon_uffds(pid: int) -> list[int]:
+    """The descriptor numbers of the userfaultfds `pid` holds."""
+    out = []
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for n in names:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{n}") == UFFD_LINK:
+                out.append(int(n))
+    return out
+
+
+def _error_lines(path: Path, limit: int = 3) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    bad = [ln.strip() for ln in lines if "Error" in ln or "error" in ln]
+    return "; ".join(bad[-limit:])
+
+
+@dataclass
+class Daemon:
+    """One container's `criu lazy-pages`."""
+
+    name: str  # the container's name in the pod
+    work: Path
+    images: Path
+    decrypted: Path | None
+    pid: int = 0
+    start_time: int = 0
+    proc: asyncio.subprocess.Process | None = None
+    rec: Any = None
+    container_id: str = ""
+    started: float = field(default_factory=time.monotonic)
+    held: dict[tuple[int, int], int] = field(default_factory=dict)  # (dev, ino) -> our duplicate
+    pidfd: int = -1
+    abandoned: bool = False  # podshim ended it (a failed RestorePod): no failure
+    task: asyncio.Task[None] | None = None
+
+
+class LazyPages:
+    """Starts, supervises and recovers the lazy-pages daemons of this podshim."""
+
+    def __init__(self, config: Config, upstream: Upstream, journal: Journal) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.journal = journal
+        self.live: dict[Path, Daemon] = {}
+        self._recover_held: dict[str, list[int]] = {}  # op id -> userfaultfds held across retries
+        self._by_op: dict[str, list[Daemon]] = {}  # a RestorePod's journal op id -> its daemons
+
+    # ------------------------------------------------------------------ start
+
+    async def start_for(self, container_dir: Path, name: str, op: Any, decrypted: bool) -> Daemon:
+        """RestorePod's call: a daemon for one planned container (its dir in the archive, or its
+        decrypted copy when `decrypted`), owned by the restore's journal record `op` until attached."""
+        d = await self.start(
+            layout.ContainerLayout(root=container_dir, rel="").checkpoint_dir,
+            name,
+            op.pod_key,
+            self.config.runtime.criu,
+            container_dir if decrypted else None,
+        )
+        self._by_op.setdefault(op.op_id, []).append(d)
+        return d
+
+    async def start(self, images: Path, name: str, pod_key: str, criu: str, decrypted: Path | None) -> Daemon:
+        """Start a daemon serving `images` and wait until it listens; journaled before it runs."""
+        root = contract.lazy_root(self.config.state_dir)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        work = root / secrets.token_hex(8)
+        work.mkdir(mode=0o700)
+        d = Daemon(name=name, work=work, images=images, decrypted=decrypted)
+        d.rec = self.journal.begin(
+            KIND,
+            pod_key,
+            {
+                "container": name,
+                "work_dir": str(work),
+                "images": str(images),
+                "decrypted_dir": str(decrypted) if decrypted else "",
+            },
+        )
+        self.live[work] = d
+        read_end, write_end = os.pipe()
+        try:
+            d.proc = await asyncio.create_subprocess_exec(
+                criu,
+                "lazy-pages",
+                "--images-dir",
+                str(images),
+                "--work-dir",
+                str(work),
+                "--status-fd",
+                str(write_end),
+                "-o",
+                LOG_NAME,
+                "-v4",
+                pass_fds=(write_end,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # a podshim crash or stop leaves it serving (see recover)
+            )
+        except OSError as e:
+            os.close(read_end)
+            os.close(write_end)
+            await self.abandon([d])
+            raise errors.Internal(f"cannot start `criu lazy-pages` for container {name!r}: {e}") from None
+        os.close(write_end)
+        d.pid = d.proc.pid
+        d.start_time = process_start_time(d.pid)
+        with contextlib.suppress(OSError):
+            d.pidfd = os.pidfd_open(d.pid)
+        self.journal.update(d.rec, "serving", pid=d.pid, start_time=d.start_time)
+        try:
+            ready = await asyncio.wait_for(asyncio.to_thread(os.read, read_end, 1), READY_TIMEOUT)
+        except TimeoutError:
+            ready = b""
+        finally:
+            os.close(read_end)
+        if ready != b"\0":
+            detail = _error_lines(work / LOG_NAME)
+            await self.abandon([d])
+            raise errors.Internal(
+                f"the lazy-pages daemon of container {name!r} did not start serving {images}"
+                f"{': ' + detail if detail else ''}"
+            )
+        log.info("lazy-pages daemon serving", container=name, pid=d.pid, work=str(work), images=str(images))
+        return d
+
+    def attach(self, d: Daemon, container_id: str) -> None:
+        """The daemon's container exists: record it and supervise the daemon until it ends."""
+        d.container_id = container_id
+        self.journal.update(d.rec, "attached", container_id=container_id)
+        d.task = asyncio.ensure_future(self._supervise(d))
+
+    def forget_op(self, op_id: str) -> None:
+        """The RestorePod ended: its daemons are supervised on their own."""
+        self._by_op.pop(op_id, None)
+
+    async def abandon_op(self, op_id: str) -> None:
+        """A RestorePod failed, after its rollback: end its daemons and clean up after them."""
+        await self.abandon(self._by_op.pop(op_id, []))
+
+    async def abandon(self, daemons: list[Daemon]) -> None:
+        """End `daemons` (a failed RestorePod) and clean up after them. A daemon whose container is
+        still there (a rollback that failed) ends like a failed one: its container is killed."""
+        for d in daemons:
+            d.abandoned = True
+            if d.proc is not None and d.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    d.proc.kill()
+                await d.proc.wait()
+            if d.task is None:
+                self._release(d)
+                await self._clean(d)
+
+    # ------------------------------------------------------------------ supervision
+
+    async def _supervise(self, d: Daemon) -> None:
+        assert d.proc is not None
+        waiter = asyncio.ensure_future(d.proc.wait())
+        next_check = time.monotonic() + CONTAINER_CHECK
+        gone = ""
+        try:
+            while not waiter.done():
+                await asyncio.wait({waiter}, timeout=POLL)
+                if waiter.done():
+                    break
+                self._hold_uffds(d)
+                if time.monotonic() >= next_check and not d.abandoned:
+                    next_check = time.monotonic() + CONTAINER_CHECK
+                    gone = await self._container_gone(d.container_id)
+                    if gone:
+                        # a container removed (or never started and removed) needs no pages
+                        with contextlib.suppress(ProcessLookupError):
+                            d.proc.kill()
+            rc = waiter.result()
+            await self._ended(d, rc, gone)
+        except asyncio.CancelledError:
+            raise  # podshim stops: the daemon and its record stay for the next start (recover)
+        except Exception:  # noqa: BLE001 - logged; the record stays for recovery
+            log.exception("supervising a lazy-pages daemon failed", container=d.container_id)
+
+    def _hold_uffds(self, d: Daemon) -> None:
+        """Duplicate every userfaultfd the daemon holds that podshim does not hold yet."""
+        if d.pidfd < 0:
+            return
+        for fd in daemon_uffds(d.pid):
+            try:
+                st = os.stat(f"/proc/{d.pid}/fd/{fd}")
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in d.held:
+                continue
+            try:
+                d.held[key] = _pidfd_getfd(d.pidfd, fd)
+            except OSError as e:
+                log.warning("cannot hold a userfaultfd of the lazy-pages daemon", pid=d.pid, error=str(e))
+
+    def _release(self, d: Daemon) -> None:
+        for fd in d.held.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        d.held.clear()
+        if d.pidfd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(d.pidfd)
+            d.pidfd = -1
+
+    async def _container_gone(self, container_id: str) -> str:
+        """Why the container needs no more pages ("" while it may): removed, or exited."""
+        try:
+            st = await self.upstream.container_status(container_id)
+        except errors.ShimError as e:
+            return "the container was removed" if is_not_found(e) else ""
+        if st.status.state == cri.CONTAINER_EXITED:
+            return "the container exited"
+        return ""
+
+    async def _ended(self, d: Daemon, rc: int, gone: str) -> None:
+        seconds = round(time.monotonic() - d.started, 3)
+        if rc == 0:
+            log.info(
+                "lazy restore complete", container=d.container_id, name=d.name, pid=d.pid, seconds=seconds
+            )
+        elif gone or await self._container_gone(d.container_id):
+            log.info(
+                "lazy-pages daemon ended with its container",
+                container=d.container_id,
+                reason=gone or "the container had ended",
+                exit=rc,
+            )
+        else:
+            if d.abandoned:  # a RestorePod that failed and whose rollback left this container
+                await self._kill(d.container_id, retry=True)
+                self._release(d)
+                await self._clean(d)
+                return
+            how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+            detail = _error_lines(d.work / LOG_NAME)
+            reason = (
+                f"lazy restore failed: the lazy-pages daemon (pid {d.pid}) {how} before every page of "
+                f"the memory was delivered{' (' + detail + ')' if detail else ''}; the container was "
+                "killed so that it never runs with missing memory"
+            )
+            label = "killed" if rc < 0 else "exit"
+            await self.fail(d.container_id, reason, label, d)
+            return  # fail() releases and cleans up (or keeps the record for a retry)
+        self._release(d)
+        await self._clean(d)
+
+    async def fail(self, container_id: str, reason: str, label: str, d: Daemon | None = None) -> None:
+        """Kill the container of a lazy restore that cannot complete and say why (podshim's log, the
+        container's log, the metric). The held userfaultfds are closed only once it is dead: until
+        then its faults stay blocked, never zero-filled."""
+        log.error("lazy restore failed; killing the container", container=container_id, reason=reason)
+        metrics.lazy_restore_failures.labels(label).inc()
+        await self._note_in_container_log(container_id, reason)
+        await self._kill(container_id, retry=d is not None)
+        if d is not None:
+            self._release(d)
+            await self._clean(d)
+
+    async def _kill(self, container_id: str, retry: bool) -> None:
+        """StopContainer with no grace period (SIGKILL; a fault blocked on a held userfaultfd is
+        killable). `retry`: keep trying while the upstream does not answer; else raise."""
+        delay = 0.5
+        while True:
+            try:
+                await self.upstream.stop_container(container_id, 0, doing=f"killing container {container_id}")
+                return
+            except errors.ShimError as e:
+                if is_not_found(e):
+                    return
+                log.error(
+                    "cannot kill the container of a failed lazy restore; its memory faults stay blocked",
+                    container=container_id,
+                    error=e.message,
+                )
+                if not retry:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+
+    async def _note_in_container_log(self, container_id: str, reason: str) -> None:
+        """A line in the container's CRI log (`crictl logs` shows it) naming the reason."""
+        try:
+            st = await self.upstream.container_status(container_id)
+        except errors.ShimError:
+            return
+        path = st.status.log_path
+        if not path:
+            return
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{time.time_ns() % 10**9:09d}Z"
+        line = f"{ts} stderr F podshim: {reason}\n".encode()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            os.write(fd, line)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    async def _clean(self, d: Daemon) -> None:
+        """After the daemon ended: its work dir (CRIU logs kept in <state_dir>/logs on failure),
+        the decrypted copy it served, its journal record."""
+        self.live.pop(d.work, None)
+        await asyncio.to_thread(_remove_dirs, d.work, d.decrypted)
+        if d.rec is not None:
+            self.journal.finish(d.rec)
+
+    # ------------------------------------------------------------------ recovery
+
+    async def recover(self, rec: Any) -> None:
+        """A daemon a previous podshim started and did not see end (docs/architecture.md "Lazy
+        restore"): its exit status cannot be known any more, so its container is killed (with the
+        daemon's userfaultfds held meanwhile, so that no fault reads a zero page), then an alive
+        daemon is ended; a container already gone only leaves files to remove. Raises (the record
+        stays and is retried) while the container cannot be killed; the duplicates stay held."""
+        data = rec.data
+        pid = int(data.get("pid") or 0)
+        alive = pid > 0 and process_start_time(pid) == int(data.get("start_time") or -1)
+        held = self._recover_held.setdefault(rec.op_id, [])
+        pidfd = -1
+        if alive:
+            with contextlib.suppress(OSError):
+                pidfd = os.pidfd_open(pid)
+                for fd in daemon_uffds(pid):
+                    with contextlib.suppress(OSError):
+                        held.append(_pidfd_getfd(pidfd, fd))
+        cid = str(data.get("container_id") or "")
+        try:
+            if cid and not await self._container_gone(cid):
+                why = "was still serving" if alive else "had ended"
+                reason = (
+                    f"lazy restore interrupted: podshim restarted while the lazy-pages daemon (pid {pid}) "
+                    f"of this container was serving, and the daemon {why} with no known result; the "
+                    "container was killed so that it never runs with missing memory"
+                )
+                await self.fail(cid, reason, "podshim-restart")
+            if pidfd >= 0:
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+        for fd in self._recover_held.pop(rec.op_id, []):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        decrypted = data.get("decrypted_dir") or ""
+        work = data.get("work_dir") or ""
+        await asyncio.to_thread(
+            _remove_dirs, Path(work) if work else None, Path(decrypted) if decrypted else None
+        )
+        log.warning("lazy-pages daemon of a previous podshim handled", container=cid, pid=pid, alive=alive)
+
+
+def _remove_dirs(work: Path | None, decrypted: Path | None) -> None:
+    if work is not None and work.parent.name == contract.LAZY_DIR:
+        shutil.rmtree(work, ignore_errors=True)
+    if decrypted is not None and decrypted.exists():
+        crypto.remove_decrypted(decrypted)

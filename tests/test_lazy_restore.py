@@ -1,0 +1,467 @@
+"""Lazy restore end to end (issue 15 items 1 and 2; docs/architecture.md "Lazy restore"): RestorePod
+with `lazy-pages=true` on the real containerd + runc + CRIU, the container's memory delivered by a
+`criu lazy-pages` daemon podshim starts and supervises.
+
+Checked: the counter's full-memory pattern check passes after a lazy restore at 256 MiB, 1 GiB and
+4 GiB (plain) and at 256 MiB and 1 GiB (encrypted), and counting continues; the decrypted copy and
+the daemon's work dir are gone once the daemon is done, the archive unchanged; crun (no lazy
+restore) is refused with FAILED_PRECONDITION; a daemon SIGKILLed mid-transfer, or an image that
+became unreadable, kills the container (never running on with missing memory), with the reason in
+its log and podshim_lazy_restore_failures_total counted; a podshim SIGKILLed while a daemon serves
+handles the daemon's journal record at its next start.
+
+A second podshim (with a node key and /metrics) in front of the bed's containerd serves this
+module; its state dir lies in the bed's checkpoint root so that the bed's podshim-runc accepts its
+`decrypted/` and `lazy/` dirs. The time to the first output after StartContainer is printed (-s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.runtime.v1 import api_pb2 as cri
+from api.runtime.v1 import api_pb2_grpc
+from testbed import pods
+from testbed.bed import TestBed
+
+pytestmark = pytest.mark.e2e
+
+Stub = api_pb2_grpc.RuntimeServiceStub
+RPC_TIMEOUT = 300
+LAZY = {"lazy-pages": "true"}
+UFFD = "anon_inode:[userfaultfd]"
+
+
+# ---------------------------------------------------------------------------- the module's podshim
+
+
+@dataclass
+class LazyPodshim:
+    rt: Stub
+    state_dir: Path
+    log: Path
+    metrics_port: int
+
+    def failures(self, reason: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "podshim_lazy_restore_failures_total" and s.labels.get("reason") == reason:
+                    return s.value
+        return 0.0
+
+    def daemon_records(self) -> list[dict]:
+        out = []
+        for p in sorted((self.state_dir / "ops").glob("*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                doc = json.loads(p.read_text())
+                if doc.get("kind") == "lazy-pages":
+                    out.append(doc)
+        return out
+
+    def lazy_dirs(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.state_dir / "lazy"))
+        except FileNotFoundError:
+            return []
+
+    def decrypted_dirs(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.state_dir / "decrypted"))
+        except FileNotFoundError:
+            return []
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def lp(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LazyPodshim]:
+    tmp = tmp_path_factory.mktemp("lazy-podshim")
+    key_file = tmp / "checkpoint.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    state_dir = Path(bed.checkpoint_root) / f"lazy-state-{secrets.token_hex(3)}"
+    port = _free_port()
+    overrides = {
+        "server": {"state_dir": str(state_dir), "metrics_address": f"127.0.0.1:{port}"},
+        "checkpoint": {"encryption_key_file": str(key_file)},
+    }
+    try:
+        with bed.extra_podshim(tmp, **overrides) as (sock, log):
+            channel = grpc.insecure_channel(f"unix://{sock}")
+            try:
+                yield LazyPodshim(api_pb2_grpc.RuntimeServiceStub(channel), state_dir, log, port)
+            finally:
+                channel.close()
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def log_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def take_checkpoint(rt: Stub, bed: TestBed, log_root: Path, mem_mib: int, tag: str) -> Path:
+    """A running counter of `mem_mib` MiB, checkpointed through `rt` (the module's podshim makes
+    encrypted archives, the bed's plain ones); the source pod is removed at once (memory)."""
+    args = ["--mem-mib", str(mem_mib), "--interval-ms", "50"]
+    src = pods.run_pod(
+        rt,
+        f"lazy-src-{tag}-{secrets.token_hex(3)}",
+        log_root,
+        {"counter": pods.container_config("counter", args=args)},
+    )
+    out = Path(bed.checkpoint_root) / f"lazy-{tag}-{secrets.token_hex(3)}"
+    try:
+        pods.wait_count(src.log_path("counter"), 3, timeout=120)
+        out.mkdir(mode=0o700)
+        rt.CheckpointPod(
+            cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
+        )
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            pods.remove_pod(rt, src.id)
+    return out
+
+
+@dataclass
+class Restored:
+    pod_id: str
+    cid: str
+    log: Path
+    mem_mib: int
+
+
+def lazy_restore(
+    rt: Stub, path: Path, log_root: Path, mem_mib: int, cleanup: list[str], start: bool = True
+) -> Restored:
+    config = pods.pod_config(f"lazy-{mem_mib}-{secrets.token_hex(3)}", log_root)
+    args = ["--mem-mib", str(mem_mib), "--interval-ms", "50"]
+    resp = rt.RestorePod(
+        cri.RestorePodRequest(
+            checkpoint_path=str(path),
+            config=config,
+            container_configs=[pods.container_config("counter", args=args)],
+            options=LAZY,
+        ),
+        timeout=RPC_TIMEOUT,
+    )
+    cleanup.append(resp.pod_sandbox_id)
+    cid = resp.restored_containers[0].container_id
+    log = Path(config.log_directory) / "counter" / "0.log"
+    r = Restored(resp.pod_sandbox_id, cid, log, mem_mib)
+    if start:
+        t0 = time.monotonic()
+        rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=RPC_TIMEOUT)
+        t1 = time.monotonic()
+        pods.wait_for(
+            lambda: pods.counts(log), timeout=60, interval=0.002, what="the restored counter's output"
+        )
+        first = time.monotonic() - t0
+        print(f"\nlazy restore {mem_mib} MiB: StartContainer {t1 - t0:.3f} s, first output {first:.3f} s")
+    return r
+
+
+def verify_memory(rt: Stub, r: Restored) -> None:
+    """SIGUSR1: the counter checks every word of its memory (faulting every page in)."""
+    seen = log_text(r.log).count("verify ")
+    res = rt.ExecSync(cri.ExecSyncRequest(container_id=r.cid, cmd=["kill", "-USR1", "1"], timeout=30))
+    assert res.exit_code == 0, res.stderr
+    pods.wait_for(lambda: log_text(r.log).count("verify ") > seen, timeout=120, what="the verify line")
+    text = log_text(r.log)
+    assert f"verify ok mem_mib={r.mem_mib}" in text, text[-600:]
+    assert "verify FAILED" not in text, text[-600:]
+
+
+def state(rt: Stub, cid: str) -> int:
+    return rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status.state
+
+
+def daemon_pid(records: list[dict], cid: str) -> int:
+    for doc in records:
+        if doc["data"].get("container_id") == cid:
+            return int(doc["data"]["pid"])
+    raise AssertionError(f"no lazy-pages journal record for container {cid[:13]}: {records}")
+
+
+def holds_uffd(pid: int) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == UFFD:
+                return True
+    return False
+
+
+def podshim_pids(config_hint: str) -> list[int]:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            with contextlib.suppress(OSError):
+                cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if "serve" in cmd and config_hint in cmd:
+                    out.append(int(p))
+    return out
+
+
+def stop_mid_transfer(lp_pids: list[int], pid: int) -> None:
+    """SIGSTOP the daemon once it serves the restored process and podshim holds its userfaultfd."""
+    pods.wait_for(lambda: holds_uffd(pid), timeout=30, interval=0.001, what="the daemon's userfaultfd")
+    os.kill(pid, signal.SIGSTOP)
+    with open(f"/proc/{pid}/stat") as f:
+        assert f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"), "the daemon ended before it was stopped"
+    pods.wait_for(
+        lambda: any(holds_uffd(p) for p in lp_pids),
+        timeout=10,
+        interval=0.005,
+        what="podshim holding the userfaultfd",
+    )
+
+
+# ---------------------------------------------------------------------------- archives (module-scoped)
+
+
+@pytest.fixture(scope="module")
+def plain(rt: Stub, bed: TestBed) -> Iterator[dict[int, Path]]:
+    """Plain archives by size, taken on demand (a 4 GiB one only when its test runs)."""
+    made: dict[int, Path] = {}
+    log_root = Path(bed.base_dir) / "pod-logs"
+    log_root.mkdir(exist_ok=True)
+
+    class Lazy(dict):
+        def __missing__(self, mem: int) -> Path:
+            made[mem] = self[mem] = take_checkpoint(rt, bed, log_root, mem, f"plain{mem}")
+            return made[mem]
+
+    yield Lazy()  # type: ignore[misc]
+    for p in made.values():
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def encrypted(lp: LazyPodshim, bed: TestBed) -> Iterator[dict[int, Path]]:
+    made: dict[int, Path] = {}
+    log_root = Path(bed.base_dir) / "pod-logs"
+    log_root.mkdir(exist_ok=True)
+
+    class Lazy(dict):
+        def __missing__(self, mem: int) -> Path:
+            made[mem] = self[mem] = take_checkpoint(lp.rt, bed, log_root, mem, f"enc{mem}")
+            return made[mem]
+
+    yield Lazy()  # type: ignore[misc]
+    for p in made.values():
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@pytest.fixture
+def lp_cleanup(lp: LazyPodshim) -> Iterator[list[str]]:
+    ids: list[str] = []
+    yield ids
+    for pod_id in ids:
+        with contextlib.suppress(Exception):
+            pods.remove_pod(lp.rt, pod_id)
+
+
+def fingerprint(root: Path) -> dict[str, tuple[int, int]]:
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file()
+    }
+
+
+def wait_daemon_done(lp: LazyPodshim) -> None:
+    """The daemon delivered every page and podshim cleaned up after it."""
+    pods.wait_for(
+        lambda: not lp.daemon_records() and not lp.lazy_dirs() and not lp.decrypted_dirs(),
+        timeout=120,
+        what="the lazy-pages daemon to finish (journal record, work dir and decrypted copy gone)",
+    )
+
+
+# ---------------------------------------------------------------------------- integrity
+
+
+@pytest.mark.parametrize("mem_mib", [256, 1024, 4096])
+def test_lazy_restore_plain_pattern_intact(
+    lp: LazyPodshim, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], mem_mib: int
+) -> None:
+    path = plain[mem_mib]
+    before = fingerprint(path)
+    r = lazy_restore(lp.rt, path, log_root, mem_mib, lp_cleanup)
+    first = pods.counts(r.log)[0]
+    assert first > 0, "the counter restarted instead of resuming"
+    assert "ready mem_mib" not in log_text(r.log), "the restored process ran its start-up again"
+    verify_memory(lp.rt, r)
+    pods.wait_count(r.log, pods.counts(r.log)[-1] + 5)  # it keeps counting
+    assert state(lp.rt, r.cid) == cri.CONTAINER_RUNNING
+    wait_daemon_done(lp)
+    assert state(lp.rt, r.cid) == cri.CONTAINER_RUNNING
+    verify_memory(lp.rt, r)  # and after the daemon is gone
+    assert fingerprint(path) == before, "the restore modified the archive"
+    pods.remove_pod(lp.rt, r.pod_id)
+    lp_cleanup.remove(r.pod_id)
+    if mem_mib == 4096:
+        shutil.rmtree(path, ignore_errors=True)  # 4 GiB of disk
+
+
+@pytest.mark.parametrize("mem_mib", [256, 1024])
+def test_lazy_restore_encrypted_pattern_intact(
+    lp: LazyPodshim, encrypted: dict[int, Path], log_root: Path, lp_cleanup: list[str], mem_mib: int
+) -> None:
+    path = encrypted[mem_mib]
+    before = fingerprint(path)
+    r = lazy_restore(lp.rt, path, log_root, mem_mib, lp_cleanup)
+    assert pods.counts(r.log)[0] > 0
+    verify_memory(lp.rt, r)
+    # the plaintext copy the daemon served goes once the daemon is done, not before the restore
+    wait_daemon_done(lp)
+    pods.wait_count(r.log, pods.counts(r.log)[-1] + 5)
+    verify_memory(lp.rt, r)
+    assert fingerprint(path) == before, "the restore modified the archive"
+
+
+def test_decrypted_copy_kept_while_the_daemon_serves(
+    lp: LazyPodshim, encrypted: dict[int, Path], log_root: Path, lp_cleanup: list[str]
+) -> None:
+    """Until the daemon has delivered every page its decrypted images stay (the wrapper used to
+    remove them as soon as `runc restore` returned); created but not started, it serves on."""
+    r = lazy_restore(lp.rt, encrypted[256], log_root, 256, lp_cleanup, start=False)
+    assert len(lp.decrypted_dirs()) == 1 and len(lp.lazy_dirs()) == 1
+    assert len(lp.daemon_records()) == 1
+    pid = daemon_pid(lp.daemon_records(), r.cid)
+    os.kill(pid, signal.SIGSTOP)  # hold the transfer: the restore runs, the daemon delivers nothing yet
+    try:
+        lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
+        pods.wait_for(lambda: holds_uffd(pid), timeout=30, what="the daemon's userfaultfd")
+        assert len(lp.decrypted_dirs()) == 1, "the decrypted copy went while the daemon still serves"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    verify_memory(lp.rt, r)
+    wait_daemon_done(lp)
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def test_crun_is_refused_with_failed_precondition(
+    lp: LazyPodshim, plain: dict[int, Path], log_root: Path, crun_handler: str
+) -> None:
+    config = pods.pod_config(f"lazy-crun-{secrets.token_hex(3)}", log_root)
+    with pytest.raises(grpc.RpcError) as err:
+        lp.rt.RestorePod(
+            cri.RestorePodRequest(
+                checkpoint_path=str(plain[256]),
+                config=config,
+                container_configs=[
+                    pods.container_config("counter", args=["--mem-mib", "256", "--interval-ms", "50"])
+                ],
+                runtime_handler=crun_handler,
+                options=LAZY,
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    assert "crun" in err.value.details() and "lazy" in err.value.details()
+    assert not lp.daemon_records() and not lp.lazy_dirs()
+
+
+def test_bad_option_value_is_invalid_argument(
+    lp: LazyPodshim, plain: dict[int, Path], log_root: Path
+) -> None:
+    config = pods.pod_config(f"lazy-bad-{secrets.token_hex(3)}", log_root)
+    with pytest.raises(grpc.RpcError) as err:
+        lp.rt.RestorePod(
+            cri.RestorePodRequest(
+                checkpoint_path=str(plain[256]), config=config, options={"lazy-pages": "maybe"}
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "lazy-pages" in err.value.details()
+
+
+# ---------------------------------------------------------------------------- supervision
+
+
+def test_daemon_killed_mid_transfer_kills_the_container(
+    lp: LazyPodshim, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], bed: TestBed
+) -> None:
+    before = lp.failures("killed")
+    r = lazy_restore(lp.rt, plain[1024], log_root, 1024, lp_cleanup, start=False)
+    pid = daemon_pid(lp.daemon_records(), r.cid)
+    lp_pids = podshim_pids(str(lp.state_dir.parent)) or podshim_pids("lazy-podshim")
+    assert lp_pids, "the module's podshim process was not found"
+    lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
+    stop_mid_transfer(lp_pids, pid)
+    # make the counter touch every page while pages are missing: it must block, not read zeros
+    lp.rt.ExecSync(cri.ExecSyncRequest(container_id=r.cid, cmd=["kill", "-USR1", "1"], timeout=30))
+    os.kill(pid, signal.SIGKILL)
+    pods.wait_for(
+        lambda: state(lp.rt, r.cid) == cri.CONTAINER_EXITED, timeout=60, what="the container killed"
+    )
+    text = log_text(r.log)
+    assert "verify FAILED" not in text and "verify ok" not in text, text[-600:]
+    assert "lazy restore failed" in text and "killed by signal 9" in text, text[-600:]
+    assert lp.failures("killed") == before + 1
+    assert "lazy restore failed" in log_text(lp.log)
+    pods.wait_for(lambda: not lp.daemon_records() and not lp.lazy_dirs(), timeout=30, what="clean-up")
+
+
+def test_unreadable_image_kills_the_container(
+    lp: LazyPodshim, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], bed: TestBed
+) -> None:
+    """The archive's pages become unreadable after RestorePod verified it: the daemon fails, the
+    container is killed (exit reason counted)."""
+    copy = Path(bed.checkpoint_root) / f"lazy-unreadable-{secrets.token_hex(3)}"
+    shutil.copytree(plain[256], copy)
+    try:
+        r = lazy_restore(lp.rt, copy, log_root, 256, lp_cleanup, start=False)
+        pages = sorted((copy / "containers" / "counter" / "checkpoint").glob("pages-*.img"))
+        assert pages
+        for p in pages:
+            os.truncate(p, 4096)
+        with contextlib.suppress(grpc.RpcError):  # the restore itself may already fail
+            lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
+            lp.rt.ExecSync(cri.ExecSyncRequest(container_id=r.cid, cmd=["kill", "-USR1", "1"], timeout=30))
+        pods.wait_for(
+            lambda: state(lp.rt, r.cid) != cri.CONTAINER_RUNNING, timeout=60, what="the container killed"
+        )
+        pods.wait_for(lambda: not lp.daemon_records(), timeout=30, what="the daemon's record closed")
+        text = log_text(r.log)
+        assert "verify ok" not in text and "verify FAILED" not in text, text[-600:]
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
