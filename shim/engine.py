@@ -322,8 +322,8 @@ class Engine:
         """
         for rec in self.journal.pending():
             log.warning("recovering interrupted operation", kind=rec.kind, pod=rec.pod_key, phase=rec.phase)
-            out = rec.data.get("output_path")
-            leftovers = _processes_under(str(out)) if out and rec.kind in _CHECKPOINT_KINDS else []
+            out = rec.data.output_path if rec.kind in _CHECKPOINT_KINDS else ""
+            leftovers = _processes_under(str(out)) if out else []
             if not leftovers:
                 await self._recover_record(rec)
                 continue
@@ -398,8 +398,8 @@ class Engine:
         that pod is ABORTED until the recovery is done (a restore's sandbox is found by its
         metadata, which a new restore of the same pod would share)."""
         want = [f"pod {rec.pod_key}"]
-        if rec.kind in _CHECKPOINT_KINDS and rec.data.get("output_path"):
-            want.append(f"path {rec.data['output_path']}")
+        if rec.kind in _CHECKPOINT_KINDS and rec.data.output_path:  # a CheckpointRecord
+            want.append(f"path {rec.data.output_path}")
         held: list[str] | None = None
         delay = RETRY_FIRST
         attempt = 0

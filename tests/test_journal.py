@@ -36,10 +36,10 @@ def test_begin_writes_before_returning(j: Journal) -> None:
 
 
 def test_update_and_finish(j: Journal) -> None:
-    rec = j.begin("restore", "pod-2", {"a": 1})
-    j.update(rec, "frozen", b=2)
+    rec = j.begin("restore", "pod-2", {"checkpoint_path": "/a"})
+    j.update(rec, "sandbox", sandbox_id="sb-1")
     doc = json.loads(rec.path.read_bytes())
-    assert doc["phase"] == "frozen" and doc["data"] == {"a": 1, "b": 2}
+    assert doc["phase"] == "sandbox" and doc["data"] == {"checkpoint_path": "/a", "sandbox_id": "sb-1"}
     j.finish(rec)
     assert _files(j) == []
     j.finish(rec)  # idempotent
@@ -57,7 +57,7 @@ def test_pending_after_restart(tmp_path: Path) -> None:
     # a new podshim process reads what the previous one left
     got = Journal(tmp_path).pending()
     assert [r.op_id for r in got] == [a.op_id, b.op_id]
-    assert got[0] == a and got[0].phase == "archiving" and got[0].data == {"n": 1}
+    assert got[0] == a and got[0].phase == "archiving" and got[0].data.extra == {"n": 1}
     assert isinstance(got[1], OpRecord) and got[1].kind == "checkpoint-container"
 
 

@@ -153,7 +153,7 @@ async def test_an_unanswered_sandbox_is_kept_for_recovery(cfg: Config, up: FakeU
         await r.restore(_request(), 30.0)
     assert up.names() == ["RunPodSandbox", "ListPodSandbox"]
     (rec,) = _open_records(cfg)
-    assert "sandbox_unknown_since" in rec.data and [k.op_id for k in kept] == [rec.op_id]
+    assert rec.data.sandbox_unknown_since is not None and [k.op_id for k in kept] == [rec.op_id]
 
 
 async def test_the_unknown_handler_answer_is_invalid_argument(cfg: Config, up: FakeUpstream) -> None:
@@ -172,7 +172,7 @@ async def test_a_failed_rollback_keeps_the_record_and_the_first_error(cfg: Confi
     with pytest.raises(errors.InvalidArgument, match="bad mount"):
         await r.restore(_request(), 30.0)
     (rec,) = _open_records(cfg)
-    assert rec.data["sandbox_id"] in up.sandboxes and [k.op_id for k in kept] == [rec.op_id]
+    assert rec.data.sandbox_id in up.sandboxes and [k.op_id for k in kept] == [rec.op_id]
 
 
 async def test_the_deadline_ends_a_hung_create_and_rolls_back(cfg: Config, up: FakeUpstream) -> None:

@@ -61,7 +61,8 @@ from shim.ops.checkpoint_pod import (
 )
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sharing import check_shared_state
-from shim.state import Journal
+from shim.state import Journal, OpRecord
+from shim.state.records import ContainerCheckpointRecord
 from shim.upstream import Upstream, is_not_found
 
 log = logs.get("shim.ops.checkpoint_container")
@@ -404,12 +405,9 @@ class ContainerCheckpointer:
                     self.journal.begin,
                     KIND,
                     pod.id,
-                    {
-                        "output_path": str(staging),
-                        "cgroups": ours,
-                        "container_id": c.id,
-                        "target": str(target),
-                    },
+                    ContainerCheckpointRecord(
+                        output_path=str(staging), cgroups=ours, container_id=c.id, target=str(target)
+                    ),
                 )
             except BaseException:
                 where.close()
@@ -665,16 +663,17 @@ class ContainerCheckpointer:
 # ---------------------------------------------------------------------------- recovery
 
 
-async def recover(rec: Any) -> None:
+async def recover(rec: OpRecord) -> None:
     """Undo a CheckpointContainer a crash interrupted: thaw the container's cgroup (unless someone
     else had paused it) and remove podshim's staging dir next to the tar, through its parent
     opened with O_NOFOLLOW (a parent replaced by a symlink since is left alone). A record without
     a staging dir is recovered like a pod checkpoint's."""
-    out = rec.data.get("output_path")
+    data: ContainerCheckpointRecord = rec.data
+    out = data.output_path
     if not (out and fsutil.is_temp_name(Path(out).name)):
         await checkpoint_pod.recover(rec)
         return
-    thaw_paths(list(rec.data.get("cgroups", [])))
+    thaw_paths(list(data.cgroups))
     staging = Path(out)
     with contextlib.suppress(OSError, errors.ShimError), DirHandle.open(staging.parent) as d:
         d.remove(staging.name)

@@ -31,7 +31,8 @@ from shim.config import Config
 from shim.criu.runtime import CriuOptions, OciRuntime, binary_version, read_dump_stats
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sharing import check_shared_state
-from shim.state import Journal
+from shim.state import Journal, OpRecord
+from shim.state.records import CheckpointRecord
 from shim.upstream import Upstream
 
 log = logs.get("shim.ops.checkpoint_pod")
@@ -263,7 +264,7 @@ class PodCheckpointer:
                 self.journal.begin,
                 "checkpoint",
                 pod.id,
-                {"output_path": str(out), "cgroups": [pod.cgroup_parent, *ours]},
+                CheckpointRecord(output_path=str(out), cgroups=[pod.cgroup_parent, *ours]),
             )
         except BaseException:
             held.close()
@@ -590,13 +591,13 @@ def _options_record(opts: CheckpointOptions) -> dict[str, str]:
 # ---------------------------------------------------------------------------- recovery
 
 
-async def recover(rec: Any) -> None:
+async def recover(rec: OpRecord) -> None:
     """Undo a CheckpointPod a crash interrupted (its journal record; docs/architecture.md §16 (Crash
     safety)): thaw its cgroups; remove a partial archive, or only the temporary file of an
     interrupted manifest rewrite of a complete one."""
-    data = rec.data
-    thaw_paths(list(data.get("cgroups", [])))
-    out = data.get("output_path")
+    data: CheckpointRecord = rec.data  # or a ContainerCheckpointRecord without a staging dir
+    thaw_paths(list(data.cgroups))
+    out = data.output_path
     if out and not (Path(out) / layout.MANIFEST_FILE).exists():
         with contextlib.suppress(OSError, errors.NotFound):  # NotFound: dir removed since
             fsutil.clear_dir_contents(Path(out))

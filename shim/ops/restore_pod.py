@@ -31,7 +31,8 @@ from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.criu.runtime import binary_version
 from shim.ops.lazy_pages import Daemon, LazyPages, check_runtime
 from shim.sandbox import build_pod_view
-from shim.state import Journal
+from shim.state import Journal, OpRecord
+from shim.state.records import RestoreRecord
 from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
 
@@ -142,11 +143,11 @@ def _epoch(rfc3339: str) -> float:
         return 0.0
 
 
-def settle_deadline(rec: Any) -> float:
+def settle_deadline(rec: OpRecord) -> float:
     """Until when (epoch seconds) a restore record without a sandbox id may still see its
     sandbox appear (see rollback_unrecorded)."""
-    since = rec.data.get("sandbox_unknown_since")
-    start = float(since) if isinstance(since, int | float) else _epoch(rec.updated)
+    since = rec.data.sandbox_unknown_since
+    start = since if since is not None else _epoch(rec.updated)
     return start + SANDBOX_SETTLE
 
 
@@ -329,7 +330,7 @@ class PodRestorer:
         rec = self.journal.begin(
             "restore",
             f"{md.namespace}/{md.name}",
-            {"checkpoint_path": str(root), "sandbox_metadata": json_format.MessageToDict(md)},
+            RestoreRecord(checkpoint_path=str(root), sandbox_metadata=json_format.MessageToDict(md)),
         )
         created: dict[str, str] = {}
         sandbox: list[str] = []
@@ -674,9 +675,9 @@ class PodRestorer:
         try:
             if sandbox:
                 await self._rollback(sandbox)
-            elif "sandbox_unknown_since" in rec.data:
+            elif rec.data.sandbox_unknown_since is not None and rec.data.sandbox_metadata is not None:
                 await self.rollback_unrecorded(
-                    rec.data["sandbox_metadata"], since=rec.started, settle_until=settle_deadline(rec)
+                    rec.data.sandbox_metadata, since=rec.started, settle_until=settle_deadline(rec)
                 )
             rolled_back = True
         except errors.ShimError as e:
@@ -696,15 +697,15 @@ class PodRestorer:
         for sid in sandbox:
             await self.rollback_sandbox(sid)
 
-    async def recover(self, rec: Any) -> None:
+    async def recover(self, rec: OpRecord) -> None:
         """Undo a RestorePod a crash interrupted (its journal record): remove the sandbox it
         created, found by its recorded id, else by its recorded metadata."""
-        data = rec.data
-        if data.get("sandbox_id"):
-            await self.rollback_sandbox(str(data["sandbox_id"]))
-        elif isinstance(data.get("sandbox_metadata"), dict):
+        data: RestoreRecord = rec.data
+        if data.sandbox_id:
+            await self.rollback_sandbox(data.sandbox_id)
+        elif data.sandbox_metadata is not None:
             await self.rollback_unrecorded(
-                data["sandbox_metadata"], since=rec.started, settle_until=settle_deadline(rec)
+                data.sandbox_metadata, since=rec.started, settle_until=settle_deadline(rec)
             )
 
     async def rollback_unrecorded(

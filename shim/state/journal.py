@@ -21,6 +21,7 @@ from shim import logs
 from shim.archive.fsutil import atomic_write, fsync_dir, is_temp_name, make_private_dir
 from shim.archive.manifest import rfc3339_now
 from shim.errors import Internal, InvalidArgument, NotFound
+from shim.state.records import RECORDS, JournalData
 
 log = logs.get("shim.state.journal")
 
@@ -37,7 +38,9 @@ class OpRecord:
     kind: str  # one of KINDS
     pod_key: str  # the pod (sandbox id, or archive path for a restore) the operation holds
     phase: str
-    data: dict[str, Any]  # what recovery needs: cgroups to thaw, output_path to clean ...
+    # what recovery needs (cgroups to thaw, output_path to clean ...): the kind's typed record
+    # (shim/state/records.py), or a plain dict for a kind without one
+    data: Any
     started: str  # RFC 3339
     updated: str
     pid: int  # the podshim process that wrote it: another pid means a previous run
@@ -53,7 +56,7 @@ class OpRecord:
             "started": self.started,
             "updated": self.updated,
             "pid": self.pid,
-            "data": self.data,
+            "data": self.data.to_dict() if isinstance(self.data, JournalData) else self.data,
         }
         try:
             return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
@@ -95,7 +98,14 @@ def _parse(path: Path, raw: bytes) -> OpRecord:
         raise ValueError("field pid missing or not an integer")
     if path.name != f"{doc['op_id']}.json":
         raise ValueError(f"op_id {doc['op_id']!r} does not match the file name")
-    return OpRecord(path=path, pid=pid, data=doc["data"], **{k: doc[k] for k in str_fields})
+    data = _typed(doc["kind"], doc["data"])
+    return OpRecord(path=path, pid=pid, data=data, **{k: doc[k] for k in str_fields})
+
+
+def _typed(kind: str, data: dict[str, Any]) -> Any:
+    """`data` as the kind's typed record (ValueError when a field has the wrong type)."""
+    cls = RECORDS.get(kind)
+    return cls.from_dict(data) if cls is not None else data
 
 
 class Journal:
@@ -112,12 +122,22 @@ class Journal:
             make_private_dir(self.ops_dir)
             self._ready = True
 
-    def begin(self, kind: str, pod_key: str, data: dict[str, Any] | None = None) -> OpRecord:
-        """Record a new operation durably; call before acting on the pod."""
+    def begin(self, kind: str, pod_key: str, data: JournalData | dict[str, Any] | None = None) -> OpRecord:
+        """Record a new operation durably; call before acting on the pod. `data`: the kind's typed
+        record (a dict is read as one)."""
         if kind not in KINDS:
             raise InvalidArgument(f"journal: unknown operation kind {kind!r} (known: {', '.join(KINDS)})")
         if not isinstance(pod_key, str) or not pod_key:
             raise InvalidArgument("journal: an operation needs a non-empty pod key")
+        if isinstance(data, JournalData):
+            if RECORDS.get(kind) is not type(data):
+                raise InvalidArgument(f"journal: a {type(data).__name__} is no record of kind {kind!r}")
+            typed: Any = data
+        else:
+            try:
+                typed = _typed(kind, dict(data or {}))
+            except ValueError as e:
+                raise InvalidArgument(f"journal: bad {kind} record: {e}") from None
         self._ensure_dir()
         # time first: file names sort by start; the random part keeps them unique
         op_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{kind}-{secrets.token_hex(4)}"
@@ -127,7 +147,7 @@ class Journal:
             kind=kind,
             pod_key=pod_key,
             phase=PHASE_BEGUN,
-            data=dict(data or {}),
+            data=typed,
             started=now,
             updated=now,
             pid=os.getpid(),
@@ -137,13 +157,21 @@ class Journal:
         return rec
 
     def update(self, rec: OpRecord, phase: str, **data: Any) -> OpRecord:
-        """Move `rec` to `phase`, merging `data` into its data; durable when this returns."""
+        """Move `rec` to `phase`, setting the fields in `data` (a typed record's; a plain dict's
+        keys are merged); durable when this returns."""
         if not rec.path.exists():
             raise NotFound(
                 f"journal record {rec.op_id} ({rec.kind} of {rec.pod_key}) no longer exists: "
                 "the operation was already finished"
             )
-        new = replace(rec, phase=phase, data={**rec.data, **data}, updated=rfc3339_now())
+        if isinstance(rec.data, JournalData):
+            try:
+                merged: Any = replace(rec.data, **data)
+            except TypeError as e:  # a field the record does not have: a programming error
+                raise Internal(f"journal record {rec.op_id} ({rec.kind}): {e}") from None
+        else:
+            merged = {**rec.data, **data}
+        new = replace(rec, phase=phase, data=merged, updated=rfc3339_now())
         atomic_write(rec.path, new.to_json())
         # the caller's object follows the disk only once the disk has it
         rec.phase, rec.data, rec.updated = new.phase, new.data, new.updated

@@ -1,0 +1,128 @@
+"""Typed journal records: what each operation kind writes into its record's `data` and what its
+recovery reads back (docs/architecture.md §16 (Crash safety)).
+
+One dataclass per kind, registered in RECORDS by its KIND. `to_dict` gives the JSON object stored
+under `data`, `from_dict` reads it back. The on-disk format is the one the untyped journal wrote
+(same keys, an absent optional field is an absent key), so a record written by a previous podshim
+is recovered by this one and the other way round; keys this version does not know are kept
+(`extra`) and written back unchanged. A value of the wrong type makes the record unreadable
+(ValueError): the journal sets it aside like any corrupt record.
+
+Adding a kind: its name in shim/state/journal.py KINDS and here a dataclass deriving from
+`JournalData` with `KIND = "..."` and fields with defaults (older records may lack a newer field),
+decorated with `@register`; its operation's module reads `rec.data` as that class and the engine
+dispatches its recovery (shim/engine.py `_recover_record`). A kind without a class keeps a plain
+dict as its `data`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self, TypeVar
+
+RECORDS: dict[str, type[JournalData]] = {}
+
+_T = TypeVar("_T", bound="type[JournalData]")
+
+
+def register(cls: _T) -> _T:
+    """Class decorator: `cls` types the records of its KIND."""
+    if cls.KIND in RECORDS:
+        raise ValueError(f"journal kind {cls.KIND!r} registered twice")
+    RECORDS[cls.KIND] = cls
+    return cls
+
+
+def _check(name: str, hint: str, value: Any) -> Any:
+    """`value` if it has the type `hint` names (the annotation as written), else ValueError."""
+    base = hint.split(" | ")[0]
+    if base == "str":
+        ok = isinstance(value, str)
+    elif base == "list[str]":
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    elif base == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base == "float":
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif base.startswith("dict"):
+        ok = isinstance(value, dict)
+    else:  # a record class with a field type this reader does not know: a programming error
+        raise TypeError(f"journal record field {name}: unsupported type {hint}")
+    if not ok:
+        raise ValueError(f"field {name} is not a {base}: {value!r}")
+    return value
+
+
+def _annotation(cls: type, name: str) -> str:
+    """The field's annotation as written (a string: `from __future__ import annotations`)."""
+    for klass in cls.__mro__:
+        ann = klass.__dict__.get("__annotations__", {})
+        if name in ann:
+            return str(ann[name])
+    raise TypeError(f"{cls.__name__}.{name} has no annotation")
+
+
+@dataclass
+class JournalData:
+    """Base of the typed records; `extra` holds the keys this version does not know."""
+
+    KIND: ClassVar[str]
+    extra: dict[str, Any] = field(default_factory=dict, repr=False, kw_only=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.extra)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "extra" and value is not None:
+                out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """The record in `data` (a missing key takes its default; None is an absent key)."""
+        known = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        values = {
+            name: _check(name, _annotation(cls, name), data[name])
+            for name in known
+            if data.get(name) is not None
+        }
+        return cls(**values, extra={k: v for k, v in data.items() if k not in known})
+
+
+@register
+@dataclass
+class CheckpointRecord(JournalData):
+    """CheckpointPod (shim/ops/checkpoint_pod.py): recovery thaws `cgroups` and clears a partial
+    archive in `output_path` (one without manifest.json)."""
+
+    KIND: ClassVar[str] = "checkpoint"
+    output_path: str = ""
+    cgroups: list[str] = field(default_factory=list)  # the cgroups this checkpoint may freeze
+
+
+@register
+@dataclass
+class ContainerCheckpointRecord(CheckpointRecord):
+    """CheckpointContainer (shim/ops/checkpoint_container.py): `output_path` is podshim's
+    staging dir next to the tar (`target`); recovery thaws `cgroups` and removes the staging dir.
+    A record whose `output_path` is no staging dir is recovered like a pod checkpoint's."""
+
+    KIND: ClassVar[str] = "checkpoint-container"
+    container_id: str | None = None
+    target: str | None = None
+
+
+@register
+@dataclass
+class RestoreRecord(JournalData):
+    """RestorePod (shim/ops/restore_pod.py): recovery removes the sandbox it created, found by
+    `sandbox_id`, else by `sandbox_metadata` (a RunPodSandbox that got no answer, from
+    `sandbox_unknown_since` on)."""
+
+    KIND: ClassVar[str] = "restore"
+    checkpoint_path: str = ""
+    sandbox_metadata: dict[str, Any] | None = None  # the new sandbox's, as protobuf JSON
+    sandbox_id: str | None = None
+    sandbox_unknown_since: float | None = None  # epoch seconds
