@@ -276,6 +276,27 @@ def test_v2_pod_cut(v2: tuple[Freezer, FakeV2Kernel]) -> None:
     assert cut.window_seconds > 0 and set(cut.timings.thaw) == {"/pod1/c1", "/pod1/c2"}
 
 
+def test_v2_cut_without_parent_leaves_the_pod_alone(v2: tuple[Freezer, FakeV2Kernel]) -> None:
+    """CheckpointContainer's cut (parent None): only the container's own cgroup is frozen, the
+    pod's cgroup is never written; a container paused before stays paused."""
+    f, k = v2
+    with PodCut(None, ["/pod1/c1"], timeout=2, freezer=f) as cut:
+        assert _freeze_file(k, "pod1") == "0" and f.state("/pod1/c2") is FreezerState.THAWED
+        assert f.state("/pod1/c1") is FreezerState.FROZEN and cut.frozen == ["/pod1/c1"]
+    assert f.state("/pod1/c1") is FreezerState.THAWED and cut.window_seconds > 0
+    t = cut.timings
+    assert t.parent_freeze == 0.0 and t.parent_thaw == 0.0 and set(t.thaw) == {"/pod1/c1"}
+    f.freeze("/pod1/c2", timeout=2)
+    with PodCut(None, ["/pod1/c2"], timeout=2, freezer=f) as cut:
+        assert cut.preexisting == ["/pod1/c2"] and cut.frozen == []
+    assert f.state("/pod1/c2") is FreezerState.FROZEN and cut.window_seconds > 0  # left as found
+    f.thaw("/pod1/c2", timeout=2)
+    k.stuck.add(k.root / "pod1" / "c1")
+    with pytest.raises(FreezerTimeout, match="/pod1/c1"):
+        PodCut(None, ["/pod1/c1"], timeout=0.1, freezer=f).freeze()
+    assert _freeze_file(k, "pod1/c1") == "0"  # rolled back
+
+
 def test_v2_stuck_freeze_times_out_and_rolls_back(v2: tuple[Freezer, FakeV2Kernel]) -> None:
     f, k = v2
     k.stuck.add(k.root / "pod1" / "c2")

@@ -386,11 +386,16 @@ class PodCut:
     `parent`: the pod cgroup; `containers`: the selected containers' cgroups, each under
     `parent`. A container whose cgroup was already frozen by itself before the cut (paused by
     someone else) is left as it was found. Not thread-safe: one owner drives a cut.
+
+    `parent=None`: a cut of the containers' own cgroups only, one after the other (what
+    CheckpointContainer freezes: one container, whose own freeze is already one cut; the rest of
+    its pod is never touched). Everything else (the pre-existing pause left alone, thaw on any
+    failure, the window's timings) is the same.
     """
 
     def __init__(
         self,
-        parent: str,
+        parent: str | None,
         containers: Sequence[str],
         timeout: float = DEFAULT_TIMEOUT,
         freezer: Freezer | None = None,
@@ -406,14 +411,21 @@ class PodCut:
         self.preexisting: list[str] = []  # containers already self-frozen: not ours to thaw
         self._parent_frozen = False
         self._started = False
-        parent_rel = resolve_cgroups_path(parent)
         if len(set(map(resolve_cgroups_path, self.containers))) != len(self.containers):
-            raise InvalidArgument(f"pod cut of {parent}: a container cgroup is listed twice")
+            raise InvalidArgument(f"pod cut of {self.name}: a container cgroup is listed twice")
+        if parent is None:
+            return
+        parent_rel = resolve_cgroups_path(parent)
         for c in self.containers:
             rel = resolve_cgroups_path(c)
             if not rel.startswith(parent_rel.rstrip("/") + "/"):
                 # the parent freeze is only atomic for the pod when it contains every container
                 raise InvalidArgument(f"container cgroup {c} is not under the pod cgroup {parent}")
+
+    @property
+    def name(self) -> str:
+        """What messages call the cut: the pod cgroup, or the one container's cgroup."""
+        return self.parent if self.parent is not None else ", ".join(self.containers)
 
     # -- timings the orchestration reports
 
@@ -440,10 +452,12 @@ class PodCut:
         """Make the cut within `timeout` in all. On any failure everything frozen is thawed
         before the error propagates."""
         if self._started:
-            raise FailedPrecondition(f"pod cut of {self.parent} was already made; make a new PodCut")
+            raise FailedPrecondition(f"pod cut of {self.name} was already made; make a new PodCut")
         self._started = True
         f = self.freezer
         deadline = time.monotonic() + self.timeout
+        if self.parent is None:
+            return self._freeze_containers(deadline)
         if f.state(self.parent) is not FreezerState.THAWED:
             raise FailedPrecondition(
                 f"pod cgroup {self.parent} is already frozen (paused by someone else): CRIU cannot dump "
@@ -480,12 +494,35 @@ class PodCut:
             raise
         return self
 
+    def _freeze_containers(self, deadline: float) -> PodCut:
+        """The cut without a parent: each container's own cgroup, confirmed FROZEN; the cut is in
+        place when the last one is."""
+        f = self.freezer
+        try:
+            for c in self.containers:
+                if f.self_frozen(c):
+                    self.preexisting.append(c)
+            self.timings.started_monotonic = time.monotonic()
+            for c in self.containers:
+                if c in self.preexisting:
+                    continue
+                self.frozen.append(c)  # before the write: a half-done freeze is still undone
+                self.timings.containers_freeze[c] = f.freeze(c, self._left(deadline))
+            self.timings.cut_monotonic = self.timings.cut_done_monotonic = time.monotonic()
+            self.timings.cut_wall = time.time()
+        except BaseException:
+            self.thaw_all()
+            raise
+        return self
+
     def _left(self, deadline: float) -> float:
         left = deadline - time.monotonic()
         if left <= 0:
             raise FreezerTimeout(
-                f"freezing pod cgroup {self.parent} and its {len(self.containers)} containers took longer "
+                f"freezing pod cgroup {self.name} and its {len(self.containers)} containers took longer "
                 f"than {self.timeout:.3g}s; the pod was thawed, retry"
+                if self.parent is not None
+                else f"freezing cgroup {self.name} took longer than {self.timeout:.3g}s; it was thawed, retry"
             )
         return left
 
@@ -515,7 +552,8 @@ class PodCut:
             self.timings.thawed_monotonic = time.monotonic()
         if failures:
             raise Internal(
-                f"pod cgroup {self.parent}: could not thaw everything: {'; '.join(failures)}. "
+                f"{'pod cgroup' if self.parent is not None else 'cgroup'} {self.name}: could not thaw "
+                f"everything: {'; '.join(failures)}. "
                 f"Thaw by hand ({f.hierarchy.root}) before anything else"
             )
 
