@@ -237,6 +237,15 @@ class WiringChecker:
             self._info, self._at = dict(resp.info), time.monotonic()
             return self._info
 
+    async def status_info(self) -> Mapping[str, str] | None:
+        """The upstream's verbose Status info (cached like every check), None when it does not
+        answer: RestorePod's check of a runtime handler the upstream lacks reads the same answer
+        as the wiring check right after it, not a Status call of its own."""
+        try:
+            return await self._status()
+        except errors.ShimError:
+            return None
+
     async def check(self, handler: str) -> Wiring:
         """The wiring of `handler`; the gauge follows it. An upstream that does not answer
         Status (other than being unreachable: that raises UNAVAILABLE) cannot be verified."""
@@ -367,8 +376,11 @@ def marker_verdict(roots: list[str], container_id: str) -> bool | None:
 async def confirm_restored(upstream: Upstream, config: Config, container_id: str, name: str = "") -> None:
     """After a successful StartContainer of a container created for a restore: the restore must
     have run. If not, the container is stopped and removed, and FailedPrecondition says so."""
+    configured = [rt.root for rt in (config.runtime, *config.runtimes.values())]
+    if marker_verdict(configured, container_id):
+        return  # the marker under a root podshim knows proves it: no upstream call on the start's path
     root, state = await _runtime_root(upstream, container_id)
-    roots = [root, *(rt.root for rt in (config.runtime, *config.runtimes.values()))]
+    roots = [root, *configured]
     verdict = marker_verdict(roots, container_id)
     if verdict:
         return

@@ -271,4 +271,102 @@ async def test_deadline_while_a_decrypted_dir_is_made_still_removes_it(
         await task
     left = list(crypto.decrypted_root(cfg.state_dir).iterdir())
     assert left == [], f"plaintext dirs left behind: {left}"
-    assert up.names() == [], "nothing may reach the upstream once the deadline passed"
+    # the new sandbox is created beside the decryption (docs/architecture.md §5 (RestorePod) step 1):
+    # it is removed again, after the decryption stopped
+    assert not up.sandboxes, "the sandbox created beside the decryption was left behind"
+    assert up.names()[-3:] == ["StopPodSandbox", "RemovePodSandbox", "PodSandboxStatus"]
+
+
+# ---------------------------------------------------------------------------- RestorePod: undo order
+
+
+def _with_member(r: PodRestorer, rel: str, data: bytes, recorded: bytes) -> None:
+    """Give the fake archive a member `rel` holding `data`, which the manifest records as
+    `recorded` (a different one: a corrupt member), left to the checksums beside the sandbox."""
+    import hashlib
+
+    plain_check = r._check
+
+    async def check(req: cri.RestorePodRequest) -> _Checked:
+        checked = await plain_check(req)
+        path = checked.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        checked.manifest.files[rel] = manifest.FileEntry(len(recorded), hashlib.sha256(recorded).hexdigest())
+        checked.unverified = [rel]
+        return checked
+
+    r._check = check  # type: ignore[method-assign]
+
+
+async def test_a_corrupt_member_found_beside_the_sandbox_removes_it(cfg: Config, up: FakeUpstream) -> None:
+    """The checksums run beside RunPodSandbox (docs/architecture.md §5 (RestorePod) step 1): a
+    member that differs fails the restore with DATA_LOSS naming it before any container is
+    created, and the sandbox created meanwhile is removed, the journal record closed."""
+    r, kept = _restorer(cfg, up)
+    _with_member(r, "containers/a/checkpoint/pages-1.img", b"x" * 4096, b"y" * 4096)
+    with pytest.raises(errors.DataLoss, match="pages-1.img has sha256"):
+        await r.restore(_request(), 30.0)
+    assert up.names() == ["RunPodSandbox", "StopPodSandbox", "RemovePodSandbox", "PodSandboxStatus"]
+    assert not up.sandboxes and not _open_records(cfg) and not kept
+
+
+async def test_undo_runs_last_in_first_out(
+    cfg: Config, up: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each undo is registered right after its step and they run in reverse: the restored-container
+    ids are forgotten, then the sandbox (with its containers) is removed, then the decrypted
+    plaintext, and the journal record is closed last."""
+    import dataclasses
+
+    from shim.archive import crypto
+    from shim.wiring import RestoredContainers
+
+    order: list[str] = []
+    monkeypatch.setattr(crypto, "decrypt_members", lambda *a, **k: None)
+    real_remove = crypto.remove_decrypted
+
+    def remove_decrypted(d: Path) -> None:
+        order.append("remove plaintext " + ("(sandbox still there)" if up.sandboxes else "(sandbox gone)"))
+        real_remove(d)
+
+    monkeypatch.setattr(crypto, "remove_decrypted", remove_decrypted)
+    r, kept = _restorer(cfg, up)
+    restored = RestoredContainers(cfg.state_dir)
+    r.restored = restored
+    real_discard = restored.discard
+
+    def discard(cid: str) -> None:
+        order.append(f"forget {cid}")
+        real_discard(cid)
+
+    restored.discard = discard  # type: ignore[method-assign]
+    journal_finish = r.journal.finish
+
+    def finish(rec: Any) -> None:
+        order.append("close record")
+        journal_finish(rec)
+
+    r.journal.finish = finish  # type: ignore[method-assign]
+    plain_check = r._check
+
+    async def encrypted_check(req: cri.RestorePodRequest) -> _Checked:
+        checked = await plain_check(req)
+        checked.manifest.encryption = manifest.Encryption(scheme="test", key_id="k", mac="")
+        return dataclasses.replace(checked, key=object())  # type: ignore[arg-type]  # never read here
+
+    r._check = encrypted_check  # type: ignore[method-assign]
+    up.fail["CreateContainer"] = [None, rpc_error("INVALID_ARGUMENT", "bad mount")]
+    with pytest.raises(errors.InvalidArgument, match="creating container 'b'"):
+        await r.restore(_request(), 30.0)
+    first = next(a for n, a in up.calls if n == "CreateContainer")
+    assert first == "a"
+    (cid,) = [c for c in order if c.startswith("forget ")]
+    assert order == [
+        cid,
+        "remove plaintext (sandbox gone)",
+        "remove plaintext (sandbox gone)",
+        "close record",
+    ], order
+    assert not restored.ids and not up.sandboxes and not kept
+    assert list(crypto.decrypted_root(cfg.state_dir).iterdir()) == []

@@ -24,8 +24,10 @@ import platform
 import re
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from shim.archive.manifest import HostInfo, Manifest
 from shim.errors import FailedPrecondition
@@ -33,6 +35,33 @@ from shim.errors import FailedPrecondition
 CGROUP_MOUNT = "/sys/fs/cgroup"
 CPUINFO_IMG = "cpuinfo.img"
 CPUINFO_TIMEOUT = 20.0
+MEMO_SIZE = 64  # answers per_binary keeps (the versions of a few binaries, the CPU checks of archives)
+
+T = TypeVar("T")
+_memo: dict[tuple[Any, ...], Any] = {}
+_memo_lock = threading.Lock()
+
+
+def per_binary(fn: Callable[..., T], binary: str, *args: Any) -> T:
+    """fn(binary, *args), remembered while the file `binary` stays the same (device, inode, size,
+    mtime, ctime: an upgrade replaces or rewrites it). What RestorePod asks of CRIU and the OCI
+    runtime (their versions, `criu cpuinfo check` of an archive's CPU) is a subprocess each time
+    otherwise, tens of milliseconds on every restore. A binary that cannot be stat'ed (a bare
+    name) is asked every time."""
+    try:
+        st = os.stat(binary)
+    except (OSError, ValueError):
+        return fn(binary, *args)
+    key = (fn, binary, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, *args)
+    with _memo_lock:
+        if key in _memo:
+            return _memo[key]  # type: ignore[no-any-return]
+    value = fn(binary, *args)
+    with _memo_lock:
+        if len(_memo) >= MEMO_SIZE:
+            _memo.clear()
+        _memo[key] = value
+    return value
 
 
 def major_minor(version: str) -> tuple[int, int]:
@@ -97,6 +126,10 @@ def cpuinfo_problem(recorded: str, criu: str) -> str | None:
     return "; ".join(said[:3]) or f"criu cpuinfo check exited {r.returncode}"
 
 
+def _cpu_check(criu: str, recorded: str) -> str | None:
+    return cpuinfo_problem(recorded, criu)
+
+
 @dataclass(frozen=True)
 class Node:
     """This node's facts, as a checkpoint records them."""
@@ -131,7 +164,7 @@ def host_mismatches(host: HostInfo, node: Node) -> list[str]:
         )
     cpu = getattr(host, "cpuinfo", "")
     if cpu and node.criu and (not host.arch or host.arch == node.arch):
-        problem = cpuinfo_problem(cpu, node.criu)
+        problem = per_binary(_cpu_check, node.criu, cpu)
         if problem:
             out.append(f"this node's CPU lacks features the checkpointed processes may use ({problem})")
     if host.kernel and node.kernel and major_minor(host.kernel) > major_minor(node.kernel):

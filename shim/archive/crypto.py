@@ -312,6 +312,14 @@ def decrypt_bytes(path: Path, rel: str, key: NodeKey, limit: int = 64 << 20) -> 
         return decrypt_stream(src, None, rel, key, limit=limit)
 
 
+def decrypt_buffer(data: bytes, rel: str, key: NodeKey, limit: int = 64 << 20) -> bytes:
+    """The plaintext of the archive member `rel` whose encrypted bytes the caller already read
+    (and checked against the manifest: manifest.read_verified)."""
+    import io
+
+    return decrypt_stream(io.BytesIO(data), None, rel, key, limit=limit)
+
+
 # ---------------------------------------------------------------------------- trees
 
 

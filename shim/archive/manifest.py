@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import hashlib
 import os
 import platform
 import stat
@@ -60,6 +61,10 @@ MAX_HOLE_BYTES = 64 << 20
 # has written each since the first format, so a manifest without `members` must list them too.
 REQUIRED_MEMBERS = (
     CONFIG_DUMP_FILE,
+# Largest member read whole into memory (read_verified: config.dump, network.json).
+MAX_READ_BYTES = 64 << 20
+# Read size of the checksum pass: fewer system calls than fsutil's 1 MiB, still streamed.
+VERIFY_CHUNK = 4 << 20
     SPEC_DUMP_FILE,
     f"{CHECKPOINT_DIR}/inventory.img",
     ROOTFS_DIFF_TAR,
@@ -524,6 +529,13 @@ def verify_files(
     _check_members(root, manifest)
     on_disk = _scan_tree(root, InvalidArgument)
     expected = manifest.files
+    check_tree(root, manifest, stop)
+    verify_digests(root, manifest, list(manifest.files), workers, stop)
+
+
+def check_tree(root: Path, manifest: Manifest, stop: threading.Event | None = None) -> None:
+    """verify_files without reading the files' bytes: the exact set of files, their sizes, no
+    sparse member. What RestorePod checks before it creates anything; verify_digests then."""
     missing = sorted(set(expected) - set(on_disk))
     if missing:
         raise DataLoss(
@@ -546,14 +558,25 @@ def verify_files(
     rels = sorted(expected)
     check_allocated(root, {r: expected[r].size for r in rels}, stop)
     try:
-        results = map_in_threads(lambda rel: hash_file(root / rel, stop=stop), rels, workers)
+        results = map_in_threads(lambda rel: hash_file(root / rel, VERIFY_CHUNK, stop), rels, workers)
     except OSError as e:
         raise Internal(f"cannot read checkpoint {root}: {e}") from e
-    bad = [
+
+
+def verify_digests(
+    root: Path, manifest: Manifest, rels: Sequence[str], workers: int = 1, stop: threading.Event | None = None
+) -> None:
+    """The sha256 (and size) of each of `rels` against the manifest (DataLoss naming the first
+    file that differs). Largest first on `workers` threads, so that a single large memory image
+    does not start last: the pass takes about max(largest file, all / workers)."""
+    root = Path(root)
+    expected = manifest.files
+    rels = sorted(rels, key=lambda r: (-expected[r].size, r))
+    bad = sorted(
         (rel, digest)
         for rel, (size, digest) in zip(rels, results, strict=True)
         if digest != expected[rel].sha256 or size != expected[rel].size
-    ]
+    )
     if bad:
         rel, digest = bad[0]
         raise DataLoss(
@@ -568,6 +591,33 @@ def check_allocated(root: Path, sizes: dict[str, int], stop: threading.Event | N
     """Refuse (DataLoss), before reading a byte, a member larger than the file system holding it
     or mostly holes (over MAX_HOLE_BYTES and over half its size): a sparse file reads back as
     gigabytes of zeros that podshim never wrote, and hashing them would only burn the caller's
+def read_verified(root: Path, manifest: Manifest, rel: str, limit: int = MAX_READ_BYTES) -> bytes:
+    """A small member's bytes, read once through one descriptor (no symlink followed) and checked
+    against the manifest's size and sha256 before anyone parses them: what is checked is what is
+    used (RestorePod's config.dump and sandbox/network.json). DataLoss when they differ."""
+    root = Path(root)
+    entry = manifest.files.get(rel)
+    if entry is None:
+        raise DataLoss(f"checkpoint {root}: {rel} is not listed in the manifest; take a new checkpoint")
+    if entry.size > limit:
+        raise DataLoss(f"checkpoint {root}: {rel} is {entry.size} bytes, over the {limit} limit")
+    try:
+        fd = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise DataLoss(
+            f"checkpoint {root}: cannot read {rel} ({e.strerror}): take a new checkpoint"
+        ) from None
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != entry.size or digest != entry.sha256:
+        raise DataLoss(
+            f"checkpoint {root} is corrupt: {rel} has sha256 {digest}, the manifest says {entry.sha256}; "
+            "take a new checkpoint"
+        )
+    return data
+
+
     deadline (docs/architecture.md §5 (RestorePod))."""
     try:
         vfs = os.statvfs(root)
@@ -615,5 +665,19 @@ def load_and_verify(
     where, doc = _read_doc(root)
     manifest = Manifest.from_dict(doc, str(where))
     check_encryption(root, doc, manifest, key)
-    verify_files(root, manifest, workers, stop)
+    check_tree(root, manifest, stop)
+    manifest = load_and_check(root, allowed_roots, key, stop)
+    verify_digests(root, manifest, list(manifest.files), workers, stop)
+    return manifest
+
+
+def load_and_check(
+    path: str | Path,
+    allowed_roots: Sequence[str],
+    key: crypto.NodeKey | None = None,
+    stop: threading.Event | None = None,
+) -> Manifest:
+    """load_and_verify without the checksum pass (check_tree instead of verify_files): the same
+    refusals except a file whose bytes differ, which verify_digests (or read_verified) finds."""
+    root = validate_archive_dir(str(path), allowed_roots)
     return manifest

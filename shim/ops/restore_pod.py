@@ -10,12 +10,14 @@ podshim-runc. Any failure removes the sandbox (and its containers) this call cre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import cni, contract, cri_checks, errors, faults, logs
-from shim.aio import run_to_end
+from shim.aio import Steps, run_to_end
 from shim.archive import compat, crypto, layout, manifest, paths, rootfs_diff
 from shim.config import Config
 from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
@@ -50,7 +52,7 @@ RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
 @dataclass(frozen=True)
 class RestoreOptions:
     start: bool = False  # start the containers (the KEP text's older walkthrough)
-    lazy_pages: bool = False  # memory through userfaultfd (docs/architecture.md "Lazy restore")
+    lazy_pages: bool = False  # memory through userfaultfd (docs/architecture.md §5.1 (Lazy restore))
 
     KEYS = {
         "start": "true: start the restored containers before returning (default false)",
@@ -88,7 +90,8 @@ def check_this_host(m: manifest.Manifest, criu_binary: str, runtime_binary: str)
 
 def this_host_mismatches(m: manifest.Manifest, criu_binary: str, runtime_binary: str) -> list[str]:
     name = os.path.basename(runtime_binary)
-    node = compat.Node.here(binary_version(criu_binary), name, binary_version(runtime_binary), criu_binary)
+    criu, runtime = (compat.per_binary(binary_version, b) for b in (criu_binary, runtime_binary))
+    node = compat.Node.here(criu, name, runtime, criu_binary)
     return compat.host_mismatches(m.host, node)
 
 
@@ -165,11 +168,13 @@ def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
 
 
 def _read_member(root: Path, path: Path, m: manifest.Manifest, key: crypto.NodeKey | None) -> bytes:
-    """A (small) archive member's bytes, decrypted when the archive is encrypted."""
+    """A (small) archive member's bytes, read once and checked against the manifest's size and
+    sha256 (manifest.read_verified: RestorePod's checksum pass skips it), decrypted when the
+    archive is encrypted."""
     rel = path.relative_to(root).as_posix()
+    data = manifest.read_verified(root, m, rel)
     if m.encryption is not None and key is not None:
-        return crypto.decrypt_bytes(path, rel, key)
-    data = path.read_bytes()
+        return crypto.decrypt_buffer(data, rel, key)
     if crypto.is_encrypted_bytes(data):
         raise errors.DataLoss(
             f"checkpoint {root}: {rel} is encrypted but manifest.json records no encryption: "
@@ -270,6 +275,23 @@ def check_rootfs_diffs(plan: list[_Planned], stop: threading.Event | None = None
             raise type(e)(f"container {p.entry.name!r}: {e.message}") from None
 
 
+class Phases:
+    """Wall seconds of each step of one RestorePod, logged with its "restore done" line
+    (`phases`), so an operator sees where a slow restore spent its time. Steps that run side by
+    side each count their own time; a step met twice adds up."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.monotonic() - start, 4)
+
+
 @dataclass
 class _Checked:
     """What RestorePod verified before creating anything."""
@@ -280,6 +302,48 @@ class _Checked:
     manifest: manifest.Manifest
     plan: list[_Planned]
     network: dict[str, Any]  # the pod network facts the checkpoint recorded
+    phases: Phases = dc_field(default_factory=Phases)  # the time each check took
+    unverified: list[str] = dc_field(default_factory=list)  # members whose sha256 _verify_rest checks
+
+
+@dataclass
+class _Run:
+    """One RestorePod under way, after its checks (docs/architecture.md §5 (RestorePod) step 5).
+
+    `undo` holds the undo of every step taken, each registered right after the step it undoes
+    (containerd's sandbox_run.go defers one after each step the same way): it runs, last in
+    first out, only when the restore fails, in a task of its own. `ends` holds what ends with
+    the restore either way (the verification running beside the sandbox is stopped and awaited,
+    before any undo runs). `steps` is the stop signal of the restore's threads."""
+
+    rec: Any  # the journal record
+    phases: Phases
+    undo: contextlib.AsyncExitStack = dc_field(default_factory=contextlib.AsyncExitStack)
+    ends: contextlib.AsyncExitStack = dc_field(default_factory=contextlib.AsyncExitStack)
+    # the decrypted dirs' undos, run as one undo registered before the sandbox's: the plaintext is
+    # removed once the sandbox (and any lazy-pages daemon reading it) is gone
+    plaintext: contextlib.AsyncExitStack = dc_field(default_factory=contextlib.AsyncExitStack)
+    steps: Steps = dc_field(default_factory=Steps)
+    sandbox_id: str = ""
+    created: dict[str, str] = dc_field(default_factory=dict)  # container name -> id (the answer)
+
+
+async def _stop_and_wait(task: asyncio.Future[Any], steps: Steps) -> None:
+    """End a step running beside the restore: its threads stop at their next chunk (steps.cancel)
+    and it is awaited to its end, even when the caller is cancelled meanwhile (run_to_end's
+    rule), so nothing it does outlives the restore. Its own error is secondary."""
+    if not task.done():
+        steps.cancel.set()
+        task.cancel()
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            continue
+        except BaseException:  # noqa: BLE001 - the restore's own error is the one reported
+            break
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved: no "never retrieved" warning
 
 
 class PodRestorer:
@@ -300,7 +364,7 @@ class PodRestorer:
         self.wiring = wiring
         self.restored = restored
         self._decrypting: set[Path] = set()  # decrypted dirs of restores in flight
-        self.lazy = LazyPages(config, upstream, journal)  # docs/architecture.md "Lazy restore"
+        self.lazy = LazyPages(config, upstream, journal)  # docs/architecture.md §5.1 (Lazy restore)
 
     def node_key(self) -> crypto.NodeKey | None:
         """The node key (`[checkpoint] encryption_key_file`), None when none is configured."""
@@ -323,7 +387,7 @@ class PodRestorer:
         end = caller_end - CLEANUP_MARGIN
         if end <= loop.time():
             raise errors.DeadlineExceeded("the deadline leaves no time to restore the pod")
-        root, m, plan = checked.root, checked.manifest, checked.plan
+        root, plan = checked.root, checked.plan
         md = req.config.metadata
         # The new sandbox's metadata is recorded before RunPodSandbox: a crash before its id is
         # known still lets recovery find and remove it (see rollback_unrecorded).
@@ -332,45 +396,46 @@ class PodRestorer:
             f"{md.namespace}/{md.name}",
             RestoreRecord(checkpoint_path=str(root), sandbox_metadata=json_format.MessageToDict(md)),
         )
-        created: dict[str, str] = {}
-        sandbox: list[str] = []
-        decrypted: list[Path] = []
-        await self._sweep_decrypted()
+        run = _Run(rec, checked.phases)
+        # the undos run last in first out: the record is closed (or kept) after all the others,
+        # the decrypted plaintext removed after the lazy-pages daemons (lazy-pages=true) ended,
+        # which end once the sandbox and its containers are gone
+        run.undo.push_async_exit(self._closing(rec))
+        run.undo.push_async_exit(run.plaintext)
+        run.undo.push_async_callback(self.lazy.abandon_op, rec.op_id)
         try:
-            async with asyncio.timeout_at(end):
-                if m.encryption is not None:
-                    await self._decrypt(root, m, plan, checked.key, decrypted)
-                stop = threading.Event()
-                await run_to_end(check_rootfs_diffs, plan, stop, stop=stop)  # a hostile diff fails here
-                await self._create(req, m, plan, checked.opts, rec, sandbox, created, checked.network)
+            async with asyncio.timeout_at(end), run.ends:
+                with run.phases("sweep"):
+                    await self._sweep_decrypted()
+                await self._create(req, checked, run)
         except BaseException as e:
             # In a task of its own: when the caller's deadline passes (or it goes away) during
             # the rollback, gRPC cancels this handler, but the sandbox must still be removed and
             # the journal record closed (a hung CRIU restore makes StopPodSandbox take seconds).
-            await asyncio.shield(_background(self._abandon(sandbox, rec, decrypted)))
-            for cid in created.values():  # removed with the sandbox (else swept later)
-                if self.restored is not None:
-                    self.restored.discard(cid)
+            await asyncio.shield(_background(run.undo.aclose()))
             if isinstance(e, TimeoutError):
                 raise errors.DeadlineExceeded(
                     f"restore of pod {md.namespace}/{md.name} did not finish within the caller's deadline; "
                     "the new sandbox was removed: retry with a longer deadline"
                 ) from None
             raise
-        finally:
-            self._decrypting.difference_update(decrypted)
+        run.undo.pop_all()  # success: nothing to undo
         self.journal.finish(rec)
         self.lazy.forget_op(rec.op_id)  # its daemons (lazy-pages=true) are supervised on their own
+        log.info("restore done", sandbox=run.sandbox_id, phases=run.phases.seconds)
         return cri.RestorePodResponse(
-            pod_sandbox_id=sandbox[0],
+            pod_sandbox_id=run.sandbox_id,
             restored_containers=[
-                cri.RestoredContainer(name=p.entry.name, container_id=created[p.entry.name]) for p in plan
+                cri.RestoredContainer(name=p.entry.name, container_id=run.created[p.entry.name]) for p in plan
             ],
         )
 
     async def _check(self, req: cri.RestorePodRequest) -> _Checked:
-        """Everything verified before anything is created: the request, the archive (every
-        checksum), this host, the container configs against the checkpoint."""
+        """Everything checked before anything is created: the request, the archive's manifest,
+        file set, sizes and the members podshim reads itself (config.dump, network.json: read
+        once, checksum checked), this host, the container configs against the checkpoint. The
+        checksums of the other members (the memory images) are checked beside the new sandbox
+        (_verify_rest, docs/architecture.md §5 (RestorePod) step 1)."""
         opts = RestoreOptions.parse(dict(req.options), self.config.lazy_pages)
         if not req.HasField("config") or not req.config.metadata.name:
             raise errors.InvalidArgument("config (the new PodSandboxConfig with metadata) is required")
@@ -385,21 +450,40 @@ class PodRestorer:
             )
         if opts.lazy_pages:  # FAILED_PRECONDITION naming a runtime without lazy restore
             await run_to_end(check_runtime, runtime.binary, req.runtime_handler)
-        await self._check_upstream_handler(req.runtime_handler)
-        if self.wiring is not None:
-            await self.wiring.require(req.runtime_handler, "RestorePod refused, nothing was created")
+        phases = Phases()
+        with phases("handler"):
+            await self._check_upstream_handler(req.runtime_handler)
+        with phases("wiring"):
+            if self.wiring is not None:
+                await self.wiring.require(req.runtime_handler, "RestorePod refused, nothing was created")
         root = await run_to_end(paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots)
         key = await run_to_end(self.node_key)
-        stop = threading.Event()  # set at the deadline: hashing stops at its next chunk
-        m = await run_to_end(
-            manifest.load_and_verify, root, self.config.allowed_roots, 2, key, stop, stop=stop
+        stop = threading.Event()  # set at the deadline: the sparse-file check stops at its next step
+        with phases("manifest"):
+            m = await run_to_end(
+                manifest.load_and_check, root, self.config.allowed_roots, key, stop, stop=stop
+            )
+        # docs/architecture.md §5 (RestorePod) step 1: every way this node differs, in one refusal;
+        # CRIU's CPU check (a subprocess) runs while the configs are matched
+        host = asyncio.ensure_future(
+            run_to_end(this_host_mismatches, m, self.config.runtime.criu, runtime.binary)
         )
-        # docs/architecture.md §5 (RestorePod) step 1: every way this node differs, in one refusal
-        problems = await run_to_end(this_host_mismatches, m, self.config.runtime.criu, runtime.binary)
-        plan = await self._plan(req, m, layout.ArchiveLayout(root), key)
-        compat.refuse(problems + await self._missing_images(plan))
-        network = await run_to_end(_recorded_network, root, m, key)
-        return _Checked(opts, root, key, m, plan, network)
+        try:
+            with phases("plan"):
+                archive = layout.ArchiveLayout(root)
+                plan = await self._plan(req, m, archive, key)
+                missing = await self._missing_images(plan)
+                network = await run_to_end(_recorded_network, root, m, key)
+        except BaseException:
+            host.cancel()
+            await asyncio.gather(host, return_exceptions=True)
+            raise
+        with phases("host"):
+            compat.refuse(await host + missing)
+        read = {f"{archive.container(p.entry.name).rel}/{layout.CONFIG_DUMP_FILE}" for p in plan}
+        read.add(archive.sandbox_network.relative_to(root).as_posix())
+        unverified = sorted(set(m.files) - read)
+        return _Checked(opts, root, key, m, plan, network, phases, unverified)
 
     async def _plan(
         self,
@@ -438,7 +522,7 @@ class PodRestorer:
         for entry in dumped:
             cl = archive.container(entry.name)
             manifest.check_container_members(archive.root, m, entry)
-            record = _container_record(archive.root, cl, m, key)
+            record = await run_to_end(_container_record, archive.root, cl, m, key)  # off the loop
             check_record(archive.root, entry, record)
             requested = by_name[entry.name]
             problem = config_mismatch(entry.name, requested, archived_config(record))
@@ -455,11 +539,16 @@ class PodRestorer:
         does not say, RunPodSandbox's own answer is mapped instead (unknown_handler)."""
         if not handler:
             return
-        try:
-            resp = await self.upstream.status(verbose=True)
-        except errors.ShimError:
+        if self.wiring is not None:
+            info = await self.wiring.status_info()  # the wiring check's cached answer, read next
+        else:
+            try:
+                info = (await self.upstream.status(verbose=True)).info
+            except errors.ShimError:
+                return
+        if info is None:
             return
-        known = upstream_handlers(resp.info)
+        known = upstream_handlers(info)
         if known is not None and handler not in known:
             raise errors.InvalidArgument(
                 f"runtime_handler {handler!r} is configured in podshim but not in the upstream "
@@ -493,38 +582,48 @@ class PodRestorer:
             f"{entry.image!r} ({record.get('image_ref')})"
         )
 
-    async def _decrypt(
-        self,
-        root: Path,
-        m: manifest.Manifest,
-        plan: list[_Planned],
-        key: crypto.NodeKey | None,
-        decrypted: list[Path],
-    ) -> None:
+    async def _verify_rest(self, checked: _Checked, run: _Run) -> None:
+        """What reads the whole archive, in a task beside RunPodSandbox (docs/architecture.md §5
+        (RestorePod) step 1): the sha256 of every member _check did not read, then (encrypted
+        archives) the decryption, then the rootfs diffs' checks. _create waits for it before it
+        creates any container; a failure (DATA_LOSS, a hostile diff) removes the new sandbox."""
+        with run.phases("verify"):
+            await run.steps.run(
+                manifest.verify_digests,
+                checked.root,
+                checked.manifest,
+                checked.unverified,
+                2,
+                run.steps.cancel,
+            )
+        if checked.manifest.encryption is not None:
+            with run.phases("decrypt"):
+                await self._decrypt(checked, run)
+        with run.phases("rootfs_check"):
+            # a hostile diff fails here
+            await run.steps.run(check_rootfs_diffs, checked.plan, run.steps.cancel)
+
+    async def _decrypt(self, checked: _Checked, run: _Run) -> None:
         """Decrypt each planned container's files into a private dir of its own
         (`<state_dir>/decrypted/<random>/`) and point its restore there: CRIU reads plaintext and
         the archive is never modified. The dirs go with podshim-runc's restore, a failed
-        RestorePod (`_abandon`) or the container (`_sweep_decrypted`)."""
-        assert key is not None  # load_and_verify refused an encrypted archive without one
-        stop = threading.Event()
-        for p in plan:
-            # recorded before the thread makes it: a deadline while it is being made (run_to_end
-            # then drops the thread's result) must still leave _abandon a plaintext dir to remove
+        RestorePod (their undo) or the container (`_sweep_decrypted`)."""
+        root, m, key = checked.root, checked.manifest, checked.key
+        assert key is not None  # load_and_check refused an encrypted archive without one
+        for p in checked.plan:
+            # its undo registered before the thread makes it: a deadline while it is being made
+            # (run_to_end then drops the thread's result) must still remove the plaintext dir
             d = crypto.decrypted_dir_path(self.config.state_dir)
-            decrypted.append(d)
+            run.plaintext.push_async_callback(run_to_end, crypto.remove_decrypted, d)
             self._decrypting.add(d)
+            run.ends.callback(self._decrypting.discard, d)
             await run_to_end(crypto.new_decrypted_dir, self.config.state_dir, root, p.entry.name, d.name)
-            work = asyncio.ensure_future(
-                run_to_end(crypto.decrypt_members, root, list(m.files), p.entry.dir, d, key, 2, stop)
+            # the threads stop at their next chunk when cancelled: nothing writes into d after it
+            await run.steps.run(
+                crypto.decrypt_members, root, list(m.files), p.entry.dir, d, key, 2, run.steps.cancel
             )
-            try:
-                await asyncio.shield(work)
-            except asyncio.CancelledError:
-                stop.set()  # the threads stop at their next chunk: nothing writes into d after this
-                await asyncio.gather(work, return_exceptions=True)
-                raise
             p.dir = d
-        log.info("restore decrypted", archive=str(root), containers=[p.entry.name for p in plan])
+        log.info("restore decrypted", archive=str(root), containers=[p.entry.name for p in checked.plan])
 
     async def _sweep_decrypted(self) -> None:
         """Remove decrypted dirs nobody will use: their container is gone (removed before it was
@@ -563,65 +662,44 @@ class PodRestorer:
         cc.annotations.setdefault(RESTART_COUNT_ANNOTATION, str(cc.metadata.attempt))
         return cc
 
-    async def _create(
-        self,
-        req: cri.RestorePodRequest,
-        m: manifest.Manifest,
-        plan: list[_Planned],
-        opts: RestoreOptions,
-        rec: Any,
-        sandbox: list[str],
-        created: dict[str, str],
-        network: dict[str, Any],
-    ) -> None:
-        started = time.monotonic()
+    async def _create(self, req: cri.RestorePodRequest, checked: _Checked, run: _Run) -> None:
+        """RunPodSandbox beside the rest of the verification, then one CreateContainer per
+        checkpointed container; the undo of each step is registered in `run` right after it."""
+        m, plan, opts, rec, phases = checked.manifest, checked.plan, checked.opts, run.rec, run.phases
         criu_flags = contract.to_record(m.options)
-        try:
-            sandbox_id = await self.upstream.run_pod_sandbox(
-                cri.RunPodSandboxRequest(config=req.config, runtime_handler=req.runtime_handler),
-                doing="creating the new sandbox",
-            )
-        except errors.ShimError as e:
-            if e.upstream_code in _NO_ANSWER:
-                self._sandbox_unknown(rec)
-            unknown = unknown_handler(e.upstream_details, req.runtime_handler)
-            if unknown is not None:
-                raise unknown from None
-            raise
-        except BaseException:  # cancelled (the caller's deadline) or the like: no answer either
-            self._sandbox_unknown(rec)
-            raise
-        try:
-            faults.hit("restore.sandbox-answer")  # `error`: as if the answer were lost on the way
-        except BaseException:
-            self._sandbox_unknown(rec)
-            raise
-        resp = cri.RunPodSandboxResponse(pod_sandbox_id=sandbox_id)
-        faults.hit("restore.sandbox-unrecorded")
-        sandbox.append(resp.pod_sandbox_id)
-        self.journal.update(rec, "sandbox", sandbox_id=resp.pod_sandbox_id)
-        faults.hit("restore.after-sandbox")
-        log.info("restore sandbox created", sandbox=resp.pod_sandbox_id)
-        await self._check_network(resp.pod_sandbox_id, network)
+        verifying = asyncio.ensure_future(self._verify_rest(checked, run))
+        run.ends.push_async_callback(_stop_and_wait, verifying, run.steps)
+        with phases("sandbox"):
+            run.sandbox_id = await self._run_sandbox(req, run)
+        log.info("restore sandbox created", sandbox=run.sandbox_id)
+        resp = cri.RunPodSandboxResponse(pod_sandbox_id=run.sandbox_id)
+        with phases("network"):
+            await self._check_network(resp.pod_sandbox_id, checked.network)
+        with phases("verify_wait"):  # no container before the archive is verified (and decrypted)
+            await verifying
+        created = run.created
         for p in plan:
             # lazy-pages=true: the container's daemon serves before the container exists
             lazy = None
             if opts.lazy_pages:
                 lazy = await self.lazy.start_for(p.dir, p.entry.name, rec, m.encryption is not None)
-            container_id = await self.upstream.create_container(
-                cri.CreateContainerRequest(
-                    pod_sandbox_id=resp.pod_sandbox_id,
-                    config=self._container_config(p, criu_flags, lazy),
-                    sandbox_config=req.config,
-                ),
-                doing=f"creating container {p.entry.name!r}",
-            )
+            with phases("create"):
+                container_id = await self.upstream.create_container(
+                    cri.CreateContainerRequest(
+                        pod_sandbox_id=resp.pod_sandbox_id,
+                        config=self._container_config(p, criu_flags, lazy),
+                        sandbox_config=req.config,
+                    ),
+                    doing=f"creating container {p.entry.name!r}",
+                )
             c = cri.CreateContainerResponse(container_id=container_id)
             created[p.entry.name] = c.container_id
             if lazy is not None:
                 self.lazy.attach(lazy, c.container_id)
             if self.restored is not None:  # StartContainer confirms its restore ran
                 await run_to_end(self.restored.add, c.container_id)
+                # (the container itself goes with the sandbox)
+                run.undo.callback(self.restored.discard, c.container_id)
             if m.encryption is not None:  # whose decrypted dir it is, for _sweep_decrypted
                 await run_to_end(crypto.set_owner, p.dir, c.container_id)
             faults.hit("restore.after-container")
@@ -637,7 +715,35 @@ class PodRestorer:
                 finally:
                     if self.restored is not None:
                         self.restored.discard(cid)
-        log.info("restore done", sandbox=resp.pod_sandbox_id, seconds=round(time.monotonic() - started, 4))
+
+    async def _run_sandbox(self, req: cri.RestorePodRequest, run: _Run) -> str:
+        """RunPodSandbox; its undo is registered as soon as its answer (or the lack of one) is
+        known: remove the sandbox by id, or look for it by its metadata (rollback_unrecorded)."""
+        try:
+            sandbox_id = await self.upstream.run_pod_sandbox(
+                cri.RunPodSandboxRequest(config=req.config, runtime_handler=req.runtime_handler),
+                doing="creating the new sandbox",
+            )
+        except errors.ShimError as e:
+            if e.upstream_code in _NO_ANSWER:
+                self._sandbox_unknown(run)
+            unknown = unknown_handler(e.upstream_details, req.runtime_handler)
+            if unknown is not None:
+                raise unknown from None
+            raise
+        except BaseException:  # cancelled (the caller's deadline) or the like: no answer either
+            self._sandbox_unknown(run)
+            raise
+        try:
+            faults.hit("restore.sandbox-answer")  # `error`: as if the answer were lost on the way
+        except BaseException:
+            self._sandbox_unknown(run)
+            raise
+        faults.hit("restore.sandbox-unrecorded")
+        run.undo.push_async_callback(self.rollback_sandbox, sandbox_id)
+        self.journal.update(run.rec, "sandbox", sandbox_id=sandbox_id)
+        faults.hit("restore.after-sandbox")
+        return sandbox_id
 
     async def _check_network(self, sandbox_id: str, recorded: dict[str, Any]) -> None:
         """The new pod must have every interface the checkpointed one had (its addresses are
@@ -661,41 +767,46 @@ class PodRestorer:
             checkpointed_addresses=cni.addresses(recorded),
         )
 
-    def _sandbox_unknown(self, rec: Any) -> None:
+    def _sandbox_unknown(self, run: _Run) -> None:
         """RunPodSandbox got no answer (cancelled, timed out, connection lost): the upstream may
         have created the sandbox (or still be creating it) without podshim learning its id.
-        Recorded, so that the rollback looks for it by its metadata (rollback_unrecorded)."""
+        Recorded, so that the rollback (and recovery after a crash) looks for it by its metadata."""
+        rec = run.rec
         try:
             self.journal.update(rec, "sandbox-unknown", sandbox_unknown_since=time.time())
         except errors.ShimError as e:
             log.error("cannot journal the unanswered RunPodSandbox", error=e.message)
+            return
+        run.undo.push_async_callback(self._rollback_unanswered, rec)
 
-    async def _abandon(self, sandbox: list[str], rec: Any, decrypted: list[Path] | None = None) -> None:
-        rolled_back = False
-        try:
-            if sandbox:
-                await self._rollback(sandbox)
-            elif rec.data.sandbox_unknown_since is not None and rec.data.sandbox_metadata is not None:
-                await self.rollback_unrecorded(
-                    rec.data.sandbox_metadata, since=rec.started, settle_until=settle_deadline(rec)
-                )
-            rolled_back = True
-        except errors.ShimError as e:
-            # The journal record stays: podshim retries in the background (Engine), and the next
-            # start of podshim replays it.
-            log.error("rollback of restore failed; kept for recovery", sandbox=sandbox, error=e.message)
-            if self.on_kept is not None:
-                self.on_kept(rec)
-        finally:
-            await self.lazy.abandon_op(rec.op_id)  # after the rollback: its containers are gone
-            for d in decrypted or []:
-                await run_to_end(crypto.remove_decrypted, d)
-            if rolled_back:
+    async def _rollback_unanswered(self, rec: Any) -> None:
+        if rec.data.sandbox_metadata is not None:
+            await self.rollback_unrecorded(
+                rec.data.sandbox_metadata, since=rec.started, settle_until=settle_deadline(rec)
+            )
+
+    def _closing(self, rec: Any) -> Callable[..., Awaitable[bool]]:
+        """The first undo registered, so the last to run: close the journal record when every
+        other undo succeeded; when one failed (ShimError), keep it (podshim retries in the
+        background, Engine, and the next start of podshim replays it) and swallow that error:
+        the caller gets the restore's own."""
+
+        async def close(exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+            if exc is None:
                 self.journal.finish(rec)
+                return False
+            if isinstance(exc, errors.ShimError):
+                log.error(
+                    "rollback of restore failed; kept for recovery",
+                    sandbox=rec.data.sandbox_id,
+                    error=exc.message,
+                )
+                if self.on_kept is not None:
+                    self.on_kept(rec)
+                return True
+            return False
 
-    async def _rollback(self, sandbox: list[str]) -> None:
-        for sid in sandbox:
-            await self.rollback_sandbox(sid)
+        return close
 
     async def recover(self, rec: OpRecord) -> None:
         """Undo a RestorePod a crash interrupted (its journal record): remove the sandbox it

@@ -1,0 +1,128 @@
+"""podshim's own eager-restore overhead (issue 15 item 3), the parts a unit test can pin: what
+RestorePod and StartContainer no longer ask the upstream or a subprocess, and the checksum pass
+split so that it can run beside the new sandbox (docs/architecture.md §5 (RestorePod) step 1).
+The figures themselves live in bench/restore.py (eager_overhead_ratio); no timing here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from shim import errors
+from shim.archive import compat, manifest
+from shim.config import Config, RuntimeConfig
+from shim.contract import RESTORED_MARKER
+from shim.ops.restore_pod import PodRestorer
+from shim.state import Journal
+from shim.wiring import WiringChecker, confirm_restored
+from tests.fakes import FakeUpstream
+
+# ---------------------------------------------------------------------------- StartContainer
+
+
+async def test_confirm_restored_asks_the_upstream_nothing_when_the_marker_is_under_a_known_root(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "runc" / "k8s.io"
+    (root / "c1").mkdir(parents=True)
+    (root / "c1" / RESTORED_MARKER).write_text("/ckpt")
+    cfg = Config(state_dir=str(tmp_path / "state"), runtime=RuntimeConfig(root=str(root)))
+    up = FakeUpstream()
+    await confirm_restored(up, cfg, "c1")  # type: ignore[arg-type]
+    assert up.calls == []
+
+
+async def test_confirm_restored_still_asks_where_the_marker_is_not_under_a_known_root(tmp_path: Path) -> None:
+    """No marker under podshim's roots: the upstream's own root for the container is asked, as
+    before (here it has none either and no state dir: the check made before creating stands)."""
+    cfg = Config(state_dir=str(tmp_path / "state"), runtime=RuntimeConfig(root=str(tmp_path / "none")))
+    up = FakeUpstream()
+    from api.runtime.v1 import api_pb2 as cri
+
+    up.containers["c1"] = cri.ContainerStatus(id="c1")
+    await confirm_restored(up, cfg, "c1")  # type: ignore[arg-type]
+    assert up.names() == ["ContainerStatus"]
+
+
+# ---------------------------------------------------------------------------- RestorePod's checks
+
+
+def _counting_binary(tmp_path: Path, version: str) -> tuple[Path, Path]:
+    calls = tmp_path / "calls"
+    exe = tmp_path / "fake-runc"
+    exe.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'runc version {version}'\n")
+    exe.chmod(0o755)
+    return exe, calls
+
+
+def test_per_binary_asks_a_binary_once_until_it_changes(tmp_path: Path) -> None:
+    from shim.criu.runtime import binary_version
+
+    exe, calls = _counting_binary(tmp_path, "1.1.5")
+    assert compat.per_binary(binary_version, str(exe)) == "runc version 1.1.5"
+    assert compat.per_binary(binary_version, str(exe)) == "runc version 1.1.5"
+    assert calls.read_text().count("x") == 1
+    # an upgrade rewrites (or replaces) the file: asked again
+    exe.write_text(exe.read_text().replace("1.1.5", "1.2.0"))
+    os.utime(exe, ns=(1, 1))
+    assert compat.per_binary(binary_version, str(exe)) == "runc version 1.2.0"
+    assert calls.read_text().count("x") == 2
+    # a bare name (not a file podshim can stat) is never remembered
+    assert compat.per_binary(lambda b: b.upper(), "runc") == "RUNC"
+
+
+async def test_the_handler_check_reads_the_wiring_checks_cached_status(tmp_path: Path) -> None:
+    """An unknown runtime_handler is INVALID_ARGUMENT from the upstream's verbose Status; the
+    wiring check right after reads the same cached answer: one Status call per restore, not two."""
+    up = FakeUpstream()
+    up.runtime_info = {"config": json.dumps({"containerd": {"runtimes": {"runc": {}}}})}
+    cfg = Config(state_dir=str(tmp_path / "state"))
+    wiring = WiringChecker(up)  # type: ignore[arg-type]
+    r = PodRestorer(cfg, up, Journal(cfg.state_dir), wiring)  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidArgument, match="runtime_handler 'ghost'"):
+        await r._check_upstream_handler("ghost")
+    await r._check_upstream_handler("runc")
+    await wiring.check("runc")
+    assert up.names().count("Status") == 1
+
+
+# ---------------------------------------------------------------------------- the checksum pass
+
+
+def _archive(tmp_path: Path, files: dict[str, bytes]) -> tuple[Path, manifest.Manifest]:
+    root = tmp_path / "a"
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    m = manifest.Manifest(sandbox=manifest.SandboxInfo(id="s", metadata={}, config={}))
+    m.files = {rel: manifest.FileEntry(len(d), hashlib.sha256(d).hexdigest()) for rel, d in files.items()}
+    return root, m
+
+
+def test_read_verified_checks_the_bytes_it_returns(tmp_path: Path) -> None:
+    root, m = _archive(tmp_path, {"containers/c/config.dump": b'{"a": 1}'})
+    assert manifest.read_verified(root, m, "containers/c/config.dump") == b'{"a": 1}'
+    (root / "containers/c/config.dump").write_bytes(b'{"a": 2}')  # same size, other bytes
+    with pytest.raises(errors.DataLoss, match="config.dump has sha256"):
+        manifest.read_verified(root, m, "containers/c/config.dump")
+    with pytest.raises(errors.DataLoss, match="not listed"):
+        manifest.read_verified(root, m, "containers/c/spec.dump")
+
+
+def test_check_tree_then_verify_digests_is_verify_files(tmp_path: Path) -> None:
+    big = os.urandom(3 << 20)
+    root, m = _archive(tmp_path, {"containers/c/checkpoint/pages-1.img": big, "sandbox/config.json": b"{}"})
+    manifest.check_tree(root, m)
+    manifest.verify_digests(root, m, list(m.files), workers=2)
+    manifest.verify_files(root, m, workers=2)
+    flipped = bytearray(big)
+    flipped[len(big) // 2] ^= 1
+    (root / "containers/c/checkpoint/pages-1.img").write_bytes(bytes(flipped))
+    manifest.check_tree(root, m)  # sizes agree: only the checksum pass can tell
+    manifest.verify_digests(root, m, ["sandbox/config.json"])  # not the member that differs
+    with pytest.raises(errors.DataLoss, match="pages-1.img has sha256"):
+        manifest.verify_digests(root, m, list(m.files), workers=2)
