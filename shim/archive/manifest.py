@@ -8,8 +8,8 @@ only then writes manifest.json atomically: a directory without manifest.json is 
 from __future__ import annotations
 
 import errno
-import json
 import hashlib
+import json
 import os
 import platform
 import stat
@@ -57,14 +57,14 @@ MAX_TREE_DEPTH = 16
 # Holes a member may have (bytes, and at most half of its size) before it counts as a sparse
 # file: podshim, CRIU and tar never write one, and hashing gigabytes of holes is work for nothing.
 MAX_HOLE_BYTES = 64 << 20
-# What every checkpointed container of a podshim archive has (relative to its dir): CheckpointPod
-# has written each since the first format, so a manifest without `members` must list them too.
-REQUIRED_MEMBERS = (
-    CONFIG_DUMP_FILE,
 # Largest member read whole into memory (read_verified: config.dump, network.json).
 MAX_READ_BYTES = 64 << 20
 # Read size of the checksum pass: fewer system calls than fsutil's 1 MiB, still streamed.
 VERIFY_CHUNK = 4 << 20
+# What every checkpointed container of a podshim archive has (relative to its dir): CheckpointPod
+# has written each since the first format, so a manifest without `members` must list them too.
+REQUIRED_MEMBERS = (
+    CONFIG_DUMP_FILE,
     SPEC_DUMP_FILE,
     f"{CHECKPOINT_DIR}/inventory.img",
     ROOTFS_DIFF_TAR,
@@ -525,10 +525,6 @@ def verify_files(
     cannot be what podshim wrote without reading it: a sparse file (check_allocated). `stop`
     set (the caller was cancelled): fsutil.Stopped at the next chunk.
     """
-    root = Path(root)
-    _check_members(root, manifest)
-    on_disk = _scan_tree(root, InvalidArgument)
-    expected = manifest.files
     check_tree(root, manifest, stop)
     verify_digests(root, manifest, list(manifest.files), workers, stop)
 
@@ -536,6 +532,10 @@ def verify_files(
 def check_tree(root: Path, manifest: Manifest, stop: threading.Event | None = None) -> None:
     """verify_files without reading the files' bytes: the exact set of files, their sizes, no
     sparse member. What RestorePod checks before it creates anything; verify_digests then."""
+    root = Path(root)
+    _check_members(root, manifest)
+    on_disk = _scan_tree(root, InvalidArgument)
+    expected = manifest.files
     missing = sorted(set(expected) - set(on_disk))
     if missing:
         raise DataLoss(
@@ -557,10 +557,6 @@ def check_tree(root: Path, manifest: Manifest, stop: threading.Event | None = No
         )
     rels = sorted(expected)
     check_allocated(root, {r: expected[r].size for r in rels}, stop)
-    try:
-        results = map_in_threads(lambda rel: hash_file(root / rel, VERIFY_CHUNK, stop), rels, workers)
-    except OSError as e:
-        raise Internal(f"cannot read checkpoint {root}: {e}") from e
 
 
 def verify_digests(
@@ -572,6 +568,10 @@ def verify_digests(
     root = Path(root)
     expected = manifest.files
     rels = sorted(rels, key=lambda r: (-expected[r].size, r))
+    try:
+        results = map_in_threads(lambda rel: hash_file(root / rel, VERIFY_CHUNK, stop), rels, workers)
+    except OSError as e:
+        raise Internal(f"cannot read checkpoint {root}: {e}") from e
     bad = sorted(
         (rel, digest)
         for rel, (size, digest) in zip(rels, results, strict=True)
@@ -587,10 +587,6 @@ def verify_digests(
         )
 
 
-def check_allocated(root: Path, sizes: dict[str, int], stop: threading.Event | None = None) -> None:
-    """Refuse (DataLoss), before reading a byte, a member larger than the file system holding it
-    or mostly holes (over MAX_HOLE_BYTES and over half its size): a sparse file reads back as
-    gigabytes of zeros that podshim never wrote, and hashing them would only burn the caller's
 def read_verified(root: Path, manifest: Manifest, rel: str, limit: int = MAX_READ_BYTES) -> bytes:
     """A small member's bytes, read once through one descriptor (no symlink followed) and checked
     against the manifest's size and sha256 before anyone parses them: what is checked is what is
@@ -618,6 +614,10 @@ def read_verified(root: Path, manifest: Manifest, rel: str, limit: int = MAX_REA
     return data
 
 
+def check_allocated(root: Path, sizes: dict[str, int], stop: threading.Event | None = None) -> None:
+    """Refuse (DataLoss), before reading a byte, a member larger than the file system holding it
+    or mostly holes (over MAX_HOLE_BYTES and over half its size): a sparse file reads back as
+    gigabytes of zeros that podshim never wrote, and hashing them would only burn the caller's
     deadline (docs/architecture.md §5 (RestorePod))."""
     try:
         vfs = os.statvfs(root)
@@ -662,10 +662,6 @@ def load_and_verify(
     was cancelled): fsutil.Stopped at the next chunk read.
     """
     root = validate_archive_dir(str(path), allowed_roots)
-    where, doc = _read_doc(root)
-    manifest = Manifest.from_dict(doc, str(where))
-    check_encryption(root, doc, manifest, key)
-    check_tree(root, manifest, stop)
     manifest = load_and_check(root, allowed_roots, key, stop)
     verify_digests(root, manifest, list(manifest.files), workers, stop)
     return manifest
@@ -680,4 +676,8 @@ def load_and_check(
     """load_and_verify without the checksum pass (check_tree instead of verify_files): the same
     refusals except a file whose bytes differ, which verify_digests (or read_verified) finds."""
     root = validate_archive_dir(str(path), allowed_roots)
+    where, doc = _read_doc(root)
+    manifest = Manifest.from_dict(doc, str(where))
+    check_encryption(root, doc, manifest, key)
+    check_tree(root, manifest, stop)
     return manifest
