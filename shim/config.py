@@ -45,7 +45,7 @@ class Config:
     container_checkpoint: str = "fallback"
     # Node key (32 random bytes, a root-owned 0600 file) encrypting CheckpointPod archives; "": none.
     encryption_key_file: str = ""
-    # RestorePod's default for its `lazy-pages` option (docs/architecture.md "Lazy restore")
+    # RestorePod's default for its `lazy-pages` option (docs/architecture.md §5.1 (Lazy restore))
     lazy_pages: bool = False
     log_format: str = "json"
     log_level: str = "info"

@@ -30,7 +30,7 @@ IMPORTS_DIR = "imports"
 # <state_dir>/decrypted/<random>/: one container's plaintext of an encrypted archive
 # (shim/archive/crypto.py); podshim-owned too.
 DECRYPTED_DIR = "decrypted"
-# Lazy restore (docs/architecture.md "Lazy restore"): the daemon sets LAZY_PAGES_ANNOTATION to the
+# Lazy restore (docs/architecture.md §5.1 (Lazy restore)): the daemon sets LAZY_PAGES_ANNOTATION to the
 # work dir <state_dir>/lazy/<random>/ of the container's `criu lazy-pages`, which listens on
 # LAZY_PAGES_SOCKET there; the wrapper restores with `--lazy-pages --work-path` that dir.
 LAZY_PAGES_ANNOTATION = "podshim.restore.lazy-pages-dir"

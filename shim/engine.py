@@ -362,7 +362,7 @@ class Engine:
             "checkpoint": checkpoint_pod.recover,
             "checkpoint-container": checkpoint_container.recover,
             "restore": self.restorer.recover,
-            "lazy-pages": self.restorer.lazy.recover,  # docs/architecture.md "Lazy restore"
+            "lazy-pages": self.restorer.lazy.recover,  # docs/architecture.md §5.1 (Lazy restore)
         }[rec.kind]
         try:
             await recover(rec)

@@ -1,4 +1,4 @@
-"""Lazy restore end to end (issue 15 items 1 and 2; docs/architecture.md "Lazy restore"): RestorePod
+"""Lazy restore end to end (issue 15 items 1 and 2; docs/architecture.md §5.1 (Lazy restore)): RestorePod
 with `lazy-pages=true` on the real containerd + runc + CRIU, the container's memory delivered by a
 `criu lazy-pages` daemon podshim starts and supervises.
 
@@ -236,12 +236,30 @@ def podshim_pids(config_hint: str) -> list[int]:
     return out
 
 
+def wchan(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        return ""
+
+
+def proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+    return "gone" if st == "X" else st
+
+
 def stop_mid_transfer(lp_pids: list[int], pid: int) -> None:
     """SIGSTOP the daemon once it serves the restored process and podshim holds its userfaultfd."""
     pods.wait_for(lambda: holds_uffd(pid), timeout=30, interval=0.001, what="the daemon's userfaultfd")
     os.kill(pid, signal.SIGSTOP)
-    with open(f"/proc/{pid}/stat") as f:
-        assert f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"), "the daemon ended before it was stopped"
+    pods.wait_for(
+        lambda: proc_state(pid) in ("T", "t", "Z", "gone"), timeout=10, interval=0.001, what="SIGSTOP"
+    )
+    assert proc_state(pid) in ("T", "t"), "the daemon delivered every page before it could be stopped"
     pods.wait_for(
         lambda: any(holds_uffd(p) for p in lp_pids),
         timeout=10,
@@ -357,17 +375,17 @@ def test_lazy_restore_encrypted_pattern_intact(
 def test_decrypted_copy_kept_while_the_daemon_serves(
     lp: LazyPodshim, encrypted: dict[int, Path], log_root: Path, lp_cleanup: list[str]
 ) -> None:
-    """Until the daemon has delivered every page its decrypted images stay (the wrapper used to
-    remove them as soon as `runc restore` returned); created but not started, it serves on."""
-    r = lazy_restore(lp.rt, encrypted[256], log_root, 256, lp_cleanup, start=False)
+    """After `runc restore` returned, the daemon still reads the decrypted images: they stay until it
+    has delivered every page (podshim-runc removes them at once after an eager restore)."""
+    r = lazy_restore(lp.rt, encrypted[1024], log_root, 1024, lp_cleanup, start=False)
     assert len(lp.decrypted_dirs()) == 1 and len(lp.lazy_dirs()) == 1
-    assert len(lp.daemon_records()) == 1
     pid = daemon_pid(lp.daemon_records(), r.cid)
-    os.kill(pid, signal.SIGSTOP)  # hold the transfer: the restore runs, the daemon delivers nothing yet
+    lp_pids = podshim_pids(str(lp.state_dir.parent)) or podshim_pids("lazy-podshim")
+    lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
+    stop_mid_transfer(lp_pids, pid)  # the transfer held: the daemon has not delivered everything
     try:
-        lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
-        pods.wait_for(lambda: holds_uffd(pid), timeout=30, what="the daemon's userfaultfd")
         assert len(lp.decrypted_dirs()) == 1, "the decrypted copy went while the daemon still serves"
+        assert lp.daemon_records(), "the daemon's record went while it still serves"
     finally:
         os.kill(pid, signal.SIGCONT)
     verify_memory(lp.rt, r)
@@ -420,6 +438,11 @@ def test_bad_option_value_is_invalid_argument(
 def test_daemon_killed_mid_transfer_kills_the_container(
     lp: LazyPodshim, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], bed: TestBed
 ) -> None:
+    """The daemon is SIGKILLed while the counter faults on pages it has not delivered yet. With
+    podshim itself stopped meanwhile (so it cannot kill the container at once), the fault stays
+    blocked: podshim's duplicate of the userfaultfd keeps the ranges registered (without it the
+    kernel unregisters them when the daemon dies and the fault reads a zero page: `verify FAILED`).
+    Once podshim runs again it kills the container and says why."""
     before = lp.failures("killed")
     r = lazy_restore(lp.rt, plain[1024], log_root, 1024, lp_cleanup, start=False)
     pid = daemon_pid(lp.daemon_records(), r.cid)
@@ -427,9 +450,25 @@ def test_daemon_killed_mid_transfer_kills_the_container(
     assert lp_pids, "the module's podshim process was not found"
     lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
     stop_mid_transfer(lp_pids, pid)
-    # make the counter touch every page while pages are missing: it must block, not read zeros
-    lp.rt.ExecSync(cri.ExecSyncRequest(container_id=r.cid, cmd=["kill", "-USR1", "1"], timeout=30))
-    os.kill(pid, signal.SIGKILL)
+    counter = json.loads(
+        lp.rt.ContainerStatus(cri.ContainerStatusRequest(container_id=r.cid, verbose=True)).info["info"]
+    )["pid"]
+    os.kill(counter, signal.SIGUSR1)  # the counter reads every page: it blocks on a missing one
+    pods.wait_for(
+        lambda: wchan(counter) == "handle_userfault", timeout=30, what="the counter blocked in a fault"
+    )
+    for p in lp_pids:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        pods.wait_for(lambda: proc_state(pid) in ("Z", "gone"), timeout=10, what="the daemon dead")
+        time.sleep(2)  # a zero-filled verify of 1 GiB ends well within this
+        text = log_text(r.log)
+        assert "verify " not in text, f"the counter read memory the daemon never delivered: {text[-400:]}"
+        assert wchan(counter) == "handle_userfault", wchan(counter)
+    finally:
+        for p in lp_pids:
+            os.kill(p, signal.SIGCONT)
     pods.wait_for(
         lambda: state(lp.rt, r.cid) == cri.CONTAINER_EXITED, timeout=60, what="the container killed"
     )
@@ -465,3 +504,46 @@ def test_unreadable_image_kills_the_container(
         assert "verify ok" not in text and "verify FAILED" not in text, text[-600:]
     finally:
         shutil.rmtree(copy, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- recovery
+
+
+def bed_daemon_records(bed: TestBed) -> list[dict]:
+    out = []
+    for p in sorted((Path(bed.podshim_state_dir) / "ops").glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            doc = json.loads(p.read_text())
+            if doc.get("kind") == "lazy-pages":
+                out.append(doc)
+    return out
+
+
+@pytest.mark.parametrize("daemon", ["alive", "gone"])
+def test_podshim_killed_while_a_daemon_serves(
+    rt: Stub, bed: TestBed, plain: dict[int, Path], log_root: Path, pod_cleanup: list[str], daemon: str
+) -> None:
+    """podshim is SIGKILLed while a daemon serves (held stopped mid-transfer): at its next start the
+    journal's record is handled: the container, whose daemon's result can no longer be known, is
+    killed with the reason in its log; an alive daemon is ended; the record and work dir go."""
+    r = lazy_restore(rt, plain[1024], log_root, 1024, pod_cleanup, start=False)
+    pid = daemon_pid(bed_daemon_records(bed), r.cid)
+    podshim = bed.podshim_pid
+    assert podshim
+    rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
+    stop_mid_transfer([podshim], pid)
+    bed.kill_podshim(signal.SIGKILL)
+    if daemon == "gone":
+        os.kill(pid, signal.SIGKILL)
+        pods.wait_for(lambda: proc_state(pid) == "gone", timeout=10, what="the daemon reaped")
+    assert bed_daemon_records(bed), "the daemon's journal record went with podshim"
+    bed.start_podshim_again()
+    pods.wait_for(lambda: state(rt, r.cid) == cri.CONTAINER_EXITED, timeout=60, what="the container killed")
+    text = log_text(r.log)
+    assert "lazy restore interrupted" in text, text[-600:]
+    assert "verify FAILED" not in text
+    pods.wait_for(lambda: not bed_daemon_records(bed), timeout=30, what="the record closed")
+    pods.wait_for(lambda: proc_state(pid) == "gone", timeout=10, what="the daemon ended")
+    lazy_dir = Path(bed.podshim_state_dir) / "lazy"
+    assert not lazy_dir.exists() or not os.listdir(lazy_dir)
+    assert "lazy-pages daemon of a previous podshim handled" in log_text(Path(bed.podshim_log))

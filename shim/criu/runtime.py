@@ -297,7 +297,7 @@ class OciRuntime:
         """`restore --detach` into `bundle`. `global_args` replaces --root/--criu with the flags
         the upstream passed (podshim-runc keeps its --log, --log-format, --systemd-cgroup...).
         `lazy_pages`: pages come from the `criu lazy-pages` listening in `work_dir`
-        (docs/architecture.md "Lazy restore")."""
+        (docs/architecture.md §5.1 (Lazy restore))."""
         head = [self.binary, *global_args] if global_args is not None else self.global_args()
         argv = [*head, "restore", "--detach"]
         if self.is_runc:

@@ -1,4 +1,4 @@
-"""Lazy restore (docs/architecture.md "Lazy restore"): one `criu lazy-pages` daemon per restored
+"""Lazy restore (docs/architecture.md §5.1 (Lazy restore)): one `criu lazy-pages` daemon per restored
 container, started and supervised by podshim.
 
 RestorePod with `lazy-pages=true` starts, before each CreateContainer, a daemon serving the
@@ -414,8 +414,8 @@ class LazyPages:
     # ------------------------------------------------------------------ recovery
 
     async def recover(self, rec: Any) -> None:
-        """A daemon a previous podshim started and did not see end (docs/architecture.md "Lazy
-        restore"): its exit status cannot be known any more, so its container is killed (with the
+        """A daemon a previous podshim started and did not see end (docs/architecture.md
+        §5.1 (Lazy restore)): its exit status cannot be known any more, so its container is killed (with the
         daemon's userfaultfds held meanwhile, so that no fault reads a zero page), then an alive
         daemon is ended; a container already gone only leaves files to remove. Raises (the record
         stays and is retried) while the container cannot be killed; the duplicates stay held."""

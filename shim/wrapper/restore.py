@@ -142,7 +142,7 @@ def restore(
     if crypto.is_decrypted_dir(ckpt) and lazy is None:
         # Decrypted images: CRIU is done with them (a failed create is not retried), and plaintext
         # memory must not stay on disk. A lazy restore's daemon still reads them: podshim removes
-        # them when it has ended (docs/architecture.md "Lazy restore").
+        # them when it has ended (docs/architecture.md §5.1 (Lazy restore)).
         crypto.remove_decrypted(ckpt)
     if returncode != 0:
         remove_cgroups(spec.get("linux", {}).get("cgroupsPath", ""))

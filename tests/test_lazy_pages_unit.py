@@ -1,0 +1,234 @@
+"""Unit tests of lazy restore's edges (docs/architecture.md §5.1 (Lazy restore)): the RestorePod option
+and the node default, the runtime check, the runc argv, the wrapper's acceptance of a daemon's
+work dir, the userfaultfd duplicate podshim holds, and recovery of a daemon's journal record with
+a fake upstream. The end-to-end behaviour is tests/test_lazy_restore.py."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from shim import config, contract, errors, metrics
+from shim.config import Config
+from shim.criu.runtime import CriuOptions, OciRuntime
+from shim.ops import lazy_pages
+from shim.ops.restore_pod import RestoreOptions
+from shim.state import Journal
+from shim.wrapper import restore as wrapper_restore
+from tests.fakes import FakeUpstream
+
+# ---------------------------------------------------------------------------- the option
+
+
+def test_option_defaults_to_the_node_default() -> None:
+    assert RestoreOptions.parse({}).lazy_pages is False
+    assert RestoreOptions.parse({}, lazy_default=True).lazy_pages is True
+    assert RestoreOptions.parse({"lazy-pages": "true"}).lazy_pages is True
+    assert RestoreOptions.parse({"lazy-pages": "false"}, lazy_default=True).lazy_pages is False
+    assert RestoreOptions.parse({"lazy-pages": " Yes "}).lazy_pages is True
+    assert RestoreOptions.parse({"start": "true", "lazy-pages": "1"}) == RestoreOptions(True, True)
+
+
+def test_bad_option_value_names_the_option() -> None:
+    with pytest.raises(errors.InvalidArgument, match="lazy-pages='sometimes'"):
+        RestoreOptions.parse({"lazy-pages": "sometimes"})
+    with pytest.raises(errors.InvalidArgument, match="known: lazy-pages, start"):
+        RestoreOptions.parse({"lazy_pages": "true"})
+
+
+def test_config_restore_lazy_pages(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[restore]\nlazy_pages = true\n")
+    assert config.load(str(path), env={}).lazy_pages is True
+    assert config.load(str(path), env={"PODSHIM_RESTORE_LAZY_PAGES": "false"}).lazy_pages is False
+    path.write_text('[restore]\nlazy_pages = "yes"\n')
+    with pytest.raises(config.ConfigError, match="restore.lazy_pages"):
+        config.load(str(path), env={})
+    path.write_text("")
+    assert config.load(str(path), env={}).lazy_pages is False
+    with pytest.raises(config.ConfigError, match="PODSHIM_RESTORE_LAZY_PAGES"):
+        config.load(str(path), env={"PODSHIM_RESTORE_LAZY_PAGES": "on"})
+
+
+def test_config_default_is_off() -> None:
+    assert Config().lazy_pages is False
+
+
+# ---------------------------------------------------------------------------- runtime and argv
+
+
+def _fake_runtime(tmp_path: Path, help_text: str) -> str:
+    exe = tmp_path / f"rt-{abs(hash(help_text))}"
+    exe.write_text(f"#!/bin/sh\ncat <<'EOF'\n{help_text}\nEOF\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_runtime_without_lazy_restore_is_failed_precondition(tmp_path: Path) -> None:
+    without = _fake_runtime(tmp_path, "  --work-path=DIR  path for saving work files")
+    with_it = _fake_runtime(tmp_path, "   --lazy-pages   use userfaultfd to lazily restore memory pages")
+    assert lazy_pages.runtime_supports(with_it)
+    assert not lazy_pages.runtime_supports(without)
+    assert not lazy_pages.runtime_supports(str(tmp_path / "missing"))
+    with pytest.raises(errors.FailedPrecondition, match=r"handler 'crun'.*no lazy restore"):
+        lazy_pages.check_runtime(without, "crun")
+    lazy_pages.check_runtime(with_it, "")
+
+
+def test_restore_argv_lazy_pages() -> None:
+    rt = OciRuntime("/usr/sbin/runc", "/run/runc")
+    eager = rt.restore_argv("c1", "/b", "/img", "/work", CriuOptions())
+    lazy = rt.restore_argv("c1", "/b", "/img", "/lazy/w", CriuOptions(), lazy_pages=True)
+    assert "--lazy-pages" not in eager
+    assert "--lazy-pages" in lazy and lazy[lazy.index("--work-path") + 1] == "/lazy/w"
+    assert lazy[-1] == "c1"
+
+
+# ---------------------------------------------------------------------------- the wrapper
+
+
+def _spec(value: str) -> dict:
+    return {"annotations": {contract.LAZY_PAGES_ANNOTATION: value}}
+
+
+def test_wrapper_accepts_only_a_listening_daemon_dir(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    cfg = Config(state_dir=str(state), allowed_roots=(str(tmp_path / "ckpt"),))
+    work = contract.lazy_root(state) / "0123456789abcdef"
+    work.mkdir(parents=True)
+    assert wrapper_restore._lazy_dir({"annotations": {}}, cfg, "c1", None) is None
+    with pytest.raises(SystemExit):  # no daemon listens there
+        wrapper_restore._lazy_dir(_spec(str(work)), cfg, "c1", None)
+    (work / contract.LAZY_PAGES_SOCKET).touch()
+    assert wrapper_restore._lazy_dir(_spec(str(work)), cfg, "c1", None) == work.resolve()
+    other = tmp_path / "elsewhere" / "lazy" / "x"
+    other.mkdir(parents=True)
+    (other / contract.LAZY_PAGES_SOCKET).touch()
+    with pytest.raises(SystemExit):  # not podshim's
+        wrapper_restore._lazy_dir(_spec(str(other)), cfg, "c1", None)
+    with pytest.raises(SystemExit):  # not a lazy dir
+        wrapper_restore._lazy_dir(_spec(str(state)), cfg, "c1", None)
+
+
+# ---------------------------------------------------------------------------- the held userfaultfd
+
+_SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}
+
+
+def test_podshim_holds_a_duplicate_of_a_daemons_userfaultfd() -> None:
+    """pidfd_getfd of a userfaultfd another process holds: the duplicate is the same file, and it
+    stays open after that process is gone (what keeps a dead daemon's ranges registered)."""
+    nr = _SYS_USERFAULTFD.get(platform.machine())
+    if nr is None or os.geteuid() != 0:
+        pytest.skip("needs root on x86_64 or aarch64")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.syscall(nr, os.O_CLOEXEC)
+            os.write(w, str(fd).encode())
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    try:
+        fd = int(os.read(r, 16))
+        assert fd >= 0, "userfaultfd(2) failed in the child"
+        assert lazy_pages.daemon_uffds(pid) == [fd]
+        pidfd = os.pidfd_open(pid)
+        dup = lazy_pages._pidfd_getfd(pidfd, fd)
+        os.close(pidfd)
+        assert os.readlink(f"/proc/self/fd/{dup}") == lazy_pages.UFFD_LINK
+        assert os.stat(f"/proc/self/fd/{dup}").st_ino == os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        assert os.readlink(f"/proc/self/fd/{dup}") == lazy_pages.UFFD_LINK  # still open
+        os.close(dup)
+    finally:
+        os.close(r)
+        os.close(w)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def test_process_start_time() -> None:
+    assert lazy_pages.process_start_time(os.getpid()) > 0
+    assert lazy_pages.process_start_time(2**22 + 12345) == 0
+
+
+# ---------------------------------------------------------------------------- recovery
+
+
+def _record(journal: Journal, tmp_path: Path, cid: str, pid: int) -> tuple[object, Path, Path]:
+    work = contract.lazy_root(tmp_path / "state") / "feedfacefeedface"
+    work.mkdir(parents=True)
+    dec = tmp_path / "state" / "decrypted" / "d1"
+    dec.mkdir(parents=True)
+    rec = journal.begin(
+        "lazy-pages",
+        "ns/pod",
+        {
+            "container": "counter",
+            "work_dir": str(work),
+            "images": str(dec / "checkpoint"),
+            "decrypted_dir": str(dec),
+        },
+    )
+    journal.update(rec, "attached", pid=pid, start_time=12345, container_id=cid)
+    return journal.pending()[0], work, dec
+
+
+def _failures(reason: str) -> float:
+    return metrics.lazy_restore_failures.labels(reason)._value.get()
+
+
+async def test_recover_kills_the_container_of_a_daemon_gone(tmp_path: Path) -> None:
+    up = FakeUpstream()
+    log = tmp_path / "c.log"
+    log.write_text("")
+    up.containers["c1"] = cri.ContainerStatus(id="c1", state=cri.CONTAINER_RUNNING, log_path=str(log))
+    journal = Journal(tmp_path / "state")
+    rec, work, dec = _record(journal, tmp_path, "c1", 2**22 + 7)  # no such process
+    lp = lazy_pages.LazyPages(Config(state_dir=str(tmp_path / "state")), up, journal)
+    before = _failures("podshim-restart")
+    await lp.recover(rec)
+    assert ("StopContainer", "c1") in up.calls
+    assert "lazy restore interrupted" in log.read_text() and " stderr F podshim: " in log.read_text()
+    assert _failures("podshim-restart") == before + 1
+    assert not work.exists() and not dec.exists()
+
+
+async def test_recover_of_a_removed_container_only_cleans_up(tmp_path: Path) -> None:
+    up = FakeUpstream()
+    journal = Journal(tmp_path / "state")
+    rec, work, dec = _record(journal, tmp_path, "gone", 2**22 + 7)
+    lp = lazy_pages.LazyPages(Config(state_dir=str(tmp_path / "state")), up, journal)
+    await lp.recover(rec)
+    assert "StopContainer" not in up.names()
+    assert not work.exists() and not dec.exists()
+
+
+async def test_recover_keeps_the_record_while_the_container_cannot_be_killed(tmp_path: Path) -> None:
+    from tests.fakes import unreachable
+
+    up = FakeUpstream()
+    up.containers["c1"] = cri.ContainerStatus(id="c1", state=cri.CONTAINER_RUNNING)
+    up.fail["StopContainer"] = unreachable()
+    journal = Journal(tmp_path / "state")
+    rec, work, _dec = _record(journal, tmp_path, "c1", 2**22 + 7)
+    lp = lazy_pages.LazyPages(Config(state_dir=str(tmp_path / "state")), up, journal)
+    with pytest.raises(errors.ShimError):
+        await lp.recover(rec)
+    assert work.exists(), "the daemon's work dir went before its container was killed"
+    assert json.loads(Path(rec.path).read_text())["kind"] == "lazy-pages"
