@@ -18,7 +18,7 @@ from shim import errors
 from shim.aio import Steps
 from shim.archive import crypto, dirfd, fsutil, manifest
 from shim.archive.dirfd import DirHandle, open_checked
-from shim.ops.checkpoint_container import file_entries
+from shim.archive.manifest import container_tar_files
 from shim.ops.restore_container import extract_archive
 
 
@@ -154,7 +154,7 @@ def test_import_extracts_into_the_held_dir(tmp_path: Path, outside: Path) -> Non
     with DirHandle.open(dest) as h:
         moved = swap(dest, outside)
         assert extract_archive(tar, h, Steps()) == ["spec.dump", "checkpoint/inventory.img"]
-        assert set(file_entries(h, Steps())) == {"spec.dump", "checkpoint/inventory.img"}
+        assert set(container_tar_files(h, Steps().check)) == {"spec.dump", "checkpoint/inventory.img"}
     assert fingerprint(outside) == before
     assert (moved / "checkpoint" / "inventory.img").read_bytes() == b"i"
     assert stat.S_IMODE((moved / "checkpoint").stat().st_mode) == 0o700

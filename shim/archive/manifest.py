@@ -1,4 +1,5 @@
-"""manifest.json: the versioned description and completion marker of a pod checkpoint.
+"""manifest.json: the versioned description and completion marker of a pod checkpoint; and
+podshim-manifest.json, the container checkpoint tar's (ContainerTarManifest, at the end).
 
 `write_manifest` records size + sha256 of every other file of the tree, fsyncs the tree and
 only then writes manifest.json atomically: a directory without manifest.json is partial.
@@ -8,7 +9,6 @@ only then writes manifest.json atomically: a directory without manifest.json is 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import platform
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from shim.archive import crypto
+from shim.archive.container_tar import FORMAT as CONTAINER_FORMAT
+from shim.archive.container_tar import MANIFEST_FILE as CONTAINER_MANIFEST_FILE
 from shim.archive.dirfd import DirHandle, held
 from shim.archive.fsutil import (
     hash_and_flush,
@@ -35,6 +37,7 @@ from shim.archive.layout import (
     MANIFEST_FILE,
     ROOTFS_DIFF_TAR,
     SPEC_DUMP_FILE,
+    json_bytes,
 )
 from shim.archive.paths import check_member_path, validate_archive_dir
 from shim.errors import (
@@ -57,10 +60,6 @@ MAX_TREE_DEPTH = 16
 # Holes a member may have (bytes, and at most half of its size) before it counts as a sparse
 # file: podshim, CRIU and tar never write one, and hashing gigabytes of holes is work for nothing.
 MAX_HOLE_BYTES = 64 << 20
-# Largest member read whole into memory (read_verified: config.dump, network.json).
-MAX_READ_BYTES = 64 << 20
-# Read size of the checksum pass: fewer system calls than fsutil's 1 MiB, still streamed.
-VERIFY_CHUNK = 4 << 20
 # What every checkpointed container of a podshim archive has (relative to its dir): CheckpointPod
 # has written each since the first format, so a manifest without `members` must list them too.
 REQUIRED_MEMBERS = (
@@ -525,13 +524,6 @@ def verify_files(
     cannot be what podshim wrote without reading it: a sparse file (check_allocated). `stop`
     set (the caller was cancelled): fsutil.Stopped at the next chunk.
     """
-    check_tree(root, manifest, stop)
-    verify_digests(root, manifest, list(manifest.files), workers, stop)
-
-
-def check_tree(root: Path, manifest: Manifest, stop: threading.Event | None = None) -> None:
-    """verify_files without reading the files' bytes: the exact set of files, their sizes, no
-    sparse member. What RestorePod checks before it creates anything; verify_digests then."""
     root = Path(root)
     _check_members(root, manifest)
     on_disk = _scan_tree(root, InvalidArgument)
@@ -557,26 +549,15 @@ def check_tree(root: Path, manifest: Manifest, stop: threading.Event | None = No
         )
     rels = sorted(expected)
     check_allocated(root, {r: expected[r].size for r in rels}, stop)
-
-
-def verify_digests(
-    root: Path, manifest: Manifest, rels: Sequence[str], workers: int = 1, stop: threading.Event | None = None
-) -> None:
-    """The sha256 (and size) of each of `rels` against the manifest (DataLoss naming the first
-    file that differs). Largest first on `workers` threads, so that a single large memory image
-    does not start last: the pass takes about max(largest file, all / workers)."""
-    root = Path(root)
-    expected = manifest.files
-    rels = sorted(rels, key=lambda r: (-expected[r].size, r))
     try:
-        results = map_in_threads(lambda rel: hash_file(root / rel, VERIFY_CHUNK, stop), rels, workers)
+        results = map_in_threads(lambda rel: hash_file(root / rel, stop=stop), rels, workers)
     except OSError as e:
         raise Internal(f"cannot read checkpoint {root}: {e}") from e
-    bad = sorted(
+    bad = [
         (rel, digest)
         for rel, (size, digest) in zip(rels, results, strict=True)
         if digest != expected[rel].sha256 or size != expected[rel].size
-    )
+    ]
     if bad:
         rel, digest = bad[0]
         raise DataLoss(
@@ -585,33 +566,6 @@ def verify_digests(
             + (f" (and {len(bad) - 1} more files differ)" if bad[1:] else "")
             + "; take a new checkpoint"
         )
-
-
-def read_verified(root: Path, manifest: Manifest, rel: str, limit: int = MAX_READ_BYTES) -> bytes:
-    """A small member's bytes, read once through one descriptor (no symlink followed) and checked
-    against the manifest's size and sha256 before anyone parses them: what is checked is what is
-    used (RestorePod's config.dump and sandbox/network.json). DataLoss when they differ."""
-    root = Path(root)
-    entry = manifest.files.get(rel)
-    if entry is None:
-        raise DataLoss(f"checkpoint {root}: {rel} is not listed in the manifest; take a new checkpoint")
-    if entry.size > limit:
-        raise DataLoss(f"checkpoint {root}: {rel} is {entry.size} bytes, over the {limit} limit")
-    try:
-        fd = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError as e:
-        raise DataLoss(
-            f"checkpoint {root}: cannot read {rel} ({e.strerror}): take a new checkpoint"
-        ) from None
-    digest = hashlib.sha256(data).hexdigest()
-    if len(data) != entry.size or digest != entry.sha256:
-        raise DataLoss(
-            f"checkpoint {root} is corrupt: {rel} has sha256 {digest}, the manifest says {entry.sha256}; "
-            "take a new checkpoint"
-        )
-    return data
 
 
 def check_allocated(root: Path, sizes: dict[str, int], stop: threading.Event | None = None) -> None:
@@ -662,22 +616,110 @@ def load_and_verify(
     was cancelled): fsutil.Stopped at the next chunk read.
     """
     root = validate_archive_dir(str(path), allowed_roots)
-    manifest = load_and_check(root, allowed_roots, key, stop)
-    verify_digests(root, manifest, list(manifest.files), workers, stop)
-    return manifest
-
-
-def load_and_check(
-    path: str | Path,
-    allowed_roots: Sequence[str],
-    key: crypto.NodeKey | None = None,
-    stop: threading.Event | None = None,
-) -> Manifest:
-    """load_and_verify without the checksum pass (check_tree instead of verify_files): the same
-    refusals except a file whose bytes differ, which verify_digests (or read_verified) finds."""
-    root = validate_archive_dir(str(path), allowed_roots)
     where, doc = _read_doc(root)
     manifest = Manifest.from_dict(doc, str(where))
     check_encryption(root, doc, manifest, key)
-    check_tree(root, manifest, stop)
+    verify_files(root, manifest, workers, stop)
     return manifest
+
+
+# ---------------------------------------------------------------------------- the container tar's
+
+
+@dataclass
+class ContainerTarManifest:
+    """podshim-manifest.json, the last member of a container checkpoint tar (CheckpointContainer,
+    docs/architecture.md §6 (CheckpointContainer); the tar's member names: container_tar.py):
+    what was checkpointed, on which host, its timings, CRIU stats and options, and size + sha256
+    of every other member. Written by shim/ops/checkpoint_container.py, checked by
+    shim/ops/restore_container.py and `podshim inspect`."""
+
+    # id, name, image, image_ref, restart_count, state
+    container: dict[str, Any] = field(default_factory=dict)
+    pod: dict[str, Any] = field(default_factory=dict)  # id, name, namespace, uid
+    host: dict[str, Any] = field(default_factory=dict)  # HostInfo's fields
+    timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g. "freeze_window"
+    criu_stats: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, str] = field(default_factory=dict)  # contract.switches_record
+    files: dict[str, FileEntry] = field(default_factory=dict)  # member -> size, sha256
+    created: str = field(default_factory=rfc3339_now)
+    format: str = CONTAINER_FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "created": self.created,
+            "host": self.host,
+            "container": self.container,
+            "pod": self.pod,
+            "timings": self.timings,
+            "criu_stats": self.criu_stats,
+            "options": self.options,
+            "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
+        }
+
+    def to_json(self) -> bytes:
+        return json_bytes(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> ContainerTarManifest:
+        """Parse a decoded podshim-manifest.json (`where`: the tar, for messages). A shape podshim
+        never writes is DataLoss; the format is checked apart (check_format), so that `podshim
+        inspect` still shows another version's tar."""
+        bad = DataLoss(f"{where}: {CONTAINER_MANIFEST_FILE} is malformed")
+        if not isinstance(d, dict) or not isinstance(d.get("files"), dict):
+            raise bad
+        objects = ("container", "pod", "host", "timings", "criu_stats", "options")
+        shapes_ok = all(isinstance(d.get(k, {}), dict) for k in objects)
+        if not shapes_ok or not isinstance(d.get("format", ""), str):
+            raise bad
+        files = {}
+        for rel, fe in d["files"].items():
+            size, digest = (fe.get("size"), fe.get("sha256")) if isinstance(fe, dict) else (None, None)
+            if not isinstance(size, int) or isinstance(size, bool) or not isinstance(digest, str):
+                raise DataLoss(f"{where} is corrupt: {rel} differs from its manifest (size or sha256)")
+            files[rel] = FileEntry(size=size, sha256=digest)
+        return cls(
+            files=files,
+            created=str(d.get("created", "")),
+            format=d.get("format", ""),
+            **{k: d.get(k, {}) for k in objects},
+        )
+
+    def check_format(self, where: str) -> None:
+        """FailedPrecondition unless this podshim reads the tar's format."""
+        if self.format != CONTAINER_FORMAT:
+            raise FailedPrecondition(
+                f"{where}: format {self.format!r} is not supported (this podshim reads {CONTAINER_FORMAT})"
+            )
+
+    def check_files(self, actual: dict[str, FileEntry], where: str) -> None:
+        """The tar's members (but the manifest) are exactly the listed ones, each with its size and
+        sha256: DataLoss naming the first that is not."""
+        odd = sorted(set(actual) ^ set(self.files))
+        if odd:
+            raise DataLoss(f"{where} does not match its manifest: {', '.join(odd[:5])} missing or extra")
+        for rel, fe in sorted(self.files.items()):
+            if actual[rel] != fe:
+                raise DataLoss(f"{where} is corrupt: {rel} differs from its manifest (size or sha256)")
+
+
+def container_tar_files(
+    tree: Path | DirHandle, check: Callable[[], None] | None = None
+) -> dict[str, FileEntry]:
+    """size + sha256 of every regular file under `tree` but the manifest (what it lists), listed
+    and read through descriptors (dirfd.HeldTree); anything else is a bug (Internal). `check` runs
+    before each file (a cancellation point)."""
+    entries = {}
+    with (
+        held(tree) as h,
+        h.tree(lambda msg: Internal(f"unexpected entry in a container checkpoint: {msg}")) as t,
+    ):
+        for rel in sorted(t.files):
+            if rel == CONTAINER_MANIFEST_FILE:
+                continue
+            if check is not None:
+                check()
+            size, digest = hash_file(t.path(rel))
+            entries[rel] = FileEntry(size=size, sha256=digest)
+    return entries

@@ -196,28 +196,29 @@ def inspect_container_tar(path: Path, verify: bool) -> dict[str, Any]:
         raise errors.DataLoss(f"{path} is not a readable tar: {tar_error(e)}") from e
     record = docs.get(layout.CONFIG_DUMP_FILE) or {}
     spec = docs.get(layout.SPEC_DUMP_FILE) or {}
-    m = docs.get(CONTAINER_MANIFEST) or {}
-    if not isinstance(record, dict) or not isinstance(spec, dict) or not isinstance(m, dict):
+    doc = docs.get(CONTAINER_MANIFEST) or {}
+    if not isinstance(record, dict) or not isinstance(spec, dict) or not isinstance(doc, dict):
         raise errors.DataLoss(f"{path}: config.dump, spec.dump and the manifest must be JSON objects")
-    if not m and isinstance(record.get("podshim"), dict):
+    m = manifest.ContainerTarManifest.from_dict(doc, str(path)) if doc else None
+    if m is None and isinstance(record.get("podshim"), dict):
         raise errors.DataLoss(
             f"{path} was written by podshim but has no {CONTAINER_MANIFEST} (its last member): "
             "the archive is truncated"
         )
     missing = [r for r in REQUIRED_MEMBERS if r not in sizes]
-    if missing and not record and not m:
+    if missing and not record and m is None:
         raise errors.InvalidArgument(f"{path} is not a container checkpoint (no {', '.join(missing)})")
     if verify:
         _verify_tar(path, m, sizes, digests, docs)
     annotations = (spec.get("annotations") or {}) if isinstance(spec.get("annotations"), dict) else {}
-    pod = record.get("pod") or m.get("pod") or {}
+    pod = record.get("pod") or (m.pod if m is not None else {})
     return {
         "kind": "container",
         "path": str(path),
-        "format": m.get("format", "") or "(no podshim manifest)",
-        "created": m.get("created", ""),
+        "format": (m.format if m is not None else "") or "(no podshim manifest)",
+        "created": m.created if m is not None else "",
         "verified": verify,
-        "host": m.get("host", {}),
+        "host": m.host if m is not None else {},
         "container": {
             "id": record.get("id", ""),
             "name": record.get("name", ""),
@@ -235,10 +236,10 @@ def inspect_container_tar(path: Path, verify: bool) -> dict[str, Any]:
             "uid": pod.get("uid") or annotations.get("io.kubernetes.cri.sandbox-uid", ""),
         },
         "process": (spec.get("process") or {}).get("args", []),
-        "options": m.get("options", {}),
-        "timings": m.get("timings", {}),
-        "freeze_window_seconds": (m.get("timings") or {}).get("freeze_window"),
-        "criu_stats": m.get("criu_stats", {}),
+        "options": m.options if m is not None else {},
+        "timings": m.timings if m is not None else {},
+        "freeze_window_seconds": m.timings.get("freeze_window") if m is not None else None,
+        "criu_stats": m.criu_stats if m is not None else {},
         "members": len(sizes),
         "missing_required": missing,
         "total_bytes": sum(sizes.values()),
@@ -248,24 +249,26 @@ def inspect_container_tar(path: Path, verify: bool) -> dict[str, Any]:
 
 
 def _verify_tar(
-    path: Path, m: dict[str, Any], sizes: dict[str, int], digests: dict[str, str], docs: dict[str, Any]
+    path: Path,
+    m: manifest.ContainerTarManifest | None,
+    sizes: dict[str, int],
+    digests: dict[str, str],
+    docs: dict[str, Any],
 ) -> None:
-    if m.get("format") != CONTAINER_FORMAT:
+    if m is None or m.format != CONTAINER_FORMAT:
         raise errors.FailedPrecondition(
             f"{path} has no podshim manifest ({CONTAINER_FORMAT}) to verify against"
         )
-    expected = m.get("files") or {}
-    present = set(sizes) - {CONTAINER_MANIFEST}
-    odd = sorted(present ^ set(expected))
-    if odd:
-        raise errors.DataLoss(f"{path} does not match its manifest: {', '.join(odd[:5])} missing or extra")
-    for rel, fe in sorted(expected.items()):
-        digest = digests.get(rel)
-        if digest is None and rel in docs:  # metadata members were parsed, not hashed: re-read
-            with tarfile.open(path, mode="r:*") as tar:
-                digest = _hash_member(tar, tar.getmember(rel))
-        if sizes.get(rel) != fe.get("size") or digest != fe.get("sha256"):
-            raise errors.DataLoss(f"{path} is corrupt: {rel} differs from its manifest (size or sha256)")
+    reread = [rel for rel in docs if rel in m.files and rel != CONTAINER_MANIFEST]
+    if reread:  # metadata members were parsed, not hashed: read them again
+        with tarfile.open(path, mode="r:*") as tar:
+            digests = {**digests, **{rel: _hash_member(tar, tar.getmember(rel)) for rel in reread}}
+    actual = {
+        rel: manifest.FileEntry(size=size, sha256=digests.get(rel, ""))
+        for rel, size in sizes.items()
+        if rel != CONTAINER_MANIFEST
+    }
+    m.check_files(actual, str(path))
 
 
 # ---------------------------------------------------------------------------- tables

@@ -45,8 +45,7 @@ from shim.archive.container_tar import (
     MANIFEST_FILE,
 )
 from shim.archive.dirfd import DirHandle, HeldTree, open_checked
-from shim.archive.dirfd import held as held_dir
-from shim.cgroups import PodCut, thaw_paths
+from shim.cgroups import default_freezer, thaw_paths
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
 from shim.ops import checkpoint_pod
@@ -176,23 +175,6 @@ class _Reader:
 # ---------------------------------------------------------------------------- archive files
 
 
-def file_entries(tree: Path | DirHandle, steps: Steps) -> dict[str, dict[str, Any]]:
-    """size + sha256 of every regular file under `tree` but the manifest (what it lists), listed
-    and read through descriptors (dirfd.HeldTree); anything else is a bug (Internal)."""
-    entries = {}
-    with (
-        held_dir(tree) as h,
-        h.tree(lambda msg: errors.Internal(f"unexpected entry in a container checkpoint: {msg}")) as t,
-    ):
-        for rel in sorted(t.files):
-            if rel == MANIFEST_FILE:
-                continue
-            steps.check()
-            size, digest = fsutil.hash_file(t.path(rel))
-            entries[rel] = {"size": size, "sha256": digest}
-    return entries
-
-
 class _FdRef:
     """What tarfile.gettarinfo needs of a file object to stat an open descriptor."""
 
@@ -214,7 +196,7 @@ def write_tar(
     tree_dir: DirHandle,
     staging: DirHandle,
     steps: Steps,
-    manifest_for: Callable[[dict[str, dict[str, Any]]], bytes],
+    manifest_for: Callable[[dict[str, manifest.FileEntry]], bytes],
 ) -> int:
     """Tar `tree_dir` into the new file STAGING_TAR of `staging` (0600, uncompressed, PAX,
     fsynced); returns its size. Both are read and written through their descriptors only.
@@ -223,7 +205,7 @@ def write_tar(
     CRI-O write them. Each file is hashed as it is copied; `manifest_for(files)` then gives the
     manifest, added as the last member. A partial tar is removed.
     """
-    files: dict[str, dict[str, Any]] = {}
+    files: dict[str, manifest.FileEntry] = {}
     fd = staging.create(STAGING_TAR)
     try:
         with (
@@ -252,7 +234,7 @@ def write_tar(
                         tar.addfile(ti, reader)  # type: ignore[arg-type]
                     if reader.size != ti.size:
                         raise errors.Internal(f"{rel} changed size while it was archived")
-                    files[rel] = {"size": reader.size, "sha256": reader.sha256.hexdigest()}
+                    files[rel] = manifest.FileEntry(size=reader.size, sha256=reader.sha256.hexdigest())
                 data = manifest_for(files)
                 ti = tarfile.TarInfo(MANIFEST_FILE)
                 ti.size, ti.mode, ti.mtime = len(data), fsutil.FILE_MODE, int(time.time())
@@ -486,15 +468,19 @@ class ContainerCheckpointer:
         opts = _criu_options()
         timings["prepare"] = time.monotonic() - started
 
-        # Freeze, dump (leaving it running) with the rootfs diff alongside, thaw: the pod's cut
-        # (PodCut) of this one container's own cgroup, no parent (the rest of the pod is never
-        # touched); someone else's earlier pause is left as found.
+        # Freeze, dump (leaving it running) with the rootfs diff alongside, thaw.
+        freezer = default_freezer()
         cgroup = c.cgroups_path
-        cut = PodCut(None, [cgroup], timeout=FREEZE_TIMEOUT)
+        paused_before = await steps.run(freezer.self_frozen, cgroup)  # someone else's pause stays
         await steps.run(self.journal.update, rec, "frozen")  # fsync: never on the loop
+        froze = False
+        frozen_at = thawed_at = time.monotonic()
         checkpointed = rfc3339()
         try:
-            await steps.run(cut.freeze)
+            if not paused_before:
+                froze = True  # before the write: a half-done freeze is still undone
+                await steps.run(freezer.freeze, cgroup, FREEZE_TIMEOUT)
+            frozen_at = time.monotonic()
             checkpointed = rfc3339()
             faults.hit("checkpoint-container.after-freeze")
             log.info("container frozen", container=c.id, name=c.name)
@@ -512,10 +498,12 @@ class ContainerCheckpointer:
                     if not t.cancelled():
                         t.exception()
         finally:
-            cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
-            if cut.timings.started_monotonic is not None and not cut.preexisting:
+            if froze:
+                # synchronous on purpose: runs even while the task is being cancelled
+                freezer.thaw(cgroup, FREEZE_TIMEOUT, missing_ok=True)
                 confirm_thawed([cgroup], c.id)  # read back: no dump left to freeze it again
-        timings["freeze_window"] = cut.window_seconds
+            thawed_at = time.monotonic()
+        timings["freeze_window"] = thawed_at - frozen_at
         # runc/CRIU wrote through the held descriptors: if the location's directory was replaced
         # meanwhile, fail rather than publish a tar where the caller's path no longer leads
         where.check_in_place("location directory", "the checkpoint")
@@ -533,10 +521,10 @@ class ContainerCheckpointer:
         host = await steps.run(self._host, runtime)
         tar_start = time.monotonic()
 
-        def manifest_for(files: dict[str, dict[str, Any]]) -> bytes:
+        def manifest_for(files: dict[str, manifest.FileEntry]) -> bytes:
             timings["archive"] = time.monotonic() - tar_start
             timings["total"] = time.monotonic() - started
-            return layout.json_bytes(self._manifest(pod, c, host, stats, opts, timings, files))
+            return self._manifest(pod, c, host, stats, opts, timings, files).to_json()
 
         size = await steps.run(write_tar, tree, staging, steps, manifest_for)
         tree.close()
@@ -629,16 +617,14 @@ class ContainerCheckpointer:
         stats: dict[str, int],
         opts: CriuOptions,
         timings: dict[str, float],
-        files: dict[str, dict[str, Any]],
-    ) -> dict[str, Any]:
+        files: dict[str, manifest.FileEntry],
+    ) -> manifest.ContainerTarManifest:
         """podshim-manifest.json: format, host, container, pod, timings, CRIU stats, options and
         size + sha256 of every other file of the tar."""
         md = pod.status.metadata
-        return {
-            "format": FORMAT,
-            "created": manifest.rfc3339_now(),
-            "host": host,
-            "container": {
+        return manifest.ContainerTarManifest(
+            host=host,
+            container={
                 "id": c.id,
                 "name": c.name,
                 "image": c.image,
@@ -646,12 +632,12 @@ class ContainerCheckpointer:
                 "restart_count": c.restart_count,
                 "state": cri.ContainerState.Name(c.state),
             },
-            "pod": {"id": pod.id, "name": md.name, "namespace": md.namespace, "uid": md.uid},
-            "timings": {k: round(v, 6) for k, v in timings.items()},
-            "criu_stats": stats,
-            "options": contract.switches_record(opts),
-            "files": files,
-        }
+            pod={"id": pod.id, "name": md.name, "namespace": md.namespace, "uid": md.uid},
+            timings={k: round(v, 6) for k, v in timings.items()},
+            criu_stats=stats,
+            options=contract.switches_record(opts),
+            files=files,
+        )
 
 
 # ---------------------------------------------------------------------------- recovery

@@ -26,7 +26,6 @@ from shim import contract, errors, logs
 from shim.aio import Steps
 from shim.archive import fsutil, layout, manifest, paths
 from shim.archive.container_tar import (
-    FORMAT,
     MANIFEST_FILE,
     MAX_METADATA_BYTES,
     REQUIRED_MEMBERS,
@@ -34,9 +33,9 @@ from shim.archive.container_tar import (
 )
 from shim.archive.dirfd import DirHandle
 from shim.archive.dirfd import held as held_dir
+from shim.archive.manifest import ContainerTarManifest, container_tar_files
 from shim.config import Config
 from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
-from shim.ops.checkpoint_container import file_entries
 from shim.ops.checkpoint_pod import (
     CLEANUP_MARGIN,
     DEFAULT_DEADLINE,
@@ -177,7 +176,7 @@ class ImportedCheckpoint:
     root: Path  # the extracted tree (the restore annotation points here)
     record: dict[str, Any]  # config.dump
     spec: dict[str, Any]  # spec.dump
-    manifest: dict[str, Any] | None  # podshim's manifest (None: written by another runtime)
+    manifest: ContainerTarManifest | None  # podshim's manifest (None: written by another runtime)
 
 
 def load_imported(
@@ -198,34 +197,17 @@ def load_imported(
     spec = _read_json(root / layout.SPEC_DUMP_FILE, f"{tar_path}: {layout.SPEC_DUMP_FILE}")
     if not isinstance(record, dict) or not isinstance(spec, dict):
         raise errors.DataLoss(f"{tar_path}: config.dump and spec.dump must be JSON objects")
-    m = _read_json(root / MANIFEST_FILE, f"{tar_path}: {MANIFEST_FILE}")
-    if m is None and isinstance(record.get("podshim"), dict):
+    doc = _read_json(root / MANIFEST_FILE, f"{tar_path}: {MANIFEST_FILE}")
+    if doc is None and isinstance(record.get("podshim"), dict):
         raise errors.DataLoss(
             f"{tar_path} was written by podshim but has no {MANIFEST_FILE} (its last member): "
             "the archive is truncated; take a new checkpoint"
         )
-    if m is not None:
-        if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
-            raise errors.DataLoss(f"{tar_path}: {MANIFEST_FILE} is malformed")
-        if m.get("format") != FORMAT:
-            raise errors.FailedPrecondition(
-                f"{tar_path}: format {m.get('format')!r} is not supported (this podshim reads {FORMAT})"
-            )
-        actual = file_entries(held if held is not None else root, steps)
-        expected = m["files"]
-        if set(actual) != set(expected):
-            odd = sorted(set(actual) ^ set(expected))
-            raise errors.DataLoss(
-                f"{tar_path} does not match its manifest: {', '.join(odd[:5])} missing or extra"
-            )
-        for rel, fe in sorted(expected.items()):
-            if not isinstance(fe, dict) or actual[rel] != {
-                "size": fe.get("size"),
-                "sha256": fe.get("sha256"),
-            }:
-                raise errors.DataLoss(
-                    f"{tar_path} is corrupt: {rel} differs from its manifest (size or sha256)"
-                )
+    m = None
+    if doc is not None:
+        m = ContainerTarManifest.from_dict(doc, str(tar_path))
+        m.check_format(str(tar_path))
+        m.check_files(container_tar_files(held if held is not None else root, steps.check), str(tar_path))
     return ImportedCheckpoint(root=where, record=record, spec=spec, manifest=m)
 
 
@@ -258,7 +240,7 @@ def restore_config(req: cri.ContainerConfig, ck: ImportedCheckpoint, image: str)
     if not cc.working_dir:
         cc.working_dir = archived.working_dir
     # CRI-O always dumps with file locks
-    options = (ck.manifest or {}).get("options") or {contract.FILE_LOCKS: "true"}
+    options = (ck.manifest.options if ck.manifest is not None else {}) or {contract.FILE_LOCKS: "true"}
     cc.annotations[RESTORE_ANNOTATION] = str(ck.root)
     cc.annotations[RESTORE_OPTIONS_ANNOTATION] = contract.to_record(options)
     return cc
