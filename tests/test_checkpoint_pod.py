@@ -335,6 +335,21 @@ def test_three_containers_frozen_in_one_cut(
     first_after = min(g[1][1] for g in gaps.values())
     assert last_before < first_after, gaps
     assert first_after - last_before >= window / 2, (gaps, window)  # overlap ~ the window
+    # no container's CRIU locked the pod's shared netns (docs/architecture.md §4.1 (The freeze
+    # window)): nothing established to keep still, so each dump's inventory says "skip"
+    for n in names:
+        assert inventory(out, n).get("network_lock_method") == NETWORK_LOCK_SKIP, inventory(out, n)
+
+
+NETWORK_LOCK_SKIP = 2  # CRIU's enum NETWORK_LOCK_METHOD: iptables 0, nftables 1, skip 2
+
+
+def inventory(out: Path, name: str) -> dict:
+    """A container's CRIU inventory.img, decoded with pycriu."""
+    import pycriu
+
+    with open(out / "containers" / name / "checkpoint" / "inventory.img", "rb") as f:
+        return pycriu.images.load(f)["entries"][0]
 
 
 def test_exited_container_is_recorded_not_dumped(

@@ -46,6 +46,16 @@ class CriuOptions:
         out = [f"ghost-limit {self.ghost_limit}"] if self.ghost_limit else []
         return out + [f"irmap-scan-path {p}" for p in self.irmap_scan_paths]
 
+    def dump_config_lines(self) -> list[str]:
+        """The CRIU config file of a dump: `config_lines`, and `network-lock skip` unless
+        established TCP connections are dumped. CRIU's network lock (iptables-restore in the
+        pod's shared netns before and after every container's dump) only keeps established
+        connections still while they are dumped; without them it locks nothing worth keeping and
+        costs each dump four iptables-restore runs (lock and unlock, IPv4 and IPv6) inside the
+        freeze window, serialised by the shared netns (docs/architecture.md §4.1 (The freeze
+        window))."""
+        return self.config_lines() + ([] if self.tcp_established else ["network-lock skip"])
+
     def flags(self) -> list[str]:
         """runc's and crun's switches: --<name> of each contract.CRIU_SWITCHES entry that is on."""
         return [f"--{name}" for name, attr in contract.CRIU_SWITCHES.items() if getattr(self, attr)]
@@ -55,7 +65,7 @@ class CriuOptions:
 def _criu_config(opts: CriuOptions) -> Iterator[dict[str, str] | None]:
     """The environment of a dump: CRIU_CONFIG_FILE naming a private file with the options
     runc/crun have no flag for (removed after the dump); None (inherit) when there are none."""
-    lines = opts.config_lines()
+    lines = opts.dump_config_lines()
     if not lines:
         yield None
         return
