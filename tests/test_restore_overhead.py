@@ -126,3 +126,33 @@ def test_check_tree_then_verify_digests_is_verify_files(tmp_path: Path) -> None:
     manifest.verify_digests(root, m, ["sandbox/config.json"])  # not the member that differs
     with pytest.raises(errors.DataLoss, match="pages-1.img has sha256"):
         manifest.verify_digests(root, m, list(m.files), workers=2)
+
+
+def test_decryption_checks_each_file_against_the_manifest_in_its_own_read(tmp_path: Path) -> None:
+    """RestorePod does not hash what it decrypts in a pass of its own: decrypt_members hashes the
+    ciphertext as it reads it. A file another archive encrypted with the same key under the same
+    name authenticates (AES-GCM) but is not this archive's: DataLoss naming it, from its sha256."""
+    from shim.archive import crypto
+
+    key_file = tmp_path / "key"
+    key_file.write_bytes(os.urandom(crypto.KEY_SIZE))
+    key_file.chmod(0o600)
+    key = crypto.load_key(str(key_file))
+    rel = "containers/c/checkpoint/pages-1.img"
+    archive = tmp_path / "a"
+    (archive / "containers/c/checkpoint").mkdir(parents=True)
+    (archive / rel).write_bytes(os.urandom(3 << 20))
+    crypto.encrypt_file(archive / rel, rel, key)
+    ciphertext = (archive / rel).read_bytes()
+    expect = {rel: (len(ciphertext), hashlib.sha256(ciphertext).hexdigest())}
+    out = tmp_path / "out1"
+    out.mkdir(mode=0o700)
+    crypto.decrypt_members(archive, [rel], "containers/c", out, key, 2, None, expect)
+    assert (out / "checkpoint/pages-1.img").stat().st_size == 3 << 20
+    # the same member of another checkpoint with the same key: authentic, but not this one
+    (archive / rel).write_bytes(os.urandom(3 << 20))
+    crypto.encrypt_file(archive / rel, rel, key)
+    out2 = tmp_path / "out2"
+    out2.mkdir(mode=0o700)
+    with pytest.raises(errors.DataLoss, match="pages-1.img has sha256"):
+        crypto.decrypt_members(archive, [rel], "containers/c", out2, key, 2, None, expect)

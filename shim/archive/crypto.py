@@ -301,9 +301,47 @@ def encrypt_file(path: Path, rel: str, key: NodeKey, stop: Any = None) -> int:
     return size
 
 
-def decrypt_file(src_path: Path, dst_path: Path, rel: str, key: NodeKey, stop: Any = None) -> None:
-    with _open_read(src_path) as src, _open_new(dst_path) as dst:
-        decrypt_stream(src, dst, rel, key, stop)
+class _Hashed:
+    """A reader that hashes what passes through it: the ciphertext decrypt_stream reads once."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def readinto(self, view: memoryview) -> int:
+        n = self.raw.readinto(view) or 0  # type: ignore[attr-defined]
+        if n:
+            self.sha256.update(view[:n])
+            self.size += n
+        return n
+
+
+def decrypt_file(
+    src_path: Path,
+    dst_path: Path,
+    rel: str,
+    key: NodeKey,
+    stop: Any = None,
+    expect: tuple[int, str] | None = None,
+) -> None:
+    """Decrypt `src_path` into the new file `dst_path`. With `expect` (the manifest's size and
+    sha256 of the encrypted file), the ciphertext is hashed as it is read, in the same pass, and
+    must match (DataLoss naming the file): RestorePod's checksum pass skips what it decrypts."""
+    with _open_read(src_path) as raw, _open_new(dst_path) as dst:
+        src = _Hashed(raw) if expect is not None else raw
+        decrypt_stream(src, dst, rel, key, stop)  # type: ignore[arg-type]
+        if isinstance(src, _Hashed) and expect is not None:
+            rest = memoryview(bytearray(CHUNK_SIZE))
+            while src.readinto(rest):  # decrypt_stream stops at the last chunk: nothing may follow
+                _check_stop(stop)
+            digest = src.sha256.hexdigest()
+            if (src.size, digest) != (expect[0], expect[1]):
+                raise DataLoss(
+                    f"checkpoint {Path(src_path).parent} is corrupt: {rel} has sha256 {digest} "
+                    f"({src.size} bytes), the manifest says {expect[1]} ({expect[0]} bytes); take a new "
+                    "checkpoint"
+                )
 
 
 def decrypt_bytes(path: Path, rel: str, key: NodeKey, limit: int = 64 << 20) -> bytes:
@@ -383,10 +421,13 @@ def decrypt_members(
     key: NodeKey,
     workers: int = 1,
     stop: Any = None,
+    expect: dict[str, tuple[int, str]] | None = None,
 ) -> None:
     """Decrypt the archive members `rels` that lie under `prefix` ("containers/<name>") into
     `dest`, keeping their paths below `prefix` (directories 0700, files 0600). `dest` is opened
-    once (O_NOFOLLOW at every level) and written only through descriptors (dirfd.py)."""
+    once (O_NOFOLLOW at every level) and written only through descriptors (dirfd.py). `expect`:
+    the manifest's (size, sha256) of each member, checked in the decryption's own read
+    (decrypt_file)."""
     archive = Path(archive)
     mine = sorted(r for r in rels if r.startswith(prefix + "/"))
     with held(dest) as d:
@@ -399,7 +440,10 @@ def decrypt_members(
 
             def one(rel: str, ev: Any) -> None:
                 parent, _, name = rel[len(prefix) + 1 :].rpartition("/")
-                decrypt_file(archive / rel, parents[parent].at(name), rel, key, ev)
+                want = expect.get(rel) if expect is not None else None
+                if expect is not None and want is None:
+                    raise DataLoss(f"checkpoint {archive}: {rel} is not listed in the manifest")
+                decrypt_file(archive / rel, parents[parent].at(name), rel, key, ev, want)
 
             _run_all(one, mine, workers, stop)
         except (Stopped, DataLoss):

@@ -587,16 +587,12 @@ class PodRestorer:
         (RestorePod) step 1): the sha256 of every member _check did not read, then (encrypted
         archives) the decryption, then the rootfs diffs' checks. _create waits for it before it
         creates any container; a failure (DATA_LOSS, a hostile diff) removes the new sandbox."""
+        m, rels = checked.manifest, checked.unverified
+        if m.encryption is not None:  # what _decrypt reads it hashes in the same pass
+            rels = [r for r in rels if not any(r.startswith(p.entry.dir + "/") for p in checked.plan)]
         with run.phases("verify"):
-            await run.steps.run(
-                manifest.verify_digests,
-                checked.root,
-                checked.manifest,
-                checked.unverified,
-                2,
-                run.steps.cancel,
-            )
-        if checked.manifest.encryption is not None:
+            await run.steps.run(manifest.verify_digests, checked.root, m, rels, 2, run.steps.cancel)
+        if m.encryption is not None:
             with run.phases("decrypt"):
                 await self._decrypt(checked, run)
         with run.phases("rootfs_check"):
@@ -610,6 +606,7 @@ class PodRestorer:
         RestorePod (their undo) or the container (`_sweep_decrypted`)."""
         root, m, key = checked.root, checked.manifest, checked.key
         assert key is not None  # load_and_check refused an encrypted archive without one
+        expect = {rel: (f.size, f.sha256) for rel, f in m.files.items()}
         for p in checked.plan:
             # its undo registered before the thread makes it: a deadline while it is being made
             # (run_to_end then drops the thread's result) must still remove the plaintext dir
@@ -618,9 +615,10 @@ class PodRestorer:
             self._decrypting.add(d)
             run.ends.callback(self._decrypting.discard, d)
             await run_to_end(crypto.new_decrypted_dir, self.config.state_dir, root, p.entry.name, d.name)
-            # the threads stop at their next chunk when cancelled: nothing writes into d after it
+            # the threads stop at their next chunk when cancelled: nothing writes into d after it;
+            # each file's sha256 is checked against the manifest in the decryption's own read
             await run.steps.run(
-                crypto.decrypt_members, root, list(m.files), p.entry.dir, d, key, 2, run.steps.cancel
+                crypto.decrypt_members, root, list(m.files), p.entry.dir, d, key, 2, run.steps.cancel, expect
             )
             p.dir = d
         log.info("restore decrypted", archive=str(root), containers=[p.entry.name for p in checked.plan])
