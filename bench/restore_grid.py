@@ -90,6 +90,7 @@ LAZY_OPTION = {"lazy-pages": "true"}
 VERIFY_RE = re.compile(rb"\bverify (ok|FAILED)\b[^\n]*")
 INTERVAL_MS = 10  # the grid's counters print every 10 ms: first output resolves to ~10 ms
 WAIT_S = 300.0  # the longest wait for one line (a cold 4 GiB check on a busy VM stays far below)
+BIG = 4096  # MiB: sizes from here on run `big_repeat` times (bench/restore.py --big-repeat)
 TARGETS = {
     "lazy_first_output_4g_s": 0.3,
     "lazy_slope_s_per_gib": 0.03,
@@ -261,7 +262,7 @@ SIZE_HEADERS = [
 def report(g: GridResult) -> str:
     """The grid's tables and notes (the RESULT line is printed by the caller)."""
     out = [
-        f"Restore grid, seconds (medians of {g.repeat} repeats per cell; 'n' = samples), "
+        f"Restore grid, seconds (medians of up to {g.repeat} repeats per cell; 'n' = samples), "
         f"{g.seconds:.0f} s in all; load at start / end: {' / '.join(g.loads)}",
         table(GRID_HEADERS, grid_rows(g)),
         "restore = RestorePod + StartContainer (eager, lazy) or the runc restore call (runc; runc-lazy: with"
@@ -635,9 +636,6 @@ def run_size(
         say(f"  CheckpointPod {res.checkpoint_s:.3f}s (last count {res.last_count}); pattern check on the "
             f"source {median(res.check_ref):.3f}s")  # fmt: skip
         rb = build_raw_bundle(bed, archive, source.containers["counter"], "counter")
-        # not counted: touches this much guest memory once and loads every binary
-        w = podshim_cell(rt, bed, archive, configs, f"grid-warmup-{mem}", lazy=False, cache="warm")
-        say(f"  warm-up eager restore: first output {w.first_s:.3f}s, resident {w.resident_s:.3f}s")
         order = [(mode, cache) for cache in CACHES for mode in MODES if lazy or mode != "lazy"]
         for r in range(repeat):
             for i, (mode, cache) in enumerate(order if r % 2 == 0 else order[::-1]):
@@ -674,8 +672,11 @@ def run(
     repeat: int,
     cold_mem: int,
     init_seconds: int,
+    big_repeat: int | None = None,
 ) -> GridResult:
+    """The grid: `repeat` repeats per cell, `big_repeat` (default `repeat`) at 4096 MiB and more."""
     g = GridResult(cold_mem=cold_mem, init_seconds=init_seconds, repeat=repeat, loads=[load()])
+    big_repeat = repeat if big_repeat is None else big_repeat
     start = time.perf_counter()
     say("grid: is lazy restore there? a lazy RestorePod of a 16 MiB counter")
     configs = {"counter": counter_config("counter", 16, INTERVAL_MS)}
@@ -690,7 +691,7 @@ def run(
         remove_tree(archive)
     say("  lazy restore works: lazy cells included" if not g.lazy else f"  no lazy cells: {g.lazy}")
     for mem in sizes:
-        g.sizes.append(run_size(rt, bed, mem, repeat, not g.lazy))
+        g.sizes.append(run_size(rt, bed, mem, big_repeat if mem >= BIG else repeat, not g.lazy))
     say(f"grid: cold start of a {cold_mem} MiB counter with {init_seconds}s of initialisation")
     for i in range(repeat):
         try:
