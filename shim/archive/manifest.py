@@ -9,6 +9,7 @@ only then writes manifest.json atomically: a directory without manifest.json is 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import platform
@@ -60,6 +61,10 @@ MAX_TREE_DEPTH = 16
 # Holes a member may have (bytes, and at most half of its size) before it counts as a sparse
 # file: podshim, CRIU and tar never write one, and hashing gigabytes of holes is work for nothing.
 MAX_HOLE_BYTES = 64 << 20
+# Largest member read whole into memory (read_verified: config.dump, network.json).
+MAX_READ_BYTES = 64 << 20
+# Read size of the checksum pass: fewer system calls than fsutil's 1 MiB, still streamed.
+VERIFY_CHUNK = 4 << 20
 # What every checkpointed container of a podshim archive has (relative to its dir): CheckpointPod
 # has written each since the first format, so a manifest without `members` must list them too.
 REQUIRED_MEMBERS = (
@@ -524,6 +529,13 @@ def verify_files(
     cannot be what podshim wrote without reading it: a sparse file (check_allocated). `stop`
     set (the caller was cancelled): fsutil.Stopped at the next chunk.
     """
+    check_tree(root, manifest, stop)
+    verify_digests(root, manifest, list(manifest.files), workers, stop)
+
+
+def check_tree(root: Path, manifest: Manifest, stop: threading.Event | None = None) -> None:
+    """verify_files without reading the files' bytes: the exact set of files, their sizes, no
+    sparse member. What RestorePod checks before it creates anything; verify_digests then."""
     root = Path(root)
     _check_members(root, manifest)
     on_disk = _scan_tree(root, InvalidArgument)
@@ -549,15 +561,26 @@ def verify_files(
         )
     rels = sorted(expected)
     check_allocated(root, {r: expected[r].size for r in rels}, stop)
+
+
+def verify_digests(
+    root: Path, manifest: Manifest, rels: Sequence[str], workers: int = 1, stop: threading.Event | None = None
+) -> None:
+    """The sha256 (and size) of each of `rels` against the manifest (DataLoss naming the first
+    file that differs). Largest first on `workers` threads, so that a single large memory image
+    does not start last: the pass takes about max(largest file, all / workers)."""
+    root = Path(root)
+    expected = manifest.files
+    rels = sorted(rels, key=lambda r: (-expected[r].size, r))
     try:
-        results = map_in_threads(lambda rel: hash_file(root / rel, stop=stop), rels, workers)
+        results = map_in_threads(lambda rel: hash_file(root / rel, VERIFY_CHUNK, stop), rels, workers)
     except OSError as e:
         raise Internal(f"cannot read checkpoint {root}: {e}") from e
-    bad = [
+    bad = sorted(
         (rel, digest)
         for rel, (size, digest) in zip(rels, results, strict=True)
         if digest != expected[rel].sha256 or size != expected[rel].size
-    ]
+    )
     if bad:
         rel, digest = bad[0]
         raise DataLoss(
@@ -566,6 +589,33 @@ def verify_files(
             + (f" (and {len(bad) - 1} more files differ)" if bad[1:] else "")
             + "; take a new checkpoint"
         )
+
+
+def read_verified(root: Path, manifest: Manifest, rel: str, limit: int = MAX_READ_BYTES) -> bytes:
+    """A small member's bytes, read once through one descriptor (no symlink followed) and checked
+    against the manifest's size and sha256 before anyone parses them: what is checked is what is
+    used (RestorePod's config.dump and sandbox/network.json). DataLoss when they differ."""
+    root = Path(root)
+    entry = manifest.files.get(rel)
+    if entry is None:
+        raise DataLoss(f"checkpoint {root}: {rel} is not listed in the manifest; take a new checkpoint")
+    if entry.size > limit:
+        raise DataLoss(f"checkpoint {root}: {rel} is {entry.size} bytes, over the {limit} limit")
+    try:
+        fd = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise DataLoss(
+            f"checkpoint {root}: cannot read {rel} ({e.strerror}): take a new checkpoint"
+        ) from None
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != entry.size or digest != entry.sha256:
+        raise DataLoss(
+            f"checkpoint {root} is corrupt: {rel} has sha256 {digest}, the manifest says {entry.sha256}; "
+            "take a new checkpoint"
+        )
+    return data
 
 
 def check_allocated(root: Path, sizes: dict[str, int], stop: threading.Event | None = None) -> None:
@@ -616,10 +666,24 @@ def load_and_verify(
     was cancelled): fsutil.Stopped at the next chunk read.
     """
     root = validate_archive_dir(str(path), allowed_roots)
+    manifest = load_and_check(root, allowed_roots, key, stop)
+    verify_digests(root, manifest, list(manifest.files), workers, stop)
+    return manifest
+
+
+def load_and_check(
+    path: str | Path,
+    allowed_roots: Sequence[str],
+    key: crypto.NodeKey | None = None,
+    stop: threading.Event | None = None,
+) -> Manifest:
+    """load_and_verify without the checksum pass (check_tree instead of verify_files): the same
+    refusals except a file whose bytes differ, which verify_digests (or read_verified) finds."""
+    root = validate_archive_dir(str(path), allowed_roots)
     where, doc = _read_doc(root)
     manifest = Manifest.from_dict(doc, str(where))
     check_encryption(root, doc, manifest, key)
-    verify_files(root, manifest, workers, stop)
+    check_tree(root, manifest, stop)
     return manifest
 
 

@@ -45,7 +45,7 @@ from shim.archive.container_tar import (
     MANIFEST_FILE,
 )
 from shim.archive.dirfd import DirHandle, HeldTree, open_checked
-from shim.cgroups import default_freezer, thaw_paths
+from shim.cgroups import PodCut, thaw_paths
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
 from shim.ops import checkpoint_pod
@@ -468,19 +468,15 @@ class ContainerCheckpointer:
         opts = _criu_options()
         timings["prepare"] = time.monotonic() - started
 
-        # Freeze, dump (leaving it running) with the rootfs diff alongside, thaw.
-        freezer = default_freezer()
+        # Freeze, dump (leaving it running) with the rootfs diff alongside, thaw: the pod's cut
+        # (PodCut) of this one container's own cgroup, no parent (the rest of the pod is never
+        # touched); someone else's earlier pause is left as found.
         cgroup = c.cgroups_path
-        paused_before = await steps.run(freezer.self_frozen, cgroup)  # someone else's pause stays
+        cut = PodCut(None, [cgroup], timeout=FREEZE_TIMEOUT)
         await steps.run(self.journal.update, rec, "frozen")  # fsync: never on the loop
-        froze = False
-        frozen_at = thawed_at = time.monotonic()
         checkpointed = rfc3339()
         try:
-            if not paused_before:
-                froze = True  # before the write: a half-done freeze is still undone
-                await steps.run(freezer.freeze, cgroup, FREEZE_TIMEOUT)
-            frozen_at = time.monotonic()
+            await steps.run(cut.freeze)
             checkpointed = rfc3339()
             faults.hit("checkpoint-container.after-freeze")
             log.info("container frozen", container=c.id, name=c.name)
@@ -498,12 +494,10 @@ class ContainerCheckpointer:
                     if not t.cancelled():
                         t.exception()
         finally:
-            if froze:
-                # synchronous on purpose: runs even while the task is being cancelled
-                freezer.thaw(cgroup, FREEZE_TIMEOUT, missing_ok=True)
+            cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
+            if cut.timings.started_monotonic is not None and not cut.preexisting:
                 confirm_thawed([cgroup], c.id)  # read back: no dump left to freeze it again
-            thawed_at = time.monotonic()
-        timings["freeze_window"] = thawed_at - frozen_at
+        timings["freeze_window"] = cut.window_seconds
         # runc/CRIU wrote through the held descriptors: if the location's directory was replaced
         # meanwhile, fail rather than publish a tar where the caller's path no longer leads
         where.check_in_place("location directory", "the checkpoint")
