@@ -483,25 +483,30 @@ def test_daemon_killed_mid_transfer_kills_the_container(
 def test_unreadable_image_kills_the_container(
     lp: LazyPodshim, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], bed: TestBed
 ) -> None:
-    """The archive's pages become unreadable after RestorePod verified it: the daemon fails, the
-    container is killed (exit reason counted)."""
+    """The archive's pages become unreadable (truncated) while the daemon still has pages to
+    deliver: the daemon fails, the container is killed with the reason, counted as `exit`."""
     copy = Path(bed.checkpoint_root) / f"lazy-unreadable-{secrets.token_hex(3)}"
-    shutil.copytree(plain[256], copy)
+    shutil.copytree(plain[1024], copy)
     try:
-        r = lazy_restore(lp.rt, copy, log_root, 256, lp_cleanup, start=False)
-        pages = sorted((copy / "containers" / "counter" / "checkpoint").glob("pages-*.img"))
-        assert pages
-        for p in pages:
-            os.truncate(p, 4096)
-        with contextlib.suppress(grpc.RpcError):  # the restore itself may already fail
-            lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
-            lp.rt.ExecSync(cri.ExecSyncRequest(container_id=r.cid, cmd=["kill", "-USR1", "1"], timeout=30))
+        before = lp.failures("exit")
+        r = lazy_restore(lp.rt, copy, log_root, 1024, lp_cleanup, start=False)
+        pid = daemon_pid(lp.daemon_records(), r.cid)
+        lp_pids = podshim_pids(str(lp.state_dir.parent)) or podshim_pids("lazy-podshim")
+        lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
+        stop_mid_transfer(lp_pids, pid)
+        try:
+            for p in (copy / "containers" / "counter" / "checkpoint").glob("pages-*.img"):
+                os.truncate(p, 0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
         pods.wait_for(
-            lambda: state(lp.rt, r.cid) != cri.CONTAINER_RUNNING, timeout=60, what="the container killed"
+            lambda: state(lp.rt, r.cid) == cri.CONTAINER_EXITED, timeout=60, what="the container killed"
         )
-        pods.wait_for(lambda: not lp.daemon_records(), timeout=30, what="the daemon's record closed")
         text = log_text(r.log)
-        assert "verify ok" not in text and "verify FAILED" not in text, text[-600:]
+        assert "lazy restore failed" in text and "exited with status" in text, text[-600:]
+        assert "verify FAILED" not in text
+        assert lp.failures("exit") == before + 1
+        pods.wait_for(lambda: not lp.daemon_records(), timeout=30, what="the daemon's record closed")
     finally:
         shutil.rmtree(copy, ignore_errors=True)
 
@@ -519,20 +524,22 @@ def bed_daemon_records(bed: TestBed) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("daemon", ["alive", "gone"])
+@pytest.mark.parametrize("daemon", ["alive", "gone", "podshim-stopped"])
 def test_podshim_killed_while_a_daemon_serves(
     rt: Stub, bed: TestBed, plain: dict[int, Path], log_root: Path, pod_cleanup: list[str], daemon: str
 ) -> None:
-    """podshim is SIGKILLed while a daemon serves (held stopped mid-transfer): at its next start the
-    journal's record is handled: the container, whose daemon's result can no longer be known, is
-    killed with the reason in its log; an alive daemon is ended; the record and work dir go."""
+    """podshim is SIGKILLed (or stopped with SIGTERM: the daemon must outlive it, never be killed
+    with it) while a daemon serves (held stopped mid-transfer): at its next start the journal's
+    record is handled: the container, whose daemon's result can no longer be known, is killed with
+    the reason in its log; an alive daemon is ended; the record and work dir go."""
     r = lazy_restore(rt, plain[1024], log_root, 1024, pod_cleanup, start=False)
     pid = daemon_pid(bed_daemon_records(bed), r.cid)
     podshim = bed.podshim_pid
     assert podshim
     rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
     stop_mid_transfer([podshim], pid)
-    bed.kill_podshim(signal.SIGKILL)
+    bed.kill_podshim(signal.SIGTERM if daemon == "podshim-stopped" else signal.SIGKILL)
+    assert proc_state(pid) in ("T", "t"), "the daemon did not outlive podshim"
     if daemon == "gone":
         os.kill(pid, signal.SIGKILL)
         pods.wait_for(lambda: proc_state(pid) == "gone", timeout=10, what="the daemon reaped")

@@ -124,7 +124,9 @@ class Daemon:
     decrypted: Path | None
     pid: int = 0
     start_time: int = 0
-    proc: asyncio.subprocess.Process | None = None
+    # a plain Popen: asyncio's subprocess transport would SIGKILL a daemon still running when it
+    # is closed or collected at podshim's exit, and the daemons must outlive a podshim stop
+    proc: subprocess.Popen[bytes] | None = None
     rec: Any = None
     container_id: str = ""
     started: float = field(default_factory=time.monotonic)
@@ -180,18 +182,19 @@ class LazyPages:
         self.live[work] = d
         read_end, write_end = os.pipe()
         try:
-            d.proc = await asyncio.create_subprocess_exec(
-                criu,
-                "lazy-pages",
-                "--images-dir",
-                str(images),
-                "--work-dir",
-                str(work),
-                "--status-fd",
-                str(write_end),
-                "-o",
-                LOG_NAME,
-                "-v4",
+            d.proc = subprocess.Popen(
+                [
+                    criu,
+                    "lazy-pages",
+                    "--images-dir",
+                    str(images),
+                    "--work-dir",
+                    str(work),
+                    "--status-fd",
+                    str(write_end),
+                    "-o",
+                    LOG_NAME,
+                ],
                 pass_fds=(write_end,),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -244,10 +247,10 @@ class LazyPages:
         still there (a rollback that failed) ends like a failed one: its container is killed."""
         for d in daemons:
             d.abandoned = True
-            if d.proc is not None and d.proc.returncode is None:
+            if d.proc is not None and d.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     d.proc.kill()
-                await d.proc.wait()
+                await asyncio.to_thread(d.proc.wait)
             if d.task is None:
                 self._release(d)
                 await self._clean(d)
@@ -256,7 +259,7 @@ class LazyPages:
 
     async def _supervise(self, d: Daemon) -> None:
         assert d.proc is not None
-        waiter = asyncio.ensure_future(d.proc.wait())
+        waiter = _exited(d.proc, d.pidfd)
         next_check = time.monotonic() + CONTAINER_CHECK
         gone = ""
         try:
@@ -455,6 +458,26 @@ class LazyPages:
             _remove_dirs, Path(work) if work else None, Path(decrypted) if decrypted else None
         )
         log.warning("lazy-pages daemon of a previous podshim handled", container=cid, pid=pid, alive=alive)
+
+
+def _exited(proc: subprocess.Popen[bytes], pidfd: int) -> asyncio.Future[int]:
+    """A future of `proc`'s exit status (negative: the signal), set when its pidfd turns readable."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[int] = loop.create_future()
+
+    def done() -> None:
+        rc = proc.poll()
+        if rc is None:
+            return  # not yet reaped (a spurious wake-up)
+        loop.remove_reader(pidfd)
+        if not fut.done():
+            fut.set_result(rc)
+
+    if pidfd < 0:  # no pidfd: a thread waits instead
+        return asyncio.ensure_future(asyncio.to_thread(proc.wait))
+    loop.add_reader(pidfd, done)
+    done()
+    return fut
 
 
 def _remove_dirs(work: Path | None, decrypted: Path | None) -> None:
