@@ -17,6 +17,7 @@ import psutil
 from api.runtime.v1 import api_pb2 as cri
 from shim import aio, errors, logs, metrics
 from shim.config import Config
+from shim.deadlines import KILL_WAIT, RECOVERY_WAIT, RETRY_FIRST, RETRY_MAX
 from shim.ops import checkpoint_container, checkpoint_pod
 from shim.ops import restore_pod as restore_mod
 from shim.ops.checkpoint_container import ContainerCheckpointer
@@ -30,13 +31,6 @@ from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
 log = logs.get("shim.engine")
 
 _CHECKPOINT_KINDS = ("checkpoint", "checkpoint-container")
-# How long recovery lets a crashed run's runc/CRIU finish (CRIU then cures and unseizes the
-# pod's processes) before it kills them.
-RECOVERY_WAIT = 120.0
-# A recovery that failed is retried while podshim runs: first after RETRY_FIRST seconds, then
-# doubling up to RETRY_MAX (docs/architecture.md §16 (Crash safety)).
-RETRY_FIRST = 0.5
-RETRY_MAX = 30.0
 # Worker threads and operations (running or waiting for a thread) of the lanes RestorePod and
 # CreateContainer-from-a-tar run in: their archives, the caller's data, may take long to verify
 # or extract, and must not take the threads checkpoints need (docs/architecture.md §11 (Cancellation)).
@@ -351,7 +345,7 @@ class Engine:
                 for p in alive:
                     with contextlib.suppress(psutil.Error):
                         p.kill()
-                await asyncio.to_thread(psutil.wait_procs, alive, 10.0)
+                await asyncio.to_thread(psutil.wait_procs, alive, KILL_WAIT)
             await self._recover_record(rec)
         finally:
             self.locks.release(keys)

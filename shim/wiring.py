@@ -35,6 +35,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import errors, logs, metrics
 from shim.config import Config
 from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION, RESTORED_MARKER
+from shim.deadlines import WIRING_CACHE_SECONDS, WIRING_RETRY_SECONDS, WIRING_STATUS_TIMEOUT
 from shim.upstream import Upstream, is_not_found
 
 log = logs.get("shim.wiring")
@@ -43,8 +44,6 @@ WRAPPER_PREFIX = "podshim-runc"  # podshim-runc, or a variant of it (its file na
 PASSED_ANNOTATIONS = (RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION)
 # containerd shims that run an OCI runtime binary (their `BinaryName` option)
 RUNC_SHIMS = ("io.containerd.runc.v2", "io.containerd.runc.v1", "io.containerd.runtime.v1.linux")
-CACHE_SECONDS = 5.0  # one verbose Status answers every handler for this long
-STARTUP_RETRY_SECONDS = 2.0  # the upstream is not up yet at start-up: ask again this often
 RESTORED_DIR = "restored"  # <state_dir>/restored/<container id>: created for a restore, not started
 CRI_NAMESPACE = "k8s.io"  # containerd's CRI namespace: the runc shim's root is <Root>/<namespace>
 
@@ -210,9 +209,9 @@ def major_version(version: str) -> int:
 
 
 class WiringChecker:
-    """Asks the upstream (one verbose Status, cached CACHE_SECONDS) how its handlers are wired."""
+    """Asks the upstream (one verbose Status, cached WIRING_CACHE_SECONDS) how its handlers are wired."""
 
-    def __init__(self, upstream: Upstream, cache_seconds: float = CACHE_SECONDS) -> None:
+    def __init__(self, upstream: Upstream, cache_seconds: float = WIRING_CACHE_SECONDS) -> None:
         self.upstream = upstream
         self.cache_seconds = cache_seconds
         self._info: Mapping[str, str] | None = None
@@ -226,7 +225,7 @@ class WiringChecker:
             now = time.monotonic()
             if self._info is not None and now - self._at < self.cache_seconds:
                 return self._info
-            timeout = min(self.upstream.timeout, 30.0)
+            timeout = min(self.upstream.timeout, WIRING_STATUS_TIMEOUT)
             if not self._major:
                 with contextlib.suppress(errors.ShimError):
                     v = await self.upstream.version(timeout=timeout)
@@ -301,7 +300,7 @@ class WiringChecker:
                 return
             except errors.Unavailable as e:
                 log.info("wiring check waits for the upstream", error=e.message)
-                await asyncio.sleep(STARTUP_RETRY_SECONDS)
+                await asyncio.sleep(WIRING_RETRY_SECONDS)
             except Exception:  # noqa: BLE001 - never kills podshim; each restore checks again
                 log.exception("wiring check at start-up failed; each restore checks again")
                 return

@@ -16,7 +16,7 @@ import yaml
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
-from shim import cli
+from shim import cli, deadlines
 from shim.cli import client, output
 from testbed import pods
 from testbed.bed import TestBed
@@ -94,8 +94,8 @@ def test_global_options_before_or_after_the_command() -> None:
         assert client.timeout_of(ns) == 5
         assert client.output_of(ns) == "json"
     c = parser.parse_args(["pods"])
-    assert client.timeout_of(c) == client.SHORT_TIMEOUT
-    assert client.timeout_of(c, long=True) == client.LONG_TIMEOUT
+    assert client.timeout_of(c) == deadlines.CLI_SHORT_TIMEOUT
+    assert client.timeout_of(c, long=True) == deadlines.CLI_LONG_TIMEOUT
     assert client.output_of(c) == "table"
 
 

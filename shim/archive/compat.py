@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shim.archive.manifest import HostInfo, Manifest
+from shim.deadlines import CPUINFO_TIMEOUT
 from shim.errors import FailedPrecondition
 
 CGROUP_MOUNT = "/sys/fs/cgroup"
 CPUINFO_IMG = "cpuinfo.img"
-CPUINFO_TIMEOUT = 20.0
 MEMO_SIZE = 64  # answers per_binary keeps (the versions of a few binaries, the CPU checks of archives)
 
 T = TypeVar("T")

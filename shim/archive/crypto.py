@@ -50,6 +50,7 @@ from shim import contract
 from shim.archive.dirfd import DirHandle, held
 from shim.archive.fsutil import FILE_MODE, make_private_dir, temp_name_for
 from shim.archive.fsutil import Stopped as Stopped  # one stop signal for all tree work
+from shim.deadlines import STALE_DECRYPTED_SECONDS as STALE_DECRYPTED_SECONDS
 from shim.errors import DataLoss, FailedPrecondition, Internal, ShimError
 
 SCHEME = "aes-256-gcm-chunked-v1"
@@ -67,7 +68,6 @@ MANIFEST_INFO = b"podshim checkpoint manifest mac v1"
 
 DECRYPTED_DIR = contract.DECRYPTED_DIR  # <state_dir>/decrypted/<random>/: one container's plaintext
 DECRYPTED_MARKER = ".podshim-decrypted"  # JSON {archive, container, container_id, created}
-STALE_DECRYPTED_SECONDS = 900.0  # a dir without a container after this long was interrupted
 
 
 # ---------------------------------------------------------------------------- the node key

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shim.deadlines import FREEZE_TIMEOUT
 from shim.errors import (
     FailedPrecondition,
     Internal,
@@ -39,7 +40,6 @@ class FreezerTimeout(Internal):
 MOUNTINFO = Path("/proc/self/mountinfo")
 UNIFIED_MOUNTPOINT = "/sys/fs/cgroup"  # where runc looks for a cgroup2-only host
 
-DEFAULT_TIMEOUT = 5.0
 POLL_INTERVAL = 0.005  # steady-state poll; the first polls are faster (most freezes are sub-ms)
 _FIRST_POLLS = (0.0, 0.0002, 0.0005, 0.001, 0.002)
 
@@ -299,11 +299,11 @@ class Freezer:
             if delay:
                 time.sleep(min(delay, max(deadline - now, 0.0)))
 
-    def wait_state(self, cgroup: str, want: FreezerState, timeout: float = DEFAULT_TIMEOUT) -> float:
+    def wait_state(self, cgroup: str, want: FreezerState, timeout: float = FREEZE_TIMEOUT) -> float:
         """Poll until `cgroup` is in state `want`; seconds taken, or FreezerTimeout naming it."""
         return self._wait(cgroup, want, timeout, nudge=None)
 
-    def freeze(self, cgroup: str, timeout: float = DEFAULT_TIMEOUT) -> float:
+    def freeze(self, cgroup: str, timeout: float = FREEZE_TIMEOUT) -> float:
         """Freeze `cgroup` and confirm FROZEN; returns seconds taken.
 
         On timeout the cgroup is thawed back (never left FREEZING) and FreezerTimeout names it.
@@ -321,7 +321,7 @@ class Freezer:
                 "check the container's processes and retry"
             ) from e
 
-    def thaw(self, cgroup: str, timeout: float = DEFAULT_TIMEOUT, missing_ok: bool = False) -> float:
+    def thaw(self, cgroup: str, timeout: float = FREEZE_TIMEOUT, missing_ok: bool = False) -> float:
         """Thaw `cgroup` and confirm THAWED; returns seconds taken (0.0 if missing and missing_ok)."""
         v1 = self.mode is CgroupMode.V1
         try:
@@ -397,7 +397,7 @@ class PodCut:
         self,
         parent: str | None,
         containers: Sequence[str],
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float = FREEZE_TIMEOUT,
         freezer: Freezer | None = None,
         thaw_timeout: float | None = None,
     ) -> None:
@@ -405,7 +405,7 @@ class PodCut:
         self.parent = parent
         self.containers = list(containers)
         self.timeout = timeout
-        self.thaw_timeout = thaw_timeout if thaw_timeout is not None else max(timeout, DEFAULT_TIMEOUT)
+        self.thaw_timeout = thaw_timeout if thaw_timeout is not None else max(timeout, FREEZE_TIMEOUT)
         self.timings = CutTimings()
         self.frozen: list[str] = []  # containers this cut froze, in order
         self.preexisting: list[str] = []  # containers already self-frozen: not ours to thaw
@@ -568,7 +568,7 @@ class PodCut:
 
 
 def thaw_paths(
-    cgroups: Sequence[str], timeout: float = DEFAULT_TIMEOUT, freezer: Freezer | None = None
+    cgroups: Sequence[str], timeout: float = FREEZE_TIMEOUT, freezer: Freezer | None = None
 ) -> list[str]:
     """Recovery: thaw every existing, frozen cgroup of `cgroups` (missing ones skipped).
 

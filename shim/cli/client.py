@@ -29,11 +29,10 @@ from google.protobuf.message import Message
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.cli import output
+from shim.deadlines import CLI_LONG_TIMEOUT, CLI_SHORT_TIMEOUT
 
 DEFAULT_ENDPOINT = "unix:///run/podshim/podshim.sock"
 ENDPOINT_ENV = "CONTAINER_RUNTIME_ENDPOINT"
-LONG_TIMEOUT = 120.0  # checkpointpod, restorepod, checkpoint
-SHORT_TIMEOUT = 10.0  # everything else
 MAX_MESSAGE = 16 << 20
 RESTORED_SUFFIX = "-restored"
 
@@ -103,8 +102,8 @@ def add_global_options(parser: argparse.ArgumentParser, *, suppress: bool = Fals
         type=duration,
         metavar="SECONDS",
         default=default,
-        help=f"deadline of the call (default {LONG_TIMEOUT:g}s for checkpointpod, restorepod and "
-        f"checkpoint, {SHORT_TIMEOUT:g}s for the others)",
+        help=f"deadline of the call (default {CLI_LONG_TIMEOUT:g}s for checkpointpod, restorepod and "
+        f"checkpoint, {CLI_SHORT_TIMEOUT:g}s for the others)",
     )
     parser.add_argument(
         "-o",
@@ -132,7 +131,7 @@ def grpc_target(ep: str) -> str:
 
 def timeout_of(args: argparse.Namespace, long: bool = False) -> float:
     t = getattr(args, "timeout", None)
-    return float(t) if t else (LONG_TIMEOUT if long else SHORT_TIMEOUT)
+    return float(t) if t else (CLI_LONG_TIMEOUT if long else CLI_SHORT_TIMEOUT)
 
 
 def output_of(args: argparse.Namespace, default: str = "table") -> str:
@@ -466,8 +465,8 @@ def inspect_container(args: argparse.Namespace, container_ids: list[str] | str |
 def cmd_checkpointpod(args: argparse.Namespace) -> int:
     stub = runtime_stub(args)
     timeout = timeout_of(args, long=True)
-    pod_id = resolve_pod(stub, args.pod_id, min(timeout, SHORT_TIMEOUT))
-    containers = [resolve_container(stub, c, min(timeout, SHORT_TIMEOUT)) for c in args.containers or []]
+    pod_id = resolve_pod(stub, args.pod_id, min(timeout, CLI_SHORT_TIMEOUT))
+    containers = [resolve_container(stub, c, min(timeout, CLI_SHORT_TIMEOUT)) for c in args.containers or []]
     path = Path(os.path.abspath(args.path))
     created = _make_output_dir(path)
     req = cri.CheckpointPodRequest(
@@ -526,7 +525,7 @@ def _remove_created(created: list[Path]) -> None:
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     stub = runtime_stub(args)
     timeout = timeout_of(args, long=True)
-    cid = resolve_container(stub, args.container_id, min(timeout, SHORT_TIMEOUT))
+    cid = resolve_container(stub, args.container_id, min(timeout, CLI_SHORT_TIMEOUT))
     location = os.path.abspath(args.export) if args.export else ""
     req = cri.CheckpointContainerRequest(container_id=cid, location=location, timeout=int(timeout))
     watch = Path(location) if location else None

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from shim import contract, errors, faults, logs
 from shim.aio import run_to_end
+from shim.deadlines import KILL_WAIT, VERSION_TIMEOUT
 
 log = logs.get("shim.criu.runtime")
 
@@ -127,9 +128,6 @@ def criu_error_lines(log_path: Path, limit: int = CRIU_LOG_TAIL) -> list[str]:
     return (errs or [line.strip() for line in lines])[-limit:]
 
 
-END_DUMP_TIMEOUT = 10.0  # seconds for SIGKILLed runc/CRIU processes to disappear
-
-
 def _group_alive(pgid: int) -> bool:
     """Whether process group `pgid` still has a member (zombies included): one syscall."""
     try:
@@ -168,7 +166,7 @@ def _dump_processes(pgid: int, image_dir: Path) -> list[int]:
     return found
 
 
-def end_dump(pgid: int, image_dir: Path, timeout: float = END_DUMP_TIMEOUT) -> None:
+def end_dump(pgid: int, image_dir: Path, timeout: float = KILL_WAIT) -> None:
     """SIGKILL every process of a dump (see _dump_processes) and wait until none is left.
 
     Called on every abnormal end of `runc/crun checkpoint` (failure, signal, cancellation) before
@@ -325,7 +323,8 @@ class OciRuntime:
 def binary_version(binary: str) -> str:
     """First line of `<binary> --version` (runc, crun, criu all print it there)."""
     try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+        argv = [binary, "--version"]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=VERSION_TIMEOUT).stdout
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     for line in out.splitlines():

@@ -24,12 +24,11 @@ import oras.container
 import oras.provider
 import requests
 
+from shim.deadlines import REGISTRY_CONNECT_TIMEOUT, REGISTRY_READ_TIMEOUT
 from shim.errors import FailedPrecondition, InvalidArgument, ShimError, Unavailable
 
 AUTH_ENV = "PODSHIM_REGISTRY_AUTH"
 DOCKER_CONFIG_ENV = "DOCKER_CONFIG"
-CONNECT_TIMEOUT = 10.0  # seconds to reach the registry
-READ_TIMEOUT = 60.0  # seconds without a byte from it
 
 
 @dataclass(frozen=True)
@@ -212,7 +211,7 @@ class RegistryClient(oras.provider.Registry):
         if creds:
             self.auth.set_basic_auth(creds.username, creds.password)
         self.session.request = functools.partial(  # type: ignore[method-assign]
-            self.session.request, timeout=(CONNECT_TIMEOUT, READ_TIMEOUT)
+            self.session.request, timeout=(REGISTRY_CONNECT_TIMEOUT, REGISTRY_READ_TIMEOUT)
         )
 
     def url(self, path: str) -> str:

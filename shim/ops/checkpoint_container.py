@@ -48,11 +48,9 @@ from shim.archive.dirfd import DirHandle, HeldTree, open_checked
 from shim.cgroups import PodCut, thaw_paths
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
+from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
 from shim.ops import checkpoint_pod
 from shim.ops.checkpoint_pod import (
-    CLEANUP_MARGIN,
-    DEFAULT_DEADLINE,
-    FREEZE_TIMEOUT,
     PodCheckpointer,
     check_dumpable,
     confirm_thawed,

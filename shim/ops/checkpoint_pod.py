@@ -29,6 +29,7 @@ from shim.archive.dirfd import DirHandle, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, OciRuntime, binary_version, read_dump_stats
+from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sharing import check_shared_state
 from shim.state import Journal, OpRecord
@@ -37,13 +38,9 @@ from shim.upstream import Upstream
 
 log = logs.get("shim.ops.checkpoint_pod")
 
-FREEZE_TIMEOUT = 5.0  # seconds to confirm a cgroup froze/thawed
-CLEANUP_MARGIN = 0.5  # seconds kept from the caller's deadline to thaw and clean up
 # Hash threads of the archive phase: half the cores. The phase is bound by the disk flush that
 # runs beside them, so more would not shorten it, only starve the proxy's event loop.
 HASH_WORKERS = max(1, (os.cpu_count() or 2) // 2)
-CHECK_MARGIN = 0.1  # seconds kept from it to answer when the checks themselves run out of time
-DEFAULT_DEADLINE = 600.0  # the CRI says the caller sets one; this bounds a caller that did not
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,13 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import contract, errors, logs, metrics
 from shim.archive import crypto, layout
 from shim.config import Config
+from shim.deadlines import (
+    LAZY_CONTAINER_CHECK,
+    LAZY_POLL,
+    LAZY_READY_TIMEOUT,
+    RETRY_MAX,
+    VERSION_TIMEOUT,
+)
 from shim.state import Journal
 from shim.upstream import Upstream, is_not_found
 
@@ -43,9 +50,6 @@ log = logs.get("shim.ops.lazy_pages")
 
 KIND = "lazy-pages"  # the journal kind of a live daemon
 LOG_NAME = "lazy-pages.log"  # the daemon's CRIU log, in its work dir
-READY_TIMEOUT = 30.0  # seconds for a daemon to listen (it reads the image set's metadata first)
-POLL = 0.02  # seconds between two looks for new userfaultfds in the daemon
-CONTAINER_CHECK = 2.0  # seconds between two looks at the container (gone: the daemon goes too)
 _SYS_PIDFD_GETFD = 438  # the same number on x86_64 and arm64 (the generic table)
 UFFD_LINK = "anon_inode:[userfaultfd]"
 
@@ -55,7 +59,11 @@ def runtime_supports(binary: str) -> bool:
     """Whether the OCI runtime's `restore` has `--lazy-pages` (runc has; crun 1.21 has not)."""
     try:
         out = subprocess.run(
-            [binary, "restore", "--help"], capture_output=True, text=True, timeout=10, check=False
+            [binary, "restore", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=VERSION_TIMEOUT,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -213,7 +221,7 @@ class LazyPages:
             d.pidfd = os.pidfd_open(d.pid)
         self.journal.update(d.rec, "serving", pid=d.pid, start_time=d.start_time)
         try:
-            ready = await asyncio.wait_for(asyncio.to_thread(os.read, read_end, 1), READY_TIMEOUT)
+            ready = await asyncio.wait_for(asyncio.to_thread(os.read, read_end, 1), LAZY_READY_TIMEOUT)
         except TimeoutError:
             ready = b""
         finally:
@@ -260,16 +268,16 @@ class LazyPages:
     async def _supervise(self, d: Daemon) -> None:
         assert d.proc is not None
         waiter = _exited(d.proc, d.pidfd)
-        next_check = time.monotonic() + CONTAINER_CHECK
+        next_check = time.monotonic() + LAZY_CONTAINER_CHECK
         gone = ""
         try:
             while not waiter.done():
-                await asyncio.wait({waiter}, timeout=POLL)
+                await asyncio.wait({waiter}, timeout=LAZY_POLL)
                 if waiter.done():
                     break
                 self._hold_uffds(d)
                 if time.monotonic() >= next_check and not d.abandoned:
-                    next_check = time.monotonic() + CONTAINER_CHECK
+                    next_check = time.monotonic() + LAZY_CONTAINER_CHECK
                     gone = await self._container_gone(d.container_id)
                     if gone:
                         # a container removed (or never started and removed) needs no pages
@@ -382,7 +390,7 @@ class LazyPages:
                 if not retry:
                     raise
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
+            delay = min(delay * 2, RETRY_MAX)
 
     async def _note_in_container_log(self, container_id: str, reason: str) -> None:
         """A line in the container's CRI log (`crictl logs` shows it) naming the reason."""

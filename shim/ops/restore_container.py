@@ -36,10 +36,7 @@ from shim.archive.dirfd import held as held_dir
 from shim.archive.manifest import ContainerTarManifest, container_tar_files
 from shim.config import Config
 from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
-from shim.ops.checkpoint_pod import (
-    CLEANUP_MARGIN,
-    DEFAULT_DEADLINE,
-)
+from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, STALE_IMPORT_SECONDS
 from shim.ops.restore_pod import archived_config
 from shim.sandbox.view import pod_status
 from shim.upstream import Upstream, is_not_found
@@ -49,7 +46,6 @@ log = logs.get("shim.ops.restore_container")
 
 IMPORT_TREE = "archive"  # <state_dir>/imports/<random>/archive: the extracted checkpoint
 IMPORT_MARKER = "container-id"  # <state_dir>/imports/<random>/container-id: who uses it
-STALE_IMPORT_SECONDS = 900.0  # an import without a container after this long was interrupted
 
 
 def check_archive_file(path: str, allowed_roots: Sequence[str]) -> Path:

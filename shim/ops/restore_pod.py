@@ -31,6 +31,13 @@ from shim.archive import compat, crypto, layout, manifest, paths, rootfs_diff
 from shim.config import Config
 from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.criu.runtime import binary_version
+from shim.deadlines import (
+    CHECK_MARGIN,
+    DEFAULT_DEADLINE,
+    RESTORE_CLEANUP_MARGIN,
+    SANDBOX_SETTLE,
+    STALE_DECRYPTED_SECONDS,
+)
 from shim.ops.lazy_pages import Daemon, LazyPages, check_runtime
 from shim.sandbox import build_pod_view
 from shim.state import Journal, OpRecord
@@ -41,9 +48,6 @@ from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
 log = logs.get("shim.ops.restore_pod")
 
 INVENTORY = "inventory.img"  # every CRIU image set has one (the node e2e check relies on it)
-CLEANUP_MARGIN = 1.0
-CHECK_MARGIN = 0.1  # seconds kept from the deadline to answer when verifying runs out of time
-DEFAULT_DEADLINE = 600.0
 # Kubelet annotation carrying the restart count shown by `kubectl get pods`.
 RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
 # CRIU options recorded at checkpoint that the restore must repeat.
@@ -132,9 +136,6 @@ def config_mismatch(name: str, requested: cri.ContainerConfig, archived: cri.Con
 _BACKGROUND: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
 
 
-# Seconds after a RunPodSandbox left without an answer (or, after a crash, after the restore's
-# last journal write) during which recovery keeps looking for the sandbox it may still create.
-SANDBOX_SETTLE = 30.0
 # RunPodSandbox errors after which the upstream may still have created the sandbox
 _NO_ANSWER = frozenset({"CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "UNKNOWN"})
 
@@ -384,7 +385,7 @@ class PodRestorer:
                 f"the caller's deadline passed while verifying {req.checkpoint_path}; nothing was "
                 "created: retry with a longer deadline"
             ) from None
-        end = caller_end - CLEANUP_MARGIN
+        end = caller_end - RESTORE_CLEANUP_MARGIN
         if end <= loop.time():
             raise errors.DeadlineExceeded("the deadline leaves no time to restore the pod")
         root, plan = checked.root, checked.plan
@@ -633,7 +634,7 @@ class PodRestorer:
                     continue
                 owner = (marker or {}).get("container_id")
                 if not owner:
-                    if age > crypto.STALE_DECRYPTED_SECONDS:
+                    if age > STALE_DECRYPTED_SECONDS:
                         await run_to_end(crypto.remove_decrypted, d)
                         log.info("decrypted checkpoint removed", dir=str(d), reason="interrupted restore")
                     continue

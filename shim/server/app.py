@@ -14,16 +14,13 @@ import grpc
 from api.runtime.v1 import api_pb2 as cri
 from shim import cni, logs, metrics
 from shim.config import Config
+from shim.deadlines import PASSTHROUGH_STOP_GRACE, STOP_CLEANUP, STOP_GRACE
 from shim.server.proxy import CriHandler, Passthrough
 from shim.server.runtime import Engine, RuntimeHandlers
 from shim.upstream import Upstream
 
 log = logs.get("shim.server")
 MAX_MESSAGE = 16 * 1024 * 1024
-# SIGTERM: seconds calls in flight get to finish, then seconds cancelled operations get to undo
-# their work; together within the unit's TimeoutStopSec (30 s), after which systemd SIGKILLs.
-STOP_GRACE = 15.0
-STOP_CLEANUP = 10.0
 
 
 def streaming_methods() -> frozenset[str]:
@@ -102,7 +99,7 @@ class Server:
         operations get `cleanup` seconds to undo what they did (engine.stop)."""
         if engine is not None:
             await engine.drain(grace)
-            grace = min(grace, 1.0)
+            grace = min(grace, PASSTHROUGH_STOP_GRACE)
         await self.grpc.stop(grace)
         if engine is not None:
             await engine.stop(cleanup)

@@ -1,0 +1,58 @@
+"""Every deadline, timeout, grace period and retry interval of podshim, in seconds, in one place
+(docs/architecture.md §11 (Cancellation), §16 (Crash safety)). The modules that use one import it
+from here; this module imports nothing, so the CLI and the runtime wrapper may use it too."""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------------- a caller's deadline
+DEFAULT_DEADLINE = 600.0  # the CRI says the caller sets one; this bounds a caller that did not
+CHECK_MARGIN = 0.1  # kept from it to answer when the checks themselves run out of time
+# kept from it to thaw and clean up (CheckpointPod, CheckpointContainer, CreateContainer from a
+# tar), so that podshim's own DEADLINE_EXCEEDED reaches the caller
+CLEANUP_MARGIN = 0.5
+RESTORE_CLEANUP_MARGIN = 1.0  # RestorePod's: removing the new sandbox takes longer
+
+# ---------------------------------------------------------------------- freeze, runc and CRIU
+FREEZE_TIMEOUT = 5.0  # to confirm a cgroup froze or thawed
+KILL_WAIT = 10.0  # for SIGKILLed runc/CRIU processes to disappear
+VERSION_TIMEOUT = 10.0  # for `runc/crun/criu --version` (and `restore --help`)
+CPUINFO_TIMEOUT = 20.0  # for `criu cpuinfo dump/check`
+
+# ---------------------------------------------------------------------- lazy restore (§5.1)
+LAZY_READY_TIMEOUT = 30.0  # for a lazy-pages daemon to listen (it reads the images' metadata first)
+LAZY_POLL = 0.02  # between two looks for new userfaultfds in the daemon
+LAZY_CONTAINER_CHECK = 2.0  # between two looks at the container (gone: the daemon goes too)
+
+# ---------------------------------------------------------------------- recovery
+# how long recovery lets a crashed run's runc/CRIU finish (CRIU then cures and unseizes the pod's
+# processes) before it kills them
+RECOVERY_WAIT = 120.0
+# a recovery that failed is retried while podshim runs: first after RETRY_FIRST, then doubling up
+# to RETRY_MAX
+RETRY_FIRST = 0.5
+RETRY_MAX = 30.0
+# after a RunPodSandbox left without an answer (or, after a crash, after the restore's last
+# journal write), recovery keeps looking this long for the sandbox it may still create
+SANDBOX_SETTLE = 30.0
+STALE_IMPORT_SECONDS = 900.0  # an import dir without a container after this long was interrupted
+STALE_DECRYPTED_SECONDS = 900.0  # a decrypted dir without a container after this long likewise
+
+# ---------------------------------------------------------------------- the service (SIGTERM)
+# calls in flight get STOP_GRACE to finish, then cancelled operations STOP_CLEANUP to undo their
+# work; together within the unit's TimeoutStopSec (30 s), after which systemd SIGKILLs
+STOP_GRACE = 15.0
+STOP_CLEANUP = 10.0
+PASSTHROUGH_STOP_GRACE = 1.0  # passed-through calls and streams are cancelled within this
+
+# ---------------------------------------------------------------------- the upstream
+WIRING_CACHE_SECONDS = 5.0  # one verbose Status answers the wiring check of every handler this long
+WIRING_RETRY_SECONDS = 2.0  # the upstream is not up yet at start-up: ask again this often
+WIRING_STATUS_TIMEOUT = 30.0  # the verbose Status call at most (the upstream's own limit if lower)
+
+# ---------------------------------------------------------------------- a registry (push, pull)
+REGISTRY_CONNECT_TIMEOUT = 10.0  # to reach the registry
+REGISTRY_READ_TIMEOUT = 60.0  # without a byte from it
+
+# ---------------------------------------------------------------------- the CLI's calls
+CLI_LONG_TIMEOUT = 120.0  # checkpointpod, restorepod, checkpoint
+CLI_SHORT_TIMEOUT = 10.0  # everything else
