@@ -232,3 +232,35 @@ async def test_recover_keeps_the_record_while_the_container_cannot_be_killed(tmp
         await lp.recover(rec)
     assert work.exists(), "the daemon's work dir went before its container was killed"
     assert json.loads(Path(rec.path).read_text())["kind"] == "lazy-pages"
+
+
+async def test_recover_finds_a_daemon_by_its_work_dir(tmp_path: Path) -> None:
+    """A crash between the daemon's start and the journaling of its pid: recovery finds the daemon
+    by the work dir on its command line and ends it (else it would wait on its socket forever)."""
+    import subprocess
+
+    up = FakeUpstream()
+    journal = Journal(tmp_path / "state")
+    work = contract.lazy_root(tmp_path / "state") / "0badc0de0badc0de"
+    work.mkdir(parents=True)
+    rec = journal.begin("lazy-pages", "ns/pod", {"container": "counter", "work_dir": str(work)})
+    fake = subprocess.Popen(["sh", "-c", "sleep 60", "lazy-pages", "--work-dir", str(work)])
+    try:
+        assert lazy_pages._daemon_serving(str(work)) == fake.pid
+        lp = lazy_pages.LazyPages(Config(state_dir=str(tmp_path / "state")), up, journal)
+        await lp.recover(journal.pending()[0])
+        assert fake.wait(timeout=10) == -signal.SIGKILL
+        assert not work.exists()
+    finally:
+        fake.kill()
+        fake.wait()
+    assert rec.op_id
+
+
+def test_keep_log_copies_a_failed_daemons_log(tmp_path: Path) -> None:
+    src = tmp_path / "w" / lazy_pages.LOG_NAME
+    src.parent.mkdir()
+    src.write_text("Error (criu/uffd.c:1): boom\n")
+    kept = Path(lazy_pages._keep_log(src, str(tmp_path / "state"), "c1"))
+    assert kept == tmp_path / "state" / "logs" / "lazy-pages-c1.log"
+    assert kept.read_text() == src.read_text() and (kept.stat().st_mode & 0o777) == 0o600

@@ -380,7 +380,7 @@ def test_decrypted_copy_kept_while_the_daemon_serves(
     r = lazy_restore(lp.rt, encrypted[1024], log_root, 1024, lp_cleanup, start=False)
     assert len(lp.decrypted_dirs()) == 1 and len(lp.lazy_dirs()) == 1
     pid = daemon_pid(lp.daemon_records(), r.cid)
-    lp_pids = podshim_pids(str(lp.state_dir.parent)) or podshim_pids("lazy-podshim")
+    lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
     lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
     stop_mid_transfer(lp_pids, pid)  # the transfer held: the daemon has not delivered everything
     try:
@@ -446,7 +446,7 @@ def test_daemon_killed_mid_transfer_kills_the_container(
     before = lp.failures("killed")
     r = lazy_restore(lp.rt, plain[1024], log_root, 1024, lp_cleanup, start=False)
     pid = daemon_pid(lp.daemon_records(), r.cid)
-    lp_pids = podshim_pids(str(lp.state_dir.parent)) or podshim_pids("lazy-podshim")
+    lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
     assert lp_pids, "the module's podshim process was not found"
     lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
     stop_mid_transfer(lp_pids, pid)
@@ -491,7 +491,7 @@ def test_unreadable_image_kills_the_container(
         before = lp.failures("exit")
         r = lazy_restore(lp.rt, copy, log_root, 1024, lp_cleanup, start=False)
         pid = daemon_pid(lp.daemon_records(), r.cid)
-        lp_pids = podshim_pids(str(lp.state_dir.parent)) or podshim_pids("lazy-podshim")
+        lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
         lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
         stop_mid_transfer(lp_pids, pid)
         try:

@@ -348,10 +348,13 @@ class LazyPages:
                 return
             how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
             detail = _error_lines(d.work / LOG_NAME)
+            kept = await asyncio.to_thread(
+                _keep_log, d.work / LOG_NAME, self.config.state_dir, d.container_id
+            )
             reason = (
                 f"lazy restore failed: the lazy-pages daemon (pid {d.pid}) {how} before every page of "
                 f"the memory was delivered{' (' + detail + ')' if detail else ''}; the container was "
-                "killed so that it never runs with missing memory"
+                f"killed so that it never runs with missing memory (daemon log: {kept})"
             )
             label = "killed" if rc < 0 else "exit"
             await self.fail(d.container_id, reason, label, d)
@@ -415,8 +418,8 @@ class LazyPages:
             os.close(fd)
 
     async def _clean(self, d: Daemon) -> None:
-        """After the daemon ended: its work dir (CRIU logs kept in <state_dir>/logs on failure),
-        the decrypted copy it served, its journal record."""
+        """After the daemon ended: its work dir (its log kept in <state_dir>/logs on failure, see
+        _keep_log), the decrypted copy it served, its journal record."""
         self.live.pop(d.work, None)
         await asyncio.to_thread(_remove_dirs, d.work, d.decrypted)
         if d.rec is not None:
@@ -433,6 +436,10 @@ class LazyPages:
         data = rec.data
         pid = int(data.get("pid") or 0)
         alive = pid > 0 and process_start_time(pid) == int(data.get("start_time") or -1)
+        work = data.get("work_dir") or ""
+        if not alive and work:  # a crash before its pid was journaled: found by its work dir
+            pid = _daemon_serving(work) or pid
+            alive = pid > 0 and process_start_time(pid) > 0 and _daemon_serving(work) == pid
         held = self._recover_held.setdefault(rec.op_id, [])
         pidfd = -1
         if alive:
@@ -461,7 +468,6 @@ class LazyPages:
             with contextlib.suppress(OSError):
                 os.close(fd)
         decrypted = data.get("decrypted_dir") or ""
-        work = data.get("work_dir") or ""
         await asyncio.to_thread(
             _remove_dirs, Path(work) if work else None, Path(decrypted) if decrypted else None
         )
@@ -486,6 +492,37 @@ def _exited(proc: subprocess.Popen[bytes], pidfd: int) -> asyncio.Future[int]:
     loop.add_reader(pidfd, done)
     done()
     return fut
+
+
+def _daemon_serving(work: str) -> int:
+    """The pid of a `criu lazy-pages` serving from the work dir `work`, 0 if none."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"lazy-pages" in argv and os.fsencode(work) in argv:
+            return int(entry)
+    return 0
+
+
+def _keep_log(log_path: Path, state_dir: str, container_id: str) -> str:
+    """Copy a failed daemon's log out of its work dir (removed next) into <state_dir>/logs (0600)."""
+    dest_dir = Path(state_dir) / "logs"
+    dest = dest_dir / f"lazy-pages-{container_id}.log"
+    try:
+        dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        data = log_path.read_bytes()
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    except OSError:
+        return str(log_path)
+    return str(dest)
 
 
 def _remove_dirs(work: Path | None, decrypted: Path | None) -> None:
