@@ -50,13 +50,13 @@ def test_failure_names_the_option_that_would_help(tmp_path: Path) -> None:
     assert option_hint(tmp_path / "missing.log") == ""
 
 
-def test_dump_skips_criu_network_lock_unless_tcp_established() -> None:
+def test_dump_skips_criu_network_lock() -> None:
     """Each container's CRIU would lock the pod's shared netns with iptables-restore before its
     dump and unlock it after, inside the freeze window (docs/architecture.md §4.1 (The freeze
-    window)): without established TCP connections nothing needs that lock, so the dump's config
-    file turns it off; with them CRIU's own lock stays."""
+    window)): the dump's config file turns that off; with tcp-established CheckpointPod takes the
+    same lock once for the pod (NetnsLock)."""
     assert CriuOptions().dump_config_lines() == ["network-lock skip"]
     opts = CheckpointOptions.parse({"ghost-limit": "4M"}).criu
     assert opts.dump_config_lines() == ["ghost-limit 4194304", "network-lock skip"]
     tcp = CheckpointOptions.parse({"tcp-established": "true"}).criu
-    assert tcp.dump_config_lines() == []
+    assert tcp.dump_config_lines() == ["network-lock skip"]

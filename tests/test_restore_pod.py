@@ -630,6 +630,20 @@ def test_established_tcp_connection_is_closed_on_restore(
         ),
         timeout=RPC_TIMEOUT,
     )
+    # podshim locked the pod's netns once for both dumps, not each CRIU on its own
+    # (docs/architecture.md §4.1 (The freeze window)), and unlocked it: no CRIU chain is left
+    import pycriu
+
+    for name in containers:
+        with open(out / "containers" / name / "checkpoint" / "inventory.img", "rb") as f:
+            assert pycriu.images.load(f)["entries"][0].get("network_lock_method") == 2  # skip
+    info = json.loads(
+        rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=src.id, verbose=True)).info["info"]
+    )
+    netns = next(n["path"] for n in info["runtimeSpec"]["linux"]["namespaces"] if n["type"] == "network")
+    for tool in ("iptables", "ip6tables"):
+        rules = subprocess.run(["nsenter", f"--net={netns}", tool, "-S"], capture_output=True, text=True)
+        assert rules.returncode == 0 and "CRIU" not in rules.stdout, (tool, rules.stdout, rules.stderr)
     try:
         config = pods.pod_config("tcp-restored", log_root)
         resp = restore(rt, out, config, list(containers.values()), runtime_handler=runtime_handler)

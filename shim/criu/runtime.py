@@ -48,14 +48,14 @@ class CriuOptions:
         return out + [f"irmap-scan-path {p}" for p in self.irmap_scan_paths]
 
     def dump_config_lines(self) -> list[str]:
-        """The CRIU config file of a dump: `config_lines`, and `network-lock skip` unless
-        established TCP connections are dumped. CRIU's network lock (iptables-restore in the
-        pod's shared netns before and after every container's dump) only keeps established
-        connections still while they are dumped; without them it locks nothing worth keeping and
-        costs each dump four iptables-restore runs (lock and unlock, IPv4 and IPv6) inside the
-        freeze window, serialised by the shared netns (docs/architecture.md §4.1 (The freeze
-        window))."""
-        return self.config_lines() + ([] if self.tcp_established else ["network-lock skip"])
+        """The CRIU config file of a dump: `config_lines` and `network-lock skip`. CRIU's network
+        lock (iptables-restore in the pod's shared netns before and after every container's
+        dump) only keeps established TCP connections still while they are dumped, and costs each
+        dump four iptables-restore runs (lock and unlock, IPv4 and IPv6) inside the freeze window,
+        serialised by the shared netns and colliding on one chain: without `tcp_established`
+        nothing needs it; with it the caller takes the same lock once for the pod (`NetnsLock`;
+        docs/architecture.md §4.1 (The freeze window))."""
+        return [*self.config_lines(), "network-lock skip"]
 
     def flags(self) -> list[str]:
         """runc's and crun's switches: --<name> of each contract.CRIU_SWITCHES entry that is on."""
@@ -78,6 +78,70 @@ def _criu_config(opts: CriuOptions) -> Iterator[dict[str, str] | None]:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+# CRIU's own network lock (criu/net.c, iptables_network_lock_internal and its unlock), taken by
+# podshim once per pod instead of once per container: every packet in or out of the pod's netns
+# dropped but those CRIU's TCP repair marks (SOCCR_MARK 0xC114).
+_LOCK_RULES = (
+    "*filter\n:CRIU - [0:0]\n-I INPUT -j CRIU\n-I OUTPUT -j CRIU\n"
+    "-A CRIU -m mark --mark 0xC114 -j ACCEPT\n-A CRIU -j DROP\nCOMMIT\n"
+)
+_UNLOCK_RULES = "*filter\n:CRIU - [0:0]\n-D INPUT -j CRIU\n-D OUTPUT -j CRIU\n-X CRIU\nCOMMIT\n"
+NETLOCK_TIMEOUT = 10.0  # seconds for one iptables-restore
+
+
+class NetnsLock:
+    """The pod's network namespace locked as CRIU locks it for a dump of established TCP
+    connections, once for every container (docs/architecture.md §4.1 (The freeze window)):
+    `lock` before the dumps, `unlock` (idempotent, run in a `finally`) after the last one."""
+
+    def __init__(self, netns: str) -> None:
+        self.netns = netns
+        self.locked: list[str] = []  # the tools whose tables hold the lock
+
+    def _restore(self, tool: str, rules: str) -> None:
+        argv = ["nsenter", f"--net={self.netns}", tool, "-w", "--noflush"]
+        try:
+            res = subprocess.run(argv, input=rules, capture_output=True, text=True, timeout=NETLOCK_TIMEOUT)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise errors.Internal(
+                f"cannot run {tool} in the pod's network namespace {self.netns}: {e}"
+            ) from e
+        if res.returncode != 0:
+            raise errors.Internal(
+                f"{tool} in the pod's network namespace {self.netns} exited {res.returncode}: "
+                f"{(res.stderr or res.stdout).strip()[-300:]}"
+            )
+
+    @staticmethod
+    def _tools() -> list[str]:
+        # as CRIU: IPv6 too when the kernel has it
+        return ["iptables-restore", *(["ip6tables-restore"] if os.path.exists("/proc/net/if_inet6") else [])]
+
+    def lock(self) -> None:
+        """Lock IPv4 and IPv6 (one iptables-restore transaction each); a failure leaves what was
+        locked to `unlock`."""
+        for tool in self._tools():
+            self._restore(tool, _LOCK_RULES)
+            self.locked.append(tool)
+
+    def unlock(self) -> None:
+        """Undo `lock`; Internal naming the netns if that fails (the pod's network would stay
+        dropped)."""
+        failures = []
+        for tool in self.locked:
+            try:
+                self._restore(tool, _UNLOCK_RULES)
+            except errors.Internal as e:
+                failures.append(e.message)
+        self.locked = []
+        if failures:
+            raise errors.Internal(
+                f"could not unlock the pod's network namespace {self.netns} after the dumps: "
+                f"{'; '.join(failures)}; remove the CRIU chain there by hand (iptables -D INPUT -j CRIU; "
+                "iptables -D OUTPUT -j CRIU; iptables -X CRIU)"
+            )
 
 
 # CRIU log lines that an option of podshim's would fix -> the hint for the refusal message

@@ -28,7 +28,7 @@ from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs
 from shim.archive.dirfd import DirHandle, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
-from shim.criu.runtime import CriuOptions, OciRuntime, binary_version, read_dump_stats
+from shim.criu.runtime import CriuOptions, NetnsLock, OciRuntime, binary_version, read_dump_stats
 from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sharing import check_shared_state
@@ -358,21 +358,29 @@ class PodCheckpointer:
             faults.hit("checkpoint.after-freeze")
             log.info("pod frozen", pod=pod.id, cut_seconds=round(cut.cut_seconds, 4))
             dump_start = time.monotonic()
-            # the largest first: the slowest dump bounds the window, so it gets the head start
-            # (docs/architecture.md §4.1 (The freeze window))
-            order = sorted(work, key=lambda w: w.memory, reverse=True)
-            dumps = [asyncio.ensure_future(self._dump(w, opts)) for w in order]
-            diffs = [asyncio.ensure_future(self._diff(w, opts)) for w in work]
+            # established TCP connections: the pod's netns locked once for all the dumps (each
+            # CRIU is told to skip its own lock; docs/architecture.md §4.1 (The freeze window))
+            netlock = NetnsLock(pod.netns) if opts.criu.tcp_established and pod.netns else None
             try:
-                await asyncio.gather(*dumps, *diffs)
-            except BaseException:
-                # gather leaves the others running: a dump still going after the thaw below
-                # would freeze its container again (CRIU restores the FROZEN state it found)
-                # and write into the cleared output_path. Stop them and wait before thawing.
-                for t in dumps:
-                    t.cancel()
-                await asyncio.gather(*dumps, *diffs, return_exceptions=True)
-                raise
+                if netlock is not None:
+                    await run_to_end(netlock.lock)
+                # the largest first: the slowest dump bounds the window, so it gets the head start
+                order = sorted(work, key=lambda w: w.memory, reverse=True)
+                dumps = [asyncio.ensure_future(self._dump(w, opts)) for w in order]
+                diffs = [asyncio.ensure_future(self._diff(w, opts)) for w in work]
+                try:
+                    await asyncio.gather(*dumps, *diffs)
+                except BaseException:
+                    # gather leaves the others running: a dump still going after the thaw below
+                    # would freeze its container again (CRIU restores the FROZEN state it found)
+                    # and write into the cleared output_path. Stop them and wait before thawing.
+                    for t in dumps:
+                        t.cancel()
+                    await asyncio.gather(*dumps, *diffs, return_exceptions=True)
+                    raise
+            finally:
+                if netlock is not None:
+                    netlock.unlock()  # synchronous on purpose, as the thaw: runs while cancelled
             timings["dump"] = time.monotonic() - dump_start
             # runc/CRIU wrote through the directory podshim holds (/proc/self/fd/N), never
             # through output_path: if someone replaced output_path meanwhile, fail instead of
