@@ -4,12 +4,16 @@ them would fix makes the failure name it."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from shim import errors
-from shim.criu.runtime import CriuOptions, option_hint
+from shim.criu.runtime import CriuOptions, NetnsLock, option_hint
 from shim.ops.checkpoint_pod import CheckpointOptions
 
 
@@ -60,3 +64,32 @@ def test_dump_skips_criu_network_lock() -> None:
     assert opts.dump_config_lines() == ["ghost-limit 4194304", "network-lock skip"]
     tcp = CheckpointOptions.parse({"tcp-established": "true"}).criu
     assert tcp.dump_config_lines() == ["network-lock skip"]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("iptables-restore"), reason="needs root and iptables"
+)
+def test_netns_lock_once_for_the_pod() -> None:
+    """NetnsLock puts CRIU's own lock (the CRIU chain dropping all but CRIU's marked packets) on a
+    network namespace and takes it off again; unlocking what was never locked does nothing."""
+    name = f"podshim-test-{secrets.token_hex(4)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    netns = f"/var/run/netns/{name}"
+
+    def rules() -> str:
+        return subprocess.run(
+            ["nsenter", f"--net={netns}", "iptables", "-S"], capture_output=True, text=True, check=True
+        ).stdout
+
+    try:
+        lock = NetnsLock(netns)
+        lock.unlock()  # nothing locked: nothing to do
+        lock.lock()
+        assert "-A INPUT -j CRIU" in rules() and "-A CRIU -j DROP" in rules()
+        assert "iptables-restore" in lock.locked
+        lock.unlock()
+        assert "CRIU" not in rules() and lock.locked == []
+        with pytest.raises(errors.Internal, match="network namespace /nonexistent"):
+            NetnsLock("/nonexistent").lock()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
