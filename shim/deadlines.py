@@ -17,6 +17,7 @@ FREEZE_TIMEOUT = 5.0  # to confirm a cgroup froze or thawed
 KILL_WAIT = 10.0  # for SIGKILLed runc/CRIU processes to disappear
 VERSION_TIMEOUT = 10.0  # for `runc/crun/criu --version` (and `restore --help`)
 CPUINFO_TIMEOUT = 20.0  # for `criu cpuinfo dump/check`
+NETLOCK_TIMEOUT = 10.0  # for one iptables-restore of the pod's netns lock (tcp-established)
 
 # ---------------------------------------------------------------------- lazy restore (§5.1)
 LAZY_READY_TIMEOUT = 30.0  # for a lazy-pages daemon to listen (it reads the images' metadata first)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shim import contract, errors, faults, logs
 from shim.aio import run_to_end
-from shim.deadlines import KILL_WAIT, VERSION_TIMEOUT
+from shim.deadlines import KILL_WAIT, NETLOCK_TIMEOUT, VERSION_TIMEOUT
 
 log = logs.get("shim.criu.runtime")
 
@@ -88,7 +88,6 @@ _LOCK_RULES = (
     "-A CRIU -m mark --mark 0xC114 -j ACCEPT\n-A CRIU -j DROP\nCOMMIT\n"
 )
 _UNLOCK_RULES = "*filter\n:CRIU - [0:0]\n-D INPUT -j CRIU\n-D OUTPUT -j CRIU\n-X CRIU\nCOMMIT\n"
-NETLOCK_TIMEOUT = 10.0  # seconds for one iptables-restore
 
 
 class NetnsLock:
