@@ -17,7 +17,8 @@ import yaml
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim import cli, deadlines
-from shim.cli import client, output
+from shim.cli import base, output, transport
+from shim.cli.commands import inspectp, restorepod
 from testbed import pods
 from testbed.bed import TestBed
 
@@ -46,26 +47,26 @@ def assert_clean_error(res: subprocess.CompletedProcess[str], code: int, *needle
 
 
 def test_duration_accepts_seconds_and_units() -> None:
-    assert client.duration("30") == 30
-    assert client.duration("2.5s") == 2.5
-    assert client.duration("2m") == 120
-    assert client.duration("500ms") == 0.5
+    assert base.duration("30") == 30
+    assert base.duration("2.5s") == 2.5
+    assert base.duration("2m") == 120
+    assert base.duration("500ms") == 0.5
     for bad in ("", "x", "-1", "0", "3d"):
         with pytest.raises(Exception, match="invalid duration"):
-            client.duration(bad)
+            base.duration(bad)
 
 
 def test_key_value_and_name_file() -> None:
-    assert client.key_value("tcp-established=true") == ("tcp-established", "true")
-    assert client.key_value("k=") == ("k", "")
-    assert client.key_value("k=a=b") == ("k", "a=b")
-    assert client.name_file("app=/tmp/c.yaml") == ("app", "/tmp/c.yaml")
+    assert base.key_value("tcp-established=true") == ("tcp-established", "true")
+    assert base.key_value("k=") == ("k", "")
+    assert base.key_value("k=a=b") == ("k", "a=b")
+    assert base.name_file("app=/tmp/c.yaml") == ("app", "/tmp/c.yaml")
     for bad in ("novalue", "=v"):
         with pytest.raises(Exception, match="KEY=VALUE"):
-            client.key_value(bad)
+            base.key_value(bad)
     for bad in ("app", "app=", "=f"):
         with pytest.raises(Exception, match="NAME=FILE"):
-            client.name_file(bad)
+            base.name_file(bad)
 
 
 @pytest.mark.parametrize(
@@ -90,25 +91,25 @@ def test_global_options_before_or_after_the_command() -> None:
     a = parser.parse_args(["-r", "unix:///a.sock", "--timeout", "5", "-o", "json", "pods"])
     b = parser.parse_args(["pods", "-r", "unix:///a.sock", "--timeout", "5", "-o", "json"])
     for ns in (a, b):
-        assert client.endpoint(ns) == "unix:///a.sock"
-        assert client.timeout_of(ns) == 5
-        assert client.output_of(ns) == "json"
+        assert base.endpoint(ns) == "unix:///a.sock"
+        assert base.timeout_of(ns) == 5
+        assert base.output_of(ns) == "json"
     c = parser.parse_args(["pods"])
-    assert client.timeout_of(c) == deadlines.CLI_SHORT_TIMEOUT
-    assert client.timeout_of(c, long=True) == deadlines.CLI_LONG_TIMEOUT
-    assert client.output_of(c) == "table"
+    assert base.timeout_of(c) == deadlines.CLI_SHORT_TIMEOUT
+    assert base.timeout_of(c, long=True) == deadlines.CLI_LONG_TIMEOUT
+    assert base.output_of(c) == "table"
 
 
 def test_endpoint_from_environment_and_targets(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = cli.build_parser()
-    monkeypatch.delenv(client.ENDPOINT_ENV, raising=False)
-    assert client.endpoint(parser.parse_args(["pods"])) == client.DEFAULT_ENDPOINT
-    monkeypatch.setenv(client.ENDPOINT_ENV, "unix:///env.sock")
-    assert client.endpoint(parser.parse_args(["pods"])) == "unix:///env.sock"
-    assert client.endpoint(parser.parse_args(["-r", "/flag.sock", "pods"])) == "/flag.sock"
-    assert client.grpc_target("/flag.sock") == "unix:///flag.sock"
-    assert client.grpc_target("unix:///a.sock") == "unix:///a.sock"
-    assert client.grpc_target("tcp://127.0.0.1:1234") == "127.0.0.1:1234"
+    monkeypatch.delenv(base.ENDPOINT_ENV, raising=False)
+    assert base.endpoint(parser.parse_args(["pods"])) == base.DEFAULT_ENDPOINT
+    monkeypatch.setenv(base.ENDPOINT_ENV, "unix:///env.sock")
+    assert base.endpoint(parser.parse_args(["pods"])) == "unix:///env.sock"
+    assert base.endpoint(parser.parse_args(["-r", "/flag.sock", "pods"])) == "/flag.sock"
+    assert transport.grpc_target("/flag.sock") == "unix:///flag.sock"
+    assert transport.grpc_target("unix:///a.sock") == "unix:///a.sock"
+    assert transport.grpc_target("tcp://127.0.0.1:1234") == "127.0.0.1:1234"
 
 
 def test_unreachable_runtime_is_exit_1_unavailable(tmp_path: Path) -> None:
@@ -120,7 +121,7 @@ def test_unreachable_runtime_is_exit_1_unavailable(tmp_path: Path) -> None:
 def test_inspect_container_without_an_id_is_usage(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    assert client.inspect_container(argparse.Namespace()) == 2
+    assert inspectp.inspect_container(argparse.Namespace()) == 2
     assert "no container id" in capsys.readouterr().err
 
 
@@ -204,7 +205,7 @@ def test_progress_on_a_terminal_shows_elapsed_and_bytes(tmp_path: Path) -> None:
     (tmp_path / "images" / "pages.img").write_bytes(b"x" * 3 * 2**20)
     tty = FakeTTY()
     progress = output.Progress("checkpointpod abc", watch=tmp_path, stream=tty)
-    assert client.long_call(SlowMethod(1.1), cri.CheckpointPodRequest(), 5, progress) == "done"
+    assert transport.long_call(SlowMethod(1.1), cri.CheckpointPodRequest(), 5, progress) == "done"
     frames = [f for f in tty.getvalue().split("\r") if f.strip()]
     assert len(frames) >= 3, frames  # ~4 refreshes a second
     assert frames[-1].startswith("checkpointpod abc: ")
@@ -215,7 +216,7 @@ def test_progress_on_a_terminal_shows_elapsed_and_bytes(tmp_path: Path) -> None:
 def test_progress_is_silent_when_not_a_terminal(tmp_path: Path) -> None:
     pipe = io.StringIO()
     progress = output.Progress("restorepod x", watch=tmp_path, stream=pipe)
-    client.long_call(SlowMethod(0.6), cri.RestorePodRequest(), 5, progress)
+    transport.long_call(SlowMethod(0.6), cri.RestorePodRequest(), 5, progress)
     assert pipe.getvalue() == ""
 
 
@@ -264,8 +265,8 @@ def fake_archive(root: Path, uid: str = "0609a4ed92945fc9") -> Path:
 
 
 def test_derive_pod_config_is_a_new_pod(tmp_path: Path) -> None:
-    m = client.read_archive_manifest(fake_archive(tmp_path / "a"))
-    cfg = client.derive_pod_config(m, uid="11111111-2222-3333-4444-555555555555")
+    m = restorepod.read_archive_manifest(fake_archive(tmp_path / "a"))
+    cfg = restorepod.derive_pod_config(m, uid="11111111-2222-3333-4444-555555555555")
     new = "11111111-2222-3333-4444-555555555555"
     assert cfg.metadata.name == "web-restored"
     assert cfg.metadata.namespace == "shop"
@@ -278,17 +279,17 @@ def test_derive_pod_config_is_a_new_pod(tmp_path: Path) -> None:
     assert cfg.labels["app"] == "web"
     assert cfg.hostname == "web"  # the processes may know it
     assert cfg.linux.security_context.namespace_options.pid == cri.CONTAINER
-    named = client.derive_pod_config(m, name="other")
+    named = restorepod.derive_pod_config(m, name="other")
     assert named.metadata.name == "other"
     assert named.metadata.uid not in ("", "0609a4ed92945fc9")
 
 
 def test_derive_pod_config_systemd_cgroup_and_foreign_log_dir(tmp_path: Path) -> None:
     uid = "0a1b-2c3d"
-    m = client.read_archive_manifest(fake_archive(tmp_path / "a", uid=uid))
+    m = restorepod.read_archive_manifest(fake_archive(tmp_path / "a", uid=uid))
     m["sandbox"]["config"]["linux"]["cgroup_parent"] = "kubepods-burstable-pod0a1b_2c3d.slice"
     m["sandbox"]["config"]["log_directory"] = "/logs/web"
-    cfg = client.derive_pod_config(m, uid="9f8e-7d6c")
+    cfg = restorepod.derive_pod_config(m, uid="9f8e-7d6c")
     assert cfg.linux.cgroup_parent == "kubepods-burstable-pod9f8e_7d6c.slice"
     assert cfg.log_directory == "/logs/web-restored"  # never the original pod's directory
 
@@ -438,7 +439,7 @@ def test_checkpointpod_restorepod_ps_pods_end_to_end(
     import argparse
 
     ns = argparse.Namespace(runtime_endpoint=ep, timeout=None, output="json")
-    assert client.inspect_container(ns, cid[:12]) == 0
+    assert inspectp.inspect_container(ns, cid[:12]) == 0
 
 
 @pytest.mark.e2e

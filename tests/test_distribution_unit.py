@@ -169,7 +169,7 @@ def test_plain_http_only_for_loopback_unless_insecure() -> None:
 
 
 def test_transfer_progress_on_a_terminal_only() -> None:
-    from shim.cli.distribution import TransferProgress
+    from shim.cli.commands.distribution import TransferProgress
 
     class TTY(io.StringIO):
         def isatty(self) -> bool:

@@ -16,7 +16,7 @@ import pytest
 
 from shim import cli
 from shim import config as configmod
-from shim.cli import client
+from shim.cli import base
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMD = REPO / "systemd"
@@ -193,7 +193,7 @@ def test_containerd_reads_the_dropin(tmp_path: Path) -> None:
 def test_example_config_loads() -> None:
     cfg = configmod.load(str(CONFIG), env={})
     assert cfg.socket == "/run/podshim/podshim.sock"
-    assert client.DEFAULT_ENDPOINT == f"unix://{cfg.socket}"  # the CLI's default endpoint
+    assert base.DEFAULT_ENDPOINT == f"unix://{cfg.socket}"  # the CLI's default endpoint
     assert cfg.upstream_endpoint == "unix:///run/containerd/containerd.sock"
     assert cfg.metrics_address  # documented on, bound to localhost
     assert cfg.metrics_address.startswith("127.0.0.1:")

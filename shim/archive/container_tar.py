@@ -1,7 +1,7 @@
 """The container checkpoint tar (CheckpointContainer, KEP-2008): its format name, the names of its
 members and the limits a reader applies (docs/architecture.md §6 (CheckpointContainer)). Shared by
 the daemon (shim/ops/checkpoint_container.py, restore_container.py) and `podshim inspect`
-(shim/cli/inspect.py)."""
+(shim/cli/commands/inspect.py)."""
 
 from __future__ import annotations
 

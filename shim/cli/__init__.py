@@ -1,11 +1,12 @@
-"""The `podshim` command: `serve` runs the shim; the other subcommands are a crictl-style client."""
+"""The `podshim` command: `serve` runs the shim; the other subcommands are a crictl-style client.
+One module per command in shim/cli/commands/; shared machinery in base.py, gRPC in transport.py."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from shim.cli import client, distribution, inspect, serve
+from shim.cli import base, commands
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,12 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="podshim",
         description="CRI runtime shim with Pod checkpoint/restore, in front of containerd or CRI-O.",
     )
-    client.add_global_options(parser)
+    base.add_global_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve.register(sub)
-    inspect.register(sub)
-    client.register(sub)
-    distribution.register(sub)
+    commands.register_all(sub)
     return parser
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from shim.cli import client, output
+from shim.cli import base, output
 from shim.errors import ShimError
 
 REF_HELP = "HOST[:PORT]/REPOSITORY[:TAG]; plain HTTP only for a loopback host unless --insecure"
@@ -72,7 +72,7 @@ def _shim_errors(fn: Any) -> Any:
         try:
             return fn(*a, **kw)
         except ShimError as e:
-            raise client.CliError(f"{e.code_name}: {e}") from None
+            raise base.CliError(f"{e.code_name}: {e}") from None
 
     return run
 
@@ -83,7 +83,7 @@ def allowed_roots(args: argparse.Namespace) -> list[str]:
     try:
         cfg = config.load(getattr(args, "podshim_config", None), check_files=False)
     except config.ConfigError as e:
-        raise client.UsageError(f"podshim config: {e}") from None
+        raise base.UsageError(f"podshim config: {e}") from None
     return list(cfg.allowed_roots)
 
 
@@ -105,7 +105,7 @@ def do_pull(args: argparse.Namespace, ref: str, dest: Path, label: str) -> Any:
         progress.clear()
 
 
-@client.guarded("push")
+@base.guarded("push")
 def cmd_push(args: argparse.Namespace) -> int:
     from shim.distribution import push
 
@@ -132,21 +132,21 @@ def cmd_push(args: argparse.Namespace) -> int:
             for x in result.layers
         ],
     }
-    output.render(data, client.output_of(args), lambda r: f"{r['ref']}@{r['digest']}")
-    return client.EXIT_OK
+    output.render(data, base.output_of(args), lambda r: f"{r['ref']}@{r['digest']}")
+    return base.EXIT_OK
 
 
-@client.guarded("pull")
+@base.guarded("pull")
 def cmd_pull(args: argparse.Namespace) -> int:
     dest = Path(os.path.abspath(args.path))
-    created = client._make_output_dir(dest)
+    created = base.make_output_dir(dest)
     ok = False
     try:
         result = do_pull(args, args.ref, dest, f"pull {args.ref}")
         ok = True
     finally:
         if not ok:
-            client._remove_created(created)
+            base.remove_created(created)
     data = {
         "ref": result.ref,
         "digest": result.digest,
@@ -154,8 +154,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
         "bytes": result.bytes_fetched,
         "seconds": round(result.seconds, 3),
     }
-    output.render(data, client.output_of(args), lambda r: r["path"])
-    return client.EXIT_OK
+    output.render(data, base.output_of(args), lambda r: r["path"])
+    return base.EXIT_OK
 
 
 def pull_for_restore(args: argparse.Namespace) -> tuple[Path, bool]:
@@ -163,19 +163,19 @@ def pull_for_restore(args: argparse.Namespace) -> tuple[Path, bool]:
     root; returns it and whether this call created it (removed again when the restore fails)."""
     if args.pull_dir:
         dest = Path(os.path.abspath(args.pull_dir))
-        created = client._make_output_dir(dest)
+        created = base.make_output_dir(dest)
     else:
         roots = allowed_roots(args)
         if not roots:
-            raise client.UsageError("podshim config has no checkpoint.allowed_roots to pull into")
+            raise base.UsageError("podshim config has no checkpoint.allowed_roots to pull into")
         repo = args.from_ref.rsplit("/", 1)[-1].replace(":", "-").replace("@", "-")
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in repo)[:80]
         dest = Path(roots[0]) / f"pulled-{safe}-{secrets.token_hex(3)}"
-        created = client._make_output_dir(dest)
+        created = base.make_output_dir(dest)
     try:
         do_pull(args, args.from_ref, dest, f"pull {args.from_ref}")
     except BaseException:
-        client._remove_created(created)
+        base.remove_created(created)
         raise
     return dest, bool(created)
 
@@ -210,7 +210,7 @@ def add_pull_options(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: Any) -> None:
-    p = client._client_parser(
+    p = base.client_parser(
         sub,
         "push",
         help="push a pod checkpoint directory to an OCI registry",
@@ -224,7 +224,7 @@ def register(sub: Any) -> None:
     add_registry_options(p)
     p.set_defaults(func=cmd_push)
 
-    p = client._client_parser(
+    p = base.client_parser(
         sub,
         "pull",
         help="pull a pod checkpoint from an OCI registry into a directory",

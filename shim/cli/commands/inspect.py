@@ -20,7 +20,8 @@ from shim.archive import fsutil, layout, manifest
 from shim.archive.container_tar import FORMAT as CONTAINER_FORMAT
 from shim.archive.container_tar import MANIFEST_FILE as CONTAINER_MANIFEST
 from shim.archive.container_tar import MAX_METADATA_BYTES, REQUIRED_MEMBERS, tar_error
-from shim.cli import client, output
+from shim.cli import base, output
+from shim.cli.commands import inspectp
 
 PAGES = f"{layout.CHECKPOINT_DIR}/pages-*.img"
 
@@ -36,7 +37,7 @@ def register(sub: Any) -> None:
             "Arguments that are not existing paths are container ids (crictl inspect)."
         ),
     )
-    client.add_global_options(p, suppress=True)
+    base.add_global_options(p, suppress=True)
     p.add_argument(
         "targets", nargs="+", metavar="PATH|ID", help="checkpoint dir, checkpoint .tar or container id"
     )
@@ -50,25 +51,25 @@ def run(args: argparse.Namespace) -> int:
     targets = [str(t) for t in args.targets]
     existing = [t for t in targets if os.path.lexists(t)]
     if not existing:
-        return client.inspect_container(args, targets)
+        return inspectp.inspect_container(args, targets)
     if len(existing) != len(targets):
         missing = ", ".join(t for t in targets if t not in existing)
-        client._err("inspect", f"mix of checkpoint paths and container ids ({missing}): inspect them apart")
-        return client.EXIT_USAGE
+        base.report("inspect", f"mix of checkpoint paths and container ids ({missing}): inspect them apart")
+        return base.EXIT_USAGE
     try:
         infos = [inspect_path(Path(t), verify=args.verify) for t in targets]
     except errors.ShimError as e:
-        client._err("inspect", e.message)
-        return client.EXIT_RUNTIME
+        base.report("inspect", e.message)
+        return base.EXIT_RUNTIME
     except OSError as e:
-        client._err("inspect", f"{e.filename or ''}: {e.strerror or e}")
-        return client.EXIT_RUNTIME
-    fmt = client.output_of(args, "table")
+        base.report("inspect", f"{e.filename or ''}: {e.strerror or e}")
+        return base.EXIT_RUNTIME
+    fmt = base.output_of(args, "table")
     if fmt == "table":
         print("\n\n".join(pod_table(i) if i["kind"] == "pod" else container_table(i) for i in infos))
     else:
         output.render(infos[0] if len(infos) == 1 else infos, fmt)
-    return client.EXIT_OK
+    return base.EXIT_OK
 
 
 def inspect_path(path: Path, verify: bool = False) -> dict[str, Any]:

@@ -1,0 +1,25 @@
+"""The commands of `podshim`, one module each (pip's layout): `register_all` adds them to the parser
+in the order `podshim --help` lists them. Each module's `register(sub)` adds its subcommand(s)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shim.cli.commands import (
+    checkpoint,
+    checkpointpod,
+    distribution,
+    inspect,
+    inspectp,
+    pods,
+    ps,
+    restorepod,
+    serve,
+)
+
+COMMANDS = (serve, inspect, checkpointpod, restorepod, checkpoint, pods, ps, inspectp, distribution)
+
+
+def register_all(sub: Any) -> None:
+    for module in COMMANDS:
+        module.register(sub)

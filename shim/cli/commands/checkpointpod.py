@@ -1,0 +1,93 @@
+"""`podshim checkpointpod POD-ID PATH`: a pod checkpoint (CheckpointPod) into PATH."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from api.runtime.v1 import api_pb2 as cri
+from shim.cli import output
+from shim.cli.base import (
+    EXIT_OK,
+    client_parser,
+    guarded,
+    key_value,
+    make_output_dir,
+    output_of,
+    remove_created,
+    resolve_container,
+    resolve_pod,
+    runtime_stub,
+    timeout_of,
+)
+from shim.cli.transport import long_call
+from shim.deadlines import CLI_SHORT_TIMEOUT
+
+
+@guarded("checkpointpod")
+def cmd_checkpointpod(args: argparse.Namespace) -> int:
+    stub = runtime_stub(args)
+    timeout = timeout_of(args, long=True)
+    pod_id = resolve_pod(stub, args.pod_id, min(timeout, CLI_SHORT_TIMEOUT))
+    containers = [resolve_container(stub, c, min(timeout, CLI_SHORT_TIMEOUT)) for c in args.containers or []]
+    path = Path(os.path.abspath(args.path))
+    created = make_output_dir(path)
+    req = cri.CheckpointPodRequest(
+        pod_sandbox_id=pod_id,
+        output_path=str(path),
+        container_ids=containers,
+        options=dict(args.options or []),
+        post_checkpoint_state=(
+            cri.POST_CHECKPOINT_STATE_STOPPED if args.stopped else cri.POST_CHECKPOINT_STATE_RUNNING
+        ),
+    )
+    progress = output.Progress(f"checkpointpod {output.short_id(pod_id)}", watch=path)
+    ok = False
+    try:
+        long_call(stub.CheckpointPod, req, timeout, progress)
+        ok = True
+    finally:
+        if not ok:
+            remove_created(created)
+    result = {
+        "podSandboxId": pod_id,
+        "outputPath": str(path),
+        "seconds": round(progress.elapsed(), 3),
+        "bytes": output.tree_bytes(path) or 0,
+    }
+    output.render(result, output_of(args), lambda r: r["outputPath"])
+    return EXIT_OK
+
+
+def register(sub: Any) -> None:
+    """Add the command to the `podshim` parser."""
+    p = client_parser(
+        sub,
+        "checkpointpod",
+        help="checkpoint a pod's running containers (CheckpointPod)",
+        description="Checkpoint a pod in one consistent cut into PATH (created 0700 if missing; "
+        "it must be empty and inside one of podshim's checkpoint.allowed_roots).",
+    )
+    p.add_argument("pod_id", metavar="POD-ID", help="pod sandbox id (a unique prefix is enough)")
+    p.add_argument("path", metavar="PATH", help="output directory")
+    p.add_argument(
+        "--stopped", action="store_true", help="stop the checkpointed containers (default: keep them running)"
+    )
+    p.add_argument(
+        "--option",
+        dest="options",
+        action="append",
+        type=key_value,
+        metavar="KEY=VALUE",
+        help="CheckpointPod option, repeatable (e.g. tcp-established=true, rootfs-compression=gzip)",
+    )
+    p.add_argument(
+        "--container",
+        dest="containers",
+        action="append",
+        metavar="ID",
+        help="checkpoint only this container, repeatable (default: all running containers)",
+    )
+    p.set_defaults(func=cmd_checkpointpod)
