@@ -727,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     print(grid_report)
     if "eager_overhead_ratio" in extra:  # part 4's figure, issue 15 item 3's own measurement
         values["eager_overhead_ratio"] = extra["eager_overhead_ratio"]
+    from bench.restore_grid import targets_line
+
+    print(targets_line(values))
     print(result_line(**values), flush=True)
     return 0
 

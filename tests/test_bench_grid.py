@@ -94,10 +94,18 @@ def test_report() -> None:
     row = next(
         line for line in lines if line.startswith("4096 MiB") and " warm " in line and " lazy " in line
     )
-    assert row.split()[4:] == ["2", "0.500", "1.000", "0.330", "1.330", "0.200", "7", "(6)"]
+    assert row.split()[4:] == ["2", "0.500", "n/a", "1.000", "0.330", "1.330", "0.200", "7", "(6)"]
     assert any(" lazy " in line and "1 (1 failed)" in line for line in lines)
     assert "failed: 256 MiB lazy cold: DEADLINE_EXCEEDED: slow" in text
     assert "median 11.000 s of 3" in text
     no_lazy = rg.report(grid(lazy="INVALID_ARGUMENT: unknown"))
     assert "lazy cells: n/a: INVALID_ARGUMENT: unknown" in no_lazy
     assert sum(1 for line in no_lazy.splitlines() if " lazy " in line and "n/a" in line) == 6
+
+
+def test_targets_line() -> None:
+    line = rg.targets_line({**rg.summarize(grid()), "eager_overhead_ratio": 2.5})
+    assert line.startswith("targets (issue 15): lazy_first_output_4g_s <= 0.3 (0.330), ")
+    assert "eager_overhead_ratio <= 1.3 (2.500)" in line
+    assert "warm_start_ratio_lazy <= 0.05 (" in line
+    assert rg.targets_line({}).endswith("warm_start_ratio_lazy <= 0.05")
