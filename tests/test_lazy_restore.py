@@ -554,3 +554,53 @@ def test_podshim_killed_while_a_daemon_serves(
     lazy_dir = Path(bed.podshim_state_dir) / "lazy"
     assert not lazy_dir.exists() or not os.listdir(lazy_dir)
     assert "lazy-pages daemon of a previous podshim handled" in log_text(Path(bed.podshim_log))
+
+
+@pytest.mark.parametrize("daemon", ["finishes", "killed"])
+def test_containerd_restart_while_a_daemon_serves(
+    lp: LazyPodshim, bed: TestBed, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], daemon: str
+) -> None:
+    """containerd is down while a daemon serves (the container runs on under its shim): a daemon that
+    finishes meanwhile leaves an intact, running container; one killed meanwhile has its container
+    killed once containerd answers again (podshim retries; the faults stay blocked until then)."""
+    before = lp.failures("killed")
+    r = lazy_restore(lp.rt, plain[1024], log_root, 1024, lp_cleanup, start=False)
+    pid = daemon_pid(lp.daemon_records(), r.cid)
+    lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
+    lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
+    stop_mid_transfer(lp_pids, pid)
+    bed.stop_containerd()
+    try:
+        if daemon == "finishes":
+            os.kill(pid, signal.SIGCONT)
+            pods.wait_for(lambda: not lp.daemon_records(), timeout=60, what="the daemon done")
+        else:
+            os.kill(pid, signal.SIGKILL)
+            pods.wait_for(lambda: proc_state(pid) == "gone", timeout=10, what="the daemon reaped")
+            assert lp.daemon_records(), "the record went before the container could be killed"
+    finally:
+        bed.start_containerd()
+
+    def answers() -> bool:
+        try:
+            state(lp.rt, r.cid)
+        except grpc.RpcError:
+            return False
+        return True
+
+    pods.wait_for(answers, timeout=60, what="containerd answering through podshim again")
+    if daemon == "finishes":
+        verify_memory(lp.rt, r)
+        assert state(lp.rt, r.cid) == cri.CONTAINER_RUNNING
+        assert lp.failures("killed") == before
+    else:
+        pods.wait_for(
+            lambda: state(lp.rt, r.cid) == cri.CONTAINER_EXITED, timeout=90, what="the container killed"
+        )
+        # the reason goes into the log once containerd says where it is: after the kill
+        pods.wait_for(
+            lambda: "lazy restore failed" in log_text(r.log), timeout=30, what="the reason in the log"
+        )
+        assert "verify " not in log_text(r.log), log_text(r.log)[-600:]
+        assert lp.failures("killed") == before + 1
+        pods.wait_for(lambda: not lp.daemon_records(), timeout=30, what="the record closed")

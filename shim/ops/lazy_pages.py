@@ -368,8 +368,10 @@ class LazyPages:
         then its faults stay blocked, never zero-filled."""
         log.error("lazy restore failed; killing the container", container=container_id, reason=reason)
         metrics.lazy_restore_failures.labels(label).inc()
-        await self._note_in_container_log(container_id, reason)
+        noted = await self._note_in_container_log(container_id, reason)
         await self._kill(container_id, retry=d is not None)
+        if not noted:  # the upstream did not answer before: it does now (the kill went through)
+            await self._note_in_container_log(container_id, reason)
         if d is not None:
             self._release(d)
             await self._clean(d)
@@ -395,27 +397,29 @@ class LazyPages:
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX)
 
-    async def _note_in_container_log(self, container_id: str, reason: str) -> None:
-        """A line in the container's CRI log (`crictl logs` shows it) naming the reason."""
+    async def _note_in_container_log(self, container_id: str, reason: str) -> bool:
+        """A line in the container's CRI log (`crictl logs` shows it) naming the reason; False when
+        the upstream did not say where that log is."""
         try:
             st = await self.upstream.container_status(container_id)
-        except errors.ShimError:
-            return
+        except errors.ShimError as e:
+            return is_not_found(e)  # a container gone has no log to tell
         path = st.status.log_path
         if not path:
-            return
+            return True
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{time.time_ns() % 10**9:09d}Z"
         line = f"{ts} stderr F podshim: {reason}\n".encode()
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
-            return
+            return True
         try:
             os.write(fd, line)
         except OSError:
             pass
         finally:
             os.close(fd)
+        return True
 
     async def _clean(self, d: Daemon) -> None:
         """After the daemon ended: its work dir (its log kept in <state_dir>/logs on failure, see
