@@ -23,6 +23,9 @@ NETLOCK_TIMEOUT = 10.0  # for one iptables-restore of the pod's netns lock (tcp-
 LAZY_READY_TIMEOUT = 30.0  # for a lazy-pages daemon to listen (it reads the images' metadata first)
 LAZY_POLL = 0.02  # between two looks for new userfaultfds in the daemon
 LAZY_CONTAINER_CHECK = 2.0  # between two looks at the container (gone: the daemon goes too)
+# between two looks at a container whose page images failed their checksum, until it has started
+# (a stop of a created container is a no-op: it is killed once it runs)
+LAZY_STARTED_POLL = 0.05
 
 # ---------------------------------------------------------------------- recovery
 # how long recovery lets a crashed run's runc/CRIU finish (CRIU then cures and unseizes the pod's

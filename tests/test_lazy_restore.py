@@ -511,6 +511,57 @@ def test_unreadable_image_kills_the_container(
         shutil.rmtree(copy, ignore_errors=True)
 
 
+def test_corrupt_page_image_kills_the_lazy_container(
+    lp: LazyPodshim, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], bed: TestBed
+) -> None:
+    """A plain archive's page images are checksummed while the daemon serves, not before the lazy
+    restore: one flipped byte in a copy's pages image kills the container (before or after it ran,
+    whichever comes first) with the checksum reason in its log, counted as `checksum`, and the
+    work dir and record go. The eager restore of the same copy still fails up front (DATA_LOSS)."""
+    copy = Path(bed.checkpoint_root) / f"lazy-corrupt-{secrets.token_hex(3)}"
+    shutil.copytree(plain[256], copy)
+    try:
+        pages = max((copy / "containers" / "counter" / "checkpoint").glob("pages-*.img"), key=os.path.getsize)
+        with open(pages, "r+b") as f:  # same size: only the checksum can tell
+            f.seek(pages.stat().st_size // 2)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+        before = lp.failures("checksum")
+        r = lazy_restore(lp.rt, copy, log_root, 256, lp_cleanup, start=False)
+        # the mismatch may be found before the start (it then fails: the daemon is gone) or after
+        with contextlib.suppress(grpc.RpcError):
+            lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
+        pods.wait_for(
+            lambda: state(lp.rt, r.cid) == cri.CONTAINER_EXITED, timeout=60, what="the container killed"
+        )
+        pods.wait_for(
+            lambda: "checksum mismatch" in log_text(r.log), timeout=30, what="the reason in its log"
+        )
+        text = log_text(r.log)
+        assert "lazy restore failed" in text and pages.name in text, text[-600:]
+        assert lp.failures("checksum") == before + 1
+        assert "checksum mismatch" in log_text(lp.log)
+        pods.wait_for(lambda: not lp.daemon_records() and not lp.lazy_dirs(), timeout=30, what="clean-up")
+        # the eager path verifies every byte before it creates anything
+        config = pods.pod_config(f"eager-corrupt-{secrets.token_hex(3)}", log_root)
+        with pytest.raises(grpc.RpcError) as err:
+            lp.rt.RestorePod(
+                cri.RestorePodRequest(
+                    checkpoint_path=str(copy),
+                    config=config,
+                    container_configs=[
+                        pods.container_config("counter", args=["--mem-mib", "256", "--interval-ms", "50"])
+                    ],
+                ),
+                timeout=RPC_TIMEOUT,
+            )
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value.details()
+        assert pages.name in err.value.details()
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
 # ---------------------------------------------------------------------------- recovery
 
 

@@ -14,19 +14,28 @@ never runs on with missing memory, podshim holds a duplicate (pidfd_getfd) of ev
 the daemon holds: when the daemon dies its faults stay blocked (killable) instead of reading zero
 pages, until podshim has killed the container. The journal records every live daemon; after a
 podshim restart `recover` kills the container of a daemon it can no longer supervise.
+
+The page images of a plain archive (pages-*.img, nearly all of its bytes) are not checksummed
+before the restore: a thread hashes them while the daemon serves (check_pages), so the time to the
+first output does not grow with the memory size; a mismatch (or an unreadable image) kills the
+container like a failed daemon (reason `checksum`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
+import fnmatch
 import functools
+import hashlib
 import os
 import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,12 +43,13 @@ from typing import Any
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import contract, errors, logs, metrics
-from shim.archive import crypto, layout
+from shim.archive import crypto, layout, manifest
 from shim.config import Config
 from shim.deadlines import (
     LAZY_CONTAINER_CHECK,
     LAZY_POLL,
     LAZY_READY_TIMEOUT,
+    LAZY_STARTED_POLL,
     RETRY_MAX,
     VERSION_TIMEOUT,
 )
@@ -52,6 +62,8 @@ KIND = "lazy-pages"  # the journal kind of a live daemon
 LOG_NAME = "lazy-pages.log"  # the daemon's CRIU log, in its work dir
 _SYS_PIDFD_GETFD = 438  # the same number on x86_64 and arm64 (the generic table)
 UFFD_LINK = "anon_inode:[userfaultfd]"
+PAGE_IMAGES = "pages-*.img"  # CRIU's memory contents: what is checksummed while the daemon serves
+CHECK_READ = 8 << 20  # the background checksum pass's read size
 
 
 @functools.lru_cache(maxsize=8)
@@ -113,6 +125,59 @@ def daemon_uffds(pid: int) -> list[int]:
     return out
 
 
+def page_images(m: manifest.Manifest, container_rel: str) -> list[str]:
+    """The archive members holding one container's memory contents (CRIU's pages-*.img in its
+    checkpoint/ dir): what a lazy restore checksums in the background instead of before."""
+    prefix = f"{container_rel}/{layout.CHECKPOINT_DIR}/"
+    return sorted(
+        rel
+        for rel in m.files
+        if rel.startswith(prefix) and fnmatch.fnmatchcase(rel[len(prefix) :], PAGE_IMAGES)
+    )
+
+
+@dataclass(frozen=True)
+class PageCheck:
+    """What a daemon's background checksum pass reads: `rels` under `root`, against the manifest."""
+
+    root: Path
+    manifest: manifest.Manifest
+    rels: list[str]
+
+
+def check_pages(check: PageCheck, stop: threading.Event) -> str:
+    """Hash each page image (largest first, CHECK_READ reads, one descriptor, no symlink followed)
+    and compare it with the manifest: "" when all match (or `stop` was set), else why not, naming
+    the file. Runs in a thread of its own beside the daemon."""
+    expected = check.manifest.files
+    buf = bytearray(CHECK_READ)
+    view = memoryview(buf)
+    for rel in sorted(check.rels, key=lambda r: (-expected[r].size, r)):
+        h = hashlib.sha256()
+        size = 0
+        try:
+            fd = os.open(check.root / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                while n := os.readv(fd, [buf]):
+                    h.update(view[:n])  # hashlib releases the GIL for large buffers
+                    size += n
+                    if stop.is_set():
+                        return ""
+            finally:
+                os.close(fd)
+        except OSError as e:
+            return f"cannot read {rel} to verify its checksum ({e.strerror or e})"
+        digest = h.hexdigest()
+        if size != expected[rel].size or digest != expected[rel].sha256:
+            return (
+                f"checksum mismatch in {rel} of {check.root} ({size} bytes with sha256 {digest}, the "
+                f"manifest says {expected[rel].size} bytes with sha256 {expected[rel].sha256})"
+            )
+    return ""
+
+
 def _error_lines(path: Path, limit: int = 3) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -142,6 +207,9 @@ class Daemon:
     pidfd: int = -1
     abandoned: bool = False  # podshim ended it (a failed RestorePod): no failure
     task: asyncio.Task[None] | None = None
+    # the background checksum pass of its page images (plain archives): "" all match, else why not
+    verify: asyncio.Future[str] | None = None
+    verify_stop: threading.Event = field(default_factory=threading.Event)
 
 
 class LazyPages:
@@ -157,9 +225,12 @@ class LazyPages:
 
     # ------------------------------------------------------------------ start
 
-    async def start_for(self, container_dir: Path, name: str, op: Any, decrypted: bool) -> Daemon:
+    async def start_for(
+        self, container_dir: Path, name: str, op: Any, decrypted: bool, pages: PageCheck | None = None
+    ) -> Daemon:
         """RestorePod's call: a daemon for one planned container (its dir in the archive, or its
-        decrypted copy when `decrypted`), owned by the restore's journal record `op` until attached."""
+        decrypted copy when `decrypted`), owned by the restore's journal record `op` until attached.
+        `pages`: the page images RestorePod did not checksum, hashed while the daemon serves."""
         d = await self.start(
             layout.ContainerLayout(root=container_dir, rel="").checkpoint_dir,
             name,
@@ -168,6 +239,9 @@ class LazyPages:
             container_dir if decrypted else None,
         )
         self._by_op.setdefault(op.op_id, []).append(d)
+        if pages is not None and pages.rels:
+            self.journal.update(d.rec, d.rec.phase, verifying=len(pages.rels))
+            d.verify = _in_thread(check_pages, pages, d.verify_stop, f"podshim-lazy-check-{name}")
         return d
 
     async def start(self, images: Path, name: str, pod_key: str, criu: str, decrypted: Path | None) -> Daemon:
@@ -269,13 +343,18 @@ class LazyPages:
         assert d.proc is not None
         waiter = _exited(d.proc, d.pidfd)
         next_check = time.monotonic() + LAZY_CONTAINER_CHECK
-        gone = ""
+        gone = bad = ""
         try:
             while not waiter.done():
-                await asyncio.wait({waiter}, timeout=LAZY_POLL)
+                await asyncio.wait(
+                    {waiter, *_pending(d.verify)}, timeout=LAZY_POLL, return_when=asyncio.FIRST_COMPLETED
+                )
                 if waiter.done():
                     break
                 self._hold_uffds(d)
+                bad = _failed_check(d)
+                if bad and not d.abandoned and not gone:
+                    break
                 if time.monotonic() >= next_check and not d.abandoned:
                     next_check = time.monotonic() + LAZY_CONTAINER_CHECK
                     gone = await self._container_gone(d.container_id)
@@ -283,7 +362,14 @@ class LazyPages:
                         # a container removed (or never started and removed) needs no pages
                         with contextlib.suppress(ProcessLookupError):
                             d.proc.kill()
-            rc = waiter.result()
+            if waiter.done() and waiter.result() == 0 and d.verify is not None and not gone:
+                # every page delivered; the process runs on them once their checksums are known
+                self._release(d)
+                bad = await d.verify
+            if bad and not d.abandoned and not gone:
+                await self._checksum_failed(d, bad, waiter)
+                return
+            rc = await waiter
             await self._ended(d, rc, gone)
         except asyncio.CancelledError:
             raise  # podshim stops: the daemon and its record stay for the next start (recover)
@@ -306,6 +392,44 @@ class LazyPages:
                 d.held[key] = _pidfd_getfd(d.pidfd, fd)
             except OSError as e:
                 log.warning("cannot hold a userfaultfd of the lazy-pages daemon", pid=d.pid, error=str(e))
+
+    async def _checksum_failed(self, d: Daemon, why: str, waiter: asyncio.Future[int]) -> None:
+        """A page image differs from the manifest (or cannot be read): the container must not run on
+        (or the daemon serve) memory that is not the checkpoint's. A created container is killed
+        once it has started (stopping a created one is a no-op); one removed meanwhile needs
+        nothing. The daemon is ended first: the faults it has not served stay blocked."""
+        assert d.proc is not None
+        if not waiter.done():
+            with contextlib.suppress(ProcessLookupError):
+                d.proc.kill()
+            await waiter
+        if not await self._wait_started(d):
+            log.warning(
+                "lazy restore: page checksum failed; container already removed", container=d.container_id
+            )
+            self._release(d)
+            await self._clean(d)
+            return
+        reason = (
+            f"lazy restore failed: {why}; the container was killed so that it never runs on memory "
+            "that is not the checkpoint's (its page images are checksummed while it runs)"
+        )
+        await self.fail(d.container_id, reason, "checksum", d)
+
+    async def _wait_started(self, d: Daemon) -> bool:
+        """Until the container is no longer created (False: it was removed), the daemon's
+        userfaultfds held meanwhile."""
+        while True:
+            try:
+                st = await self.upstream.container_status(d.container_id)
+            except errors.ShimError as e:
+                if is_not_found(e):
+                    return False
+            else:
+                if st.status.state != cri.CONTAINER_CREATED:
+                    return True
+            self._hold_uffds(d)
+            await asyncio.sleep(LAZY_STARTED_POLL)
 
     def _release(self, d: Daemon) -> None:
         for fd in d.held.values():
@@ -425,6 +549,9 @@ class LazyPages:
         """After the daemon ended: its work dir (its log kept in <state_dir>/logs on failure, see
         _keep_log), the decrypted copy it served, its journal record."""
         self.live.pop(d.work, None)
+        if d.verify is not None:  # the checksum pass stops at its next read
+            d.verify_stop.set()
+            await asyncio.wait({d.verify})
         await asyncio.to_thread(_remove_dirs, d.work, d.decrypted)
         if d.rec is not None:
             self.journal.finish(d.rec)
@@ -456,10 +583,15 @@ class LazyPages:
         try:
             if cid and not await self._container_gone(cid):
                 why = "was still serving" if alive else "had ended"
+                checking = (
+                    ", its page images' checksums not known to match"
+                    if int(data.get("verifying") or 0)
+                    else ""
+                )
                 reason = (
                     f"lazy restore interrupted: podshim restarted while the lazy-pages daemon (pid {pid}) "
-                    f"of this container was serving, and the daemon {why} with no known result; the "
-                    "container was killed so that it never runs with missing memory"
+                    f"of this container was serving, and the daemon {why} with no known result{checking}; "
+                    "the container was killed so that it never runs with missing memory"
                 )
                 await self.fail(cid, reason, "podshim-restart")
             if pidfd >= 0:
@@ -476,6 +608,32 @@ class LazyPages:
             _remove_dirs, Path(work) if work else None, Path(decrypted) if decrypted else None
         )
         log.warning("lazy-pages daemon of a previous podshim handled", container=cid, pid=pid, alive=alive)
+
+
+def _in_thread(fn: Any, check: PageCheck, stop: threading.Event, name: str) -> asyncio.Future[str]:
+    """`fn(check, stop)` in a thread of its own (the default executor is not held for seconds);
+    a future of its answer, an unexpected error turned into a reason."""
+    cf: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            cf.set_result(fn(check, stop))
+        except Exception as e:  # noqa: BLE001 - a check that cannot finish is a failed one
+            cf.set_result(f"checking the page images failed: {e}")
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return asyncio.wrap_future(cf)
+
+
+def _pending(fut: asyncio.Future[str] | None) -> set[asyncio.Future[str]]:
+    return {fut} if fut is not None and not fut.done() else set()
+
+
+def _failed_check(d: Daemon) -> str:
+    """The background checksum pass's reason when it has ended with one, else ""."""
+    if d.verify is None or not d.verify.done() or d.verify.cancelled():
+        return ""
+    return d.verify.result()
 
 
 def _exited(proc: subprocess.Popen[bytes], pidfd: int) -> asyncio.Future[int]:

@@ -38,7 +38,7 @@ from shim.deadlines import (
     SANDBOX_SETTLE,
     STALE_DECRYPTED_SECONDS,
 )
-from shim.ops.lazy_pages import Daemon, LazyPages, check_runtime
+from shim.ops.lazy_pages import Daemon, LazyPages, PageCheck, check_runtime, page_images
 from shim.sandbox import build_pod_view
 from shim.state import Journal, OpRecord
 from shim.state.records import RestoreRecord
@@ -591,6 +591,9 @@ class PodRestorer:
         m, rels = checked.manifest, checked.unverified
         if m.encryption is not None:  # what _decrypt reads it hashes in the same pass
             rels = [r for r in rels if not any(r.startswith(p.entry.dir + "/") for p in checked.plan)]
+        elif checked.opts.lazy_pages:  # the page images: checksummed while the daemons serve (§5.1)
+            later = {r for p in checked.plan for r in page_images(m, p.entry.dir)}
+            rels = [r for r in rels if r not in later]
         with run.phases("verify"):
             await run.steps.run(manifest.verify_digests, checked.root, m, rels, 2, run.steps.cancel)
         if m.encryption is not None:
@@ -681,7 +684,9 @@ class PodRestorer:
             # lazy-pages=true: the container's daemon serves before the container exists
             lazy = None
             if opts.lazy_pages:
-                lazy = await self.lazy.start_for(p.dir, p.entry.name, rec, m.encryption is not None)
+                plain = m.encryption is None  # (an encrypted archive's were checked as decrypted)
+                pages = PageCheck(checked.root, m, page_images(m, p.entry.dir)) if plain else None
+                lazy = await self.lazy.start_for(p.dir, p.entry.name, rec, not plain, pages)
             with phases("create"):
                 container_id = await self.upstream.create_container(
                     cri.CreateContainerRequest(
