@@ -36,6 +36,8 @@ DECRYPTED_DIR = "decrypted"
 LAZY_PAGES_ANNOTATION = "podshim.restore.lazy-pages-dir"
 LAZY_DIR = "lazy"
 LAZY_PAGES_SOCKET = "lazy-pages.socket"
+# written by podshim in place of the socket when the lazy restore failed before the container started
+LAZY_PAGES_FAILED = "lazy-pages.failed"
 
 # The CRIU switches, by the names CheckpointPod `options`, the archive manifests' `options` and
 # the restore record use, with the CriuOptions field each sets.

@@ -42,7 +42,7 @@ archive_size = Histogram(
 lazy_restore_failures = Counter(
     "podshim_lazy_restore_failures_total",
     "Lazily restored containers killed because their lazy-pages daemon ended before delivering every "
-    "page (reason: killed, exit, podshim-restart)",
+    "page, or whose page images failed their checksum (reason: killed, exit, podshim-restart, checksum)",
     ["reason"],
 )
 wiring_ok = Gauge(

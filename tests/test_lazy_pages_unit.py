@@ -12,6 +12,7 @@ import platform
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -264,3 +265,75 @@ def test_keep_log_copies_a_failed_daemons_log(tmp_path: Path) -> None:
     kept = Path(lazy_pages._keep_log(src, str(tmp_path / "state"), "c1"))
     assert kept == tmp_path / "state" / "logs" / "lazy-pages-c1.log"
     assert kept.read_text() == src.read_text() and (kept.stat().st_mode & 0o777) == 0o600
+
+
+# ---------------------------------------------------------------------------- page checksums while serving
+
+
+def _archive_with_pages(tmp_path: Path) -> tuple[Path, Any]:
+    import hashlib
+
+    from shim.archive.manifest import FileEntry
+
+    root = tmp_path / "ckpt"
+    files = {
+        "containers/app/checkpoint/pages-1.img": os.urandom(3 << 20),
+        "containers/app/checkpoint/pages-2.img": os.urandom(1000),
+        "containers/app/checkpoint/pagemap-1.img": b"map",
+        "containers/app/config.dump": b"{}",
+        "containers/other/checkpoint/pages-1.img": b"x",
+    }
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+
+    class M:  # the manifest's files are all check_pages and page_images read
+        pass
+
+    m = M()
+    m.files = {rel: FileEntry(size=len(d), sha256=hashlib.sha256(d).hexdigest()) for rel, d in files.items()}
+    return root, m
+
+
+def test_page_images_are_one_containers_pages_files(tmp_path: Path) -> None:
+    _root, m = _archive_with_pages(tmp_path)
+    assert lazy_pages.page_images(m, "containers/app") == [
+        "containers/app/checkpoint/pages-1.img",
+        "containers/app/checkpoint/pages-2.img",
+    ]
+
+
+def test_check_pages_names_the_file_that_differs_or_cannot_be_read(tmp_path: Path) -> None:
+    import threading
+
+    root, m = _archive_with_pages(tmp_path)
+    rels = lazy_pages.page_images(m, "containers/app")
+    check = lazy_pages.PageCheck(root, m, rels)
+    assert lazy_pages.check_pages(check, threading.Event()) == ""
+    big = root / rels[0]
+    with open(big, "r+b") as f:  # one byte in the middle: same size, another sha256
+        f.seek(1 << 20)
+        b = f.read(1)
+        f.seek(1 << 20)
+        f.write(bytes([b[0] ^ 1]))
+    why = lazy_pages.check_pages(check, threading.Event())
+    assert why.startswith(f"checksum mismatch in {rels[0]}"), why
+    stop = threading.Event()
+    stop.set()  # stopped (the daemon ended): no verdict
+    assert lazy_pages.check_pages(check, stop) == ""
+    big.unlink()
+    assert lazy_pages.check_pages(check, threading.Event()).startswith(f"cannot read {rels[0]}")
+
+
+def test_wrapper_reports_the_reason_podshim_left_for_an_ended_daemon(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    cfg = Config(state_dir=str(state))
+    work = contract.lazy_root(state) / "0123456789abcdef"
+    work.mkdir(parents=True)
+    (work / contract.LAZY_PAGES_SOCKET).touch()
+    lazy_pages._mark_failed(work, "lazy restore failed: checksum mismatch in pages-1.img")
+    assert not (work / contract.LAZY_PAGES_SOCKET).exists()
+    log_file = tmp_path / "runc.log"
+    with pytest.raises(SystemExit):
+        wrapper_restore._lazy_dir(_spec(str(work)), cfg, "c1", str(log_file))
+    assert "checksum mismatch in pages-1.img" in log_file.read_text()

@@ -399,10 +399,16 @@ class LazyPages:
         once it has started (stopping a created one is a no-op); one removed meanwhile needs
         nothing. The daemon is ended first: the faults it has not served stay blocked."""
         assert d.proc is not None
+        reason = (
+            f"lazy restore failed: {why}; the container was killed so that it never runs on memory "
+            "that is not the checkpoint's (its page images are checksummed while it runs)"
+        )
         if not waiter.done():
             with contextlib.suppress(ProcessLookupError):
                 d.proc.kill()
             await waiter
+            # a restore not yet begun refuses with the reason instead of connecting to no daemon
+            await asyncio.to_thread(_mark_failed, d.work, reason)
         if not await self._wait_started(d):
             log.warning(
                 "lazy restore: page checksum failed; container already removed", container=d.container_id
@@ -410,10 +416,6 @@ class LazyPages:
             self._release(d)
             await self._clean(d)
             return
-        reason = (
-            f"lazy restore failed: {why}; the container was killed so that it never runs on memory "
-            "that is not the checkpoint's (its page images are checksummed while it runs)"
-        )
         await self.fail(d.container_id, reason, "checksum", d)
 
     async def _wait_started(self, d: Daemon) -> bool:
@@ -685,6 +687,21 @@ def _keep_log(log_path: Path, state_dir: str, container_id: str) -> str:
     except OSError:
         return str(log_path)
     return str(dest)
+
+
+def _mark_failed(work: Path, reason: str) -> None:
+    """In the work dir of an ended daemon: the reason (LAZY_PAGES_FAILED, which podshim-runc reports)
+    in place of the socket, so that a restore starting now fails with it."""
+    with contextlib.suppress(OSError):
+        fd = os.open(
+            work / contract.LAZY_PAGES_FAILED, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600
+        )
+        try:
+            os.write(fd, reason.encode())
+        finally:
+            os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(work / contract.LAZY_PAGES_SOCKET)
 
 
 def _remove_dirs(work: Path | None, decrypted: Path | None) -> None:

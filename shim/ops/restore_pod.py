@@ -686,7 +686,8 @@ class PodRestorer:
             if opts.lazy_pages:
                 plain = m.encryption is None  # (an encrypted archive's were checked as decrypted)
                 pages = PageCheck(checked.root, m, page_images(m, p.entry.dir)) if plain else None
-                lazy = await self.lazy.start_for(p.dir, p.entry.name, rec, not plain, pages)
+                with phases("lazy_daemon"):
+                    lazy = await self.lazy.start_for(p.dir, p.entry.name, rec, not plain, pages)
             with phases("create"):
                 container_id = await self.upstream.create_container(
                     cri.CreateContainerRequest(

@@ -22,6 +22,7 @@ from shim import contract
 from shim.contract import (
     CRIU_CONFIG_ANNOTATION,
     LAZY_PAGES_ANNOTATION,
+    LAZY_PAGES_FAILED,
     LAZY_PAGES_SOCKET,
     RESTORE_ANNOTATION,
     RESTORE_OPTIONS_ANNOTATION,
@@ -179,6 +180,9 @@ def _lazy_dir(spec: dict, cfg: Any, container_id: str, log_file: str | None) -> 
             f"of podshim (in {contract.lazy_root(cfg.state_dir)})",
             log_file,
         )
+    failed = real / LAZY_PAGES_FAILED
+    if failed.is_file() and not failed.is_symlink():  # podshim ended the daemon: its reason
+        _fail(f"restore of {container_id}: {failed.read_text(errors='replace')[:2000]}", log_file)
     if not (real / LAZY_PAGES_SOCKET).exists():
         _fail(
             f"restore of {container_id}: no lazy-pages daemon listens in {real} (it has ended): "
