@@ -237,15 +237,22 @@ class LazyPages:
             op.pod_key,
             self.config.runtime.criu,
             container_dir if decrypted else None,
+            op.op_id,
         )
-        self._by_op.setdefault(op.op_id, []).append(d)
         if pages is not None and pages.rels:
             self.journal.update(d.rec, d.rec.phase, verifying=len(pages.rels))
             d.verify = _in_thread(check_pages, pages, d.verify_stop, f"podshim-lazy-check-{name}")
         return d
 
-    async def start(self, images: Path, name: str, pod_key: str, criu: str, decrypted: Path | None) -> Daemon:
-        """Start a daemon serving `images` and wait until it listens; journaled before it runs."""
+    def started(self, op_id: str, name: str) -> Daemon | None:
+        """The daemon the RestorePod `op_id` started for its container `name`, if any."""
+        return next((d for d in self._by_op.get(op_id, []) if d.name == name), None)
+
+    async def start(
+        self, images: Path, name: str, pod_key: str, criu: str, decrypted: Path | None, op_id: str = ""
+    ) -> Daemon:
+        """Start a daemon serving `images` and wait until it listens; journaled before it runs, and
+        owned by the RestorePod `op_id` (abandon_op ends it, even when this is cancelled)."""
         root = contract.lazy_root(self.config.state_dir)
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         work = root / secrets.token_hex(8)
@@ -262,6 +269,8 @@ class LazyPages:
             },
         )
         self.live[work] = d
+        if op_id:
+            self._by_op.setdefault(op_id, []).append(d)
         read_end, write_end = os.pipe()
         try:
             d.proc = subprocess.Popen(

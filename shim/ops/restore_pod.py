@@ -586,8 +586,9 @@ class PodRestorer:
     async def _verify_rest(self, checked: _Checked, run: _Run) -> None:
         """What reads the whole archive, in a task beside RunPodSandbox (docs/architecture.md §5
         (RestorePod) step 1): the sha256 of every member _check did not read, then (encrypted
-        archives) the decryption, then the rootfs diffs' checks. _create waits for it before it
-        creates any container; a failure (DATA_LOSS, a hostile diff) removes the new sandbox."""
+        archives) the decryption, then the rootfs diffs' checks, then (lazy-pages=true) the start of
+        each container's lazy-pages daemon. _create waits for it before it creates any container; a
+        failure (DATA_LOSS, a hostile diff) removes the new sandbox."""
         m, rels = checked.manifest, checked.unverified
         if m.encryption is not None:  # what _decrypt reads it hashes in the same pass
             rels = [r for r in rels if not any(r.startswith(p.entry.dir + "/") for p in checked.plan)]
@@ -602,6 +603,12 @@ class PodRestorer:
         with run.phases("rootfs_check"):
             # a hostile diff fails here
             await run.steps.run(check_rootfs_diffs, checked.plan, run.steps.cancel)
+        if checked.opts.lazy_pages:  # each container's daemon starts beside the sandbox too (§5.1)
+            with run.phases("lazy_daemon"):
+                for p in checked.plan:
+                    plain = m.encryption is None  # (an encrypted archive's were checked as decrypted)
+                    pages = PageCheck(checked.root, m, page_images(m, p.entry.dir)) if plain else None
+                    await self.lazy.start_for(p.dir, p.entry.name, run.rec, not plain, pages)
 
     async def _decrypt(self, checked: _Checked, run: _Run) -> None:
         """Decrypt each planned container's files into a private dir of its own
@@ -681,13 +688,10 @@ class PodRestorer:
             await verifying
         created = run.created
         for p in plan:
-            # lazy-pages=true: the container's daemon serves before the container exists
-            lazy = None
-            if opts.lazy_pages:
-                plain = m.encryption is None  # (an encrypted archive's were checked as decrypted)
-                pages = PageCheck(checked.root, m, page_images(m, p.entry.dir)) if plain else None
-                with phases("lazy_daemon"):
-                    lazy = await self.lazy.start_for(p.dir, p.entry.name, rec, not plain, pages)
+            # lazy-pages=true: the container's daemon (started by _verify_rest) serves before it exists
+            lazy = self.lazy.started(rec.op_id, p.entry.name) if opts.lazy_pages else None
+            if opts.lazy_pages and lazy is None:
+                raise errors.Internal(f"no lazy-pages daemon was started for container {p.entry.name!r}")
             with phases("create"):
                 container_id = await self.upstream.create_container(
                     cri.CreateContainerRequest(
