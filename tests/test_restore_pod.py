@@ -600,7 +600,10 @@ def test_established_tcp_connection_is_closed_on_restore(
     the restore closes it. The client of a loopback connection inside the pod sees it end and
     exits, while in the source pod the same connection stays up."""
     # the server writes one line a second; the client (its stdin a fifo that never ends, so it
-    # never half-closes) prints what it gets, and exits when the connection ends
+    # never half-closes) prints what it gets, and exits when the connection ends. The shell (the
+    # container's init) then waits 2 s before it exits: CRIU detaches the restored processes one
+    # by one, and an init that exited at once would take the pid namespace's other processes
+    # down before CRIU detached them ("Unable to detach: No such process", a failed restore)
     tcp = pods.container_config(
         "tcp",
         image=pods.BUSYBOX_IMAGE,
@@ -609,7 +612,7 @@ def test_established_tcp_connection_is_closed_on_restore(
             "-c",
             "while true; do echo tick; sleep 1; done | nc -l -p 7777 & "
             "mkfifo /tmp/f; sleep 100000 > /tmp/f & sleep 0.3; "
-            "nc 127.0.0.1 7777 < /tmp/f; echo client-ended",
+            "nc 127.0.0.1 7777 < /tmp/f; echo client-ended; sleep 2",
         ],
         args=[],
     )
