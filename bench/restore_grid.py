@@ -649,6 +649,10 @@ def run_size(
         say(f"  CheckpointPod {res.checkpoint_s:.3f}s (last count {res.last_count}); pattern check on the "
             f"source {median(res.check_ref):.3f}s")  # fmt: skip
         rb = build_raw_bundle(bed, archive, source.containers["counter"], "counter")
+        # Not counted: the first restore of a size after the checkpoint was 2-4x slower inside
+        # CRIU here (4 GiB: restore_time 17-21 s, then 5-8 s), whichever mode came first.
+        w = raw_cell(bed, rb, 99, "warm")
+        say(f"  warm-up (plain runc restore, not counted): first output {w.first_s:.3f}s")
         order = [(mode, cache) for cache in CACHES for mode in MODES if lazy or mode != "lazy"]
         for r in range(repeat):
             for i, (mode, cache) in enumerate(order if r % 2 == 0 else order[::-1]):
