@@ -26,6 +26,9 @@ LAZY_CONTAINER_CHECK = 2.0  # between two looks at the container (gone: the daem
 # between two looks at a container whose page images failed their checksum, until it has started
 # (a stop of a created container is a no-op: it is killed once it runs)
 LAZY_STARTED_POLL = 0.05
+# the longest the page images' background checksum pass pauses, in all, while CRIU restores the
+# container (it takes the CPU the restore needs on a small node; the process is not running yet)
+LAZY_CHECK_PAUSE_SECONDS = 10.0
 
 # ---------------------------------------------------------------------- recovery
 # how long recovery lets a crashed run's runc/CRIU finish (CRIU then cures and unseizes the pod's

@@ -337,3 +337,27 @@ def test_wrapper_reports_the_reason_podshim_left_for_an_ended_daemon(tmp_path: P
     with pytest.raises(SystemExit):
         wrapper_restore._lazy_dir(_spec(str(work)), cfg, "c1", str(log_file))
     assert "checksum mismatch in pages-1.img" in log_file.read_text()
+
+
+def test_check_pages_waits_while_the_restore_runs(tmp_path: Path) -> None:
+    """The pass pauses while CRIU restores (podshim-runc's criu.conf in W, no stats-restore yet),
+    then finishes with its verdict."""
+    import threading
+
+    work = tmp_path / "w"
+    work.mkdir()
+    assert not lazy_pages.restoring(work)
+    (work / "criu.conf").write_text("tcp-close\n")
+    assert lazy_pages.restoring(work)
+    root, m = _archive_with_pages(tmp_path)
+    check = lazy_pages.PageCheck(root, m, lazy_pages.page_images(m, "containers/app"))
+    looks: list[float] = []
+
+    def paused() -> bool:
+        looks.append(time.monotonic())
+        if len(looks) == 3:
+            (work / "stats-restore").write_bytes(b"")  # CRIU's restore ended
+        return lazy_pages.restoring(work)
+
+    assert lazy_pages.check_pages(check, threading.Event(), paused) == ""
+    assert len(looks) >= 3 and not lazy_pages.restoring(work)

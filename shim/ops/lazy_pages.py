@@ -46,6 +46,7 @@ from shim import contract, errors, logs, metrics
 from shim.archive import crypto, layout, manifest
 from shim.config import Config
 from shim.deadlines import (
+    LAZY_CHECK_PAUSE_SECONDS,
     LAZY_CONTAINER_CHECK,
     LAZY_POLL,
     LAZY_READY_TIMEOUT,
@@ -64,6 +65,9 @@ _SYS_PIDFD_GETFD = 438  # the same number on x86_64 and arm64 (the generic table
 UFFD_LINK = "anon_inode:[userfaultfd]"
 PAGE_IMAGES = "pages-*.img"  # CRIU's memory contents: what is checksummed while the daemon serves
 CHECK_READ = 8 << 20  # the background checksum pass's read size
+# its thread's nice value: on a busy node the restore path (containerd, runc, CRIU, the process's
+# first faults) goes first; the pass takes the CPU they leave (docs/architecture.md §5.1)
+CHECK_NICE = 10
 
 
 @functools.lru_cache(maxsize=8)
@@ -145,13 +149,22 @@ class PageCheck:
     rels: list[str]
 
 
-def check_pages(check: PageCheck, stop: threading.Event) -> str:
+def restoring(work: Path) -> bool:
+    """Whether CRIU is restoring the container served from `work` right now: podshim-runc has
+    written its criu.conf there and CRIU has not yet written its stats-restore (at its end, once
+    the process runs)."""
+    return (work / "criu.conf").exists() and not (work / "stats-restore").exists()
+
+
+def check_pages(check: PageCheck, stop: threading.Event, paused: Any = None) -> str:
     """Hash each page image (largest first, CHECK_READ reads, one descriptor, no symlink followed)
     and compare it with the manifest: "" when all match (or `stop` was set), else why not, naming
-    the file. Runs in a thread of its own beside the daemon."""
+    the file. Runs in a thread of its own beside the daemon; while `paused()` (the container's
+    restore runs, and the process with it does not) it waits, up to LAZY_CHECK_PAUSE_SECONDS in all."""
     expected = check.manifest.files
     buf = bytearray(CHECK_READ)
     view = memoryview(buf)
+    pause_end = 0.0
     for rel in sorted(check.rels, key=lambda r: (-expected[r].size, r)):
         h = hashlib.sha256()
         size = 0
@@ -165,6 +178,12 @@ def check_pages(check: PageCheck, stop: threading.Event) -> str:
                     size += n
                     if stop.is_set():
                         return ""
+                    while paused is not None and paused() and not stop.is_set():
+                        now = time.monotonic()
+                        pause_end = pause_end or now + LAZY_CHECK_PAUSE_SECONDS
+                        if now >= pause_end:
+                            break
+                        time.sleep(0.01)
             finally:
                 os.close(fd)
         except OSError as e:
@@ -241,7 +260,13 @@ class LazyPages:
         )
         if pages is not None and pages.rels:
             self.journal.update(d.rec, d.rec.phase, verifying=len(pages.rels))
-            d.verify = _in_thread(check_pages, pages, d.verify_stop, f"podshim-lazy-check-{name}")
+            paused = functools.partial(restoring, d.work)
+            d.verify = _in_thread(
+                functools.partial(check_pages, paused=paused),
+                pages,
+                d.verify_stop,
+                f"podshim-lazy-check-{name}",
+            )
         return d
 
     def started(self, op_id: str, name: str) -> Daemon | None:
@@ -364,6 +389,8 @@ class LazyPages:
                 bad = _failed_check(d)
                 if bad and not d.abandoned and not gone:
                     break
+                if d.verify is not None and d.verify.done() and not bad and d.rec.data.get("verifying"):
+                    self.journal.update(d.rec, d.rec.phase, verifying=0)  # for recovery's reason
                 if time.monotonic() >= next_check and not d.abandoned:
                     next_check = time.monotonic() + LAZY_CONTAINER_CHECK
                     gone = await self._container_gone(d.container_id)
@@ -412,13 +439,16 @@ class LazyPages:
             f"lazy restore failed: {why}; the container was killed so that it never runs on memory "
             "that is not the checkpoint's (its page images are checksummed while it runs)"
         )
-        if not waiter.done():
+        running = waiter.done()  # every page delivered: the process runs
+        if not running:
+            self._hold_uffds(d)  # one received just now
+            running = bool(d.held)  # the restore reached the daemon
             with contextlib.suppress(ProcessLookupError):
                 d.proc.kill()
             await waiter
             # a restore not yet begun refuses with the reason instead of connecting to no daemon
             await asyncio.to_thread(_mark_failed, d.work, reason)
-        if not await self._wait_started(d):
+        if not await self._wait_started(d, running):
             log.warning(
                 "lazy restore: page checksum failed; container already removed", container=d.container_id
             )
@@ -427,9 +457,11 @@ class LazyPages:
             return
         await self.fail(d.container_id, reason, "checksum", d)
 
-    async def _wait_started(self, d: Daemon) -> bool:
-        """Until the container is no longer created (False: it was removed), the daemon's
-        userfaultfds held meanwhile."""
+    async def _wait_started(self, d: Daemon, running: bool) -> bool:
+        """Until the container is no longer created (False: it was removed). `running`: its
+        restore had reached the daemon, so it is looked at every LAZY_STARTED_POLL; else (no
+        restore can start any more: LAZY_PAGES_FAILED) less and less often."""
+        delay = LAZY_STARTED_POLL
         while True:
             try:
                 st = await self.upstream.container_status(d.container_id)
@@ -439,8 +471,9 @@ class LazyPages:
             else:
                 if st.status.state != cri.CONTAINER_CREATED:
                     return True
-            self._hold_uffds(d)
-            await asyncio.sleep(LAZY_STARTED_POLL)
+            await asyncio.sleep(delay)
+            if not running:
+                delay = min(delay * 2, LAZY_CONTAINER_CHECK)
 
     def _release(self, d: Daemon) -> None:
         for fd in d.held.values():
@@ -627,6 +660,8 @@ def _in_thread(fn: Any, check: PageCheck, stop: threading.Event, name: str) -> a
     cf: concurrent.futures.Future[str] = concurrent.futures.Future()
 
     def run() -> None:
+        with contextlib.suppress(OSError):  # Linux: a thread's own nice value
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CHECK_NICE)
         try:
             cf.set_result(fn(check, stop))
         except Exception as e:  # noqa: BLE001 - a check that cannot finish is a failed one
