@@ -91,5 +91,11 @@ def test_netns_lock_once_for_the_pod() -> None:
         assert "CRIU" not in rules() and lock.locked == []
         with pytest.raises(errors.Internal, match="network namespace /nonexistent"):
             NetnsLock("/nonexistent").lock()
+        # recovery: a lock a crash left behind is found and removed; none left, nothing done
+        NetnsLock(netns).lock()
+        assert NetnsLock.unlock_leftover(netns) is True
+        assert "CRIU" not in rules()
+        assert NetnsLock.unlock_leftover(netns) is False
+        assert NetnsLock.unlock_leftover("/nonexistent") is False
     finally:
         subprocess.run(["ip", "netns", "del", name], check=False)

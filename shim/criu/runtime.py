@@ -142,6 +142,27 @@ class NetnsLock:
                 "iptables -D OUTPUT -j CRIU; iptables -X CRIU)"
             )
 
+    @classmethod
+    def unlock_leftover(cls, netns: str) -> bool:
+        """Remove a lock that a crashed CheckpointPod left in `netns` (recovery): every table that
+        still has the CRIU chain is unlocked; a netns that is gone has nothing to unlock. True if
+        a lock was found. Internal if one is there and cannot be removed (recovery retries)."""
+        if not os.path.exists(netns):
+            return False
+        lock = cls(netns)
+        for tool in cls._tools():
+            lister = tool.replace("-restore", "")  # iptables / ip6tables
+            argv = ["nsenter", f"--net={netns}", lister, "-w", "-S", "CRIU"]
+            try:
+                res = subprocess.run(argv, capture_output=True, timeout=NETLOCK_TIMEOUT)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise errors.Internal(f"cannot look for a netns lock left in {netns}: {e}") from e
+            if res.returncode == 0:  # the chain exists
+                lock.locked.append(tool)
+        found = bool(lock.locked)
+        lock.unlock()
+        return found
+
 
 # CRIU log lines that an option of podshim's would fix -> the hint for the refusal message
 _HINTS = (

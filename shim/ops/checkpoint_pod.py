@@ -352,15 +352,17 @@ class PodCheckpointer:
 
         # 2. Freeze in one cut, dump all in parallel with the rootfs diffs, thaw.
         cut = PodCut(pod.cgroup_parent, [w.view.cgroups_path for w in work], timeout=FREEZE_TIMEOUT)
-        await run_to_end(self.journal.update, rec, "frozen")  # fsync: never on the loop
+        # established TCP connections: the pod's netns locked once for all the dumps (each
+        # CRIU is told to skip its own lock; docs/architecture.md §4.1 (The freeze window)),
+        # journaled first so that recovery unlocks it after a crash
+        netlock = NetnsLock(pod.netns) if opts.criu.tcp_established and pod.netns else None
+        netns = netlock.netns if netlock is not None else None
+        await run_to_end(self.journal.update, rec, "frozen", netns=netns)  # fsync: never on the loop
         try:
             await run_to_end(cut.freeze)
             faults.hit("checkpoint.after-freeze")
             log.info("pod frozen", pod=pod.id, cut_seconds=round(cut.cut_seconds, 4))
             dump_start = time.monotonic()
-            # established TCP connections: the pod's netns locked once for all the dumps (each
-            # CRIU is told to skip its own lock; docs/architecture.md §4.1 (The freeze window))
-            netlock = NetnsLock(pod.netns) if opts.criu.tcp_established and pod.netns else None
             try:
                 if netlock is not None:
                     await run_to_end(netlock.lock)
@@ -605,6 +607,9 @@ async def recover(rec: OpRecord) -> None:
     safety)): thaw its cgroups; remove a partial archive, or only the temporary file of an
     interrupted manifest rewrite of a complete one."""
     data: CheckpointRecord = rec.data  # or a ContainerCheckpointRecord without a staging dir
+    if data.netns:
+        # a crash between the netns lock and its unlock left the pod's network dropped
+        NetnsLock.unlock_leftover(data.netns)
     thaw_paths(list(data.cgroups))
     out = data.output_path
     if out and not (Path(out) / layout.MANIFEST_FILE).exists():

@@ -100,6 +100,9 @@ class CheckpointRecord(JournalData):
     KIND: ClassVar[str] = "checkpoint"
     output_path: str = ""
     cgroups: list[str] = field(default_factory=list)  # the cgroups this checkpoint may freeze
+    # the pod's network namespace, set before podshim locks it for a tcp-established dump:
+    # recovery removes a lock a crash left there
+    netns: str | None = None
 
 
 @register

@@ -9,6 +9,7 @@ container or mount appeared, the journal is empty, and the next CheckpointPod su
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -178,6 +179,40 @@ def test_kill_mid_dump_criu_outlives_restart(
             assert "recovery" in (err.value.details() or "")
         _sys.wait_gone(set(orphans), 60)
     _recovered(rt, bed, cp, out, before, mark)
+    archives.append(assert_checkpoint_works(rt, bed, cp))
+
+
+def _criu_chain_in(pid: int) -> bool:
+    """The CRIU chain (CRIU's netns lock, which podshim puts on once for a tcp-established dump)
+    is in the network namespace of process `pid`."""
+    res = subprocess.run(
+        ["nsenter", f"--net=/proc/{pid}/ns/net", "iptables", "-w", "-S"], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    return "-j CRIU" in res.stdout
+
+
+def test_kill_while_the_netns_is_locked(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]
+) -> None:
+    """tcp-established: podshim locks the pod's netns once for all the dumps and dies before the
+    unlock; the replay removes the lock (journaled before it was taken), or the pod's network
+    would stay dropped for good."""
+    cp = start_counter_pod(rt, bed, "crash-netlock", pod_cleanup, mem_mib=16)
+    before = (sandbox_ids(rt), container_ids(rt))
+    mark = bed.podshim_log.stat().st_size
+    out = new_output_dir(bed, "crash-netlock")
+    archives.append(out)
+    pid = int((FREEZER / cp.cgroups[1].lstrip("/") / "cgroup.procs").read_text().split()[0])
+    assert not _criu_chain_in(pid)
+    with FailpointPodshim(bed, "checkpoint.mid-dump=kill") as fp:
+        _crash(fp, cp.id, out, options={"tcp-established": "true"})
+        deadline = time.monotonic() + 60
+        while processes_under(out) and time.monotonic() < deadline:
+            _sys.wait_gone(set(processes_under(out)), max(0.0, deadline - time.monotonic()))
+        assert _criu_chain_in(pid), "podshim died with the pod's netns locked: the case to recover"
+    _recovered(rt, bed, cp, out, before, mark)
+    assert not _criu_chain_in(pid), "the replay left the pod's network locked"
     archives.append(assert_checkpoint_works(rt, bed, cp))
 
 
