@@ -68,6 +68,19 @@ def test_every_citation_names_its_section() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_no_citation_by_a_quoted_name() -> None:
+    """The old form `docs/architecture.md "Name"` breaks silently when a section is renamed."""
+    old_form = re.compile(r'architecture\.md,?\s+"')
+    found = [
+        f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+        for path in _files()
+        if path != Path(__file__)
+        for text in [path.read_text(errors="replace")]
+        for m in old_form.finditer(text)
+    ]
+    assert not found, "cite docs/architecture.md §n (Name) instead: " + ", ".join(found)
+
+
 def test_module_map_lists_every_module() -> None:
     text = DOC.read_text()
     start = text.index("Module map")
