@@ -23,6 +23,7 @@ from shim.state.records import (
     CheckpointRecord,
     ContainerCheckpointRecord,
     JournalData,
+    LazyPagesRecord,
     RestoreRecord,
 )
 from tests.fakes import FakeUpstream
@@ -182,6 +183,28 @@ def test_typed_misuse_is_refused(tmp_path: Path) -> None:
     with pytest.raises(Internal, match="sandbox_id"):
         j.update(rec, "frozen", sandbox_id="sb-1")
     assert rec.path.read_bytes() == before and rec.phase == "begun"
+
+
+def test_a_lazy_pages_record_of_the_untyped_journal_reads_back(tmp_path: Path) -> None:
+    """The lazy-pages kind was journaled as a plain dict before it was typed: such a record (as
+    shim/ops/lazy_pages.py wrote it, through each phase) reads as LazyPagesRecord, unchanged."""
+    j = Journal(tmp_path)
+    old = {"container": "counter", "work_dir": "/s/lazy/ab", "images": "/a/c/checkpoint", "decrypted_dir": ""}
+    rec = j.begin("lazy-pages", "default/web", dict(old))
+    j.update(rec, "serving", pid=4242, start_time=99)
+    j.update(rec, "attached", container_id="c1", verifying=2)
+    (back,) = Journal(tmp_path).scan().records
+    assert back.data == LazyPagesRecord(
+        container="counter",
+        work_dir="/s/lazy/ab",
+        images="/a/c/checkpoint",
+        pid=4242,
+        start_time=99,
+        container_id="c1",
+        verifying=2,
+    )
+    on_disk = json.loads(back.path.read_text())["data"]
+    assert on_disk == {**old, "pid": 4242, "start_time": 99, "container_id": "c1", "verifying": 2}
 
 
 def test_every_kind_has_a_class_with_defaults() -> None:

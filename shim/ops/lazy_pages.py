@@ -55,6 +55,7 @@ from shim.deadlines import (
     VERSION_TIMEOUT,
 )
 from shim.state import Journal
+from shim.state.records import LazyPagesRecord
 from shim.upstream import Upstream, is_not_found
 
 log = logs.get("shim.ops.lazy_pages")
@@ -286,12 +287,12 @@ class LazyPages:
         d.rec = self.journal.begin(
             KIND,
             pod_key,
-            {
-                "container": name,
-                "work_dir": str(work),
-                "images": str(images),
-                "decrypted_dir": str(decrypted) if decrypted else "",
-            },
+            LazyPagesRecord(
+                container=name,
+                work_dir=str(work),
+                images=str(images),
+                decrypted_dir=str(decrypted) if decrypted else "",
+            ),
         )
         self.live[work] = d
         if op_id:
@@ -389,7 +390,7 @@ class LazyPages:
                 bad = _failed_check(d)
                 if bad and not d.abandoned and not gone:
                     break
-                if d.verify is not None and d.verify.done() and not bad and d.rec.data.get("verifying"):
+                if d.verify is not None and d.verify.done() and not bad and d.rec.data.verifying:
                     self.journal.update(d.rec, d.rec.phase, verifying=0)  # for recovery's reason
                 if time.monotonic() >= next_check and not d.abandoned:
                     next_check = time.monotonic() + LAZY_CONTAINER_CHECK
@@ -608,10 +609,10 @@ class LazyPages:
         daemon's userfaultfds held meanwhile, so that no fault reads a zero page), then an alive
         daemon is ended; a container already gone only leaves files to remove. Raises (the record
         stays and is retried) while the container cannot be killed; the duplicates stay held."""
-        data = rec.data
-        pid = int(data.get("pid") or 0)
-        alive = pid > 0 and process_start_time(pid) == int(data.get("start_time") or -1)
-        work = data.get("work_dir") or ""
+        data: LazyPagesRecord = rec.data
+        pid = data.pid
+        alive = pid > 0 and process_start_time(pid) == data.start_time
+        work = data.work_dir
         if not alive and work:  # a crash before its pid was journaled: found by its work dir
             pid = _daemon_serving(work) or pid
             alive = pid > 0 and process_start_time(pid) > 0 and _daemon_serving(work) == pid
@@ -623,15 +624,11 @@ class LazyPages:
                 for fd in daemon_uffds(pid):
                     with contextlib.suppress(OSError):
                         held.append(_pidfd_getfd(pidfd, fd))
-        cid = str(data.get("container_id") or "")
+        cid = data.container_id
         try:
             if cid and not await self._container_gone(cid):
                 why = "was still serving" if alive else "had ended"
-                checking = (
-                    ", its page images' checksums not known to match"
-                    if int(data.get("verifying") or 0)
-                    else ""
-                )
+                checking = ", its page images' checksums not known to match" if data.verifying else ""
                 reason = (
                     f"lazy restore interrupted: podshim restarted while the lazy-pages daemon (pid {pid}) "
                     f"of this container was serving, and the daemon {why} with no known result{checking}; "
@@ -647,7 +644,7 @@ class LazyPages:
         for fd in self._recover_held.pop(rec.op_id, []):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        decrypted = data.get("decrypted_dir") or ""
+        decrypted = data.decrypted_dir
         await asyncio.to_thread(
             _remove_dirs, Path(work) if work else None, Path(decrypted) if decrypted else None
         )

@@ -129,3 +129,21 @@ class RestoreRecord(JournalData):
     sandbox_metadata: dict[str, Any] | None = None  # the new sandbox's, as protobuf JSON
     sandbox_id: str | None = None
     sandbox_unknown_since: float | None = None  # epoch seconds
+
+
+@register
+@dataclass
+class LazyPagesRecord(JournalData):
+    """A live lazy-pages daemon (shim/ops/lazy_pages.py): recovery kills the container it serves
+    (its result cannot be known any more) with the daemon's userfaultfds held, ends the daemon,
+    and removes its work dir and the decrypted copy it served."""
+
+    KIND: ClassVar[str] = "lazy-pages"
+    container: str = ""  # the container's name in the archive
+    work_dir: str = ""
+    images: str = ""
+    decrypted_dir: str = ""  # "" for a plain archive
+    pid: int = 0  # 0 until the daemon runs
+    start_time: int = -1  # the daemon's, from /proc (pid reuse)
+    container_id: str = ""  # "" until its container is created
+    verifying: int = 0  # page images whose checksums are not yet known to match
