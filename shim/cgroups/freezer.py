@@ -480,9 +480,11 @@ class PodCut:
             self.timings.parent_thaw = f.thaw(self.parent, self._left(deadline))
             self._parent_frozen = False
             for c in self.containers:
-                # each container must now hold itself frozen (normally true at the first read)
+                # each container must now hold itself frozen (normally true at the first read);
+                # a deadline already past is the cut's timeout, not a container that thawed
+                left = self._left(deadline)
                 try:
-                    f.wait_state(c, FreezerState.FROZEN, self._left(deadline))
+                    f.wait_state(c, FreezerState.FROZEN, left)
                 except FreezerTimeout as e:
                     raise Internal(
                         f"container cgroup {c} did not stay frozen when the pod cgroup was thawed: "
