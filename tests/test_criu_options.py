@@ -99,3 +99,20 @@ def test_netns_lock_once_for_the_pod() -> None:
         assert NetnsLock.unlock_leftover("/nonexistent") is False
     finally:
         subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def test_a_failed_dump_on_a_full_filesystem_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CRIU's log lies on the images' filesystem: when that is full, the line saying so may never
+    have been written, so the error names it from the filesystem itself."""
+    from shim.criu import runtime
+
+    class Fs:
+        f_frsize = 4096
+        f_bavail = 0
+
+    monkeypatch.setattr(runtime.os, "statvfs", lambda _p: Fs())
+    assert runtime._full_fs(tmp_path).startswith("No space left on device")
+    Fs.f_bavail = 1 << 20  # 4 GiB free
+    assert runtime._full_fs(tmp_path) == ""
+    monkeypatch.undo()
+    assert runtime._full_fs(tmp_path / "gone") == ""

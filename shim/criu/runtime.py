@@ -212,6 +212,21 @@ def criu_error_lines(log_path: Path, limit: int = CRIU_LOG_TAIL) -> list[str]:
     return (errs or [line.strip() for line in lines])[-limit:]
 
 
+def _full_fs(image_dir: Path) -> str:
+    """The message's first words when the images' filesystem is full: CRIU's log lies on it too,
+    so CRIU's own "No space left on device" line may never have been written."""
+    try:
+        st = os.statvfs(image_dir)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    return (
+        f"No space left on device (the checkpoint's filesystem has {free} bytes free); "
+        if free < 1 << 20
+        else ""
+    )
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether process group `pgid` still has a member (zombies included): one syscall."""
     try:
@@ -368,7 +383,7 @@ class OciRuntime:
             detail = "; ".join(criu_error_lines(log_path)) or out.decode(errors="replace").strip()[-500:]
             raise errors.Internal(
                 f"checkpoint of container {name!r} ({container_id[:13]}) failed: "
-                f"{os.path.basename(self.binary)} exited {proc.returncode}: {detail} "
+                f"{os.path.basename(self.binary)} exited {proc.returncode}: {_full_fs(image_dir)}{detail} "
                 f"(CRIU log: {log_path}){option_hint(log_path)}"
             )
         return time.monotonic() - start
