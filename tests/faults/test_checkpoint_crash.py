@@ -72,6 +72,25 @@ def _recovered(
         assert b"recovered interrupted operation" in f.read(), "the recovery was not logged"
 
 
+def _wait_orphans_gone(out: Path, settle: float = 1.0, timeout: float = 60.0) -> None:
+    """Until no process of the orphan dump into `out` is left, for `settle` seconds in a row: one
+    empty look is not enough (a CRIU runc has just forked does not name `out` yet; a process
+    being exec'ed or exiting shows no fds), and the orphan runc may start another process."""
+    deadline = time.monotonic() + timeout
+    empty_since: float | None = None
+    while time.monotonic() < deadline:
+        left = processes_under(out)
+        if left:
+            empty_since = None
+            _sys.wait_gone(set(left), min(1.0, max(0.0, deadline - time.monotonic())))
+            continue
+        empty_since = empty_since or time.monotonic()
+        if time.monotonic() - empty_since >= settle:
+            return
+        time.sleep(0.05)
+    assert processes_under(out) == [], "the orphan dump did not end"
+
+
 def test_kill_after_freeze(rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]) -> None:
     cp = start_counter_pod(rt, bed, "crash-frozen", pod_cleanup, mem_mib=16)
     before = (sandbox_ids(rt), container_ids(rt))
@@ -100,11 +119,7 @@ def test_kill_mid_dump_criu_finishes_before_restart(
     archives.append(out)
     with FailpointPodshim(bed, "checkpoint.mid-dump=kill") as fp:
         _crash(fp, cp.id, out)
-        # until none is left: the orphan runc may still start a process (CRIU) after a first look
-        deadline = time.monotonic() + 60
-        while processes_under(out) and time.monotonic() < deadline:
-            _sys.wait_gone(set(processes_under(out)), max(0.0, deadline - time.monotonic()))
-        assert processes_under(out) == []
+        _wait_orphans_gone(out)
         left = tree_listing(out)
         assert "containers/counter/checkpoint/inventory.img" in left, left  # the orphan dump completed
         assert "manifest.json" not in left
@@ -207,9 +222,7 @@ def test_kill_while_the_netns_is_locked(
     assert not _criu_chain_in(pid)
     with FailpointPodshim(bed, "checkpoint.mid-dump=kill") as fp:
         _crash(fp, cp.id, out, options={"tcp-established": "true"})
-        deadline = time.monotonic() + 60
-        while processes_under(out) and time.monotonic() < deadline:
-            _sys.wait_gone(set(processes_under(out)), max(0.0, deadline - time.monotonic()))
+        _wait_orphans_gone(out)
         assert _criu_chain_in(pid), "podshim died with the pod's netns locked: the case to recover"
     _recovered(rt, bed, cp, out, before, mark)
     assert not _criu_chain_in(pid), "the replay left the pod's network locked"
