@@ -259,9 +259,10 @@ def build_raw_bundle(bed: TestBed, archive: Path, source_cid: str, container: st
     return RawBundle(base, images, spec, rootfs)
 
 
-def raw_restore(bed: TestBed, rb: RawBundle, index: int) -> RawRestore:
-    """One plain ``runc restore --detach`` into a fresh bundle; killed and deleted afterwards."""
-    raw_id = f"benchraw-{secrets.token_hex(4)}"
+def fresh_bundle(bed: TestBed, rb: RawBundle, index: int, prefix: str) -> tuple[str, Path, Path]:
+    """A container id, a bundle (a copy of the source rootfs, the recorded spec in its own
+    cgroup) and an empty CRIU work dir for one plain restore of `rb`'s images."""
+    raw_id = f"{prefix}-{secrets.token_hex(4)}"
     bundle = rb.base / f"bundle-{index}"
     work = rb.base / f"work-{index}"
     work.mkdir(mode=0o700)
@@ -271,6 +272,12 @@ def raw_restore(bed: TestBed, rb: RawBundle, index: int) -> RawRestore:
     spec["root"] = {"path": str(bundle / "rootfs"), "readonly": bool(spec.get("root", {}).get("readonly"))}
     spec.setdefault("linux", {})["cgroupsPath"] = f"{bed.cgroup_root}/bench-raw/{raw_id}"
     (bundle / "config.json").write_text(json.dumps(spec))
+    return raw_id, bundle, work
+
+
+def raw_restore(bed: TestBed, rb: RawBundle, index: int) -> RawRestore:
+    """One plain ``runc restore --detach`` into a fresh bundle; killed and deleted afterwards."""
+    raw_id, bundle, work = fresh_bundle(bed, rb, index, "benchraw")
     argv = runc_argv(
         bed,
         "restore",

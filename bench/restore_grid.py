@@ -47,7 +47,6 @@ import json
 import math
 import os
 import re
-import secrets
 import signal
 import subprocess
 import threading
@@ -85,6 +84,7 @@ from bench.restore import (
     RawBundle,
     build_raw_bundle,
     delete_raw,
+    fresh_bundle,
     restore_phases,
     sandbox_alone,
     task_dir,
@@ -476,16 +476,7 @@ def raw_cell(bed: TestBed, rb: RawBundle, index: int, cache: str, lazy: bool = F
     plain ``criu lazy-pages`` daemon on the images (counted), then ``runc restore --lazy-pages``
     with the daemon's work dir; the daemon must have ended by itself (every page delivered) once
     the pattern check passed."""
-    raw_id = f"benchgrid-{secrets.token_hex(4)}"
-    bundle = rb.base / f"bundle-{index}"
-    work = rb.base / f"work-{index}"
-    work.mkdir(mode=0o700)
-    bundle.mkdir(mode=0o700)
-    subprocess.run(["cp", "-a", str(rb.source_rootfs), str(bundle / "rootfs")], check=True)
-    spec = json.loads(json.dumps(rb.spec))
-    spec["root"] = {"path": str(bundle / "rootfs"), "readonly": bool(spec.get("root", {}).get("readonly"))}
-    spec.setdefault("linux", {})["cgroupsPath"] = f"{bed.cgroup_root}/bench-raw/{raw_id}"
-    (bundle / "config.json").write_text(json.dumps(spec))
+    raw_id, bundle, work = fresh_bundle(bed, rb, index, "benchgrid")
     argv = runc_argv(
         bed, "restore", "--detach", *(["--lazy-pages"] if lazy else []), "--image-path", str(rb.images),
         "--work-path", str(work), "--bundle", str(bundle), raw_id,
