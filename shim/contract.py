@@ -11,6 +11,8 @@ at import time: the wrapper loads it on every restore.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +40,15 @@ LAZY_DIR = "lazy"
 LAZY_PAGES_SOCKET = "lazy-pages.socket"
 # written by podshim in place of the socket when the lazy restore failed before the container started
 LAZY_PAGES_FAILED = "lazy-pages.failed"
+
+# Eager restore of a plain archive (docs/architecture.md §5 (RestorePod) step 4): RestorePod leaves
+# the CRIU page images (checkpoint/pages-*.img) unverified and hands their sha256 to the wrapper as
+# JSON {member path relative to the container's checkpoint dir: sha256 hex}; the wrapper restores
+# the tasks stopped, hashes the images meanwhile and continues the tasks only when all match.
+PAGE_DIGESTS_ANNOTATION = "podshim.restore.page-digests"
+PAGE_IMAGE_RE = r"checkpoint/pages-[0-9]+\.img"  # what CRIU names a page image (pages-<id>.img)
+# how the wrapper's failure names a page image that differs (RestorePod start=true: DATA_LOSS)
+PAGE_MISMATCH = "checksum mismatch of "
 
 # The CRIU switches, by the names CheckpointPod `options`, the archive manifests' `options` and
 # the restore record use, with the CriuOptions field each sets.
@@ -80,3 +91,22 @@ def from_record(record: str) -> CriuOptions:
 
     on = {name for name in record.split(",") if name}
     return CriuOptions(**{attr: name in on for name, attr in CRIU_SWITCHES.items()})
+
+
+def page_digests_record(digests: Mapping[str, str]) -> str:
+    """PAGE_DIGESTS_ANNOTATION's value: the page images' sha256 by relative path, as JSON."""
+    return json.dumps(dict(sorted(digests.items())), separators=(",", ":"))
+
+
+def parse_page_digests(value: str) -> dict[str, str]:
+    """PAGE_DIGESTS_ANNOTATION's value back; ValueError for anything but a non-empty JSON object of
+    page image paths (PAGE_IMAGE_RE: nothing else is ever opened through it) to sha256 hex."""
+    doc = json.loads(value)
+    if not isinstance(doc, dict) or not doc:
+        raise ValueError("not a non-empty JSON object")
+    for rel, digest in doc.items():
+        if not re.fullmatch(PAGE_IMAGE_RE, rel):
+            raise ValueError(f"{rel!r} is not a page image path (checkpoint/pages-<n>.img)")
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ValueError(f"{rel}: {digest!r} is not a sha256 hex digest")
+    return doc

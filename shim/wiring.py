@@ -34,14 +34,20 @@ from pathlib import Path
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors, logs, metrics
 from shim.config import Config
-from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION, RESTORED_MARKER
+from shim.contract import (
+    PAGE_DIGESTS_ANNOTATION,
+    RESTORE_ANNOTATION,
+    RESTORE_OPTIONS_ANNOTATION,
+    RESTORED_MARKER,
+)
 from shim.deadlines import WIRING_CACHE_SECONDS, WIRING_RETRY_SECONDS, WIRING_STATUS_TIMEOUT
 from shim.upstream import Upstream, is_not_found
 
 log = logs.get("shim.wiring")
 
 WRAPPER_PREFIX = "podshim-runc"  # podshim-runc, or a variant of it (its file name starts so)
-PASSED_ANNOTATIONS = (RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION)
+# PAGE_DIGESTS_ANNOTATION too: dropped on the way, an eager restore would run on memory nobody checked
+PASSED_ANNOTATIONS = (RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION, PAGE_DIGESTS_ANNOTATION)
 # containerd shims that run an OCI runtime binary (their `BinaryName` option)
 RUNC_SHIMS = ("io.containerd.runc.v2", "io.containerd.runc.v1", "io.containerd.runtime.v1.linux")
 RESTORED_DIR = "restored"  # <state_dir>/restored/<container id>: created for a restore, not started
@@ -263,16 +269,18 @@ class WiringChecker:
         metrics.wiring_ok.labels(w.handler).set(w.verdict.value)
         return w
 
-    async def require(self, handler: str, doing: str) -> None:
+    async def require(self, handler: str, doing: str) -> Wiring:
         """Refuse a restore on a handler that is wired wrong (FAILED_PRECONDITION naming the
         handler and the key); one that cannot be verified is logged and let through (the marker
-        check after StartContainer still applies)."""
+        check after StartContainer still applies). Returns the verdict: RestorePod defers the page
+        images' checksums to podshim-runc only on a handler known to pass its annotations."""
         w = await self.check(handler)
         if w.verdict is Verdict.WRONG:
             self._report(w)
             raise errors.FailedPrecondition(f"{doing}: {w.problem}")
         if w.verdict is Verdict.UNKNOWN:
             self._report(w)
+        return w
 
     def _report(self, w: Wiring) -> None:
         """Log a handler's wiring once per change (not on every restore)."""

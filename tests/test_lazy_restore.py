@@ -524,7 +524,8 @@ def test_corrupt_page_image_kills_the_lazy_container(
     """A plain archive's page images are checksummed while the daemon serves, not before the lazy
     restore: one flipped byte in a copy's pages image kills the container (before or after it ran,
     whichever comes first) with the checksum reason in its log, counted as `checksum`, and the
-    work dir and record go. The eager restore of the same copy still fails up front (DATA_LOSS)."""
+    work dir and record go. The eager restore of the same copy fails before its process runs
+    (RestorePod start=true: DATA_LOSS naming the image, docs/architecture.md §5 (RestorePod) step 4)."""
     copy = Path(bed.checkpoint_root) / f"lazy-corrupt-{secrets.token_hex(3)}"
     shutil.copytree(plain[256], copy)
     try:
@@ -550,7 +551,8 @@ def test_corrupt_page_image_kills_the_lazy_container(
         assert lp.failures("checksum") == before + 1
         assert "checksum mismatch" in log_text(lp.log)
         pods.wait_for(lambda: not lp.daemon_records() and not lp.lazy_dirs(), timeout=30, what="clean-up")
-        # the eager path verifies every byte before it creates anything
+        # the eager path verifies every byte before the process runs (the page images while CRIU
+        # restores it, stopped)
         config = pods.pod_config(f"eager-corrupt-{secrets.token_hex(3)}", log_root)
         with pytest.raises(grpc.RpcError) as err:
             lp.rt.RestorePod(
@@ -560,6 +562,7 @@ def test_corrupt_page_image_kills_the_lazy_container(
                     container_configs=[
                         pods.container_config("counter", args=["--mem-mib", "256", "--interval-ms", "50"])
                     ],
+                    options={"start": "true"},
                 ),
                 timeout=RPC_TIMEOUT,
             )

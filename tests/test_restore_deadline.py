@@ -97,7 +97,9 @@ def slow_copy(bed: TestBed, s: Slow, made: list[Path]) -> Path:
     doc = json.loads((s.good / "manifest.json").read_text())
     c = doc["containers"][0]
     for i in range(LINKS):
-        name = f"checkpoint/pages-{900 + i}.img"
+        # not named as a page image: an eager restore checks those beside CRIU's restore, not
+        # before (docs/architecture.md §5 (RestorePod) step 4); every other member up front
+        name = f"checkpoint/slow-{900 + i}.img"
         os.link(s.big, d / c["dir"] / name)
         doc["files"][f"{c['dir']}/{name}"] = entry
         c.setdefault("members", []).append(name)

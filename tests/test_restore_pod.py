@@ -269,6 +269,35 @@ def expect_failure(
         remove_pod_cgroup(config)
 
 
+def task_dir(bed: TestBed, cid: str) -> Path:
+    """The container's bundle under containerd's runc shim (podshim-runc's work dir is in it)."""
+    return Path(bed.containerd_state) / "io.containerd.runtime.v2.task" / "k8s.io" / cid
+
+
+def flip_byte(path: Path) -> None:
+    """One byte in the middle of `path` flipped: same size, only a checksum can tell."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def stopped_processes(cgroup_parent: str) -> list[int]:
+    """Processes of a pod's cgroup left stopped (state T)."""
+    out = []
+    for pid in _sys.cgroup_pids(cgroup_parent):
+        with contextlib.suppress(OSError, IndexError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                out.append(pid)
+    return out
+
+
+def _is_pause(pid: int) -> bool:
+    argv = _sys.read_cmdline(pid)
+    return bool(argv) and Path(argv[0]).name == "pause"
+
+
 def copy_archive(src: Path, bed: TestBed, tag: str) -> Path:
     dest = Path(bed.checkpoint_root) / f"{src.name}-{tag}-{secrets.token_hex(3)}"
     shutil.copytree(src, dest)
@@ -375,6 +404,11 @@ def test_warm_start_resumes_from_checkpoint(
     first = assert_resumed(new_log, good, "counter")
     wait_counting(new_log, first + 10)  # it keeps counting
     assert status(rt, cid).status.state == cri.CONTAINER_RUNNING
+    # its page images were checked by podshim-runc while CRIU restored it, the tasks held stopped
+    # meanwhile (docs/architecture.md §5 (RestorePod) step 4), with runc and crun alike
+    page_check = json.loads((task_dir(bed, cid) / "podshim-restore" / "page-check.json").read_text())
+    print(f"\npage check beside the restore ({runtime_handler or 'runc'}): {page_check}")
+    assert page_check["ok"] and page_check["files"] >= 1 and page_check["bytes"] >= 64 << 20, page_check
 
     # The source pod keeps running, independently.
     src_log = good.source.log_path("counter")
@@ -844,16 +878,21 @@ def test_path_outside_allowed_roots_is_invalid(
 def test_corrupted_memory_image_is_data_loss(
     rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
 ) -> None:
+    """A CRIU image other than the page images (here the pagemap, which CRIU parses) is checked
+    before any container exists: DATA_LOSS from RestorePod, nothing created."""
     copy = copy_archive(good.path, bed, "flip")
     scratch.append(copy)
-    img = copy / PAGES_IMG
-    with open(img, "r+b") as f:
-        f.seek(img.stat().st_size // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(copy / PAGEMAP_IMG)
     expect_failure(
-        rt, bed, log_root, pod_cleanup, copy, good.containers, grpc.StatusCode.DATA_LOSS, PAGES_IMG, "sha256"
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        copy,
+        good.containers,
+        grpc.StatusCode.DATA_LOSS,
+        PAGEMAP_IMG,
+        "sha256",
     )
     # an extra file is a modified archive too
     copy2 = copy_archive(good.path, bed, "extra")
@@ -869,6 +908,61 @@ def test_corrupted_memory_image_is_data_loss(
         grpc.StatusCode.DATA_LOSS,
         "containers/counter/stray.img",
     )
+
+
+def test_corrupted_page_image_fails_the_start_before_the_process_runs(
+    rt: Stub,
+    bed: TestBed,
+    good_for_handler: Checkpoint,
+    runtime_handler: str,
+    log_root: Path,
+    pod_cleanup: list[str],
+    scratch: list[Path],
+) -> None:
+    """The page images of an eager restore are checked by podshim-runc while CRIU restores, the
+    tasks held stopped (docs/architecture.md §5 (RestorePod) step 4): one flipped byte lets
+    RestorePod create the container, and StartContainer fails naming the member; the process never
+    ran (no count printed), none of it is left, stopped or not, and the archive is unchanged.
+    RestorePod start=true answers DATA_LOSS and removes the pod."""
+    good = good_for_handler
+    copy = copy_archive(good.path, bed, "flip-pages")
+    scratch.append(copy)
+    flip_byte(copy / PAGES_IMG)
+    before = tree_fingerprint(copy)
+    config = pods.pod_config(f"flip-pages-{secrets.token_hex(3)}", log_root)
+    try:
+        resp = restore(rt, copy, config, good.containers, runtime_handler=runtime_handler)
+        pod_cleanup.append(resp.pod_sandbox_id)
+        cid = resp.restored_containers[0].container_id
+        with pytest.raises(grpc.RpcError) as err:
+            rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=RPC_TIMEOUT)
+        message = err.value.details() or ""
+        print(f"\nStartContainer of a corrupt page image: {err.value.code()}: {message}")
+        assert "checksum mismatch of checkpoint/pages-1.img" in message, message
+        assert "killed before they ran" in message, message
+        time.sleep(1)  # a process that ran would have printed a count by now (every 50 ms)
+        assert pods.counts(container_log(config, "counter")) == [], "the process ran on unchecked memory"
+        assert status(rt, cid).status.state != cri.CONTAINER_RUNNING
+        left = [p for p in _sys.cgroup_pids(config.linux.cgroup_parent) if not _is_pause(p)]
+        assert left == [], f"processes of the failed restore left: {left}"
+        assert stopped_processes(config.linux.cgroup_parent) == []
+        pods.remove_pod(rt, resp.pod_sandbox_id)
+    finally:
+        remove_pod_cgroup(config)
+    # start=true: RestorePod's own failure, DATA_LOSS naming the member, nothing left
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        copy,
+        good.containers,
+        grpc.StatusCode.DATA_LOSS,
+        "checksum mismatch of checkpoint/pages-1.img",
+        options={"start": "true"},
+        runtime_handler=runtime_handler,
+    )
+    assert tree_fingerprint(copy) == before, "the archive changed"
 
 
 def test_truncated_manifest_is_data_loss(

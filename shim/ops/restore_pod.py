@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -43,7 +44,7 @@ from shim.sandbox import build_pod_view
 from shim.state import Journal, OpRecord
 from shim.state.records import RestoreRecord
 from shim.upstream import Upstream, is_not_found
-from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
+from shim.wiring import RestoredContainers, Verdict, WiringChecker, confirm_restored
 
 log = logs.get("shim.ops.restore_pod")
 
@@ -261,6 +262,16 @@ def _recorded_network(root: Path, m: manifest.Manifest, key: crypto.NodeKey | No
     return facts if isinstance(facts, dict) else {}
 
 
+def deferred_pages(m: manifest.Manifest, container_rel: str) -> dict[str, str]:
+    """The page images of one container whose sha256 podshim-runc checks while CRIU restores (an
+    eager restore of a plain archive, docs/architecture.md §5 (RestorePod) step 4), by their path
+    relative to the container's dir. Only names CRIU gives them (PAGE_IMAGE_RE): any other member,
+    whatever its name, is verified before a container exists."""
+    prefix = container_rel + "/"
+    rels = (r[len(prefix) :] for r in page_images(m, container_rel))
+    return {r: m.files[prefix + r].sha256 for r in rels if re.fullmatch(contract.PAGE_IMAGE_RE, r)}
+
+
 def check_rootfs_diffs(plan: list[_Planned], stop: threading.Event | None = None) -> None:
     """Refuse a rootfs diff podshim-runc would refuse, before any sandbox exists (`stop`: the
     caller was cancelled, see rootfs_diff.check_rootfs_diff)."""
@@ -305,6 +316,9 @@ class _Checked:
     network: dict[str, Any]  # the pod network facts the checkpoint recorded
     phases: Phases = dc_field(default_factory=Phases)  # the time each check took
     unverified: list[str] = dc_field(default_factory=list)  # members whose sha256 _verify_rest checks
+    # eager restore of a plain archive on a handler known to pass podshim's annotations: the page
+    # images are checksummed by podshim-runc while CRIU restores (§5 step 4), not by _verify_rest
+    defer_pages: bool = False
 
 
 @dataclass
@@ -454,9 +468,11 @@ class PodRestorer:
         phases = Phases()
         with phases("handler"):
             await self._check_upstream_handler(req.runtime_handler)
+        wired = None
         with phases("wiring"):
             if self.wiring is not None:
-                await self.wiring.require(req.runtime_handler, "RestorePod refused, nothing was created")
+                doing = "RestorePod refused, nothing was created"
+                wired = await self.wiring.require(req.runtime_handler, doing)
         root = await run_to_end(paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots)
         key = await run_to_end(self.node_key)
         stop = threading.Event()  # set at the deadline: the sparse-file check stops at its next step
@@ -484,7 +500,11 @@ class PodRestorer:
         read = {f"{archive.container(p.entry.name).rel}/{layout.CONFIG_DUMP_FILE}" for p in plan}
         read.add(archive.sandbox_network.relative_to(root).as_posix())
         unverified = sorted(set(m.files) - read)
-        return _Checked(opts, root, key, m, plan, network, phases, unverified)
+        # deferred only when the annotation is known to reach podshim-runc (dropped, the restore
+        # would run on memory nobody checked)
+        wired_ok = wired is not None and wired.verdict is Verdict.OK
+        defer = m.encryption is None and not opts.lazy_pages and wired_ok
+        return _Checked(opts, root, key, m, plan, network, phases, unverified, defer_pages=defer)
 
     async def _plan(
         self,
@@ -595,6 +615,9 @@ class PodRestorer:
         elif checked.opts.lazy_pages:  # the page images: checksummed while the daemons serve (§5.1)
             later = {r for p in checked.plan for r in page_images(m, p.entry.dir)}
             rels = [r for r in rels if r not in later]
+        elif checked.defer_pages:  # the page images: checksummed by podshim-runc during the restore
+            later = {f"{p.entry.dir}/{r}" for p in checked.plan for r in deferred_pages(m, p.entry.dir)}
+            rels = [r for r in rels if r not in later]
         with run.phases("verify"):
             await run.steps.run(manifest.verify_digests, checked.root, m, rels, 2, run.steps.cancel)
         if m.encryption is not None:
@@ -658,7 +681,7 @@ class PodRestorer:
             log.exception("sweeping decrypted checkpoints failed")
 
     def _container_config(
-        self, p: _Planned, criu_flags: str, lazy: Daemon | None = None
+        self, p: _Planned, criu_flags: str, lazy: Daemon | None = None, page_digests: str = ""
     ) -> cri.ContainerConfig:
         cc = cri.ContainerConfig()
         cc.CopyFrom(p.config)
@@ -668,6 +691,8 @@ class PodRestorer:
         cc.annotations[RESTORE_OPTIONS_ANNOTATION] = criu_flags
         if lazy is not None:
             cc.annotations[contract.LAZY_PAGES_ANNOTATION] = str(lazy.work)
+        if page_digests:
+            cc.annotations[contract.PAGE_DIGESTS_ANNOTATION] = page_digests
         cc.annotations.setdefault(RESTART_COUNT_ANNOTATION, str(cc.metadata.attempt))
         return cc
 
@@ -692,11 +717,13 @@ class PodRestorer:
             lazy = self.lazy.started(rec.op_id, p.entry.name) if opts.lazy_pages else None
             if opts.lazy_pages and lazy is None:
                 raise errors.Internal(f"no lazy-pages daemon was started for container {p.entry.name!r}")
+            deferred = deferred_pages(m, p.entry.dir) if checked.defer_pages else {}
+            digests = contract.page_digests_record(deferred) if deferred else ""
             with phases("create"):
                 container_id = await self.upstream.create_container(
                     cri.CreateContainerRequest(
                         pod_sandbox_id=resp.pod_sandbox_id,
-                        config=self._container_config(p, criu_flags, lazy),
+                        config=self._container_config(p, criu_flags, lazy, digests),
                         sandbox_config=req.config,
                     ),
                     doing=f"creating container {p.entry.name!r}",
@@ -715,9 +742,14 @@ class PodRestorer:
             log.info("restore container created", container=p.entry.name, id=c.container_id)
         if opts.start:
             for p in plan:
-                await self.upstream.start_container(
-                    created[p.entry.name], doing=f"starting restored container {p.entry.name!r}"
-                )
+                try:
+                    await self.upstream.start_container(
+                        created[p.entry.name], doing=f"starting restored container {p.entry.name!r}"
+                    )
+                except errors.ShimError as e:  # podshim-runc found a page image that differs (§5 step 4)
+                    if contract.PAGE_MISMATCH + "checkpoint/" in e.upstream_details:
+                        raise errors.DataLoss(e.message) from None
+                    raise
                 cid = created[p.entry.name]
                 try:
                     await confirm_restored(self.upstream, self.config, cid, p.entry.name)

@@ -15,6 +15,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from shim.contract import (
     LAZY_PAGES_ANNOTATION,
     LAZY_PAGES_FAILED,
     LAZY_PAGES_SOCKET,
+    PAGE_DIGESTS_ANNOTATION,
     RESTORE_ANNOTATION,
     RESTORE_OPTIONS_ANNOTATION,
     RESTORED_MARKER,
@@ -111,6 +115,9 @@ def restore(
     # CRIU only reads the image dir on restore (its log and restore stats go to the work dir, its
     # cwd), so the archive is used in place and never modified.
     lazy = _lazy_dir(spec, cfg, container_id, log_file)
+    # an eager restore of a plain archive: its page images are checked here, beside CRIU's restore,
+    # with the tasks held stopped until they match (docs/architecture.md §5 (RestorePod) step 4)
+    pages = _page_check(spec, ckpt, container_id, log_file) if lazy is None else None
     work = lazy or bundle / WORK_DIR
     work.mkdir(mode=0o700, exist_ok=True)
     # Established TCP connections are closed on restore (KEP-5823 alpha): neither runc nor crun
@@ -119,6 +126,9 @@ def restore(
     # by CRIU_CONFIG_FILE from its environment (see _run_guarded).
     criu_conf = work / "criu.conf"
     criu_conf.write_text("tcp-close\n")
+    if pages is not None:  # CRIU leaves every restored task stopped (runc: RPC config; crun: env)
+        with open(criu_conf, "a") as f:
+            f.write("leave-stopped\n")
     spec.setdefault("annotations", {})[CRIU_CONFIG_ANNOTATION] = str(criu_conf)
     (bundle / "config.json").write_text(json.dumps(spec))
 
@@ -139,7 +149,12 @@ def restore(
     faults.hit("runc-wrapper.before-restore")
     state_dir = Path(flags.get("--root", "")) / container_id
     env = {**os.environ, "CRIU_CONFIG_FILE": str(criu_conf)}
-    returncode = _run_guarded(cmd, spec.get("linux", {}).get("cgroupsPath", ""), work, state_dir, env)
+    cgroups_path = spec.get("linux", {}).get("cgroupsPath", "")
+    settle = None
+    if pages is not None:
+        pages.start()  # before the restore: the two overlap
+        settle = _settler(pages, cgroups_path, _arg(rest, "--pid-file"), work)
+    returncode = _run_guarded(cmd, cgroups_path, work, state_dir, env, settle)
     if crypto.is_decrypted_dir(ckpt) and lazy is None:
         # Decrypted images: CRIU is done with them (a failed create is not retried), and plaintext
         # memory must not stay on disk. A lazy restore's daemon still reads them: podshim removes
@@ -153,6 +168,12 @@ def restore(
         _fail(
             f"CRIU restore of container {container_id} from {ckpt} failed (exit {returncode}): "
             f"{detail} (CRIU log: {kept})",
+            log_file,
+        )
+    if pages is not None and pages.problem:
+        _fail(
+            f"restore of container {container_id} from {ckpt}: {pages.problem}; its processes were killed "
+            "before they ran: take a new checkpoint",
             log_file,
         )
     marker_dir = Path(flags.get("--root", "")) / container_id
@@ -192,13 +213,266 @@ def _lazy_dir(spec: dict, cfg: Any, container_id: str, log_file: str | None) -> 
     return real
 
 
-def _run_guarded(cmd: list[str], cgroups_path: str, work: Path, state_dir: Path, env: dict[str, str]) -> int:
+HASH_READ = 4 << 20  # the page check's read size (hashlib releases the GIL on buffers this large)
+PAGE_CHECK_LOG = "page-check.json"  # in the work dir: the page check's timing beside CRIU's stats
+
+
+class PageImages:
+    """The sha256 check of a container's page images (PAGE_DIGESTS_ANNOTATION) in threads of its own,
+    beside CRIU's restore: largest first, up to `workers` files at a time (one file is one thread:
+    sha256 is sequential), HASH_READ reads, no symlink followed. `problem` is "" when every image
+    matched, else what failed, naming the member."""
+
+    def __init__(self, root: Path, digests: dict[str, str], workers: int = 2) -> None:
+        self.root = root
+        self.digests = digests
+        self.workers = max(1, min(workers, len(digests)))
+        self.stop = threading.Event()
+        self.problem = ""
+        self.bytes = 0
+        self.started = 0.0
+        self.seconds = 0.0  # the hashing's wall time (until its last thread ended)
+        self._fsutil: Any = None
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def _size(self, rel: str) -> int:
+        try:
+            return os.lstat(self.root / rel).st_size
+        except OSError:
+            return 0
+
+    def start(self) -> None:
+        from shim.archive import fsutil  # imported here, not by each thread
+
+        self._fsutil = fsutil
+        todo = sorted(self.digests, key=lambda r: (-self._size(r), r))
+        self.started = time.monotonic()
+
+        def work() -> None:
+            while not self.stop.is_set():
+                with self._lock:
+                    if not todo:
+                        break
+                    rel = todo.pop(0)
+                problem = self._check(rel)
+                with self._lock:
+                    if problem and not self.problem:
+                        self.problem = problem
+                        self.stop.set()  # one failure decides: the others need not finish
+            with self._lock:
+                self.seconds = max(self.seconds, time.monotonic() - self.started)
+
+        for i in range(self.workers):
+            t = threading.Thread(target=work, name=f"podshim-page-check-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _check(self, rel: str) -> str:
+        try:
+            size, digest = self._fsutil.hash_file(self.root / rel, HASH_READ, self.stop)
+        except self._fsutil.Stopped:
+            return ""
+        except OSError as e:
+            return f"cannot read {rel} to verify its checksum ({e.strerror or e})"
+        with self._lock:
+            self.bytes += size
+        if digest != self.digests[rel]:
+            return (
+                f"{contract.PAGE_MISMATCH}{rel} ({size} bytes with sha256 {digest}, RestorePod recorded "
+                f"sha256 {self.digests[rel]} from the archive's manifest)"
+            )
+        return ""
+
+    def wait(self) -> str:
+        for t in self._threads:
+            t.join()
+        return self.problem
+
+
+def _page_check(spec: dict, ckpt: Path, container_id: str, log_file: str | None) -> PageImages | None:
+    """The page check of an eager restore (PAGE_DIGESTS_ANNOTATION), None without the annotation.
+    Every page image of the checkpoint dir must be listed: one that is not would be restored
+    unchecked."""
+    import re
+
+    value = spec.get("annotations", {}).get(PAGE_DIGESTS_ANNOTATION)
+    if not value:
+        return None
+    try:
+        digests = contract.parse_page_digests(value)
+    except ValueError as e:
+        _fail(f"restore of {container_id}: {PAGE_DIGESTS_ANNOTATION} is malformed: {e}", log_file)
+    try:
+        names = os.listdir(ckpt / "checkpoint")
+    except OSError as e:
+        _fail(f"restore of {container_id}: cannot list {ckpt / 'checkpoint'}: {e.strerror or e}", log_file)
+    unlisted = sorted(
+        f"checkpoint/{n}"
+        for n in names
+        if re.fullmatch(r"pages-.*\.img", n, re.DOTALL) and f"checkpoint/{n}" not in digests
+    )
+    if unlisted:
+        _fail(
+            f"restore of {container_id}: {', '.join(unlisted)} in {ckpt} is not a page image RestorePod "
+            "recorded (the archive changed since): take a new checkpoint",
+            log_file,
+        )
+    return PageImages(ckpt, digests)
+
+
+def _settler(pages: PageImages, cgroups_path: str, pid_file: str | None, work: Path) -> Callable[[int], None]:
+    """What runs once `runc restore` ended, still under the watchdog: wait for the page check;
+    every image matched → continue every task of the container (SIGCONT); else kill them all and
+    remove the container's cgroups (pages.problem says why, podshim-runc then fails the create).
+    A restore that failed stops the check (CRIU killed its tasks itself)."""
+
+    def settle(returncode: int) -> None:
+        restored = time.monotonic()
+        if returncode != 0:
+            pages.stop.set()
+            pages.wait()
+            return
+        problem = pages.wait()
+        if not problem:
+            from shim import faults
+
+            faults.hit("runc-wrapper.held-stopped")  # tests/faults: a death while the tasks are held
+            problem = continue_tasks(cgroups_path, pid_file)
+        if problem:
+            pages.problem = problem
+            kill_tasks(cgroups_path, pid_file)
+            remove_cgroups(cgroups_path)
+        _log_page_check(work, pages, restored)
+
+    return settle
+
+
+def _log_page_check(work: Path, pages: PageImages, restored: float) -> None:
+    """The overlap of the page check with CRIU's restore, for the operator and bench/restore."""
+    import contextlib
+
+    doc = {
+        "files": len(pages.digests),
+        "bytes": pages.bytes,
+        "hash_s": round(pages.seconds, 4),
+        "restore_s": round(restored - pages.started, 4),  # from the check's start (just before runc)
+        "wait_s": round(max(0.0, pages.started + pages.seconds - restored), 4),  # after the restore
+        "ok": not pages.problem,
+    }
+    with contextlib.suppress(OSError):
+        (work / PAGE_CHECK_LOG).write_text(json.dumps(doc) + "\n")
+
+
+def container_pids(cgroups_path: str, pid_file: str | None = None) -> set[int]:
+    """Every process of the container: those in its cgroup and the cgroups below it (freezer
+    hierarchy on v1, the unified one on v2), and the runtime's pid-file process with its
+    descendants (/proc/<pid>/task/*/children), in case a cgroup cannot be read."""
+    import contextlib
+
+    pids: set[int] = set()
+    if cgroups_path:
+        with contextlib.suppress(Exception):
+            from shim.cgroups.freezer import default_freezer
+
+            top = default_freezer().path(cgroups_path)
+            for d, _dirs, _files in os.walk(top):
+                with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
+                    pids.update(int(x) for x in f.read().split())
+    if pid_file:
+        with contextlib.suppress(OSError, ValueError):
+            with open(pid_file) as f:
+                todo = [int(f.read().strip())]
+            seen: set[int] = set()
+            while todo:
+                pid = todo.pop()
+                if pid <= 0 or pid in seen:
+                    continue
+                seen.add(pid)
+                with contextlib.suppress(OSError):
+                    for tid in os.listdir(f"/proc/{pid}/task"):
+                        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as c:
+                            todo.extend(int(x) for x in c.read().split())
+            pids |= {p for p in seen if os.path.exists(f"/proc/{p}")}
+    return pids
+
+
+def continue_tasks(cgroups_path: str, pid_file: str | None) -> str:
+    """SIGCONT every process of the container (CRIU left them stopped): "" when done, else why
+    not. A pidfd is taken of each first, while they are all stopped, so no signal reaches a pid
+    reused meanwhile."""
+    pids = container_pids(cgroups_path, pid_file)
+    if not pids:
+        where = f"cgroup {cgroups_path!r}, pid file {pid_file!r}"
+        return f"cannot find the restored processes to continue them ({where})"
+    fds = []
+    try:
+        for pid in sorted(pids):
+            try:
+                fds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                continue  # gone already (killed by someone else): nothing to continue
+        for fd in fds:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGCONT)
+            except ProcessLookupError:
+                continue
+    except OSError as e:
+        return f"cannot continue the restored processes: {e.strerror or e}"
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return ""
+
+
+def kill_tasks(cgroups_path: str, pid_file: str | None) -> None:
+    """SIGKILL every process of the container (a stopped one dies too): first all it has (through
+    pidfds: the pid file's pid may be reused once the container's init is reaped), then what its
+    cgroup still holds, until nothing alive is left (at most ~2 s)."""
+    import contextlib
+
+    for pid in container_pids(cgroups_path, pid_file):
+        with contextlib.suppress(OSError):
+            fd = os.pidfd_open(pid)
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            finally:
+                os.close(fd)
+    for _ in range(40):
+        alive = [p for p in container_pids(cgroups_path) if _alive(p)]
+        if not alive:
+            return
+        for pid in alive:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (a killed task waiting for its parent's wait)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _run_guarded(
+    cmd: list[str],
+    cgroups_path: str,
+    work: Path,
+    state_dir: Path,
+    env: dict[str, str],
+    settle: Callable[[int], None] | None = None,
+) -> int:
     """Run the restore with a watchdog: the upstream kills podshim-runc (SIGKILL) when
     StartContainer is cancelled, and runc's CRIU and the half-restored tasks must not go on
     unowned. The watchdog waits on a pipe; if podshim-runc dies before the restore ended, it
     kills the restore's process group and every process in the container's cgroup, detaches the
     mounts CRIU left under the work dir and the runtime's state dir, and removes a state dir the
-    killed restore never completed (so the upstream's `delete` finds nothing to trip on)."""
+    killed restore never completed (so the upstream's `delete` finds nothing to trip on).
+    `settle(returncode)` runs before the watchdog is released: the tasks held stopped for the page
+    check are continued or killed while a death of podshim-runc still kills them."""
     # The work dir, held by an O_PATH descriptor (close-on-exec: runc does not get it): the
     # upstream renames the bundle (<id> -> .<id>) while it deletes it, so the watchdog finds CRIU's
     # mounts below through the descriptor, never through a path that may be gone.
@@ -221,6 +495,8 @@ def _run_guarded(cmd: list[str], cgroups_path: str, work: Path, state_dir: Path,
     for fd in held.values():
         os.close(fd)
     returncode = child.wait()
+    if settle is not None:
+        settle(returncode)  # raising, podshim-runc exits: the watchdog kills the held tasks
     os.write(write_end, b"d")  # done: the watchdog leaves everything alone
     os.close(write_end)
     return returncode
@@ -292,6 +568,9 @@ def _kill_restore(
             for pid in cgroup_procs(cgroups_path):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+        for pid in container_pids(cgroups_path):  # and any cgroup below the container's
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     _detach_mounts_below(dirs, held or {})
     remove_cgroups(cgroups_path)
     state_dir = dirs[-1]

@@ -1,7 +1,8 @@
 """Hostile archives given to RestorePod: a copy of a good checkpoint, then one thing broken —
 the manifest (missing, not JSON, nested 100k deep, huge, a symlink or FIFO, unknown format,
 absolute or escaping member paths, huge or negative sizes, bad digests), the files (missing,
-extra, flipped byte, truncated, a symlink to the canary, a FIFO, a device), the host (arch,
+extra, flipped byte (in an image CRIU parses: a page image's is StartContainer's failure, see
+tests/test_restore_pod.py), truncated, a symlink to the canary, a FIFO, a device), the host (arch,
 CRIU version), or a consistent-looking archive whose contents lie (checksums recomputed).
 
 For each: the documented code and message, no sandbox created, podshim up, the canary outside
@@ -69,7 +70,9 @@ def entry_of(pick: Callable[[Path], str], **change: Any) -> Callable[[Path], obj
 
 
 def _flip_byte(root: Path) -> None:
-    p = root / first_pages(root)
+    """In a CRIU image other than the page images (which an eager restore checks beside CRIU's
+    restore, at StartContainer: tests/test_restore_pod.py), so RestorePod refuses it up front."""
+    p = sorted(root.glob("containers/counter/checkpoint/pagemap-*.img"))[0]
     data = bytearray(p.read_bytes())
     data[len(data) // 2] ^= 0xFF
     rewrite(p, bytes(data))
@@ -198,7 +201,7 @@ ARCHIVES = [
         DATA_LOSS,
         ("not listed", "evil.sh"),
     ),
-    Case("flipped-byte", mutated(_flip_byte), DATA_LOSS, ("sha256", "pages-")),
+    Case("flipped-byte", mutated(_flip_byte), DATA_LOSS, ("sha256", "pagemap-")),
     Case("truncated-file", mutated(_truncate), DATA_LOSS, ("bytes", "pages-")),
     Case(
         "huge-declared-size", mutated(entry_of(first_pages, size=2**62)), DATA_LOSS, ("4611686018427387904",)
