@@ -1,6 +1,7 @@
 """RestorePod interrupted: podshim SIGKILLed after the sandbox was created but before its id was
 journaled, after the sandbox and between two containers, and
-podshim-runc SIGKILLed inside the restore hook (under containerd, at StartContainer).
+podshim-runc SIGKILLed inside the restore hook (under containerd, at StartContainer): before the
+restore, and while the restored tasks are held stopped for the page images' checksums.
 
 After podshim's restart (journal replay) or the failed start: the new sandbox and its
 containers are gone, nothing is left mounted or in the runtime's state, the journal is empty,
@@ -13,6 +14,7 @@ import contextlib
 import hashlib
 import secrets
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -206,6 +208,95 @@ def test_podshim_runc_killed_in_restore_hook(
             for s in sandboxes_named(rt, other.metadata.name):
                 pods.remove_pod(rt, s)
             remove_cgroup_parent(other)
+    rt = pods.stubs(bed.podshim_socket)[0]
+    wait_serving(rt)
+    assert _digest(archive.path) == digest, "the archive changed"
+    _assert_restore_works(rt, archive, log_root, pod_cleanup)
+
+
+def _pod_processes(config: cri.PodSandboxConfig) -> dict[int, str]:
+    """The new pod's processes but its pause, with their state letter (T: stopped)."""
+    out = {}
+    for pid in _sys.cgroup_pids(config.linux.cgroup_parent):
+        if _is_pause(pid):
+            continue
+        with contextlib.suppress(OSError, IndexError):
+            out[pid] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return out
+
+
+def test_podshim_runc_killed_while_the_tasks_are_held_stopped(
+    rt: Rt,
+    bed: TestBed,
+    archive: Archive,
+    new_pod: cri.PodSandboxConfig,
+    log_root: Path,
+    pod_cleanup: list[str],
+) -> None:
+    """An eager restore's tasks are held stopped (CRIU's leave-stopped) until podshim-runc has
+    checked the page images (docs/architecture.md §5 (RestorePod) step 4). Held 4 s
+    (`runc-wrapper.held-stopped=sleep:4`): every process of the container is stopped and silent,
+    then continued, and it counts on. podshim-runc SIGKILLed at that point (`=kill`): its watchdog
+    kills them all, nothing is left stopped or running, the pod can be removed leaving nothing,
+    and the archive restores afterwards."""
+    digest = _digest(archive.path)
+    with containerd_env(bed, {FAILPOINTS_ENV: "runc-wrapper.held-stopped=sleep:4"}):
+        rt = pods.stubs(bed.podshim_socket)[0]
+        resp = restore(rt, archive, new_pod)
+        pod_cleanup.append(resp.pod_sandbox_id)
+        first = resp.restored_containers[0]
+        log = Path(new_pod.log_directory) / first.name / "0.log"
+        started: list[BaseException | None] = []
+
+        def start() -> None:
+            try:
+                rt.StartContainer(cri.StartContainerRequest(container_id=first.container_id), timeout=60)
+                started.append(None)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                started.append(e)
+
+        t = threading.Thread(target=start, daemon=True)
+        t.start()
+        held = pods.wait_for(
+            lambda: (p := _pod_processes(new_pod)) and all(s == "T" for s in p.values()) and p,
+            20,
+            interval=0.02,
+            what="the restored processes held stopped",
+        )
+        print(f"\nheld stopped: {held}")
+        assert not pods.counts(log), "a held process printed"
+        t.join(30)
+        assert started == [None], started
+        n = pods.wait_for(lambda: pods.counts(log), 20, what="the continued counter's output")[0]
+        pods.wait_count(log, n + 3, timeout=20)  # it counts on
+        assert all(s != "T" for s in _pod_processes(new_pod).values()), _pod_processes(new_pod)
+        pods.remove_pod(rt, resp.pod_sandbox_id)
+
+    other = pods.pod_config(f"restored-{secrets.token_hex(3)}", log_root)
+    try:
+        with containerd_env(bed, {FAILPOINTS_ENV: "runc-wrapper.held-stopped=kill"}):
+            rt = pods.stubs(bed.podshim_socket)[0]
+            before = NodeState.take(rt, bed)
+            resp = restore(rt, archive, other)
+            sid = resp.pod_sandbox_id
+            ids = {sid, *(c.container_id for c in resp.restored_containers)}
+            first = resp.restored_containers[0]
+            with pytest.raises(grpc.RpcError) as err:
+                rt.StartContainer(cri.StartContainerRequest(container_id=first.container_id), timeout=60)
+            print(
+                f"StartContainer, podshim-runc killed while held: {err.value.code()}: {err.value.details()}"
+            )
+            # the watchdog kills what podshim-runc held (it runs on once podshim-runc is gone)
+            pods.wait_for(lambda: not _pod_processes(other), 20, what="the held processes killed")
+            assert not pods.counts(Path(other.log_directory) / first.name / "0.log"), "a held process ran"
+            st = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=first.container_id)).status
+            assert st.state != cri.CONTAINER_RUNNING
+            pods.remove_pod(rt, sid)
+            _assert_nothing_left(rt, bed, other, before, ids)
+    finally:
+        for s in sandboxes_named(pods.stubs(bed.podshim_socket)[0], other.metadata.name):
+            pods.remove_pod(pods.stubs(bed.podshim_socket)[0], s)
+        remove_cgroup_parent(other)
     rt = pods.stubs(bed.podshim_socket)[0]
     wait_serving(rt)
     assert _digest(archive.path) == digest, "the archive changed"
