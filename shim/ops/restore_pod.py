@@ -707,8 +707,16 @@ class PodRestorer:
             run.sandbox_id = await self._run_sandbox(req, run)
         log.info("restore sandbox created", sandbox=run.sandbox_id)
         resp = cri.RunPodSandboxResponse(pod_sandbox_id=run.sandbox_id)
-        with phases("network"):
-            await self._check_network(resp.pod_sandbox_id, checked.network)
+
+        async def check_network() -> None:
+            with phases("network"):
+                await self._check_network(resp.pod_sandbox_id, checked.network)
+
+        # beside the verification's end and the CreateContainers (docs/architecture.md §5
+        # (RestorePod) step 3): awaited before any start and the answer; a missing interface
+        # removes the sandbox with its containers
+        network = asyncio.ensure_future(check_network())
+        run.ends.push_async_callback(_stop_and_wait, network, run.steps)
         with phases("verify_wait"):  # no container before the archive is verified (and decrypted)
             await verifying
         created = run.created
@@ -740,6 +748,7 @@ class PodRestorer:
                 await run_to_end(crypto.set_owner, p.dir, c.container_id)
             faults.hit("restore.after-container")
             log.info("restore container created", container=p.entry.name, id=c.container_id)
+        await network
         if opts.start:
             for p in plan:
                 try:
@@ -782,7 +791,9 @@ class PodRestorer:
             raise
         faults.hit("restore.sandbox-unrecorded")
         run.undo.push_async_callback(self.rollback_sandbox, sandbox_id)
-        self.journal.update(run.rec, "sandbox", sandbox_id=sandbox_id)
+        # off the loop (an fsync on a busy disk must not stall the daemons' start beside it);
+        # durable before any container is created (docs/architecture.md §16 (Crash safety))
+        await run_to_end(self.journal.update, run.rec, "sandbox", sandbox_id=sandbox_id)
         faults.hit("restore.after-sandbox")
         return sandbox_id
 
