@@ -251,6 +251,7 @@ class LazyPages:
         """RestorePod's call: a daemon for one planned container (its dir in the archive, or its
         decrypted copy when `decrypted`), owned by the restore's journal record `op` until attached.
         `pages`: the page images RestorePod did not checksum, hashed while the daemon serves."""
+        rels = pages.rels if pages is not None else []
         d = await self.start(
             layout.ContainerLayout(root=container_dir, rel="").checkpoint_dir,
             name,
@@ -258,9 +259,9 @@ class LazyPages:
             self.config.runtime.criu,
             container_dir if decrypted else None,
             op.op_id,
+            verifying=len(rels),
         )
-        if pages is not None and pages.rels:
-            self.journal.update(d.rec, d.rec.phase, verifying=len(pages.rels))
+        if pages is not None and rels:
             paused = functools.partial(restoring, d.work)
             d.verify = _in_thread(
                 functools.partial(check_pages, paused=paused),
@@ -275,10 +276,19 @@ class LazyPages:
         return next((d for d in self._by_op.get(op_id, []) if d.name == name), None)
 
     async def start(
-        self, images: Path, name: str, pod_key: str, criu: str, decrypted: Path | None, op_id: str = ""
+        self,
+        images: Path,
+        name: str,
+        pod_key: str,
+        criu: str,
+        decrypted: Path | None,
+        op_id: str = "",
+        verifying: int = 0,
     ) -> Daemon:
         """Start a daemon serving `images` and wait until it listens; journaled before it runs, and
-        owned by the RestorePod `op_id` (abandon_op ends it, even when this is cancelled)."""
+        owned by the RestorePod `op_id` (abandon_op ends it, even when this is cancelled).
+        `verifying`: the page images its caller will checksum while it serves, journaled with its
+        pid (one write: recovery's reason says their checksums were not known to match)."""
         root = contract.lazy_root(self.config.state_dir)
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         work = root / secrets.token_hex(8)
@@ -328,12 +338,13 @@ class LazyPages:
         d.start_time = process_start_time(d.pid)
         with contextlib.suppress(OSError):
             d.pidfd = os.pidfd_open(d.pid)
-        self.journal.update(d.rec, "serving", pid=d.pid, start_time=d.start_time)
-        try:
-            ready = await asyncio.wait_for(asyncio.to_thread(os.read, read_end, 1), LAZY_READY_TIMEOUT)
+        self.journal.update(d.rec, "serving", pid=d.pid, start_time=d.start_time, verifying=verifying)
+        try:  # woken by the status fd itself (its `\0`, or EOF when the daemon died), no thread
+            ready = await asyncio.wait_for(_read_status(read_end), LAZY_READY_TIMEOUT)
         except TimeoutError:
             ready = b""
         finally:
+            asyncio.get_running_loop().remove_reader(read_end)
             os.close(read_end)
         if ready != b"\0":
             detail = _error_lines(work / LOG_NAME)
@@ -666,6 +677,24 @@ def _in_thread(fn: Any, check: PageCheck, stop: threading.Event, name: str) -> a
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return asyncio.wrap_future(cf)
+
+
+def _read_status(fd: int) -> asyncio.Future[bytes]:
+    """A future of the first byte the daemon writes to its status fd (b"" at EOF: it died), set by
+    the event loop when `fd` turns readable; the caller removes the reader."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[bytes] = loop.create_future()
+
+    def readable() -> None:
+        loop.remove_reader(fd)
+        if not fut.done():
+            try:
+                fut.set_result(os.read(fd, 1))
+            except OSError:
+                fut.set_result(b"")
+
+    loop.add_reader(fd, readable)
+    return fut
 
 
 def _pending(fut: asyncio.Future[str] | None) -> set[asyncio.Future[str]]:
