@@ -258,6 +258,50 @@ async def test_recover_finds_a_daemon_by_its_work_dir(tmp_path: Path) -> None:
     assert rec.op_id
 
 
+def _fake_criu(tmp_path: Path, ready: bool) -> str:
+    """A `criu` whose `lazy-pages` writes `\\0` to its --status-fd and serves (sleeps), or exits
+    without a word (a daemon that died before it listened)."""
+    import sys
+
+    fake = tmp_path / "criu"
+    body = "import os, sys, time\nfd = int(sys.argv[sys.argv.index('--status-fd') + 1])\n" + (
+        "os.write(fd, b'\\0')\ntime.sleep(60)\n" if ready else "sys.exit(1)\n"
+    )
+    fake.write_text(f"#!{sys.executable}\n{body}")
+    fake.chmod(0o755)
+    return str(fake)
+
+
+async def test_start_waits_for_the_status_fd_and_journals_the_pass_with_the_pid(tmp_path: Path) -> None:
+    """The daemon's `\\0` on its status fd ends the wait (the event loop watches the fd); its pid,
+    start time and the count of page images to checksum are journaled in one record write."""
+    journal = Journal(tmp_path / "state")
+    lp = lazy_pages.LazyPages(Config(state_dir=str(tmp_path / "state")), FakeUpstream(), journal)
+    d = await lp.start(tmp_path, "counter", "ns/pod", _fake_criu(tmp_path, True), None, "op1", verifying=3)
+    try:
+        doc = json.loads(Path(d.rec.path).read_text())
+        assert doc["phase"] == "serving"
+        assert doc["data"]["pid"] == d.pid and doc["data"]["start_time"] > 0
+        assert doc["data"]["verifying"] == 3
+        assert d.proc is not None and d.proc.poll() is None
+    finally:
+        await lp.abandon_op("op1")
+    assert journal.pending() == [] and not d.work.exists()
+
+
+async def test_start_of_a_daemon_that_dies_before_listening_is_internal(tmp_path: Path) -> None:
+    """EOF on the status fd (the daemon exited without its `\\0`): INTERNAL at once, not after the
+    30 s readiness timeout; its record is closed and its work dir removed."""
+    journal = Journal(tmp_path / "state")
+    lp = lazy_pages.LazyPages(Config(state_dir=str(tmp_path / "state")), FakeUpstream(), journal)
+    started = time.monotonic()
+    with pytest.raises(errors.Internal, match="did not start serving"):
+        await lp.start(tmp_path, "counter", "ns/pod", _fake_criu(tmp_path, False), None, "op1")
+    assert time.monotonic() - started < 10
+    assert journal.pending() == []
+    assert list(contract.lazy_root(tmp_path / "state").iterdir()) == []
+
+
 def test_keep_log_copies_a_failed_daemons_log(tmp_path: Path) -> None:
     src = tmp_path / "w" / lazy_pages.LOG_NAME
     src.parent.mkdir()
