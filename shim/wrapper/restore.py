@@ -325,12 +325,14 @@ def _settler(pages: PageImages, cgroups_path: str, pid_file: str | None, work: P
     """What runs once `runc restore` ended, still under the watchdog: wait for the page check;
     every image matched → continue every task of the container (SIGCONT); else kill them all and
     remove the container's cgroups (pages.problem says why, podshim-runc then fails the create).
-    A restore that failed stops the check (CRIU killed its tasks itself)."""
+    A restore that failed stops the check and kills whatever its cgroup holds: a runc killed after
+    CRIU restored the tasks (stopped) must not leave them there for good."""
 
     def settle(returncode: int) -> None:
         restored = time.monotonic()
         if returncode != 0:
             pages.stop.set()
+            kill_tasks(cgroups_path, None)  # not the pid file: a failed restore may leave a stale one
             pages.wait()
             return
         problem = pages.wait()
