@@ -130,6 +130,8 @@ class Restored:
     first: float  # request -> first new count line
     count: int  # the value it resumed at
     criu_restore_s: float  # CRIU's restore_time from stats-restore
+    # podshim-runc's page-check.json: the page images hashed beside CRIU's restore ({} when none)
+    page_check: dict = field(default_factory=dict)
 
 
 def task_dir(bed: TestBed, cid: str) -> Path:
@@ -164,6 +166,10 @@ def podshim_restore(
     m = COUNT_RE.search(line)
     cid = next(c.container_id for c in resp.restored_containers if c.name == first_name)
     stats = read_criu_stats(task_dir(bed, cid) / RESTORE_WORK_DIR / "stats-restore", "restore")
+    try:
+        page_check = json.loads((task_dir(bed, cid) / RESTORE_WORK_DIR / "page-check.json").read_text())
+    except (OSError, ValueError):
+        page_check = {}
     return Restored(
         pod_id=resp.pod_sandbox_id,
         call=t1 - t0,
@@ -171,6 +177,7 @@ def podshim_restore(
         first=seen - t0,
         count=int(m.group(1)) if m else -1,
         criu_restore_s=stats.get("restore_time", 0) / 1e6 if stats else float("nan"),
+        page_check=page_check,
     )
 
 
@@ -459,6 +466,7 @@ def measure_eager_overhead(
     direct = runtime_stub(bed.containerd_socket)
     shim: list[float] = []
     calls: list[tuple[float, float]] = []  # (RestorePod, StartContainer)
+    checks: list[str] = []  # the page check beside CRIU's restore, as podshim-runc recorded it
     runc: list[float] = []
     sandbox: list[float] = []
     phases: dict[str, list[float]] = {}
@@ -469,6 +477,13 @@ def measure_eager_overhead(
                 p = podshim_restore(rt, bed, archive, configs, f"{tag}-{r}")
                 shim.append(p.call + p.start)
                 calls.append((p.call, p.start))
+                pc = p.page_check
+                checks.append(
+                    f"; page check {pc['hash_s']:.3f}s beside restore {pc['restore_s']:.3f}s, "
+                    f"waited {pc['wait_s']:.3f}s"
+                    if pc
+                    else ""
+                )
                 for k, v in restore_phases(bed, p.pod_id).items():
                     phases.setdefault(k, []).append(v)
                 remove_pod(rt, p.pod_id)
@@ -478,7 +493,7 @@ def measure_eager_overhead(
                 sandbox.append(sandbox_alone(direct, bed, f"{tag}-sandbox-{r}"))
         say(
             f"  eager rep {r + 1}: RestorePod {calls[-1][0]:.3f}s + StartContainer {calls[-1][1]:.3f}s; "
-            f"runc restore {runc[-1]:.3f}s + RunPodSandbox {sandbox[-1]:.3f}s"
+            f"runc restore {runc[-1]:.3f}s + RunPodSandbox {sandbox[-1]:.3f}s{checks[-1]}"
         )
     floor = median(runc) + median(sandbox)
     return {
