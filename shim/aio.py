@@ -93,9 +93,9 @@ async def run_to_end(
         raise
 
 
-class Stopped(Exception):
-    """A long blocking step was told to stop (its operation was cancelled): the one stop signal of
-    every thread podshim runs (fsutil, crypto, the container tar)."""
+# the one stop signal of every thread podshim runs (fsutil, crypto, the container tar); defined in
+# shim/errors.py, which imports nothing, so the blocking modules need not import asyncio
+Stopped = errors.Stopped
 
 
 class Steps:

@@ -62,3 +62,10 @@ class ResourceExhausted(ShimError):
 
 class Unimplemented(ShimError):
     code_name = "UNIMPLEMENTED"
+
+
+class Stopped(Exception):
+    """A long blocking step was told to stop (its operation was cancelled): the one stop signal of
+    every thread podshim runs (fsutil, crypto, the container tar). Not a ShimError: the cancelled
+    operation ends with its own status. Here, in a module that imports nothing, so the blocking
+    modules (shim/archive) need not import asyncio (shim/aio.py re-exports it)."""

@@ -9,16 +9,16 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import secrets
 import stat
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from shim.aio import Stopped as Stopped  # one stop signal for all blocking work (shim/aio.py)
+# one stop signal for all blocking work (shim/aio.py); from shim.errors, so that podshim-runc's
+# restore, which uses this module, does not import asyncio (docs/architecture.md §7 (The runtime wrapper))
 from shim.errors import Internal, InvalidArgument, NotFound
+from shim.errors import Stopped as Stopped
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -33,7 +33,8 @@ _TMP_MARK = ".tmp-"
 
 def temp_name_for(name: str) -> str:
     """The name atomic_write uses for the temporary sibling of `name`."""
-    return f".{name}{_TMP_MARK}{secrets.token_hex(6)}"
+    # os.urandom as secrets.token_hex does (secrets imports `random`: podshim-runc's start-up)
+    return f".{name}{_TMP_MARK}{os.urandom(6).hex()}"
 
 
 def is_temp_name(name: str) -> bool:
@@ -117,6 +118,8 @@ def fsync_tree(root: Path, workers: int = 1, files: bool = True) -> None:
                     paths.append(p)
             dirs.append(d)
         if workers > 1 and len(paths) > 1:
+            from concurrent.futures import ThreadPoolExecutor  # here: podshim-runc never needs it
+
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 list(pool.map(_fsync_file, paths))
         else:
@@ -154,6 +157,8 @@ def clear_dir_contents(path: Path) -> None:
 def map_in_threads(fn: Callable[[T], R], items: list[T], workers: int) -> list[R]:
     """[fn(i) for i in items], on up to `workers` threads (hashing releases the GIL)."""
     if workers > 1 and len(items) > 1:
+        from concurrent.futures import ThreadPoolExecutor  # here: podshim-runc never needs it
+
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="podshim-hash") as pool:
             return list(pool.map(fn, items))
     return [fn(i) for i in items]
@@ -168,6 +173,8 @@ def hash_and_flush(
     (largest first) while `workers` threads hash them from the page cache: the cost is the
     longer of the two, not their sum. `stop` set: both stop at their next file or chunk.
     """
+    from concurrent.futures import ThreadPoolExecutor  # here: podshim-runc never needs it
+
     sizes = {p: os.lstat(p).st_size for p in paths}
 
     def flush_all() -> None:
