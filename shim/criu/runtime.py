@@ -2,27 +2,26 @@
 
 podshim always goes through the OCI runtime, never CRIU directly: the runtime knows the
 container's namespaces, mounts, cgroups and the descriptors to re-attach on restore.
+
+podshim-runc's restore imports this module for `restore_argv` and `CriuOptions` on every
+restore's StartContainer, so asyncio and the logging set-up (structlog) are imported where the
+dump uses them, not here (docs/architecture.md §7 (The runtime wrapper)).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import re
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from shim import contract, errors, faults, logs
-from shim.aio import run_to_end
+from shim import contract, errors, faults
 from shim.deadlines import KILL_WAIT, NETLOCK_TIMEOUT, VERSION_TIMEOUT
-
-log = logs.get("shim.criu.runtime")
 
 CRIU_LOG_TAIL = 6
 # Error lines CRIU prints on every run of this kind of host without failing because of them
@@ -70,6 +69,8 @@ def _criu_config(opts: CriuOptions) -> Iterator[dict[str, str] | None]:
     if not lines:
         yield None
         return
+    import tempfile  # here: it imports `random`, which podshim-runc's restore never needs
+
     fd, path = tempfile.mkstemp(prefix="podshim-criu-", suffix=".conf")
     try:
         with os.fdopen(fd, "w") as f:
@@ -280,7 +281,9 @@ def end_dump(pgid: int, image_dir: Path, timeout: float = KILL_WAIT) -> None:
         if not left:
             return
         if time.monotonic() > end:
-            log.error(
+            from shim import logs
+
+            logs.get("shim.criu.runtime").error(
                 "runtime/CRIU processes of a dump outlived SIGKILL", pids=left, image_dir=str(image_dir)
             )
             return
@@ -354,6 +357,10 @@ class OciRuntime:
         env: dict[str, str] | None,
         pass_fds: tuple[int, ...] = (),
     ) -> float:
+        import asyncio
+
+        from shim.aio import run_to_end
+
         argv = self.checkpoint_argv(container_id, image_dir, work_dir, opts, leave_running)
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
