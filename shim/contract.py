@@ -30,8 +30,10 @@ CRIU_CONFIG_ANNOTATION = "org.criu.config"  # runc/crun read CRIU options from t
 # (shim/ops/restore_container.py); podshim-owned, so accepted like the allowed roots.
 IMPORTS_DIR = "imports"
 # <state_dir>/decrypted/<random>/: one container's plaintext of an encrypted archive
-# (shim/archive/crypto.py); podshim-owned too.
+# (shim/archive/crypto.py); podshim-owned too. DECRYPTED_MARKER in it says whose it is: the wrapper
+# removes the plaintext after the restore, telling such a dir by it (without importing crypto).
 DECRYPTED_DIR = "decrypted"
+DECRYPTED_MARKER = ".podshim-decrypted"
 # Lazy restore (docs/architecture.md §5.1 (Lazy restore)): the daemon sets LAZY_PAGES_ANNOTATION to the
 # work dir <state_dir>/lazy/<random>/ of the container's `criu lazy-pages`, which listens on
 # LAZY_PAGES_SOCKET there; the wrapper restores with `--lazy-pages --work-path` that dir.

@@ -67,7 +67,7 @@ FILE_INFO = b"podshim checkpoint file key v1"
 MANIFEST_INFO = b"podshim checkpoint manifest mac v1"
 
 DECRYPTED_DIR = contract.DECRYPTED_DIR  # <state_dir>/decrypted/<random>/: one container's plaintext
-DECRYPTED_MARKER = ".podshim-decrypted"  # JSON {archive, container, container_id, created}
+DECRYPTED_MARKER = contract.DECRYPTED_MARKER  # JSON {archive, container, container_id, created}
 
 
 # ---------------------------------------------------------------------------- the node key
