@@ -48,6 +48,30 @@ async def test_confirm_restored_still_asks_where_the_marker_is_not_under_a_known
     assert up.names() == ["ContainerStatus"]
 
 
+def test_the_restore_hook_imports_no_asyncio_logging_or_crypto() -> None:
+    """podshim-runc-hook runs on every restore's StartContainer before `runc restore`: what its
+    restore() imports (shim/wrapper/restore.py) must not pull in asyncio (and ssl, socket),
+    structlog, concurrent.futures, random or shim/archive/crypto (~50-100 ms of start-up on this
+    VM; docs/architecture.md §7 (The runtime wrapper))."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from shim.wrapper import main, restore\n"
+        "from shim import config, contract, faults, errors\n"
+        "from shim.archive import layout, paths, rootfs_diff, fsutil\n"
+        "from shim.criu.runtime import OciRuntime, criu_error_lines\n"
+        "contract.from_record('file-locks')\n"
+        "print(' '.join(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = set(out.split())
+    heavy = {"asyncio", "ssl", "socket", "structlog", "logging", "concurrent.futures", "random"}
+    heavy.add("shim.archive.crypto")
+    assert not heavy & loaded
+
+
 # ---------------------------------------------------------------------------- RestorePod's checks
 
 
