@@ -946,6 +946,8 @@ def test_corrupted_page_image_fails_the_start_before_the_process_runs(
         left = [p for p in _sys.cgroup_pids(config.linux.cgroup_parent) if not _is_pause(p)]
         assert left == [], f"processes of the failed restore left: {left}"
         assert stopped_processes(config.linux.cgroup_parent) == []
+        state = runtime_root(bed, runtime_handler) / cid
+        assert not state.exists(), f"the runtime's state of the killed container is left: {state}"
         pods.remove_pod(rt, resp.pod_sandbox_id)
     finally:
         remove_pod_cgroup(config)

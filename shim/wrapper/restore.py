@@ -90,7 +90,7 @@ def restore(
     ckpt: Path,
 ) -> None:
     from shim import config, faults
-    from shim.archive import layout, paths, rootfs_diff
+    from shim.archive import crypto, layout, paths, rootfs_diff
     from shim.criu.runtime import OciRuntime, criu_error_lines
     from shim.errors import ShimError
 
@@ -103,6 +103,14 @@ def restore(
         ckpt = paths.validate_archive_dir(str(ckpt), roots)
     except (config.ConfigError, ShimError) as e:
         _fail(f"restore of {container_id}: {e}", log_file)
+    # an eager restore of a plain archive: its page images are checked here, beside the rootfs diff
+    # and CRIU's restore, the tasks held stopped until they match (docs/architecture.md §5
+    # (RestorePod) step 4); started first, so the three overlap
+    pages = None
+    if not spec.get("annotations", {}).get(LAZY_PAGES_ANNOTATION):
+        pages = _page_check(spec, ckpt, container_id, log_file)
+        if pages is not None:
+            pages.start()
     cl = layout.ContainerLayout(root=ckpt, rel="")
     rootfs = bundle / spec.get("root", {}).get("path", "rootfs")
     try:
@@ -115,9 +123,6 @@ def restore(
     # CRIU only reads the image dir on restore (its log and restore stats go to the work dir, its
     # cwd), so the archive is used in place and never modified.
     lazy = _lazy_dir(spec, cfg, container_id, log_file)
-    # an eager restore of a plain archive: its page images are checked here, beside CRIU's restore,
-    # with the tasks held stopped until they match (docs/architecture.md §5 (RestorePod) step 4)
-    pages = _page_check(spec, ckpt, container_id, log_file) if lazy is None else None
     work = lazy or bundle / WORK_DIR
     work.mkdir(mode=0o700, exist_ok=True)
     # Established TCP connections are closed on restore (KEP-5823 alpha): neither runc nor crun
@@ -150,18 +155,20 @@ def restore(
     state_dir = Path(flags.get("--root", "")) / container_id
     env = {**os.environ, "CRIU_CONFIG_FILE": str(criu_conf)}
     cgroups_path = spec.get("linux", {}).get("cgroupsPath", "")
+    # a restored container killed afterwards (its page images differ, or podshim-runc died while
+    # they were held) leaves no runtime state behind: runc saved it, and containerd 2.1 does not
+    # delete it after the failed create
+    # (--root and the cgroup driver only: the --log file lies in the bundle, gone when the watchdog runs)
+    systemd = ["--systemd-cgroup"] if "--systemd-cgroup" in flags else []
+    delete = [binary, "--root", flags.get("--root", ""), *systemd, "delete", "--force", container_id]
     settle = None
     if pages is not None:
-        pages.start()  # before the restore: the two overlap
-        settle = _settler(pages, cgroups_path, _arg(rest, "--pid-file"), work)
-    returncode = _run_guarded(cmd, cgroups_path, work, state_dir, env, settle)
-    if lazy is None and (ckpt / contract.DECRYPTED_MARKER).is_file():  # crypto.is_decrypted_dir
+        settle = _settler(pages, cgroups_path, _arg(rest, "--pid-file"), work, delete)
+    returncode = _run_guarded(cmd, cgroups_path, work, state_dir, env, settle, delete)
+    if crypto.is_decrypted_dir(ckpt) and lazy is None:
         # Decrypted images: CRIU is done with them (a failed create is not retried), and plaintext
         # memory must not stay on disk. A lazy restore's daemon still reads them: podshim removes
-        # them when it has ended (docs/architecture.md §5.1 (Lazy restore)). crypto is imported
-        # only here: it costs every restore's start-up (docs/architecture.md §7 (The runtime wrapper)).
-        from shim.archive import crypto
-
+        # them when it has ended (docs/architecture.md §5.1 (Lazy restore)).
         crypto.remove_decrypted(ckpt)
     if returncode != 0:
         remove_cgroups(spec.get("linux", {}).get("cgroupsPath", ""))
@@ -324,12 +331,18 @@ def _page_check(spec: dict, ckpt: Path, container_id: str, log_file: str | None)
     return PageImages(ckpt, digests)
 
 
-def _settler(pages: PageImages, cgroups_path: str, pid_file: str | None, work: Path) -> Callable[[int], None]:
+def _settler(
+    pages: PageImages, cgroups_path: str, pid_file: str | None, work: Path, delete: list[str] | None = None
+) -> Callable[[int], None]:
     """What runs once `runc restore` ended, still under the watchdog: wait for the page check;
-    every image matched → continue every task of the container (SIGCONT); else kill them all and
-    remove the container's cgroups (pages.problem says why, podshim-runc then fails the create).
+    every image matched → continue every task of the container (SIGCONT); else kill them all, run
+    `delete` (the runtime's `delete --force`) and remove the container's cgroups (pages.problem
+    says why, podshim-runc then fails the create).
     A restore that failed stops the check and kills whatever its cgroup holds: a runc killed after
     CRIU restored the tasks (stopped) must not leave them there for good."""
+
+    # imported while the restore runs, not after it (~13 ms: container_pids needs it)
+    threading.Thread(target=__import__, args=("shim.cgroups.freezer",), daemon=True).start()
 
     def settle(returncode: int) -> None:
         restored = time.monotonic()
@@ -347,6 +360,11 @@ def _settler(pages: PageImages, cgroups_path: str, pid_file: str | None, work: P
         if problem:
             pages.problem = problem
             kill_tasks(cgroups_path, pid_file)
+            if delete:  # the runtime's state of the restored container (stdio: not the container's)
+                import contextlib
+
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    subprocess.run(delete, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
             remove_cgroups(cgroups_path)
         _log_page_check(work, pages, restored)
 
@@ -361,7 +379,7 @@ def _log_page_check(work: Path, pages: PageImages, restored: float) -> None:
         "files": len(pages.digests),
         "bytes": pages.bytes,
         "hash_s": round(pages.seconds, 4),
-        "restore_s": round(restored - pages.started, 4),  # from the check's start (just before runc)
+        "restore_s": round(restored - pages.started, 4),  # from the check's start (before the rootfs diff)
         "wait_s": round(max(0.0, pages.started + pages.seconds - restored), 4),  # after the restore
         "ok": not pages.problem,
     }
@@ -469,6 +487,7 @@ def _run_guarded(
     state_dir: Path,
     env: dict[str, str],
     settle: Callable[[int], None] | None = None,
+    delete: list[str] | None = None,
 ) -> int:
     """Run the restore with a watchdog: the upstream kills podshim-runc (SIGKILL) when
     StartContainer is cancelled, and runc's CRIU and the half-restored tasks must not go on
@@ -477,7 +496,8 @@ def _run_guarded(
     mounts CRIU left under the work dir and the runtime's state dir, and removes a state dir the
     killed restore never completed (so the upstream's `delete` finds nothing to trip on).
     `settle(returncode)` runs before the watchdog is released: the tasks held stopped for the page
-    check are continued or killed while a death of podshim-runc still kills them."""
+    check are continued or killed while a death of podshim-runc still kills them. `delete` (the
+    runtime's `delete --force`) removes the state of a restore that had completed."""
     # The work dir, held by an O_PATH descriptor (close-on-exec: runc does not get it): the
     # upstream renames the bundle (<id> -> .<id>) while it deletes it, so the watchdog finds CRIU's
     # mounts below through the descriptor, never through a path that may be gone.
@@ -493,7 +513,7 @@ def _run_guarded(
             for lo, hi in zip(keep, [*keep[1:], 4096], strict=True):
                 os.closerange(lo + 1, hi)
             if os.read(read_end, 1) == b"":  # EOF: podshim-runc died mid-restore
-                _kill_restore(child.pid, cgroups_path, [work, state_dir], held)
+                _kill_restore(child.pid, cgroups_path, [work, state_dir], held, delete)
         finally:
             os._exit(0)
     os.close(read_end)
@@ -560,7 +580,11 @@ def _detach_mounts_below(dirs: list[Path], held: dict[Path, int], rounds: int = 
 
 
 def _kill_restore(
-    pgid: int, cgroups_path: str, dirs: list[Path], held: dict[Path, int] | None = None
+    pgid: int,
+    cgroups_path: str,
+    dirs: list[Path],
+    held: dict[Path, int] | None = None,
+    delete: list[str] | None = None,
 ) -> None:
     import contextlib
 
@@ -577,8 +601,11 @@ def _kill_restore(
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     _detach_mounts_below(dirs, held or {})
-    remove_cgroups(cgroups_path)
     state_dir = dirs[-1]
+    if delete and (state_dir / "state.json").exists():  # a restore that completed (tasks held stopped)
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(delete, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    remove_cgroups(cgroups_path)
     if state_dir.is_dir() and not (state_dir / "state.json").exists():
         import shutil
 
