@@ -229,6 +229,8 @@ def test_an_unlisted_page_image_refuses_the_restore(tmp_path: Path) -> None:
         hook._page_check(spec, tmp_path, "cid", None)
     (tmp_path / "checkpoint/pages-2.img").unlink()
     assert hook._page_check(spec, tmp_path, "cid", None) is not None
+    (tmp_path / "checkpoint/pages-x.img").write_bytes(b"c")  # no name CRIU reads: checked up front
+    assert hook._page_check(spec, tmp_path, "cid", None) is not None
     assert hook._page_check({"annotations": {}}, tmp_path, "cid", None) is None
     spec["annotations"][contract.PAGE_DIGESTS_ANNOTATION] = '{"checkpoint/../x": "1"}'
     with pytest.raises(SystemExit):

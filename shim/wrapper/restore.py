@@ -302,8 +302,8 @@ class PageImages:
 
 def _page_check(spec: dict, ckpt: Path, container_id: str, log_file: str | None) -> PageImages | None:
     """The page check of an eager restore (PAGE_DIGESTS_ANNOTATION), None without the annotation.
-    Every page image of the checkpoint dir must be listed: one that is not would be restored
-    unchecked."""
+    Every page image of the checkpoint dir (a name CRIU reads, pages-<n>.img) must be listed: one
+    that is not would be restored unchecked (RestorePod checked any other name up front)."""
     import re
 
     value = spec.get("annotations", {}).get(PAGE_DIGESTS_ANNOTATION)
@@ -320,7 +320,7 @@ def _page_check(spec: dict, ckpt: Path, container_id: str, log_file: str | None)
     unlisted = sorted(
         f"checkpoint/{n}"
         for n in names
-        if re.fullmatch(r"pages-.*\.img", n, re.DOTALL) and f"checkpoint/{n}" not in digests
+        if re.fullmatch(contract.PAGE_IMAGE_RE, f"checkpoint/{n}") and f"checkpoint/{n}" not in digests
     )
     if unlisted:
         _fail(
