@@ -314,3 +314,35 @@ def test_a_failed_restore_stops_the_check(tmp_path: Path, held: Any) -> None:
     hook._settler(check, "", pid_file, tmp_path)(1)
     assert check.problem in ("",) or check.problem.startswith("checksum mismatch")  # a race: either
     assert [_state(p) for p in pids] == ["T", "T"]  # the failure path of the restore handles them
+
+
+# ---------------------------------------------------------------------------- the wiring check
+
+
+@pytest.mark.parametrize(
+    ("patterns", "ok"),
+    [
+        (["podshim.*"], True),
+        (["podshim.restore.*"], True),
+        (["podshim.restore.checkpoint-dir", "podshim.restore.criu-options"], False),
+        (
+            [
+                "podshim.restore.checkpoint-dir",
+                "podshim.restore.criu-options",
+                "podshim.restore.page-digests",
+            ],
+            True,
+        ),
+    ],
+)
+def test_wiring_requires_the_page_digests_to_pass(patterns: list[str], ok: bool) -> None:
+    """Dropped on the way to podshim-runc, the annotation would leave an eager restore running on
+    page images nobody checked: a handler that does not pass it is wired wrong (and RestorePod
+    defers the page images only on a handler wired OK)."""
+    from shim import wiring
+    from tests.test_wiring import runtime, status_info
+
+    w = wiring.judge(status_info({"runc": runtime("/usr/local/bin/podshim-runc", patterns)}), "", 1)
+    assert (w.verdict is wiring.Verdict.OK) is ok, w.problem
+    if not ok:
+        assert contract.PAGE_DIGESTS_ANNOTATION in w.problem
