@@ -10,6 +10,7 @@ The following `start` is a no-op. Everything else is an exec of the real runtime
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -256,6 +257,7 @@ class PageImages:
         from shim.archive import fsutil  # imported here, not by each thread
 
         self._fsutil = fsutil
+        hashlib.sha256()  # OpenSSL's set-up in this thread, before any other thread (the watchdog forks)
         todo = sorted(self.digests, key=lambda r: (-self._size(r), r))
         self.started = time.monotonic()
 
@@ -340,9 +342,6 @@ def _settler(
     says why, podshim-runc then fails the create).
     A restore that failed stops the check and kills whatever its cgroup holds: a runc killed after
     CRIU restored the tasks (stopped) must not leave them there for good."""
-
-    # imported while the restore runs, not after it (~13 ms: container_pids needs it)
-    threading.Thread(target=__import__, args=("shim.cgroups.freezer",), daemon=True).start()
 
     def settle(returncode: int) -> None:
         restored = time.monotonic()
@@ -519,6 +518,11 @@ def _run_guarded(
     os.close(read_end)
     for fd in held.values():
         os.close(fd)
+    if settle is not None:
+        # what settle needs (container_pids, ~13 ms), loaded while the restore runs: here, after
+        # the fork, never in a thread (a module lock held by a thread at the fork would hang the
+        # watchdog's own imports)
+        import shim.cgroups.freezer  # noqa: F401
     returncode = child.wait()
     if settle is not None:
         settle(returncode)  # raising, podshim-runc exits: the watchdog kills the held tasks
