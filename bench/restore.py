@@ -358,9 +358,9 @@ def raw_restore(bed: TestBed, rb: RawBundle, index: int) -> RawRestore:
 
 def warm_up_restore(bed: TestBed, rb: RawBundle) -> None:
     """Not counted: a plain runc restore right after the checkpoint. The first restore of an
-    archive after its checkpoint is 2-4x slower inside CRIU (256 MiB: restore_time 0.9-1.1 s,
-    then 0.2-0.5 s; the grid's 4 GiB: 17-21 s, then 5-8 s), whichever path comes first; parts 2
-    and 4 start with podshim, so its first sample (and the ranges quoted) carried it."""
+    archive after its checkpoint is often 2-4x slower inside CRIU (256 MiB: restore_time 1.02 and
+    1.09 s in two of four runs, then 0.2-0.5 s; the grid's 4 GiB: 17-21 s, then 5-8 s), whichever
+    path comes first; parts 2 and 4 start with podshim, so its first sample carried it."""
     w = raw_restore(bed, rb, 999)
     say(f"  warm-up (plain runc restore, not counted): CRIU restore_time {w.criu_restore_s:.3f}s")
 
