@@ -437,7 +437,10 @@ class PodRestorer:
         run.undo.pop_all()  # success: nothing to undo
         self.journal.finish(rec)
         self.lazy.forget_op(rec.op_id)  # its daemons (lazy-pages=true) are supervised on their own
-        log.info("restore done", sandbox=run.sandbox_id, phases=run.phases.seconds)
+        # pages_deferred: the page images are checked by podshim-runc beside CRIU's restore (their
+        # time is in its page-check.json, not in `verify`; docs/architecture.md §5 (RestorePod) step 4)
+        deferred = checked.defer_pages
+        log.info("restore done", sandbox=run.sandbox_id, phases=run.phases.seconds, pages_deferred=deferred)
         return cri.RestorePodResponse(
             pod_sandbox_id=run.sandbox_id,
             restored_containers=[
