@@ -91,7 +91,7 @@ def restore(
     ckpt: Path,
 ) -> None:
     from shim import config, faults
-    from shim.archive import crypto, layout, paths, rootfs_diff
+    from shim.archive import layout, paths, rootfs_diff
     from shim.criu.runtime import OciRuntime, criu_error_lines
     from shim.errors import ShimError
 
@@ -166,10 +166,13 @@ def restore(
     if pages is not None:
         settle = _settler(pages, cgroups_path, _arg(rest, "--pid-file"), work, delete)
     returncode = _run_guarded(cmd, cgroups_path, work, state_dir, env, settle, delete)
-    if crypto.is_decrypted_dir(ckpt) and lazy is None:
+    if lazy is None and (ckpt / contract.DECRYPTED_MARKER).is_file():  # crypto.is_decrypted_dir
         # Decrypted images: CRIU is done with them (a failed create is not retried), and plaintext
         # memory must not stay on disk. A lazy restore's daemon still reads them: podshim removes
-        # them when it has ended (docs/architecture.md §5.1 (Lazy restore)).
+        # them when it has ended (docs/architecture.md §5.1 (Lazy restore)). crypto is imported
+        # only here: it costs every restore's start-up (docs/architecture.md §7 (The runtime wrapper)).
+        from shim.archive import crypto
+
         crypto.remove_decrypted(ckpt)
     if returncode != 0:
         remove_cgroups(spec.get("linux", {}).get("cgroupsPath", ""))
