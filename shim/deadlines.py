@@ -26,8 +26,9 @@ LAZY_CONTAINER_CHECK = 2.0  # between two looks at the container (gone: the daem
 # between two looks at a container whose page images failed their checksum, until it has started
 # (a stop of a created container is a no-op: it is killed once it runs)
 LAZY_STARTED_POLL = 0.05
-# the longest the page images' background checksum pass pauses, in all, while CRIU restores the
-# container (it takes the CPU the restore needs on a small node; the process is not running yet)
+# the longest the page images' background checksum pass waits, from its start, for the container
+# to be restored (it takes the CPU the restore path needs on a small node; docs/architecture.md
+# §5.1 (Lazy restore))
 LAZY_CHECK_PAUSE_SECONDS = 10.0
 
 # ---------------------------------------------------------------------- recovery

@@ -383,25 +383,36 @@ def test_wrapper_reports_the_reason_podshim_left_for_an_ended_daemon(tmp_path: P
     assert "checksum mismatch in pages-1.img" in log_file.read_text()
 
 
-def test_check_pages_waits_while_the_restore_runs(tmp_path: Path) -> None:
-    """The pass pauses while CRIU restores (podshim-runc's criu.conf in W, no stats-restore yet),
-    then finishes with its verdict."""
+def test_check_pages_reads_nothing_until_the_container_is_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass reads no byte until CRIU has restored the container (its stats-restore in W): the
+    new sandbox, CreateContainer, podshim-runc's start and CRIU go first; then it gives its verdict."""
     import threading
 
     work = tmp_path / "w"
     work.mkdir()
-    assert not lazy_pages.restoring(work)
-    (work / "criu.conf").write_text("tcp-close\n")
-    assert lazy_pages.restoring(work)
+    assert lazy_pages.restore_pending(work)
+    (work / "criu.conf").write_text("tcp-close\n")  # podshim-runc's start: still pending
+    assert lazy_pages.restore_pending(work)
     root, m = _archive_with_pages(tmp_path)
     check = lazy_pages.PageCheck(root, m, lazy_pages.page_images(m, "containers/app"))
     looks: list[float] = []
+    reads: list[int] = []
+    readv = os.readv
+
+    def counted_readv(fd: int, buffers: Any) -> int:
+        assert not lazy_pages.restore_pending(work), "a page image was read before the restore ended"
+        reads.append(fd)
+        return readv(fd, buffers)
+
+    monkeypatch.setattr(lazy_pages.os, "readv", counted_readv)
 
     def paused() -> bool:
         looks.append(time.monotonic())
         if len(looks) == 3:
             (work / "stats-restore").write_bytes(b"")  # CRIU's restore ended
-        return lazy_pages.restoring(work)
+        return lazy_pages.restore_pending(work)
 
     assert lazy_pages.check_pages(check, threading.Event(), paused) == ""
-    assert len(looks) >= 3 and not lazy_pages.restoring(work)
+    assert len(looks) >= 3 and reads and not lazy_pages.restore_pending(work)

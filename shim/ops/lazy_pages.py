@@ -150,18 +150,18 @@ class PageCheck:
     rels: list[str]
 
 
-def restoring(work: Path) -> bool:
-    """Whether CRIU is restoring the container served from `work` right now: podshim-runc has
-    written its criu.conf there and CRIU has not yet written its stats-restore (at its end, once
-    the process runs)."""
-    return (work / "criu.conf").exists() and not (work / "stats-restore").exists()
+def restore_pending(work: Path) -> bool:
+    """Whether the container served from `work` has not been restored yet: CRIU has not written its
+    stats-restore there (at its end, once the process runs). Until then the restore path (the new
+    sandbox, CreateContainer, podshim-runc's start, CRIU) runs, and the checksum pass waits."""
+    return not (work / "stats-restore").exists()
 
 
 def check_pages(check: PageCheck, stop: threading.Event, paused: Any = None) -> str:
     """Hash each page image (largest first, CHECK_READ reads, one descriptor, no symlink followed)
     and compare it with the manifest: "" when all match (or `stop` was set), else why not, naming
-    the file. Runs in a thread of its own beside the daemon; while `paused()` (the container's
-    restore runs, and the process with it does not) it waits, up to LAZY_CHECK_PAUSE_SECONDS in all."""
+    the file. Runs in a thread of its own beside the daemon; while `paused()` (the container is not
+    restored yet: its restore path goes first) it reads nothing, up to LAZY_CHECK_PAUSE_SECONDS in all."""
     expected = check.manifest.files
     buf = bytearray(CHECK_READ)
     view = memoryview(buf)
@@ -174,17 +174,20 @@ def check_pages(check: PageCheck, stop: threading.Event, paused: Any = None) -> 
             try:
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                while n := os.readv(fd, [buf]):
-                    h.update(view[:n])  # hashlib releases the GIL for large buffers
-                    size += n
-                    if stop.is_set():
-                        return ""
+                while True:
                     while paused is not None and paused() and not stop.is_set():
                         now = time.monotonic()
                         pause_end = pause_end or now + LAZY_CHECK_PAUSE_SECONDS
                         if now >= pause_end:
                             break
                         time.sleep(0.01)
+                    if stop.is_set():
+                        return ""
+                    n = os.readv(fd, [buf])
+                    if not n:
+                        break
+                    h.update(view[:n])  # hashlib releases the GIL for large buffers
+                    size += n
             finally:
                 os.close(fd)
         except OSError as e:
@@ -262,7 +265,7 @@ class LazyPages:
             verifying=len(rels),
         )
         if pages is not None and rels:
-            paused = functools.partial(restoring, d.work)
+            paused = functools.partial(restore_pending, d.work)
             d.verify = _in_thread(
                 functools.partial(check_pages, paused=paused),
                 pages,
