@@ -921,7 +921,7 @@ def test_corrupted_page_image_fails_the_start_before_the_process_runs(
 ) -> None:
     """The page images of an eager restore are checked by podshim-runc while CRIU restores, the
     tasks held stopped (docs/architecture.md §5 (RestorePod) step 4): one flipped byte lets
-    RestorePod create the container, and StartContainer fails naming the member; the process never
+    RestorePod create the container, and StartContainer fails DATA_LOSS naming the member; the process never
     ran (no count printed), none of it is left, stopped or not, and the archive is unchanged.
     RestorePod start=true answers DATA_LOSS and removes the pod."""
     good = good_for_handler
@@ -940,6 +940,7 @@ def test_corrupted_page_image_fails_the_start_before_the_process_runs(
         print(f"\nStartContainer of a corrupt page image: {err.value.code()}: {message}")
         assert "checksum mismatch of checkpoint/pages-1.img" in message, message
         assert "killed before they ran" in message, message
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value.code()
         time.sleep(1)  # a process that ran would have printed a count by now (every 50 ms)
         assert pods.counts(container_log(config, "counter")) == [], "the process ran on unchecked memory"
         assert status(rt, cid).status.state != cri.CONTAINER_RUNNING

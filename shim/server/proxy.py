@@ -53,17 +53,26 @@ class Passthrough:
             context.set_trailing_metadata(tuple(trailing))
         return response
 
-    async def abort_with(self, context: grpc.aio.ServicerContext, err: grpc.aio.AioRpcError) -> None:
+    async def abort_with(
+        self,
+        context: grpc.aio.ServicerContext,
+        err: grpc.aio.AioRpcError,
+        code: grpc.StatusCode | None = None,
+    ) -> None:
         details = err.details() or ""
         if is_transport_failure(err):
             details = unavailable_message(self.upstream.endpoint, err)
-        await context.abort(err.code(), details, tuple(err.trailing_metadata() or ()))
+        await context.abort(code or err.code(), details, tuple(err.trailing_metadata() or ()))
 
     def unary(
-        self, method: str, recover: Callable[[grpc.aio.AioRpcError], bytes | None] | None = None
+        self,
+        method: str,
+        recover: Callable[[grpc.aio.AioRpcError], bytes | None] | None = None,
+        code_for: Callable[[grpc.aio.AioRpcError], grpc.StatusCode | None] | None = None,
     ) -> UnaryBehaviour:
         """The forwarding behaviour of `method`. `recover` may turn an upstream error into a
-        response (used to correct a known upstream deviation from the CRI)."""
+        response (used to correct a known upstream deviation from the CRI); `code_for` may give
+        an upstream error podshim's documented code instead of the upstream's (same message)."""
         name = short_name(method)
         requests = metrics.proxy_requests
         latency = metrics.proxy_latency.labels(name)
@@ -77,8 +86,9 @@ class Passthrough:
                 recovered = recover(err) if recover else None
                 if recovered is not None:
                     return recovered
-                code = err.code().name
-                await self.abort_with(context, err)
+                own = code_for(err) if code_for else None
+                code = (own or err.code()).name
+                await self.abort_with(context, err, own)
                 raise  # not reached: abort raises
             finally:
                 latency.observe(time.perf_counter() - start)

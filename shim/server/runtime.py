@@ -13,7 +13,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, cri_checks, errors, logs
+from shim import __version__, contract, cri_checks, errors, logs
 from shim.server.proxy import Passthrough
 
 log = logs.get("shim.server")
@@ -75,6 +75,13 @@ def fit_message(message: str) -> str:
     if len(message) <= MAX_MESSAGE_CHARS:
         return message
     return message[: MAX_MESSAGE_CHARS - 16] + " … (truncated)"
+
+
+def restored_start_code(err: grpc.aio.AioRpcError) -> grpc.StatusCode | None:
+    """StartContainer of a restored container that podshim-runc failed for a page image whose
+    sha256 differs from the manifest (docs/architecture.md §5 (RestorePod) step 4): DATA_LOSS, as
+    RestorePod answers any other corrupt member, instead of the upstream's UNKNOWN."""
+    return grpc.StatusCode.DATA_LOSS if contract.PAGE_MISMATCH in (err.details() or "") else None
 
 
 async def decode(req_cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) -> M:
@@ -202,6 +209,7 @@ class RuntimeHandlers:
         the container is stopped and removed and the call fails FAILED_PRECONDITION
         (docs/architecture.md §8 (Wiring check))."""
         forward = self.passthrough.unary(SERVICE + "StartContainer")
+        forward_restored = self.passthrough.unary(SERVICE + "StartContainer", code_for=restored_start_code)
 
         async def start(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             engine = self.engine
@@ -213,7 +221,7 @@ class RuntimeHandlers:
                 cid = None  # the upstream answers a malformed request itself
             if cid is None:
                 return await forward(request, context)
-            response = await forward(request, context)
+            response = await forward_restored(request, context)
             try:
                 await engine.confirm_restored(cid)
             except errors.ShimError as e:
