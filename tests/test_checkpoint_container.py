@@ -669,7 +669,7 @@ class _Upstream:
     async def abort_with(self, context: Any, err: grpc.aio.AioRpcError) -> None:
         await context.abort(err.code(), err.details() or "")
 
-    def unary(self, method: str, recover: Any = None) -> Any:
+    def unary(self, method: str, recover: Any = None, code_for: Any = None) -> Any:
         return self.call_unary
 
 

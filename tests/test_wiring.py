@@ -537,7 +537,7 @@ class _Passthrough:
     def __init__(self) -> None:
         self.forwarded: list[bytes] = []
 
-    def unary(self, method: str, recover: object = None) -> object:
+    def unary(self, method: str, recover: object = None, code_for: object = None) -> object:
         async def forward(request: bytes, context: object) -> bytes:
             self.forwarded.append(request)
             return b""
@@ -598,3 +598,53 @@ async def test_start_container_routing(
             await handler.unary_unary(raw, context)
     assert upstream.forwarded == [raw]  # one upstream call, the caller's bytes unchanged
     assert (engine.lookups, engine.confirmed, context.code) == (lookups, confirmed, code)
+
+
+class _FailingUpstream:
+    """An upstream whose every unary call fails with `err` (for the real Passthrough)."""
+
+    endpoint = "unix:///nonexistent/upstream.sock"
+
+    def __init__(self, err: grpc.aio.AioRpcError) -> None:
+        self.err = err
+
+    def raw_unary(self, method: str) -> object:
+        async def call(request: bytes, timeout: float | None = None, metadata: object = None) -> bytes:
+            raise self.err
+
+        return call
+
+
+class _CallContext(_Context):
+    def time_remaining(self) -> float:
+        return 30.0
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+
+@pytest.mark.parametrize(
+    ("details", "code"),
+    [
+        # podshim-runc failed the create for a page image's checksum: podshim's documented code
+        ("failed to create task: checksum mismatch of checkpoint/pages-1.img (…)", grpc.StatusCode.DATA_LOSS),
+        ("failed to create task: CRIU restore failed", grpc.StatusCode.UNKNOWN),  # any other: the upstream's
+    ],
+)
+async def test_start_of_a_restored_container_failed_for_a_page_image_is_data_loss(
+    details: str, code: grpc.StatusCode
+) -> None:
+    """docs/architecture.md §5 (RestorePod) step 4: the real passthrough of a restored container's
+    StartContainer gives a page-image mismatch DATA_LOSS (same message), anything else unchanged."""
+    from shim.server.proxy import Passthrough
+    from shim.server.runtime import RuntimeHandlers
+    from tests.fakes import rpc_error
+
+    upstream = _FailingUpstream(rpc_error("UNKNOWN", details))
+    context = _CallContext()
+    handler = RuntimeHandlers(Passthrough(upstream), _Engine({"r1"})).handlers()[  # type: ignore[arg-type]
+        "/runtime.v1.RuntimeService/StartContainer"
+    ]
+    with pytest.raises(_Aborted):
+        await handler.unary_unary(cri.StartContainerRequest(container_id="r1").SerializeToString(), context)
+    assert (context.code, context.details) == (code, details)
