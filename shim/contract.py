@@ -49,7 +49,8 @@ LAZY_PAGES_FAILED = "lazy-pages.failed"
 # the tasks stopped, hashes the images meanwhile and continues the tasks only when all match.
 PAGE_DIGESTS_ANNOTATION = "podshim.restore.page-digests"
 PAGE_IMAGE_RE = r"checkpoint/pages-[0-9]+\.img"  # what CRIU names a page image (pages-<id>.img)
-# how the wrapper's failure names a page image that differs (RestorePod start=true: DATA_LOSS)
+# how the wrapper's failure names a page image that differs (StartContainer and RestorePod
+# start=true answer it DATA_LOSS: is_page_mismatch)
 PAGE_MISMATCH = "checksum mismatch of "
 
 # The CRIU switches, by the names CheckpointPod `options`, the archive manifests' `options` and
@@ -112,3 +113,9 @@ def parse_page_digests(value: str) -> dict[str, str]:
         if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
             raise ValueError(f"{rel}: {digest!r} is not a sha256 hex digest")
     return doc
+
+
+def is_page_mismatch(details: str) -> bool:
+    """Whether an upstream's error message carries the wrapper's failure for a page image whose
+    sha256 differs (docs/architecture.md §5 (RestorePod) step 4)."""
+    return PAGE_MISMATCH + "checkpoint/" in details

@@ -759,7 +759,7 @@ class PodRestorer:
                         created[p.entry.name], doing=f"starting restored container {p.entry.name!r}"
                     )
                 except errors.ShimError as e:  # podshim-runc found a page image that differs (§5 step 4)
-                    if contract.PAGE_MISMATCH + "checkpoint/" in e.upstream_details:
+                    if contract.is_page_mismatch(e.upstream_details):
                         raise errors.DataLoss(e.message) from None
                     raise
                 cid = created[p.entry.name]

@@ -81,7 +81,7 @@ def restored_start_code(err: grpc.aio.AioRpcError) -> grpc.StatusCode | None:
     """StartContainer of a restored container that podshim-runc failed for a page image whose
     sha256 differs from the manifest (docs/architecture.md §5 (RestorePod) step 4): DATA_LOSS, as
     RestorePod answers any other corrupt member, instead of the upstream's UNKNOWN."""
-    return grpc.StatusCode.DATA_LOSS if contract.PAGE_MISMATCH in (err.details() or "") else None
+    return grpc.StatusCode.DATA_LOSS if contract.is_page_mismatch(err.details() or "") else None
 
 
 async def decode(req_cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) -> M:
