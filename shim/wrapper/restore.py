@@ -362,11 +362,8 @@ def _settler(
         if problem:
             pages.problem = problem
             kill_tasks(cgroups_path, pid_file)
-            if delete:  # the runtime's state of the restored container (stdio: not the container's)
-                import contextlib
-
-                with contextlib.suppress(OSError, subprocess.SubprocessError):
-                    subprocess.run(delete, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+            if delete:
+                _delete_state(delete)
             remove_cgroups(cgroups_path)
         _log_page_check(work, pages, restored)
 
@@ -471,6 +468,15 @@ def kill_tasks(cgroups_path: str, pid_file: str | None) -> None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
+
+
+def _delete_state(delete: list[str]) -> None:
+    """Run the runtime's `delete --force` of a restored container that is then killed (its stdio
+    is not the container's; a failure leaves it to the upstream's own delete)."""
+    import contextlib
+
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(delete, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
 
 
 def _alive(pid: int) -> bool:
@@ -595,23 +601,14 @@ def _kill_restore(
 ) -> None:
     import contextlib
 
-    from shim.cgroups import cgroup_procs
-
     with contextlib.suppress(OSError):
         os.killpg(pgid, signal.SIGKILL)
-    if cgroups_path:
-        with contextlib.suppress(Exception):
-            for pid in cgroup_procs(cgroups_path):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-        for pid in container_pids(cgroups_path):  # and any cgroup below the container's
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+    if cgroups_path:  # every process of the container's cgroup and the cgroups below it
+        kill_tasks(cgroups_path, None)
     _detach_mounts_below(dirs, held or {})
     state_dir = dirs[-1]
     if delete and (state_dir / "state.json").exists():  # a restore that completed (tasks held stopped)
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(delete, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+        _delete_state(delete)
     remove_cgroups(cgroups_path)
     if state_dir.is_dir() and not (state_dir / "state.json").exists():
         import shutil
