@@ -4,20 +4,34 @@
  * docs/architecture.md §7 (The runtime wrapper): every call is an execv of the real runtime (runc or
  * crun) with the same argv, environment and file descriptors, except
  *   - `create` of a container whose bundle config.json carries podshim's restore annotation,
- * which goes to the Python restore hook `podshim-runc-hook` (shim/wrapper/main.py) next to this
- * binary's real path, with the same argv. So does every call this program cannot judge safely
- * (a config or config.json it does not fully understand, an odd container id, an I/O error): the
- * hook then decides exactly as the Python wrapper always did. This file only dispatches; the
- * restore itself, its watchdog, the CRIU config and the marker live in the hook. `start` of a
- * container that create restored (marker <--root>/<id>/podshim-restored) is a no-op: this program
- * exits 0 itself, as the hook would (its Python start-up cost every restore ~0.1 s).
+ * which asks the running podshim first (its restore broker, shim/wrapper/broker.py): a
+ * SOCK_SEQPACKET connection to <[server] state_dir>/restore.sock, named through an O_PATH
+ * descriptor of the dir (/proc/self/fd/N/..., paths longer than sun_path), its peer's uid checked
+ * equal to ours. `prepare` (cwd, the runtime chosen, PODSHIM_FAILPOINTS, argv[1..]); podshim
+ * prepares the restore and answers `exec` (env, argv), `fail` (reported, exit 1) or `hook`. On
+ * `exec` this program forks the runtime's restore itself, so the restored init stays in the
+ * shim's process tree (its subreaper): the child setsid()s and waits on a pipe until podshim has
+ * its pid (`started`), then `exited` <code>, and podshim's verdict (`ok`: exit 0, `fail`: exit 1)
+ * after its page check; podshim holds the watchdog role through the connection. No answer before
+ * the fork (no socket, another owner, an error, `hook`): the Python restore hook
+ * `podshim-runc-hook` (shim/wrapper/main.py) next to this binary's real path, with the same argv,
+ * redoes the whole restore. The connection lost after the fork: the child's group is killed and
+ * the hook runs with PODSHIM_RUNC_ABORT=<why>, undoes what the restore left and fails the create.
+ * The hook also takes every call this program cannot judge safely (a config or config.json it
+ * does not fully understand, an odd container id, an I/O error) and decides exactly as the
+ * Python wrapper always did. The restore's preparation, CRIU config, page check and marker live
+ * in Python (podshim or the hook), never here. `start` of a container that create restored
+ * (marker <--root>/<id>/podshim-restored) is a no-op: this program exits 0 itself, as the hook
+ * would (its Python start-up cost every restore ~0.1 s).
  *
  * The real runtime is chosen like shim/config.py: the TOML file $PODSHIM_CONFIG (else
  * /etc/podshim/config.toml if it exists), sections [runtime] and [runtimes.NAME] (binary, root),
  * PODSHIM_RUNTIME_BINARY / PODSHIM_RUNTIME_ROOT overriding [runtime], and the `--root` the shim
- * passes picks the runtime whose root (or its parent) it is (Config.runtime_for_root). The TOML
- * reader knows a strict subset (bare keys, one-line strings without escapes, numbers, booleans,
- * arrays of strings, the known section names); anything else goes to the hook.
+ * passes picks the runtime whose root (or its parent) it is (Config.runtime_for_root); the
+ * broker's dir is [server] state_dir (PODSHIM_SERVER_STATE_DIR over it, default /var/lib/podshim),
+ * a value other than a string goes to the hook. The TOML reader knows a strict subset (bare
+ * keys, one-line strings without escapes, numbers, booleans, arrays of strings, the known section
+ * names); anything else goes to the hook.
  *
  * Build: make -C native (static, -O2); the set-up installs it as .venv/bin/podshim-runc.
  */
@@ -25,10 +39,16 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define HOOK_NAME "podshim-runc-hook"
@@ -38,6 +58,10 @@
 #define DEFAULT_CONFIG "/etc/podshim/config.toml"
 #define DEFAULT_BINARY "/usr/sbin/runc"
 #define DEFAULT_ROOT "/run/containerd/runc/k8s.io"
+#define DEFAULT_STATE_DIR "/var/lib/podshim"
+#define BROKER_SOCKET "restore.sock" /* in server.state_dir */
+#define ABORT_ENV "PODSHIM_RUNC_ABORT"
+#define BROKER_MAX_PACKET (256 * 1024)
 #define MAX_RUNTIMES 32
 #define MAX_KEYS 256
 #define MAX_JSON_DEPTH 256
@@ -210,6 +234,7 @@ struct config {
     struct runtime runtime;
     struct runtime runtimes[MAX_RUNTIMES];
     int n_runtimes;
+    const char *state_dir; /* [server] state_dir: where podshim's restore broker listens */
 };
 
 enum { SEC_NONE, SEC_OTHER, SEC_RUNTIME, SEC_RUNTIMES };
@@ -319,7 +344,7 @@ static int parse_config(char *text, size_t len, struct config *cfg) {
         char key[64];
     } keys[MAX_KEYS];
     int n_keys = 0;
-    int section = SEC_NONE, section_idx = -1;
+    int section = SEC_NONE, section_idx = -1, server = 0;
     struct runtime *rt = NULL;
     char *p = text;
     while (*p) {
@@ -348,6 +373,7 @@ static int parse_config(char *text, size_t len, struct config *cfg) {
                 return -1;
             strcpy(sections[n_sections], s);
             section_idx = n_sections++;
+            server = !strcmp(s, "server");
             if (!strcmp(s, "runtime")) {
                 section = SEC_RUNTIME;
                 rt = &cfg->runtime;
@@ -361,7 +387,7 @@ static int parse_config(char *text, size_t len, struct config *cfg) {
                 rt->root = DEFAULT_ROOT;
             } else if (!strchr(s, '.') && strcmp(s, "runtimes")) {
                 /* another section ([server], [log], ...): podshim serve checks its keys and
-                 * values; parsed here only to find the runtime sections */
+                 * values; parsed here only to find the runtime sections and server.state_dir */
                 section = SEC_OTHER;
                 rt = NULL;
             } else {
@@ -428,6 +454,10 @@ static int parse_config(char *text, size_t len, struct config *cfg) {
                 rt->root = value;
             else if (strcmp(ks, "criu"))
                 return -1; /* unknown runtime key */
+        } else if (server && !strcmp(ks, "state_dir")) {
+            if (!value)
+                return -1; /* not a string: podshim serve refuses it, the hook reports it */
+            cfg->state_dir = value;
         }
         p = next;
     }
@@ -440,6 +470,7 @@ static int load_config(struct config *cfg) {
     cfg->runtime.binary = DEFAULT_BINARY;
     cfg->runtime.root = DEFAULT_ROOT;
     cfg->n_runtimes = 0;
+    cfg->state_dir = DEFAULT_STATE_DIR;
     const char *env = getenv(CONFIG_ENV);
     const char *path = env && *env ? env : DEFAULT_CONFIG;
     char *text;
@@ -457,6 +488,9 @@ static int load_config(struct config *cfg) {
         cfg->runtime.binary = b;
     if (rr)
         cfg->runtime.root = rr;
+    const char *sd = getenv("PODSHIM_SERVER_STATE_DIR"); /* as shim/config.py _from_env */
+    if (sd)
+        cfg->state_dir = sd;
     return 0;
 }
 
@@ -788,6 +822,254 @@ static int bundle_verdict(const char *bundle) {
     return j.verdict;
 }
 
+/* ------------------------------------------------------------------------------ restore broker */
+
+/* docs/architecture.md §7 (The runtime wrapper): podshim prepares the restore, this process runs
+ * it (so the restored init stays in the shim's process tree) and podshim settles it. Protocol: one
+ * SOCK_SEQPACKET packet per message, every field NUL-terminated, the first one the verb. */
+
+static int g_sock = -1;
+
+/* One packet: 0 or -errno. MSG_NOSIGNAL: a closed peer is EPIPE, not SIGPIPE. */
+static int send_packet(const char *buf, size_t n) {
+    for (;;) {
+        ssize_t r = send(g_sock, buf, n, MSG_NOSIGNAL);
+        if (r == (ssize_t)n)
+            return 0;
+        if (r < 0 && errno == EINTR)
+            continue;
+        return r < 0 ? -errno : -EMSGSIZE;
+    }
+}
+
+/* One packet into buf: its length, 0 at EOF (or an empty packet), -errno; -EMSGSIZE if cut. */
+static ssize_t recv_packet(char *buf, size_t cap) {
+    struct iovec iov = {buf, cap};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    for (;;) {
+        ssize_t r = recvmsg(g_sock, &msg, MSG_CMSG_CLOEXEC);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return -errno;
+        return (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) ? -EMSGSIZE : r;
+    }
+}
+
+/* The packet's fields (a NULL-terminated array, malloc'd), or NULL when it does not end with a
+ * NUL (malformed); *nf their number. */
+static char **split_fields(char *buf, size_t n, int *nf) {
+    if (!n || buf[n - 1])
+        return NULL;
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++)
+        count += !buf[i];
+    char **f = malloc((count + 1) * sizeof *f);
+    if (!f)
+        return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i += strlen(buf + i) + 1)
+        f[k++] = buf + i;
+    f[k] = NULL;
+    *nf = (int)k;
+    return f;
+}
+
+static void reap(pid_t pid) {
+    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {
+    }
+}
+
+/* The connection failed after the restore started: kill what it started, and let the hook (in
+ * its abort mode, told by ABORT_ENV) undo what else the restore left and fail the create. */
+static void __attribute__((noreturn)) abort_restore(pid_t pid, const char *what, int err) {
+    char why[512];
+    snprintf(why, sizeof why,
+             "podshim's restore broker connection was lost after the restore started (%s: %s)", what,
+             err ? strerror(err) : "connection closed");
+    kill(-pid, SIGKILL); /* its session: runc and its CRIU */
+    kill(pid, SIGKILL);
+    reap(pid);
+    close(g_sock);
+    signal(SIGPIPE, SIG_DFL);
+    if (setenv(ABORT_ENV, why, 1) < 0) {
+        report(why);
+        exit(1);
+    }
+    to_hook();
+}
+
+/* Connect and send `prepare`: podshim's answer, split (NULL: fall back to the hook). */
+static char **broker_ask(const char *state_dir, const char *binary, int argc, char **argv, int *nf) {
+    int dir = open(state_dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0)
+        return NULL;
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    /* through the descriptor: a state dir path may exceed sun_path */
+    snprintf(addr.sun_path, sizeof addr.sun_path, "/proc/self/fd/%d/" BROKER_SOCKET, dir);
+    g_sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    int r = g_sock < 0 ? -1 : connect(g_sock, (struct sockaddr *)&addr, sizeof addr);
+    close(dir);
+    struct ucred cred;
+    socklen_t cred_len = sizeof cred;
+    if (r < 0 || getsockopt(g_sock, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) < 0 || cred.uid != geteuid())
+        return NULL;
+
+    /* prepare\0<cwd>\0<binary>\0<failpoints>\0<argv[1]>\0...<argv[argc-1]>\0 */
+    char cwd[PATH_MAX];
+    if (!getcwd(cwd, sizeof cwd))
+        return NULL;
+    const char *failpoints = getenv("PODSHIM_FAILPOINTS");
+    const char *head[] = {"prepare", cwd, binary, failpoints ? failpoints : ""};
+    size_t len = 0;
+    for (int i = -4; i < argc - 1; i++)
+        len += strlen(i < 0 ? head[i + 4] : argv[i + 1]) + 1;
+    char *out = malloc(len), *o = out;
+    if (!out)
+        return NULL;
+    for (int i = -4; i < argc - 1; i++) {
+        const char *s = i < 0 ? head[i + 4] : argv[i + 1];
+        size_t l = strlen(s) + 1;
+        memcpy(o, s, l);
+        o += l;
+    }
+    r = send_packet(out, len);
+    free(out);
+    char *in = r < 0 ? NULL : malloc(BROKER_MAX_PACKET);
+    if (!in)
+        return NULL;
+    ssize_t n = recv_packet(in, BROKER_MAX_PACKET);
+    return n > 0 ? split_fields(in, (size_t)n, nf) : NULL;
+}
+
+/* Until the child exits, watch the connection: podshim gone while the restore runs is an abort
+ * then, not when the restore ends (no one would settle it). Without pidfds (Linux < 5.3), only
+ * the child is waited for. */
+static void watch_child(pid_t pid) {
+    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    if (pidfd < 0)
+        return;
+    struct pollfd fds[2] = {{.fd = pidfd, .events = POLLIN}, {.fd = g_sock, .events = POLLRDHUP}};
+    for (;;) {
+        if (poll(fds, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        if (fds[1].revents) { /* hang-up or error: podshim has nothing more to say */
+            int err = 0;
+            socklen_t len = sizeof err;
+            getsockopt(g_sock, SOL_SOCKET, SO_ERROR, &err, &len);
+            abort_restore(pid, "poll", err);
+        }
+        if (fds[0].revents)
+            break;
+    }
+    close(pidfd);
+}
+
+/* podshim's `exec` (f: its fields): run it, report, take the verdict. Returns only when it
+ * cannot start it (the hook then redoes the restore). */
+static void broker_run(char **f, int nf) {
+    /* exec\0<K=V>\0...<K=V>\0\0<path>\0<arg1>\0...<argN>\0 */
+    int e = 1;
+    for (; e < nf && *f[e]; e++)
+        if (f[e][0] == '=' || !strchr(f[e], '='))
+            return;
+    if (e + 1 >= nf || !*f[e + 1])
+        return; /* no empty field, or no path after it */
+    char **env = f + 1, **cmd = f + e + 1;
+    f[e] = NULL; /* ends env */
+
+    int gate[2];
+    if (pipe2(gate, O_CLOEXEC) < 0)
+        return;
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(gate[0]);
+        close(gate[1]);
+        return;
+    }
+    if (pid == 0) {
+        /* its own session, so that an abort kills runc and its CRIU as one group; stdio and
+         * every other inherited descriptor as today (the socket and the gate are close-on-exec) */
+        close(gate[1]);
+        setsid();
+        char go;
+        ssize_t g;
+        while ((g = read(gate[0], &go, 1)) < 0 && errno == EINTR) {
+        }
+        if (g != 1)
+            _exit(127); /* EOF: the parent died before podshim knew the pid */
+        for (char **kv = env; *kv; kv++) {
+            char *eq = strchr(*kv, '=');
+            *eq = '\0';
+            if (setenv(*kv, eq + 1, 1) < 0)
+                _exit(127);
+        }
+        execv(cmd[0], cmd);
+        _exit(127);
+    }
+    close(gate[0]);
+    signal(SIGPIPE, SIG_IGN); /* the go byte to a child already killed: EPIPE */
+    signal(SIGCHLD, SIG_DFL); /* an inherited SIG_IGN would reap the child behind waitid's back */
+    char msg[64];
+    int ml = snprintf(msg, sizeof msg, "started%c%d%c", '\0', (int)pid, '\0');
+    int r = send_packet(msg, (size_t)ml);
+    if (r < 0)
+        abort_restore(pid, "send started", -r);
+    if (write(gate[1], "g", 1) < 0) { /* the child was killed: its status says so */
+    }
+    close(gate[1]);
+    watch_child(pid);
+    /* WNOWAIT: the child stays a zombie, its pid (and group id) not reusable, until the verdict */
+    siginfo_t si;
+    for (;;) {
+        memset(&si, 0, sizeof si);
+        if (waitid(P_PID, (id_t)pid, &si, WEXITED | WNOWAIT) == 0)
+            break;
+        if (errno != EINTR)
+            abort_restore(pid, "waitid", errno);
+    }
+    int code = si.si_code == CLD_EXITED ? si.si_status : -si.si_status; /* Python's returncode */
+    ml = snprintf(msg, sizeof msg, "exited%c%d%c", '\0', code, '\0');
+    if ((r = send_packet(msg, (size_t)ml)) < 0)
+        abort_restore(pid, "send exited", -r);
+
+    /* ok\0  |  fail\0<message>\0 */
+    char *in = f[0]; /* the reply's buffer, done with */
+    ssize_t n = recv_packet(in, BROKER_MAX_PACKET);
+    if (n <= 0)
+        abort_restore(pid, "recv", n < 0 ? (int)-n : 0);
+    f = split_fields(in, (size_t)n, &nf);
+    if (f && !strcmp(f[0], "ok") && nf == 1) {
+        reap(pid);
+        exit(0);
+    }
+    if (f && !strcmp(f[0], "fail") && nf == 2) {
+        reap(pid);
+        report(f[1]);
+        exit(1);
+    }
+    abort_restore(pid, "recv of the verdict", EBADMSG); /* one it does not understand */
+}
+
+/* Ask podshim's broker; returns only when it did not take the restore before the fork (no
+ * socket, another owner, an error, `hook`): the caller hands the call to the hook. */
+static void broker(const char *state_dir, const char *binary, int argc, char **argv) {
+    int nf;
+    char **f = broker_ask(state_dir, binary, argc, argv, &nf);
+    if (f && !strcmp(f[0], "fail") && nf == 2) {
+        report(f[1]);
+        exit(1);
+    }
+    if (f && !strcmp(f[0], "exec"))
+        broker_run(f, nf);
+    if (g_sock >= 0) /* `hook`, not understood, or an error */
+        close(g_sock);
+    g_sock = -1;
+}
+
 /* ------------------------------------------------------------------------------ main */
 
 /* Global flags of runc/crun that take a value (shim/wrapper/main.py _VALUE_FLAGS). */
@@ -866,7 +1148,10 @@ int main(int argc, char **argv) {
 
     if (create) {
         static const char *const bundle_flags[] = {"--bundle", "-b", NULL};
-        if (bundle_verdict(arg_value(rest, n_rest, bundle_flags)) != JSON_NO)
+        int verdict = bundle_verdict(arg_value(rest, n_rest, bundle_flags));
+        if (verdict == JSON_RESTORE)
+            broker(cfg.state_dir, binary, argc, argv); /* returns when podshim does not take it */
+        if (verdict != JSON_NO)
             to_hook();
     }
     to_runtime(binary);

@@ -1,5 +1,6 @@
 """The compiled podshim-runc (native/podshim-runc.c, docs/architecture.md §7 (The runtime wrapper)):
-which calls it execs the real runtime with, and which it hands to the Python hook.
+which calls it execs the real runtime with, which it hands to the Python hook, and its side of
+podshim's restore broker (a FakeBroker speaking the protocol, not shim/wrapper/broker.py).
 
 The wrapper is built from the current source into a temporary directory, next to a fake hook;
 the "runtimes" are a small recorder program that writes down its pid, argv, environment and what
@@ -13,7 +14,11 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
+import struct
 import subprocess
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,9 +110,12 @@ class Node:
         self.config = tmp / "podshim.toml"
         self.root = tmp / "state" / "runc" / "k8s.io"
         self.crun_root = tmp / "state" / "crun" / "k8s.io"
+        # where podshim's restore broker would listen: none unless a test starts a FakeBroker
+        self.state_dir = tmp / "podshim-state"
         self.write_config(
             f'[runtime]\nbinary = "{self.runc}"\nroot = "{self.root}"\ncriu = "/usr/local/sbin/criu"\n\n'
-            f'[runtimes.crun]\nbinary = "{self.crun}"\nroot = "{self.crun_root}"\n'
+            f'[runtimes.crun]\nbinary = "{self.crun}"\nroot = "{self.crun_root}"\n\n'
+            f'[server]\nstate_dir = "{self.state_dir}"\n'
         )
         self.bundle = tmp / "bundle"
         self.bundle.mkdir()
@@ -448,6 +456,217 @@ def test_a_missing_runtime_is_a_clear_error(node: Node) -> None:
     assert proc.returncode == 1
     assert f"cannot execute the runtime {node.runc}: No such file or directory" in proc.stderr.decode()
     assert "cannot execute the runtime" in json.loads(log.read_text())["msg"]
+
+
+# ---------------------------------------------------------------------------- podshim's restore broker
+
+
+def _packet(*fields: str) -> bytes:
+    return b"".join(f.encode() + b"\0" for f in fields)
+
+
+class FakeBroker:
+    """podshim's restore broker as the wrapper sees it (the protocol of shim/wrapper/broker.py,
+    not its code): a SOCK_SEQPACKET listener at <state_dir>/restore.sock, one connection, answered
+    by `script(broker, conn)`. Every packet received is kept in `got` (its fields; None: EOF)."""
+
+    def __init__(self, state_dir: Path, script: Callable[[FakeBroker, socket.socket], None]) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.got: list[list[str] | None] = []
+        self.error: BaseException | None = None
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fd = os.open(state_dir, os.O_PATH | os.O_DIRECTORY)
+        try:  # through the descriptor, as podshim: the path may exceed sun_path
+            self.sock.bind(f"/proc/self/fd/{fd}/restore.sock")
+        finally:
+            os.close(fd)
+        self.sock.listen(1)
+        self.sock.settimeout(30)
+        self.thread = threading.Thread(target=self._serve, args=(script,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, script: Callable[[FakeBroker, socket.socket], None]) -> None:
+        try:
+            conn, _ = self.sock.accept()
+            conn.settimeout(30)
+            with conn:
+                script(self, conn)
+        except BaseException as e:  # noqa: BLE001 - re-raised by done()
+            self.error = e
+
+    def recv(self, conn: socket.socket) -> list[str] | None:
+        pkt = conn.recv(1 << 20)
+        assert not pkt or pkt.endswith(b"\0"), pkt
+        self.got.append(pkt[:-1].decode().split("\0") if pkt else None)
+        return self.got[-1]
+
+    def done(self) -> list[list[str] | None]:
+        self.thread.join(30)
+        self.sock.close()
+        if self.error is not None:
+            raise self.error
+        return self.got
+
+
+def _restore_args(node: Node) -> list[str]:
+    bundle = node.spec(json.dumps({"annotations": {ANNOTATION: "/ckpt/c"}}))
+    log = node.tmp / "log.json"
+    return [
+        "--root",
+        str(node.root),
+        "--log",
+        str(log),
+        "create",
+        "--bundle",
+        str(bundle),
+        "--pid-file",
+        "/p",
+        "c1",
+    ]
+
+
+def test_a_restore_is_run_by_podshims_broker(node: Node) -> None:
+    """`prepare` to podshim ([server] state_dir), which answers `exec`: the wrapper forks it
+    (podshim's env on top of its own, its own session, started only once podshim has its pid),
+    reports how it exited and exits as podshim's verdict says."""
+    args = _restore_args(node)
+    seen: dict[str, object] = {}
+
+    def script(b: FakeBroker, conn: socket.socket) -> None:
+        b.recv(conn)
+        seen["wrapper"] = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        conn.send(_packet("exec", "FROM_PODSHIM=a b=c", "REC_EXIT=3", "", str(node.runc), "restore", "c1"))
+        pid = int(b.recv(conn)[1])  # type: ignore[index]
+        seen["record_before_go"] = (node.rec_dir / "record").exists()
+        b.recv(conn)
+        seen["sid"] = os.getsid(pid)  # not reaped before the verdict: a zombie still
+        conn.send(_packet("ok"))
+
+    broker = FakeBroker(node.state_dir, script)
+    proc, rec = node.run(*args, env=node.env(PODSHIM_FAILPOINTS="runc-wrapper.x=sleep:1"), cwd=node.tmp)
+    prepare, started, exited = broker.done()
+    assert proc.returncode == 0, proc.stderr
+    assert prepare == ["prepare", str(node.tmp), str(node.runc), "runc-wrapper.x=sleep:1", *args]
+    assert rec is not None and rec.argv == [str(node.runc), "restore", "c1"]
+    assert started == ["started", str(rec.pid)]
+    assert seen == {"wrapper": seen["wrapper"], "record_before_go": False, "sid": rec.pid}
+    assert seen["wrapper"] != rec.pid  # a child, not an exec
+    assert exited == ["exited", "3"]
+    assert rec.env == {
+        **node.env(PODSHIM_FAILPOINTS="runc-wrapper.x=sleep:1"),
+        "FROM_PODSHIM": "a b=c",
+        "REC_EXIT": "3",
+    }
+
+
+def test_podshims_fail_is_the_creates_error(node: Node) -> None:
+    """`fail` instead of `exec` (the preparation failed), or as the verdict once the restore ran:
+    the message on stderr and in the runtime's --log, exit 1, no hook."""
+    args = _restore_args(node)
+    for after_the_fork in (False, True):
+
+        def script(b: FakeBroker, conn: socket.socket, after_the_fork: bool = after_the_fork) -> None:
+            b.recv(conn)
+            if after_the_fork:
+                conn.send(_packet("exec", "", "/bin/sh", "-c", "kill -9 $$"))
+                b.recv(conn)
+                b.recv(conn)
+            conn.send(_packet("fail", 'checkpoint /ckpt/c: "pages" differ'))
+
+        broker = FakeBroker(node.state_dir, script)
+        (node.tmp / "log.json").unlink(missing_ok=True)
+        proc, rec = node.run(*args)
+        got = broker.done()
+        assert proc.returncode == 1 and rec is None, proc.stderr
+        assert proc.stderr.decode() == 'podshim-runc: checkpoint /ckpt/c: "pages" differ\n'
+        entry = json.loads((node.tmp / "log.json").read_text())
+        assert entry == {"level": "error", "msg": 'podshim-runc: checkpoint /ckpt/c: "pages" differ'}
+        assert got[2:] == ([["exited", "-9"]] if after_the_fork else [])  # Python's returncode
+        (node.state_dir / "restore.sock").unlink()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [None, b"", b"hook\0", b"exec\0A\0\0/bin/true\0", b"exec\0A=1\0", b"exec\0\0\0", b"fail\0a", b"what\0"],
+)
+def test_without_an_answer_podshim_would_stand_by_the_hook_restores(node: Node, answer: bytes | None) -> None:
+    """No broker (None), EOF, `hook`, or an answer the wrapper does not understand, all before it
+    forked anything: the hook redoes the whole restore, as before the broker existed."""
+    broker = None
+    if answer is not None:
+
+        def script(b: FakeBroker, conn: socket.socket) -> None:
+            b.recv(conn)
+            if answer:
+                conn.send(answer)
+            else:
+                conn.shutdown(socket.SHUT_RDWR)
+            b.recv(conn)
+
+        broker = FakeBroker(node.state_dir, script)
+    args = _restore_args(node)
+    proc, rec = node.run(*args)
+    assert rec is not None and rec.argv == [str(node.hook), *args], proc.stderr
+    assert "PODSHIM_RUNC_ABORT" not in rec.env
+    if broker is not None:
+        assert broker.done()[1:] == [None]  # nothing started
+
+
+def test_podshim_lost_while_the_restore_runs_aborts_it_through_the_hook(node: Node) -> None:
+    """The connection closed after `started`: the wrapper kills the restore's process group at
+    once and hands the create to the hook with PODSHIM_RUNC_ABORT (the hook undoes what is left
+    and fails the create)."""
+    pids = node.tmp / "pids"
+
+    def script(b: FakeBroker, conn: socket.socket) -> None:
+        b.recv(conn)
+        conn.send(
+            _packet(
+                "exec", "", "/bin/sh", "-c", f"sleep 60 & echo $$ $! > {pids}.tmp; mv {pids}.tmp {pids}; wait"
+            )
+        )
+        b.recv(conn)
+        for _ in range(1000):
+            if pids.exists():
+                break
+            threading.Event().wait(0.01)
+
+    broker = FakeBroker(node.state_dir, script)
+    args = _restore_args(node)
+    proc, rec = node.run(*args)
+    broker.done()
+    assert rec is not None and rec.argv == [str(node.hook), *args], proc.stderr
+    assert rec.env["PODSHIM_RUNC_ABORT"] == (
+        "podshim's restore broker connection was lost after the restore started (poll: connection closed)"
+    )
+    for pid in map(int, pids.read_text().split()):  # the shell (reaped) and its sleep (the group)
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", pid
+
+
+def test_the_brokers_state_dir(node: Node) -> None:
+    """[server] state_dir, PODSHIM_SERVER_STATE_DIR over it (as shim/config.py), a path longer
+    than sun_path; a state_dir that is not a string is the hook's to report."""
+    text = node.config.read_text().replace(str(node.state_dir), "{dir}")
+    long_dir = node.tmp / "/".join(["d" * 50] * 3)
+    args = _restore_args(node)
+    for config_dir, env_dir, used in [
+        (long_dir, None, long_dir),
+        (node.tmp / "unused", str(node.state_dir), node.state_dir),
+    ]:
+        node.write_config(text.format(dir=config_dir))
+
+        def script(b: FakeBroker, conn: socket.socket) -> None:
+            b.recv(conn)
+            conn.send(_packet("fail", "asked"))
+
+        broker = FakeBroker(used, script)
+        env = node.env(**({"PODSHIM_SERVER_STATE_DIR": env_dir} if env_dir else {}))
+        proc, rec = node.run(*args, env=env)
+        broker.done()
+        assert proc.returncode == 1 and proc.stderr == b"podshim-runc: asked\n", proc.stderr
+    node.write_config(text.replace('"{dir}"', "3"))
+    assert node.who("--root", str(node.root), "state", "x") == "hook"
 
 
 # ---------------------------------------------------------------------------- the installed one
