@@ -16,7 +16,8 @@ import time
 ENV = "PODSHIM_FAILPOINTS"
 
 
-def _parse(spec: str) -> dict[str, str]:
+def parse(spec: str) -> dict[str, str]:
+    """`name=action,...` -> {name: action}."""
     points = {}
     for item in spec.split(","):
         name, sep, action = item.strip().partition("=")
@@ -25,7 +26,7 @@ def _parse(spec: str) -> dict[str, str]:
     return points
 
 
-_POINTS = _parse(os.environ.get(ENV, ""))
+_POINTS = parse(os.environ.get(ENV, ""))
 _HITS: dict[str, int] = {}
 
 

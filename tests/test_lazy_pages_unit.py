@@ -105,18 +105,18 @@ def test_wrapper_accepts_only_a_listening_daemon_dir(tmp_path: Path) -> None:
     cfg = Config(state_dir=str(state), allowed_roots=(str(tmp_path / "ckpt"),))
     work = contract.lazy_root(state) / "0123456789abcdef"
     work.mkdir(parents=True)
-    assert wrapper_restore._lazy_dir({"annotations": {}}, cfg, "c1", None) is None
-    with pytest.raises(SystemExit):  # no daemon listens there
-        wrapper_restore._lazy_dir(_spec(str(work)), cfg, "c1", None)
+    assert wrapper_restore._lazy_dir({"annotations": {}}, cfg, "c1") is None
+    with pytest.raises(wrapper_restore.RestoreFailed, match="no lazy-pages daemon listens"):
+        wrapper_restore._lazy_dir(_spec(str(work)), cfg, "c1")
     (work / contract.LAZY_PAGES_SOCKET).touch()
-    assert wrapper_restore._lazy_dir(_spec(str(work)), cfg, "c1", None) == work.resolve()
+    assert wrapper_restore._lazy_dir(_spec(str(work)), cfg, "c1") == work.resolve()
     other = tmp_path / "elsewhere" / "lazy" / "x"
     other.mkdir(parents=True)
     (other / contract.LAZY_PAGES_SOCKET).touch()
-    with pytest.raises(SystemExit):  # not podshim's
-        wrapper_restore._lazy_dir(_spec(str(other)), cfg, "c1", None)
-    with pytest.raises(SystemExit):  # not a lazy dir
-        wrapper_restore._lazy_dir(_spec(str(state)), cfg, "c1", None)
+    with pytest.raises(wrapper_restore.RestoreFailed, match="not a lazy-pages work dir"):  # not podshim's
+        wrapper_restore._lazy_dir(_spec(str(other)), cfg, "c1")
+    with pytest.raises(wrapper_restore.RestoreFailed, match="not a lazy-pages work dir"):  # not a lazy dir
+        wrapper_restore._lazy_dir(_spec(str(state)), cfg, "c1")
 
 
 # ---------------------------------------------------------------------------- the held userfaultfd
@@ -377,10 +377,8 @@ def test_wrapper_reports_the_reason_podshim_left_for_an_ended_daemon(tmp_path: P
     (work / contract.LAZY_PAGES_SOCKET).touch()
     lazy_pages._mark_failed(work, "lazy restore failed: checksum mismatch in pages-1.img")
     assert not (work / contract.LAZY_PAGES_SOCKET).exists()
-    log_file = tmp_path / "runc.log"
-    with pytest.raises(SystemExit):
-        wrapper_restore._lazy_dir(_spec(str(work)), cfg, "c1", str(log_file))
-    assert "checksum mismatch in pages-1.img" in log_file.read_text()
+    with pytest.raises(wrapper_restore.RestoreFailed, match="checksum mismatch in pages-1.img"):
+        wrapper_restore._lazy_dir(_spec(str(work)), cfg, "c1")
 
 
 def test_check_pages_reads_nothing_until_the_container_is_restored(

@@ -225,16 +225,16 @@ def test_an_unlisted_page_image_refuses_the_restore(tmp_path: Path) -> None:
     digests = _images(tmp_path, {"checkpoint/pages-1.img": b"a", "checkpoint/pages-2.img": b"b"})
     del digests["checkpoint/pages-2.img"]
     spec = {"annotations": {contract.PAGE_DIGESTS_ANNOTATION: contract.page_digests_record(digests)}}
-    with pytest.raises(SystemExit):
-        hook._page_check(spec, tmp_path, "cid", None)
+    with pytest.raises(hook.RestoreFailed, match="not a page image RestorePod recorded"):
+        hook._page_check(spec, tmp_path, "cid")
     (tmp_path / "checkpoint/pages-2.img").unlink()
-    assert hook._page_check(spec, tmp_path, "cid", None) is not None
+    assert hook._page_check(spec, tmp_path, "cid") is not None
     (tmp_path / "checkpoint/pages-x.img").write_bytes(b"c")  # no name CRIU reads: checked up front
-    assert hook._page_check(spec, tmp_path, "cid", None) is not None
-    assert hook._page_check({"annotations": {}}, tmp_path, "cid", None) is None
+    assert hook._page_check(spec, tmp_path, "cid") is not None
+    assert hook._page_check({"annotations": {}}, tmp_path, "cid") is None
     spec["annotations"][contract.PAGE_DIGESTS_ANNOTATION] = '{"checkpoint/../x": "1"}'
-    with pytest.raises(SystemExit):
-        hook._page_check(spec, tmp_path, "cid", None)
+    with pytest.raises(hook.RestoreFailed, match="malformed"):
+        hook._page_check(spec, tmp_path, "cid")
 
 
 # ---------------------------------------------------------------------------- continue or kill

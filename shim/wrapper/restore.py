@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shim import contract
+from shim import contract, faults
 from shim.contract import (
     CRIU_CONFIG_ANNOTATION,
     LAZY_PAGES_ANNOTATION,
@@ -46,6 +46,12 @@ def _arg(rest: list[str], *names: str) -> str | None:
     return None
 
 
+class RestoreFailed(Exception):
+    """The create of a restored container fails: the message goes to the runtime's --log file
+    (the upstream shows the last line) and stderr, by the hook (_fail) or by podshim-runc itself
+    (the broker's `fail`, docs/architecture.md §7 (The runtime wrapper))."""
+
+
 def _fail(message: str, log_file: str | None) -> None:
     """Report like runc does: a JSON line in the --log file (the upstream shows the last one)."""
     sys.stderr.write(f"podshim-runc: {message}\n")
@@ -67,51 +73,107 @@ def already_restored(flags: dict[str, str], rest: list[str]) -> bool:
 
 def maybe_restore(binary: str, argv: list[str], flags: dict[str, str], rest: list[str]) -> None:
     """`create` of a container carrying RESTORE_ANNOTATION becomes a restore (exits); returns for
-    any other container."""
-    container_id = rest[-1] if rest else ""
-    bundle = Path(_arg(rest, "--bundle", "-b") or os.getcwd())
+    any other container. With PODSHIM_RUNC_ABORT set (podshim-runc lost podshim's broker after
+    `runc restore` started) the restore is undone instead and the create fails."""
+    log_file = flags.get("--log")
+    try:
+        aborted = os.environ.get(ABORT_ENV)
+        if aborted:
+            abort(binary, flags, rest, aborted)
+        prepared = prepare(binary, argv, flags, rest)
+        if prepared is None:
+            return  # not ours to judge: the real runtime reports it
+        faults.hit("runc-wrapper.before-restore")
+        returncode = _run_guarded(prepared)
+        conclude(prepared, returncode)
+    except RestoreFailed as e:
+        _fail(str(e), log_file)
+    raise SystemExit(0)
+
+
+ABORT_ENV = contract.ABORT_ENV  # set by podshim-runc (C) for the hook: why the restore is undone
+
+
+def _bundle_spec(rest: list[str], cwd: str | None = None) -> tuple[Path, dict] | None:
+    """The bundle and its config.json, None when it cannot be read (not ours to judge)."""
+    bundle = Path(cwd or os.getcwd(), _arg(rest, "--bundle", "-b") or ".")
     try:
         spec = json.loads((bundle / "config.json").read_text())
     except (OSError, ValueError):
-        return  # not ours to judge: the real runtime reports it
-    ckpt = spec.get("annotations", {}).get(RESTORE_ANNOTATION)
-    if not ckpt:
-        return
-    restore(binary, argv, flags, rest, container_id, bundle, spec, Path(ckpt))
+        return None
+    return (bundle, spec) if isinstance(spec, dict) else None
 
 
-def restore(
+class Prepared:
+    """A restore ready to run: `cmd` with `env` (the runtime's `restore`), and what settling and
+    concluding it need. Made by prepare() in the hook, or in podshim for podshim-runc (broker)."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.binary: str = kw["binary"]
+        self.container_id: str = kw["container_id"]
+        self.ckpt: Path = kw["ckpt"]
+        self.bundle: Path = kw["bundle"]
+        self.spec: dict = kw["spec"]
+        self.work: Path = kw["work"]
+        self.lazy: bool = kw["lazy"]
+        self.state_dir: Path = kw["state_dir"]  # the runtime's state dir of the container
+        self.marker_dir: Path = kw["marker_dir"]
+        self.cgroups_path: str = kw["cgroups_path"]
+        self.pid_file: str | None = kw["pid_file"]
+        self.cmd: list[str] = kw["cmd"]
+        self.env: dict[str, str] = kw["env"]  # set on top of the caller's environment
+        self.delete: list[str] = kw["delete"]  # the runtime's delete --force of the container
+        self.pages: PageImages | None = kw["pages"]
+        self.cfg_state_dir: str = kw["cfg_state_dir"]
+
+    def settle(self, returncode: int, hit: Callable[[str], None] | None = None) -> None:
+        """Once the restore ended, before the watchdog lets go: the page check's verdict (_settler)."""
+        if self.pages is not None:
+            _settler(self.pages, self.cgroups_path, self.pid_file, self.work, self.delete, hit)(returncode)
+
+
+def prepare(
     binary: str,
     argv: list[str],
     flags: dict[str, str],
     rest: list[str],
-    container_id: str,
-    bundle: Path,
-    spec: dict,
-    ckpt: Path,
-) -> None:
-    from shim import config, faults
+    cwd: str | None = None,
+    page_check: Callable[[Path, dict[str, str]], PageImages | None] | None = None,
+    cfg: Any = None,
+) -> Prepared | None:
+    """Everything before the runtime's `restore` runs, None for a container that is not a restore:
+    the archive dir checked, the page check started, the rootfs diff applied, criu.conf and the
+    bundle's config.json written. Raises RestoreFailed. `page_check(ckpt, digests)`: a page check
+    already running for these images (podshim started it at RestorePod), else one is started.
+    `cfg`: podshim's Config (the broker), else the hook loads it."""
+    from shim import config
     from shim.archive import layout, paths, rootfs_diff
-    from shim.criu.runtime import OciRuntime, criu_error_lines
+    from shim.criu.runtime import OciRuntime
     from shim.errors import ShimError
 
-    log_file = flags.get("--log")
+    container_id = rest[-1] if rest else ""
+    found = _bundle_spec(rest, cwd)
+    if found is None:
+        return None
+    bundle, spec = found
+    annotations = spec.get("annotations") or {}
+    if not isinstance(annotations, dict) or not annotations.get(RESTORE_ANNOTATION):
+        return None
     try:
-        cfg = config.load(check_files=False)  # the node key is podshim's business, not ours
+        if cfg is None:
+            cfg = config.load(check_files=False)  # the node key is podshim's business, not ours
         # podshim-owned dirs are accepted like the allowed roots: container checkpoint imports and
         # the plaintext of encrypted archives (shim/archive/crypto.py)
         roots = [*cfg.allowed_roots, *contract.owned_roots(cfg.state_dir)]
-        ckpt = paths.validate_archive_dir(str(ckpt), roots)
+        ckpt = paths.validate_archive_dir(str(annotations[RESTORE_ANNOTATION]), roots)
     except (config.ConfigError, ShimError) as e:
-        _fail(f"restore of {container_id}: {e}", log_file)
-    # an eager restore of a plain archive: its page images are checked here, beside the rootfs diff
+        raise RestoreFailed(f"restore of {container_id}: {e}") from None
+    # an eager restore of a plain archive: its page images are checked beside the rootfs diff
     # and CRIU's restore, the tasks held stopped until they match (docs/architecture.md §5
     # (RestorePod) step 4); started first, so the three overlap
     pages = None
-    if not spec.get("annotations", {}).get(LAZY_PAGES_ANNOTATION):
-        pages = _page_check(spec, ckpt, container_id, log_file)
-        if pages is not None:
-            pages.start()
+    if not annotations.get(LAZY_PAGES_ANNOTATION):
+        pages = _page_check(spec, ckpt, container_id, page_check)
     cl = layout.ContainerLayout(root=ckpt, rel="")
     rootfs = bundle / spec.get("root", {}).get("path", "rootfs")
     try:
@@ -119,86 +181,164 @@ def restore(
             deleted = rootfs_diff.read_deleted_files(cl.deleted_files)
             rootfs_diff.apply_rootfs_diff(cl.rootfs_diff_tar, rootfs, deleted)
     except (ShimError, OSError, ValueError) as e:
-        _fail(f"restore of {container_id}: applying the rootfs diff of {ckpt} failed: {e}", log_file)
+        if pages is not None:
+            pages.stop.set()
+        raise RestoreFailed(
+            f"restore of {container_id}: applying the rootfs diff of {ckpt} failed: {e}"
+        ) from None
 
     # CRIU only reads the image dir on restore (its log and restore stats go to the work dir, its
     # cwd), so the archive is used in place and never modified.
-    lazy = _lazy_dir(spec, cfg, container_id, log_file)
+    lazy = _lazy_dir(spec, cfg, container_id)
     work = lazy or bundle / WORK_DIR
     work.mkdir(mode=0o700, exist_ok=True)
     # Established TCP connections are closed on restore (KEP-5823 alpha): neither runc nor crun
     # has a flag for it, so it goes through a CRIU config file: runc passes the one named by the
     # spec's org.criu.config to CRIU; crun does not, but the CRIU it starts reads the file named
-    # by CRIU_CONFIG_FILE from its environment (see _run_guarded).
+    # by CRIU_CONFIG_FILE from its environment.
     criu_conf = work / "criu.conf"
-    criu_conf.write_text("tcp-close\n")
-    if pages is not None:  # CRIU leaves every restored task stopped (runc: RPC config; crun: env)
-        with open(criu_conf, "a") as f:
-            f.write("leave-stopped\n")
+    criu_conf.write_text("tcp-close\n" + ("leave-stopped\n" if pages is not None else ""))
+    # (leave-stopped: CRIU leaves every restored task stopped for the page check)
     spec.setdefault("annotations", {})[CRIU_CONFIG_ANNOTATION] = str(criu_conf)
     (bundle / "config.json").write_text(json.dumps(spec))
 
-    criu_opts = contract.from_record(spec.get("annotations", {}).get(RESTORE_OPTIONS_ANNOTATION, ""))
+    criu_opts = contract.from_record(annotations.get(RESTORE_OPTIONS_ANNOTATION, ""))
     # Keep the upstream's global flags (--root, --log, --log-format, --criu ...) as they were.
+    pid_file = _arg(rest, "--pid-file")
     cmd = OciRuntime(binary, flags.get("--root", "")).restore_argv(
         container_id,
         str(bundle),
         str(cl.checkpoint_dir),
         str(work),
         criu_opts,
-        pid_file=_arg(rest, "--pid-file"),
+        pid_file=pid_file,
         console_socket=_arg(rest, "--console-socket"),
         global_args=argv[: len(argv) - len(rest) - 1],
         lazy_pages=lazy is not None,
     )
-    # stdio and every other descriptor the upstream gave us go to the restored process.
-    faults.hit("runc-wrapper.before-restore")
-    state_dir = Path(flags.get("--root", "")) / container_id
-    env = {**os.environ, "CRIU_CONFIG_FILE": str(criu_conf)}
-    cgroups_path = spec.get("linux", {}).get("cgroupsPath", "")
     # a restored container killed afterwards (its page images differ, or podshim-runc died while
     # they were held) leaves no runtime state behind: runc saved it, and containerd 2.1 does not
     # delete it after the failed create
     # (--root and the cgroup driver only: the --log file lies in the bundle, gone when the watchdog runs)
     systemd = ["--systemd-cgroup"] if "--systemd-cgroup" in flags else []
-    delete = [binary, "--root", flags.get("--root", ""), *systemd, "delete", "--force", container_id]
-    settle = None
-    if pages is not None:
-        settle = _settler(pages, cgroups_path, _arg(rest, "--pid-file"), work, delete)
-    returncode = _run_guarded(cmd, cgroups_path, work, state_dir, env, settle, delete)
-    if lazy is None and (ckpt / contract.DECRYPTED_MARKER).is_file():  # crypto.is_decrypted_dir
+    return Prepared(
+        binary=binary,
+        container_id=container_id,
+        ckpt=ckpt,
+        bundle=bundle,
+        spec=spec,
+        work=work,
+        lazy=lazy is not None,
+        state_dir=Path(flags.get("--root", "")) / container_id,
+        marker_dir=Path(flags.get("--root", "")) / container_id,
+        cgroups_path=spec.get("linux", {}).get("cgroupsPath", ""),
+        pid_file=pid_file,
+        cmd=cmd,
+        env={"CRIU_CONFIG_FILE": str(criu_conf)},
+        delete=[binary, "--root", flags.get("--root", ""), *systemd, "delete", "--force", container_id],
+        pages=pages,
+        cfg_state_dir=cfg.state_dir,
+    )
+
+
+def conclude(p: Prepared, returncode: int) -> None:
+    """After the restore ran and settled: remove decrypted images, report a failed restore or page
+    check (RestoreFailed), record the restore for `start` (RESTORED_MARKER)."""
+    from shim.criu.runtime import criu_error_lines
+
+    if not p.lazy and (p.ckpt / contract.DECRYPTED_MARKER).is_file():  # crypto.is_decrypted_dir
         # Decrypted images: CRIU is done with them (a failed create is not retried), and plaintext
         # memory must not stay on disk. A lazy restore's daemon still reads them: podshim removes
         # them when it has ended (docs/architecture.md §5.1 (Lazy restore)). crypto is imported
         # only here: it costs every restore's start-up (docs/architecture.md §7 (The runtime wrapper)).
         from shim.archive import crypto
 
-        crypto.remove_decrypted(ckpt)
+        crypto.remove_decrypted(p.ckpt)
     if returncode != 0:
-        remove_cgroups(spec.get("linux", {}).get("cgroupsPath", ""))
-        log_path = work / "restore.log"
-        kept = _keep_log(log_path, cfg.state_dir, container_id)
+        remove_cgroups(p.cgroups_path)
+        log_path = p.work / "restore.log"
+        kept = _keep_log(log_path, p.cfg_state_dir, p.container_id)
         detail = "; ".join(criu_error_lines(log_path))
-        _fail(
-            f"CRIU restore of container {container_id} from {ckpt} failed (exit {returncode}): "
-            f"{detail} (CRIU log: {kept})",
-            log_file,
+        raise RestoreFailed(
+            f"CRIU restore of container {p.container_id} from {p.ckpt} failed (exit {returncode}): "
+            f"{detail} (CRIU log: {kept})"
         )
-    if pages is not None and pages.problem:
-        _fail(
-            f"restore of container {container_id} from {ckpt}: {pages.problem}; its processes were killed "
-            "before they ran: take a new checkpoint",
-            log_file,
+    if p.pages is not None and p.pages.problem:
+        raise RestoreFailed(
+            f"restore of container {p.container_id} from {p.ckpt}: {p.pages.problem}; its processes were "
+            "killed before they ran: take a new checkpoint"
         )
-    marker_dir = Path(flags.get("--root", "")) / container_id
     try:
-        (marker_dir / RESTORED_MARKER).write_text(str(ckpt))
+        (p.marker_dir / RESTORED_MARKER).write_text(str(p.ckpt))
     except OSError as e:
-        _fail(f"restored {container_id} but cannot record it in {marker_dir}: {e}", log_file)
-    raise SystemExit(0)
+        raise RestoreFailed(
+            f"restored {p.container_id} but cannot record it in {p.marker_dir}: {e}"
+        ) from None
 
 
-def _lazy_dir(spec: dict, cfg: Any, container_id: str, log_file: str | None) -> Path | None:
+def _remove_decrypted(ckpt: str | None) -> None:
+    """Remove the decrypted images in `ckpt` once checked to be podshim's (an owned root)."""
+    import contextlib
+
+    from shim import config
+    from shim.archive import crypto, paths
+    from shim.errors import ShimError
+
+    if not ckpt:
+        return
+    with contextlib.suppress(config.ConfigError, ShimError, OSError):
+        cfg = config.load(check_files=False)
+        real = paths.validate_archive_dir(ckpt, contract.owned_roots(cfg.state_dir))
+        if (real / contract.DECRYPTED_MARKER).is_file():
+            crypto.remove_decrypted(real)
+
+
+def undo(p: Prepared, pgid: int | None, held: dict[Path, int] | None = None) -> None:
+    """The watchdog's work once whoever ran the restore died before it concluded: kill the
+    restore (`pgid`) and the container's processes, detach the mounts CRIU left, delete the
+    runtime's state, remove the cgroups (_kill_restore). (The page check's threads are left
+    alone: in the hook's forked watchdog they do not exist.)"""
+    _kill_restore(pgid, p.cgroups_path, [p.work, p.state_dir], held, p.delete)
+
+
+def abort(binary: str, flags: dict[str, str], rest: list[str], reason: str) -> None:
+    """podshim-runc ran `runc restore` for podshim's broker and lost it (ABORT_ENV says how): the
+    restore was killed; whatever it restored is killed and removed here, and the create fails
+    (RestoreFailed): the upstream may create it again, a new restore."""
+    container_id = rest[-1] if rest else ""
+    found = _bundle_spec(rest)
+    spec = found[1] if found else {}
+    bundle = found[0] if found else Path(os.getcwd())
+    work = bundle / WORK_DIR
+    value = (spec.get("annotations") or {}).get(LAZY_PAGES_ANNOTATION)
+    if value and Path(os.path.realpath(value)).parent.name == contract.LAZY_DIR:
+        work = Path(os.path.realpath(value))
+    state_dir = Path(flags.get("--root", "")) / container_id
+    systemd = ["--systemd-cgroup"] if "--systemd-cgroup" in flags else []
+    delete = [binary, "--root", flags.get("--root", ""), *systemd, "delete", "--force", container_id]
+    cgroups_path = spec.get("linux", {}).get("cgroupsPath", "")
+    kill_tasks(cgroups_path, _arg(rest, "--pid-file"))
+    _kill_restore(None, cgroups_path, [work, state_dir], _hold_dirs([work]), delete)
+    if not value:  # decrypted images no CRIU reads any more (a lazy daemon's: podshim's business)
+        _remove_decrypted((spec.get("annotations") or {}).get(RESTORE_ANNOTATION))
+    kept = _keep_log(work / "restore.log", _state_dir(), container_id)
+    raise RestoreFailed(
+        f"restore of container {container_id} undone: {reason}; its processes were killed: start it "
+        f"again (CRIU log: {kept})"
+    )
+
+
+def _state_dir() -> str:
+    """podshim's state dir as the hook's config names it."""
+    from shim import config
+
+    try:
+        return config.load(check_files=False).state_dir
+    except config.ConfigError:
+        return config.Config().state_dir
+
+
+def _lazy_dir(spec: dict, cfg: Any, container_id: str) -> Path | None:
     """The work dir of the container's `criu lazy-pages` (LAZY_PAGES_ANNOTATION), None for an eager
     restore. Only a dir directly in a `lazy/` dir of podshim's state dir (or of an allowed root,
     as for decrypted dirs) whose daemon listens is accepted."""
@@ -210,19 +350,17 @@ def _lazy_dir(spec: dict, cfg: Any, container_id: str, log_file: str | None) -> 
     parent = real.parent
     inside = any(parent.is_relative_to(r) for r in roots)
     if parent.name != contract.LAZY_DIR or not real.is_dir() or not inside:
-        _fail(
+        raise RestoreFailed(
             f"restore of {container_id}: {LAZY_PAGES_ANNOTATION} {value!r} is not a lazy-pages work dir "
-            f"of podshim (in {contract.lazy_root(cfg.state_dir)})",
-            log_file,
+            f"of podshim (in {contract.lazy_root(cfg.state_dir)})"
         )
     failed = real / LAZY_PAGES_FAILED
     if failed.is_file() and not failed.is_symlink():  # podshim ended the daemon: its reason
-        _fail(f"restore of {container_id}: {failed.read_text(errors='replace')[:2000]}", log_file)
+        raise RestoreFailed(f"restore of {container_id}: {failed.read_text(errors='replace')[:2000]}")
     if not (real / LAZY_PAGES_SOCKET).exists():
-        _fail(
+        raise RestoreFailed(
             f"restore of {container_id}: no lazy-pages daemon listens in {real} (it has ended): "
-            "remove the pod and restore again",
-            log_file,
+            "remove the pod and restore again"
         )
     return real
 
@@ -305,10 +443,17 @@ class PageImages:
         return self.problem
 
 
-def _page_check(spec: dict, ckpt: Path, container_id: str, log_file: str | None) -> PageImages | None:
-    """The page check of an eager restore (PAGE_DIGESTS_ANNOTATION), None without the annotation.
-    Every page image of the checkpoint dir (a name CRIU reads, pages-<n>.img) must be listed: one
-    that is not would be restored unchecked (RestorePod checked any other name up front)."""
+def _page_check(
+    spec: dict,
+    ckpt: Path,
+    container_id: str,
+    running: Callable[[Path, dict[str, str]], PageImages | None] | None = None,
+) -> PageImages | None:
+    """The page check of an eager restore (PAGE_DIGESTS_ANNOTATION), started; None without the
+    annotation. Every page image of the checkpoint dir (a name CRIU reads, pages-<n>.img) must be
+    listed: one that is not would be restored unchecked (RestorePod checked any other name up
+    front). `running(ckpt, digests)`: the check podshim started at RestorePod for exactly these
+    images, if any (docs/architecture.md §7 (The runtime wrapper))."""
     import re
 
     value = spec.get("annotations", {}).get(PAGE_DIGESTS_ANNOTATION)
@@ -317,27 +462,39 @@ def _page_check(spec: dict, ckpt: Path, container_id: str, log_file: str | None)
     try:
         digests = contract.parse_page_digests(value)
     except ValueError as e:
-        _fail(f"restore of {container_id}: {PAGE_DIGESTS_ANNOTATION} is malformed: {e}", log_file)
+        raise RestoreFailed(
+            f"restore of {container_id}: {PAGE_DIGESTS_ANNOTATION} is malformed: {e}"
+        ) from None
     try:
         names = os.listdir(ckpt / "checkpoint")
     except OSError as e:
-        _fail(f"restore of {container_id}: cannot list {ckpt / 'checkpoint'}: {e.strerror or e}", log_file)
+        raise RestoreFailed(
+            f"restore of {container_id}: cannot list {ckpt / 'checkpoint'}: {e.strerror or e}"
+        ) from None
     unlisted = sorted(
         f"checkpoint/{n}"
         for n in names
         if re.fullmatch(contract.PAGE_IMAGE_RE, f"checkpoint/{n}") and f"checkpoint/{n}" not in digests
     )
     if unlisted:
-        _fail(
+        raise RestoreFailed(
             f"restore of {container_id}: {', '.join(unlisted)} in {ckpt} is not a page image RestorePod "
-            "recorded (the archive changed since): take a new checkpoint",
-            log_file,
+            "recorded (the archive changed since): take a new checkpoint"
         )
-    return PageImages(ckpt, digests)
+    pages = running(ckpt, digests) if running is not None else None
+    if pages is None:
+        pages = PageImages(ckpt, digests)
+        pages.start()
+    return pages
 
 
 def _settler(
-    pages: PageImages, cgroups_path: str, pid_file: str | None, work: Path, delete: list[str] | None = None
+    pages: PageImages,
+    cgroups_path: str,
+    pid_file: str | None,
+    work: Path,
+    delete: list[str] | None = None,
+    hit: Callable[[str], None] | None = None,
 ) -> Callable[[int], None]:
     """What runs once `runc restore` ended, still under the watchdog: wait for the page check;
     every image matched → continue every task of the container (SIGCONT); else kill them all, run
@@ -355,9 +512,8 @@ def _settler(
             return
         problem = pages.wait()
         if not problem:
-            from shim import faults
-
-            faults.hit("runc-wrapper.held-stopped")  # tests/faults: a death while the tasks are held
+            # tests/faults: a death while the tasks are held (the broker's `hit` acts on podshim-runc)
+            (hit or _hit)("runc-wrapper.held-stopped")
             problem = continue_tasks(cgroups_path, pid_file)
         if problem:
             pages.problem = problem
@@ -368,6 +524,12 @@ def _settler(
         _log_page_check(work, pages, restored)
 
     return settle
+
+
+def _hit(name: str) -> None:
+    from shim import faults
+
+    faults.hit(name)
 
 
 def _log_page_check(work: Path, pages: PageImages, restored: float) -> None:
@@ -488,30 +650,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _run_guarded(
-    cmd: list[str],
-    cgroups_path: str,
-    work: Path,
-    state_dir: Path,
-    env: dict[str, str],
-    settle: Callable[[int], None] | None = None,
-    delete: list[str] | None = None,
-) -> int:
+def _run_guarded(p: Prepared) -> int:
     """Run the restore with a watchdog: the upstream kills podshim-runc (SIGKILL) when
     StartContainer is cancelled, and runc's CRIU and the half-restored tasks must not go on
     unowned. The watchdog waits on a pipe; if podshim-runc dies before the restore ended, it
     kills the restore's process group and every process in the container's cgroup, detaches the
     mounts CRIU left under the work dir and the runtime's state dir, and removes a state dir the
     killed restore never completed (so the upstream's `delete` finds nothing to trip on).
-    `settle(returncode)` runs before the watchdog is released: the tasks held stopped for the page
-    check are continued or killed while a death of podshim-runc still kills them. `delete` (the
-    runtime's `delete --force`) removes the state of a restore that had completed."""
+    `p.settle(returncode)` runs before the watchdog is released: the tasks held stopped for the page
+    check are continued or killed while a death of podshim-runc still kills them. `p.delete` (the
+    runtime's `delete --force`) removes the state of a restore that had completed. (podshim-runc
+    with podshim's broker: podshim is the watchdog, shim/wrapper/broker.py.)"""
     # The work dir, held by an O_PATH descriptor (close-on-exec: runc does not get it): the
     # upstream renames the bundle (<id> -> .<id>) while it deletes it, so the watchdog finds CRIU's
     # mounts below through the descriptor, never through a path that may be gone.
-    held = _hold_dirs([work])
+    held = _hold_dirs([p.work])
     # stdio and every other descriptor the upstream gave us go to the restored process.
-    child = subprocess.Popen(cmd, close_fds=False, start_new_session=True, env=env)
+    child = subprocess.Popen(p.cmd, close_fds=False, start_new_session=True, env={**os.environ, **p.env})
     read_end, write_end = os.pipe()
     if os.fork() == 0:  # the watchdog
         try:
@@ -521,20 +676,20 @@ def _run_guarded(
             for lo, hi in zip(keep, [*keep[1:], 4096], strict=True):
                 os.closerange(lo + 1, hi)
             if os.read(read_end, 1) == b"":  # EOF: podshim-runc died mid-restore
-                _kill_restore(child.pid, cgroups_path, [work, state_dir], held, delete)
+                undo(p, child.pid, held)
         finally:
             os._exit(0)
     os.close(read_end)
     for fd in held.values():
         os.close(fd)
-    if settle is not None:
+    if p.pages is not None:
         # what settle needs (container_pids, ~13 ms), loaded while the restore runs: here, after
         # the fork, never in a thread (a module lock held by a thread at the fork would hang the
         # watchdog's own imports)
         import shim.cgroups.freezer  # noqa: F401
     returncode = child.wait()
-    if settle is not None:
-        settle(returncode)  # raising, podshim-runc exits: the watchdog kills the held tasks
+    if p.pages is not None:
+        p.settle(returncode)  # raising, podshim-runc exits: the watchdog kills the held tasks
     os.write(write_end, b"d")  # done: the watchdog leaves everything alone
     os.close(write_end)
     return returncode
@@ -593,7 +748,7 @@ def _detach_mounts_below(dirs: list[Path], held: dict[Path, int], rounds: int = 
 
 
 def _kill_restore(
-    pgid: int,
+    pgid: int | None,
     cgroups_path: str,
     dirs: list[Path],
     held: dict[Path, int] | None = None,
@@ -601,8 +756,9 @@ def _kill_restore(
 ) -> None:
     import contextlib
 
-    with contextlib.suppress(OSError):
-        os.killpg(pgid, signal.SIGKILL)
+    if pgid is not None:
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signal.SIGKILL)
     if cgroups_path:  # every process of the container's cgroup and the cgroups below it
         kill_tasks(cgroups_path, None)
     _detach_mounts_below(dirs, held or {})
