@@ -27,6 +27,7 @@ from shim.ops.restore_pod import PodRestorer
 from shim.state import Journal, OpRecord
 from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
+from shim.wrapper.broker import RestoreBroker
 
 log = logs.get("shim.engine")
 
@@ -112,6 +113,7 @@ class Engine:
         self.wiring = WiringChecker(upstream)
         self.restored = RestoredContainers(config.state_dir)
         self.restorer = PodRestorer(config, upstream, self.journal, self.wiring, self.restored)
+        self.broker = RestoreBroker(config, self.restorer.page_checks)
         self._recovering: set[asyncio.Task[None]] = set()  # background recoveries (see recover)
         self._inflight: set[asyncio.Task[object]] = set()  # tasks of the operations running now (stop)
         self._retrying: set[str] = set()  # op ids of records whose recovery is retried (retry_later)
@@ -242,6 +244,8 @@ class Engine:
         check the wiring of every runtime handler podshim restores with, in the background (a log
         line and the podshim_wiring_ok gauge for each; the upstream may not be up yet)."""
         self.restored.load()
+        # podshim-runc's restores, prepared and settled here (docs/architecture.md §7 (The runtime wrapper))
+        self.broker.start()
         handlers = ["", *self.config.runtimes]
 
         async def check() -> None:
@@ -302,6 +306,7 @@ class Engine:
                 log.error("stopping: operations still running; journal records kept", operations=len(left))
         for t in list(self._recovering):
             t.cancel()
+        self.broker.stop()  # a restore it serves now ends with podshim: podshim-runc undoes it
 
     async def recover(self) -> None:
         """Undo what a crashed podshim left (docs/architecture.md §16 (Crash safety)): thaw pods, remove

@@ -409,6 +409,11 @@ def test_warm_start_resumes_from_checkpoint(
     page_check = json.loads((task_dir(bed, cid) / "podshim-restore" / "page-check.json").read_text())
     print(f"\npage check beside the restore ({runtime_handler or 'runc'}): {page_check}")
     assert page_check["ok"] and page_check["files"] >= 1 and page_check["bytes"] >= 64 << 20, page_check
+    # podshim prepared and settled the restore for podshim-runc (its broker), no Python hook ran
+    # (docs/architecture.md §7 (The runtime wrapper))
+    lines = bed.podshim_log.read_text().splitlines()
+    served = [json.loads(line) for line in lines if "restore served" in line and cid in line]
+    assert served and served[-1]["ok"], served
 
     # The source pod keeps running, independently.
     src_log = good.source.log_path("counter")

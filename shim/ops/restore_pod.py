@@ -45,6 +45,7 @@ from shim.state import Journal, OpRecord
 from shim.state.records import RestoreRecord
 from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, Verdict, WiringChecker, confirm_restored
+from shim.wrapper.broker import PageChecks
 
 log = logs.get("shim.ops.restore_pod")
 
@@ -380,6 +381,9 @@ class PodRestorer:
         self.restored = restored
         self._decrypting: set[Path] = set()  # decrypted dirs of restores in flight
         self.lazy = LazyPages(config, upstream, journal)  # docs/architecture.md §5.1 (Lazy restore)
+        # page images hashed from here on, taken by podshim-runc's restore (docs/architecture.md §7
+        # (The runtime wrapper))
+        self.page_checks = PageChecks()
 
     def node_key(self) -> crypto.NodeKey | None:
         """The node key (`[checkpoint] encryption_key_file`), None when none is configured."""
@@ -704,6 +708,14 @@ class PodRestorer:
         checkpointed container; the undo of each step is registered in `run` right after it."""
         m, plan, opts, rec, phases = checked.manifest, checked.plan, checked.opts, run.rec, run.phases
         criu_flags = contract.to_record(m.options)
+        # the page images podshim-runc checks while CRIU restores: hashed from now on, beside the
+        # sandbox, the CreateContainers and the wait for StartContainer (docs/architecture.md §5
+        # (RestorePod) step 4)
+        deferred = {p.entry.name: deferred_pages(m, p.entry.dir) if checked.defer_pages else {} for p in plan}
+        for p in plan:
+            if deferred[p.entry.name]:
+                self.page_checks.start(p.dir, deferred[p.entry.name])
+                run.undo.callback(self.page_checks.discard, p.dir, deferred[p.entry.name])
         verifying = asyncio.ensure_future(self._verify_rest(checked, run))
         run.ends.push_async_callback(_stop_and_wait, verifying, run.steps)
         with phases("sandbox"):
@@ -728,8 +740,7 @@ class PodRestorer:
             lazy = self.lazy.started(rec.op_id, p.entry.name) if opts.lazy_pages else None
             if opts.lazy_pages and lazy is None:
                 raise errors.Internal(f"no lazy-pages daemon was started for container {p.entry.name!r}")
-            deferred = deferred_pages(m, p.entry.dir) if checked.defer_pages else {}
-            digests = contract.page_digests_record(deferred) if deferred else ""
+            digests = contract.page_digests_record(deferred[p.entry.name]) if deferred[p.entry.name] else ""
             with phases("create"):
                 container_id = await self.upstream.create_container(
                     cri.CreateContainerRequest(

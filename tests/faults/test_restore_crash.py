@@ -1,7 +1,8 @@
 """RestorePod interrupted: podshim SIGKILLed after the sandbox was created but before its id was
 journaled, after the sandbox and between two containers, and
-podshim-runc SIGKILLed inside the restore hook (under containerd, at StartContainer): before the
-restore, and while the restored tasks are held stopped for the page images' checksums.
+podshim-runc SIGKILLed inside the restore (under containerd, at StartContainer), through podshim's
+broker and through its hook: before the restore, and while the restored tasks are held stopped for
+the page images' checksums; and podshim SIGKILLed while it settles podshim-runc's restore.
 
 After podshim's restart (journal replay) or the failed start: the new sandbox and its
 containers are gone, nothing is left mounted or in the runtime's state, the journal is empty,
@@ -155,6 +156,15 @@ def containerd_env(bed: TestBed, env: dict[str, str]) -> Iterator[None]:
         restart()
 
 
+def _naming(container_id: str) -> list[int]:
+    """Processes whose argv names the container (podshim-runc, its hook, the runtime)."""
+    return [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and any(container_id in a for a in _sys.read_cmdline(int(p.name)))
+    ]
+
+
 def _is_pause(pid: int) -> bool:
     argv = _sys.read_cmdline(pid)
     return bool(argv) and Path(argv[0]).name == "pause"
@@ -168,6 +178,12 @@ def _upstream_ok(bed: TestBed) -> bool:
         return False
 
 
+# podshim-runc restores through podshim's broker, or alone (its hook) when podshim does not answer
+# (docs/architecture.md §7 (The runtime wrapper)): each of its deaths is tested on both paths
+PATHS = pytest.mark.parametrize("path", ["", ",runc-wrapper.broker=off"], ids=["broker", "hook"])
+
+
+@PATHS
 def test_podshim_runc_killed_in_restore_hook(
     rt: Rt,
     bed: TestBed,
@@ -175,9 +191,10 @@ def test_podshim_runc_killed_in_restore_hook(
     new_pod: cri.PodSandboxConfig,
     log_root: Path,
     pod_cleanup: list[str],
+    path: str,
 ) -> None:
     digest = _digest(archive.path)
-    with containerd_env(bed, {FAILPOINTS_ENV: "runc-wrapper.before-restore=kill"}):
+    with containerd_env(bed, {FAILPOINTS_ENV: "runc-wrapper.before-restore=kill" + path}):
         rt = pods.stubs(bed.podshim_socket)[0]
         before = NodeState.take(rt, bed)
         # RestorePod returns CREATED containers; the hook runs at StartContainer and dies there
@@ -225,6 +242,7 @@ def _pod_processes(config: cri.PodSandboxConfig) -> dict[int, str]:
     return out
 
 
+@PATHS
 def test_podshim_runc_killed_while_the_tasks_are_held_stopped(
     rt: Rt,
     bed: TestBed,
@@ -232,6 +250,7 @@ def test_podshim_runc_killed_while_the_tasks_are_held_stopped(
     new_pod: cri.PodSandboxConfig,
     log_root: Path,
     pod_cleanup: list[str],
+    path: str,
 ) -> None:
     """An eager restore's tasks are held stopped (CRIU's leave-stopped) until podshim-runc has
     checked the page images (docs/architecture.md §5 (RestorePod) step 4). Held 4 s
@@ -240,7 +259,7 @@ def test_podshim_runc_killed_while_the_tasks_are_held_stopped(
     kills them all, nothing is left stopped or running, the pod can be removed leaving nothing,
     and the archive restores afterwards."""
     digest = _digest(archive.path)
-    with containerd_env(bed, {FAILPOINTS_ENV: "runc-wrapper.held-stopped=sleep:4"}):
+    with containerd_env(bed, {FAILPOINTS_ENV: "runc-wrapper.held-stopped=sleep:4" + path}):
         rt = pods.stubs(bed.podshim_socket)[0]
         resp = restore(rt, archive, new_pod)
         pod_cleanup.append(resp.pod_sandbox_id)
@@ -274,7 +293,7 @@ def test_podshim_runc_killed_while_the_tasks_are_held_stopped(
 
     other = pods.pod_config(f"restored-{secrets.token_hex(3)}", log_root)
     try:
-        with containerd_env(bed, {FAILPOINTS_ENV: "runc-wrapper.held-stopped=kill"}):
+        with containerd_env(bed, {FAILPOINTS_ENV: "runc-wrapper.held-stopped=kill" + path}):
             rt = pods.stubs(bed.podshim_socket)[0]
             before = NodeState.take(rt, bed)
             resp = restore(rt, archive, other)
@@ -299,5 +318,48 @@ def test_podshim_runc_killed_while_the_tasks_are_held_stopped(
         remove_cgroup_parent(other)
     rt = pods.stubs(bed.podshim_socket)[0]
     wait_serving(rt)
+    assert _digest(archive.path) == digest, "the archive changed"
+    _assert_restore_works(rt, archive, log_root, pod_cleanup)
+
+
+def test_podshim_killed_while_it_settles_a_restore(
+    rt: Rt,
+    bed: TestBed,
+    archive: Archive,
+    new_pod: cri.PodSandboxConfig,
+    log_root: Path,
+    pod_cleanup: list[str],
+) -> None:
+    """podshim serves podshim-runc's restore (its broker) and dies once the runtime's restore ended,
+    the tasks held stopped for the page check (`restore-broker.after-restore=kill`): podshim-runc
+    loses the connection, kills the restore and hands the create to its hook with
+    PODSHIM_RUNC_ABORT, which kills what was restored and fails the create naming why. Nothing of
+    the container ever ran, nothing stays stopped; the pod's removal leaves nothing; the archive
+    restores afterwards."""
+    digest = _digest(archive.path)
+    before = NodeState.take(rt, bed)
+    with FailpointPodshim(bed, "restore-broker.after-restore=kill") as fp:
+        resp = restore(fp.rt, archive, new_pod)
+        sid = resp.pod_sandbox_id
+        ids = {sid, *(c.container_id for c in resp.restored_containers)}
+        first = resp.restored_containers[0]
+        with pytest.raises(grpc.RpcError) as err:
+            fp.rt.StartContainer(cri.StartContainerRequest(container_id=first.container_id), timeout=60)
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), err.value
+        fp.wait_dead(30)
+    direct = pods.stubs(bed.containerd_socket)[0]
+    # containerd's create ends on its own: podshim-runc's hook undoes the restore, then exits
+    pods.wait_for(lambda: not _naming(first.container_id), 30, what="podshim-runc and its hook ended")
+    # the hook's abort kept CRIU's log of the undone restore for the operator
+    assert (bed.podshim_state_dir / "logs" / f"restore-{first.container_id}.log").is_file()
+    assert not _pod_processes(new_pod), _pod_processes(new_pod)
+    assert not pods.counts(Path(new_pod.log_directory) / first.name / "0.log"), "a held process ran"
+    st = direct.ContainerStatus(cri.ContainerStatusRequest(container_id=first.container_id)).status
+    assert st.state != cri.CONTAINER_RUNNING
+    rt = pods.stubs(bed.podshim_socket)[0]
+    wait_serving(rt)
+    wait_journal_empty(bed)
+    pods.remove_pod(rt, sid)
+    _assert_nothing_left(rt, bed, new_pod, before, ids)
     assert _digest(archive.path) == digest, "the archive changed"
     _assert_restore_works(rt, archive, log_root, pod_cleanup)

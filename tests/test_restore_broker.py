@@ -1,0 +1,202 @@
+"""The restore broker's protocol edges (shim/wrapper/broker.py, docs/architecture.md §7 (The runtime
+wrapper)), with a Python client in podshim-runc's place. The restores themselves, through the real
+podshim-runc, containerd, runc/crun and CRIU, are in tests/test_restore_broker_e2e.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shim import contract
+from shim.config import Config
+from shim.wrapper import broker, restore
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[broker.RestoreBroker, Path]]:
+    # a state dir whose socket path does not fit in sun_path: named through a descriptor
+    state = tmp_path / ("s" * 90) / "state"
+    state.mkdir(parents=True, mode=0o700)
+    b = broker.RestoreBroker(
+        Config(state_dir=str(state), allowed_roots=(str(tmp_path),)), broker.PageChecks()
+    )
+    b.start()
+    try:
+        yield b, tmp_path
+    finally:
+        b.stop()
+
+
+def _connect(b: broker.RestoreBroker) -> socket.socket:
+    fd = os.open(b.state_dir, os.O_PATH | os.O_DIRECTORY)
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.connect(f"/proc/self/fd/{fd}/{broker.SOCKET_NAME}")
+    finally:
+        os.close(fd)
+    conn.settimeout(10)
+    return conn
+
+
+def _ask(conn: socket.socket, *fields: str) -> list[str]:
+    conn.send(broker._packet(*fields))
+    return broker._fields(conn.recv(broker.MAX_PACKET))
+
+
+def _bundle(tmp_path: Path, annotations: dict[str, str]) -> Path:
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True, exist_ok=True)
+    (bundle / "config.json").write_text(json.dumps({"annotations": annotations, "root": {"path": "rootfs"}}))
+    return bundle
+
+
+def _argv(tmp_path: Path, bundle: Path) -> list[str]:
+    root = tmp_path / "runtime-root"
+    root.mkdir(exist_ok=True)
+    return [
+        "--root",
+        str(root),
+        "--log",
+        str(tmp_path / "log.json"),
+        "create",
+        "--bundle",
+        str(bundle),
+        "cid",
+    ]
+
+
+def test_the_socket_is_private_and_removed_at_stop(served: tuple[broker.RestoreBroker, Path]) -> None:
+    b, _ = served
+    assert len(str(b.path)) > 108
+    fd = os.open(b.state_dir, os.O_PATH | os.O_DIRECTORY)
+    try:
+        mode = os.stat(broker.SOCKET_NAME, dir_fd=fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+    assert mode == 0o600
+    b.stop()
+    assert not b.path.exists()
+
+
+def test_a_container_that_is_no_restore_goes_to_the_hook(served: tuple[broker.RestoreBroker, Path]) -> None:
+    b, tmp_path = served
+    bundle = _bundle(tmp_path, {})
+    with _connect(b) as conn:
+        assert _ask(conn, "prepare", "/", "/usr/sbin/runc", "", *_argv(tmp_path, bundle)) == ["hook"]
+    with _connect(b) as conn:  # not a create, or not the protocol: the hook judges
+        assert _ask(conn, "prepare", "/", "/usr/sbin/runc", "", "state", "cid") == ["hook"]
+    with _connect(b) as conn:
+        assert _ask(conn, "hello") == ["hook"]
+
+
+def test_an_archive_outside_the_allowed_roots_fails_the_create(
+    served: tuple[broker.RestoreBroker, Path],
+) -> None:
+    b, tmp_path = served
+    bundle = _bundle(tmp_path, {contract.RESTORE_ANNOTATION: "/etc"})
+    with _connect(b) as conn:
+        reply = _ask(conn, "prepare", "/", "/usr/sbin/runc", "", *_argv(tmp_path, bundle))
+    assert reply[0] == "fail" and "restore of cid" in reply[1], reply
+
+
+def _archive(tmp_path: Path, pages: bytes) -> tuple[Path, dict[str, str]]:
+    ckpt = tmp_path / "ckpt" / "c1"
+    (ckpt / "checkpoint").mkdir(parents=True)
+    (ckpt / "checkpoint" / "pages-1.img").write_bytes(pages)
+    return ckpt, {"checkpoint/pages-1.img": hashlib.sha256(pages).hexdigest()}
+
+
+def test_exec_started_exited_then_the_verdict(
+    served: tuple[broker.RestoreBroker, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole exchange: podshim answers the runtime's restore argv with CRIU_CONFIG_FILE, takes the
+    page check RestorePod started, and a failed restore's verdict is `fail` naming the exit code."""
+    b, tmp_path = served
+    ckpt, digests = _archive(tmp_path, b"\1" * 4096)
+    b.checks.start(ckpt, digests)
+    started = b.checks._checks[b.checks._key(ckpt, digests)][0]
+    bundle = _bundle(
+        tmp_path,
+        {
+            contract.RESTORE_ANNOTATION: str(ckpt),
+            contract.PAGE_DIGESTS_ANNOTATION: contract.page_digests_record(digests),
+        },
+    )
+    taken: list[restore.PageImages] = []
+    real_settle = restore.Prepared.settle
+
+    def settle(self: restore.Prepared, returncode: int, hit: object = None) -> None:
+        taken.append(self.pages)  # type: ignore[arg-type]
+        real_settle(self, returncode, hit)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(restore.Prepared, "settle", settle)
+    with _connect(b) as conn:
+        reply = _ask(conn, "prepare", "/", "/usr/sbin/runc", "", *_argv(tmp_path, bundle))
+        assert reply[0] == "exec", reply
+        sep = reply.index("", 1)
+        env, argv = reply[1:sep], reply[sep + 1 :]
+        assert env == [f"CRIU_CONFIG_FILE={bundle / contract.WORK_DIR / 'criu.conf'}"]
+        assert argv[0] == "/usr/sbin/runc" and "restore" in argv and "--detach" in argv
+        assert "leave-stopped" in (bundle / contract.WORK_DIR / "criu.conf").read_text()
+        child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+        conn.send(broker._packet("started", str(child.pid)))
+        child.kill()
+        child.wait()
+        reply = _ask(conn, "exited", "1")
+    assert reply[0] == "fail" and "failed (exit 1)" in reply[1], reply
+    assert taken == [started]  # RestorePod's check, not a new one
+    assert not b.checks._checks
+
+
+def test_an_eof_after_started_undoes_the_restore(
+    served: tuple[broker.RestoreBroker, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """podshim-runc killed (the upstream's deadline) while the runtime's restore runs: podshim kills
+    its process group, as the hook's watchdog did."""
+    b, tmp_path = served
+    ckpt, _ = _archive(tmp_path, b"\2" * 4096)
+    bundle = _bundle(tmp_path, {contract.RESTORE_ANNOTATION: str(ckpt)})
+    undone: list[int | None] = []
+    real_undo = restore.undo
+    monkeypatch.setattr(
+        restore, "undo", lambda p, pgid, held=None: (undone.append(pgid), real_undo(p, pgid, held))
+    )
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    with _connect(b) as conn:
+        assert _ask(conn, "prepare", "/", "/usr/sbin/runc", "", *_argv(tmp_path, bundle))[0] == "exec"
+        conn.send(broker._packet("started", str(child.pid)))
+    deadline = time.monotonic() + 10
+    while child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child.poll() == -9
+    assert undone == [child.pid]
+
+
+def test_a_client_failpoint_kill_kills_podshim_runc(served: tuple[broker.RestoreBroker, Path]) -> None:
+    """`runc-wrapper.before-restore=kill` in podshim-runc's PODSHIM_FAILPOINTS kills podshim-runc
+    itself (its SO_PEERCRED pid), before anything ran."""
+    b, tmp_path = served
+    ckpt, _ = _archive(tmp_path, b"\3" * 4096)
+    bundle = _bundle(tmp_path, {contract.RESTORE_ANNOTATION: str(ckpt)})
+    script = (
+        "import socket,sys,os\n"
+        "fd=os.open(sys.argv[1],os.O_PATH)\n"
+        "c=socket.socket(socket.AF_UNIX,socket.SOCK_SEQPACKET);c.connect(f'/proc/self/fd/{fd}/restore.sock')\n"
+        "c.send(sys.stdin.buffer.read())\n"
+        "print(c.recv(65536))\n"
+    )
+    packet = broker._packet(
+        "prepare", "/", "/usr/sbin/runc", "runc-wrapper.before-restore=kill", *_argv(tmp_path, bundle)
+    )
+    proc = subprocess.run(
+        ["python3", "-c", script, b.state_dir], input=packet, capture_output=True, timeout=30
+    )
+    assert proc.returncode == -9, proc
