@@ -540,7 +540,7 @@ def _log_page_check(work: Path, pages: PageImages, restored: float) -> None:
         "files": len(pages.digests),
         "bytes": pages.bytes,
         "hash_s": round(pages.seconds, 4),
-        "restore_s": round(restored - pages.started, 4),  # from the check's start (before the rootfs diff)
+        "restore_s": round(restored - pages.started, 4),  # from the check's start (RestorePod, or prepare)
         "wait_s": round(max(0.0, pages.started + pages.seconds - restored), 4),  # after the restore
         "ok": not pages.problem,
     }
