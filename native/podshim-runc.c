@@ -881,7 +881,8 @@ static void reap(pid_t pid) {
 }
 
 /* The connection failed after the restore started: kill what it started, and let the hook (in
- * its abort mode, told by ABORT_ENV) undo what else the restore left and fail the create. */
+ * its abort mode, told by ABORT_ENV, in a process of its own) undo what else the restore left
+ * and fail the create. */
 static void __attribute__((noreturn)) abort_restore(pid_t pid, const char *what, int err) {
     char why[512];
     snprintf(why, sizeof why,
@@ -896,7 +897,19 @@ static void __attribute__((noreturn)) abort_restore(pid_t pid, const char *what,
         report(why);
         exit(1);
     }
-    to_hook();
+    /* the undo in a session of its own, waited for: the upstream's SIGKILL of this process (the
+     * StartContainer's deadline) must not cut it short, podshim being gone already */
+    pid_t undo = fork();
+    if (undo == 0) {
+        setsid();
+        to_hook();
+    }
+    if (undo < 0)
+        to_hook(); /* in this process, then */
+    int status = 0;
+    while (waitpid(undo, &status, 0) < 0 && errno == EINTR) {
+    }
+    exit(WIFEXITED(status) ? WEXITSTATUS(status) : 1);
 }
 
 /* Connect and send `prepare`: podshim's answer, split (NULL: fall back to the hook). */

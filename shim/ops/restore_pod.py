@@ -708,19 +708,19 @@ class PodRestorer:
         checkpointed container; the undo of each step is registered in `run` right after it."""
         m, plan, opts, rec, phases = checked.manifest, checked.plan, checked.opts, run.rec, run.phases
         criu_flags = contract.to_record(m.options)
-        # the page images podshim-runc checks while CRIU restores: hashed from now on, beside the
-        # sandbox, the CreateContainers and the wait for StartContainer (docs/architecture.md §5
-        # (RestorePod) step 4)
-        deferred = {p.entry.name: deferred_pages(m, p.entry.dir) if checked.defer_pages else {} for p in plan}
-        for p in plan:
-            if deferred[p.entry.name]:
-                self.page_checks.start(p.dir, deferred[p.entry.name])
-                run.undo.callback(self.page_checks.discard, p.dir, deferred[p.entry.name])
         verifying = asyncio.ensure_future(self._verify_rest(checked, run))
         run.ends.push_async_callback(_stop_and_wait, verifying, run.steps)
         with phases("sandbox"):
             run.sandbox_id = await self._run_sandbox(req, run)
         log.info("restore sandbox created", sandbox=run.sandbox_id)
+        # the page images podshim-runc checks while CRIU restores: hashed from now on, beside the
+        # CreateContainers and the wait for StartContainer (docs/architecture.md §5 (RestorePod)
+        # step 4); not beside the sandbox, whose containerd, runc and CNI it would slow down
+        deferred = {p.entry.name: deferred_pages(m, p.entry.dir) if checked.defer_pages else {} for p in plan}
+        for p in plan:
+            if deferred[p.entry.name]:
+                self.page_checks.start(p.dir, deferred[p.entry.name])
+                run.undo.callback(self.page_checks.discard, p.dir, deferred[p.entry.name])
         resp = cri.RunPodSandboxResponse(pod_sandbox_id=run.sandbox_id)
 
         async def check_network() -> None:

@@ -19,8 +19,8 @@ before the verdict (podshim-runc killed) undoes the restore, as the hook's watch
 podshim-runc that loses podshim falls back to the hook: before its fork the hook restores, after
 it the hook undoes (restore.abort).
 
-The page images of an eager restore are hashed from RestorePod on (PageChecks), beside the new
-sandbox, the CreateContainers and the wait for StartContainer.
+The page images of an eager restore are hashed from RestorePod's new sandbox on (PageChecks), at
+nice 10, beside the CreateContainers and the wait for StartContainer.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from shim.wrapper.main import split_global
 log = logs.get("shim.wrapper.broker")
 
 SOCKET_NAME = contract.BROKER_SOCKET
+EARLY_NICE = 10  # RestorePod's page checks, until podshim-runc's restore takes them (PageImages.boost)
 MAX_PACKET = 256 * 1024  # argv, env and a failure message (CRIU's error lines) fit easily
 
 
@@ -74,7 +75,7 @@ class PageChecks:
                     del self._checks[k]
             if key in self._checks:
                 return
-            pages = restore.PageImages(Path(key[0]), dict(digests))
+            pages = restore.PageImages(Path(key[0]), dict(digests), nice=EARLY_NICE)
             pages.start()
             self._checks[key] = (pages, now)
 

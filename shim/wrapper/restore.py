@@ -10,6 +10,7 @@ The following `start` is a no-op. Everything else is an exec of the real runtime
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -375,10 +376,14 @@ class PageImages:
     sha256 is sequential), HASH_READ reads, no symlink followed. `problem` is "" when every image
     matched, else what failed, naming the member."""
 
-    def __init__(self, root: Path, digests: dict[str, str], workers: int = 2) -> None:
+    def __init__(self, root: Path, digests: dict[str, str], workers: int = 2, nice: int = 0) -> None:
         self.root = root
         self.digests = digests
         self.workers = max(1, min(workers, len(digests)))
+        # RestorePod's early check yields the CPU to the new sandbox's containerd, runc and CNI
+        # (nice is per thread on Linux); boost() puts it back once the restore waits for it
+        self.nice = nice
+        self._tids: list[int] = []
         self.stop = threading.Event()
         self.problem = ""
         self.bytes = 0
@@ -403,6 +408,11 @@ class PageImages:
         self.started = time.monotonic()
 
         def work() -> None:
+            if self.nice:
+                with self._lock:
+                    self._tids.append(threading.get_native_id())
+                    with contextlib.suppress(OSError):
+                        os.setpriority(os.PRIO_PROCESS, self._tids[-1], self.nice)
             while not self.stop.is_set():
                 with self._lock:
                     if not todo:
@@ -420,6 +430,14 @@ class PageImages:
             t = threading.Thread(target=work, name=f"podshim-page-check-{i}", daemon=True)
             t.start()
             self._threads.append(t)
+
+    def boost(self) -> None:
+        """Back to podshim's own priority: a restore now waits for this check."""
+        with self._lock:
+            self.nice = 0
+            for tid in self._tids:
+                with contextlib.suppress(OSError):  # ended already
+                    os.setpriority(os.PRIO_PROCESS, tid, 0)
 
     def _check(self, rel: str) -> str:
         try:
@@ -482,7 +500,9 @@ def _page_check(
             "recorded (the archive changed since): take a new checkpoint"
         )
     pages = running(ckpt, digests) if running is not None else None
-    if pages is None:
+    if pages is not None:
+        pages.boost()
+    else:
         pages = PageImages(ckpt, digests)
         pages.start()
     return pages
