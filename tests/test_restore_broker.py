@@ -200,3 +200,35 @@ def test_a_client_failpoint_kill_kills_podshim_runc(served: tuple[broker.Restore
         ["python3", "-c", script, b.state_dir], input=packet, capture_output=True, timeout=30
     )
     assert proc.returncode == -9, proc
+
+
+def test_an_early_page_check_yields_the_cpu_until_a_restore_takes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RestorePod's check hashes at nice 10 (per thread) beside the new pod's start-up; the broker's
+    prepare takes it and puts its threads back to podshim's priority (PageImages.boost)."""
+    import threading
+
+    from shim.archive import fsutil
+
+    ckpt, digests = _archive(tmp_path, b"\4" * 4096)
+    release = threading.Event()
+    real_hash = fsutil.hash_file
+
+    def held_hash(path: Path, chunk: int, stop: threading.Event) -> tuple[int, str]:
+        release.wait(10)
+        return real_hash(path, chunk, stop)
+
+    monkeypatch.setattr(fsutil, "hash_file", held_hash)
+    checks = broker.PageChecks()
+    checks.start(ckpt, digests)
+    pages = checks.take(ckpt, digests)
+    assert pages is not None and checks.take(ckpt, digests) is None
+    deadline = time.monotonic() + 5
+    while not pages._tids and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [os.getpriority(os.PRIO_PROCESS, t) for t in pages._tids] == [broker.EARLY_NICE]
+    pages.boost()
+    assert [os.getpriority(os.PRIO_PROCESS, t) for t in pages._tids] == [0]
+    release.set()
+    assert pages.wait() == ""
