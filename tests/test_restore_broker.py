@@ -232,3 +232,50 @@ def test_an_early_page_check_yields_the_cpu_until_a_restore_takes_it(
     assert [os.getpriority(os.PRIO_PROCESS, t) for t in pages._tids] == [0]
     release.set()
     assert pages.wait() == ""
+
+
+def test_a_client_that_hangs_up_stops_the_preparation(
+    served: tuple[broker.RestoreBroker, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """podshim-runc killed (its deadline) while podshim applies the rootfs diff: podshim stops at
+    the next member instead of working on for nobody, and stops the page check it took."""
+    import io
+    import tarfile
+
+    from shim.archive import layout, rootfs_diff
+
+    b, tmp_path = served
+    ckpt, digests = _archive(tmp_path, b"\5" * 4096)
+    with tarfile.open(layout.ContainerLayout(root=ckpt, rel="").rootfs_diff_tar, "w") as tar:
+        for i in range(200):
+            ti = tarfile.TarInfo(f"f{i}")
+            ti.size = 1
+            tar.addfile(ti, io.BytesIO(b"x"))
+    applied: list[str] = []
+    real_apply = rootfs_diff._apply_member
+
+    def slow_apply(tar: tarfile.TarFile, ti: tarfile.TarInfo, *args: object) -> None:
+        applied.append(ti.name)
+        time.sleep(0.02)
+        real_apply(tar, ti, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rootfs_diff, "_apply_member", slow_apply)
+    b.checks.start(ckpt, digests)
+    pages = b.checks._checks[b.checks._key(ckpt, digests)][0]
+    bundle = _bundle(
+        tmp_path,
+        {
+            contract.RESTORE_ANNOTATION: str(ckpt),
+            contract.PAGE_DIGESTS_ANNOTATION: contract.page_digests_record(digests),
+        },
+    )
+    with _connect(b) as conn:
+        conn.send(broker._packet("prepare", "/", "/usr/sbin/runc", "", *_argv(tmp_path, bundle)))
+        deadline = time.monotonic() + 10
+        while len(applied) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    time.sleep(0.5)
+    stopped_at = len(applied)
+    time.sleep(0.5)
+    assert 5 <= stopped_at == len(applied) < 100, (stopped_at, len(applied))
+    assert pages.stop.is_set()

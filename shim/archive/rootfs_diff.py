@@ -472,7 +472,9 @@ def apply_deleted_files(rootfs: Path, deleted: Sequence[str]) -> int:
     return n
 
 
-def apply_rootfs_diff(tar_path: Path, rootfs: Path, deleted: Sequence[str] | None = None) -> DiffSummary:
+def apply_rootfs_diff(
+    tar_path: Path, rootfs: Path, deleted: Sequence[str] | None = None, stop: threading.Event | None = None
+) -> DiffSummary:
     """Apply an OCI layer tar (plain or gzip) onto the existing directory `rootfs`.
 
     Every member must stay under rootfs: absolute names, '..', hardlinks leaving the tree
@@ -481,7 +483,7 @@ def apply_rootfs_diff(tar_path: Path, rootfs: Path, deleted: Sequence[str] | Non
     nothing here follows them. Whiteouts delete their target, opaque markers empty their
     directory (both before any member is written, so member order does not matter). Owners,
     modes, mtimes and xattrs are restored. `deleted`: CRI-O `deleted.files` entries removed
-    as well.
+    as well. `stop` set (the restore's caller is gone): Stopped before the next member.
     """
     tar_path, rootfs = Path(tar_path), Path(rootfs)
     if not rootfs.is_dir() or rootfs.is_symlink():
@@ -504,6 +506,8 @@ def apply_rootfs_diff(tar_path: Path, rootfs: Path, deleted: Sequence[str] | Non
                 apply_deleted_files(rootfs, deleted)
                 s.deleted.extend(deleted)
             for ti, parents, name in plan:
+                if stop is not None and stop.is_set():
+                    raise Stopped(f"applying {tar_path} stopped: the restore's caller is gone")
                 pfd = tree.parent(parents, create=True, member=ti.name)
                 assert pfd is not None
                 _apply_member(tar, ti, tree, pfd, name, s)

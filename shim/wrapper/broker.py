@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import struct
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from shim import contract, faults, logs
 from shim.config import Config
+from shim.errors import Stopped
 from shim.wrapper import restore
 from shim.wrapper.main import split_global
 
@@ -223,9 +225,13 @@ class RestoreBroker:
             _send(conn, "hook")
             return
         begun = time.monotonic()
+        gone = threading.Event()  # podshim-runc hung up (its deadline): stop preparing
+        watching = threading.Thread(target=_watch_hangup, args=(conn, gone), daemon=True)
+        watching.start()
+        prepared = None
         try:
             prepared = restore.prepare(
-                binary, argv, flags, rest, cwd=cwd, page_check=self.checks.take, cfg=self.config
+                binary, argv, flags, rest, cwd=cwd, page_check=self.checks.take, cfg=self.config, stop=gone
             )
             if prepared is None:
                 _send(conn, "hook")  # not a restore after all: the hook judges it
@@ -234,8 +240,14 @@ class RestoreBroker:
         except restore.RestoreFailed as e:
             _send(conn, "fail", str(e))
             return
-        except _ClientGone:
-            return  # nothing started: the runtime never ran
+        except (_ClientGone, Stopped) as e:  # nothing started: the runtime never ran
+            if prepared is not None and prepared.pages is not None:
+                prepared.pages.stop.set()
+            log.warning("podshim-runc left before its restore started", why=str(e))
+            return
+        finally:
+            gone.set()  # ends the watcher too
+            watching.join()
         self._run(conn, prepared, client_faults, begun)
 
     def _run(
@@ -284,6 +296,15 @@ class RestoreBroker:
                 p.pages.stop.set()
             for fd in held.values():
                 os.close(fd)
+
+
+def _watch_hangup(conn: socket.socket, gone: threading.Event) -> None:
+    """Set `gone` when podshim-runc hangs up (or once `gone` is set by the caller: done)."""
+    poller = select.poll()
+    poller.register(conn, select.POLLRDHUP)
+    while not gone.is_set():
+        if poller.poll(50):
+            gone.set()
 
 
 def _send(conn: socket.socket, *fields: str) -> None:

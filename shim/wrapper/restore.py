@@ -141,16 +141,18 @@ def prepare(
     cwd: str | None = None,
     page_check: Callable[[Path, dict[str, str]], PageImages | None] | None = None,
     cfg: Any = None,
+    stop: threading.Event | None = None,
 ) -> Prepared | None:
     """Everything before the runtime's `restore` runs, None for a container that is not a restore:
     the archive dir checked, the page check started, the rootfs diff applied, criu.conf and the
     bundle's config.json written. Raises RestoreFailed. `page_check(ckpt, digests)`: a page check
     already running for these images (podshim started it at RestorePod), else one is started.
-    `cfg`: podshim's Config (the broker), else the hook loads it."""
+    `cfg`: podshim's Config (the broker), else the hook loads it. `stop` set (the broker's client
+    is gone): errors.Stopped from the rootfs diff, the page check stopped."""
     from shim import config
     from shim.archive import layout, paths, rootfs_diff
     from shim.criu.runtime import OciRuntime
-    from shim.errors import ShimError
+    from shim.errors import ShimError, Stopped
 
     container_id = rest[-1] if rest else ""
     found = _bundle_spec(rest, cwd)
@@ -180,7 +182,11 @@ def prepare(
     try:
         if cl.rootfs_diff_tar.exists():
             deleted = rootfs_diff.read_deleted_files(cl.deleted_files)
-            rootfs_diff.apply_rootfs_diff(cl.rootfs_diff_tar, rootfs, deleted)
+            rootfs_diff.apply_rootfs_diff(cl.rootfs_diff_tar, rootfs, deleted, stop)
+    except Stopped:
+        if pages is not None:
+            pages.stop.set()
+        raise
     except (ShimError, OSError, ValueError) as e:
         if pages is not None:
             pages.stop.set()
