@@ -226,7 +226,8 @@ class RestoreBroker:
             return
         begun = time.monotonic()
         gone = threading.Event()  # podshim-runc hung up (its deadline): stop preparing
-        watching = threading.Thread(target=_watch_hangup, args=(conn, gone), daemon=True)
+        wake_r, wake_w = os.pipe2(os.O_CLOEXEC)  # prepared: the watcher ends at once
+        watching = threading.Thread(target=_watch_hangup, args=(conn, wake_r, gone), daemon=True)
         watching.start()
         prepared = None
         try:
@@ -246,8 +247,10 @@ class RestoreBroker:
             log.warning("podshim-runc left before its restore started", why=str(e))
             return
         finally:
-            gone.set()  # ends the watcher too
+            os.write(wake_w, b"x")
             watching.join()
+            os.close(wake_r)
+            os.close(wake_w)
         self._run(conn, prepared, client_faults, begun)
 
     def _run(
@@ -298,12 +301,13 @@ class RestoreBroker:
                 os.close(fd)
 
 
-def _watch_hangup(conn: socket.socket, gone: threading.Event) -> None:
-    """Set `gone` when podshim-runc hangs up (or once `gone` is set by the caller: done)."""
+def _watch_hangup(conn: socket.socket, wake: int, gone: threading.Event) -> None:
+    """Set `gone` if podshim-runc hangs up before `wake` becomes readable (the caller is done)."""
     poller = select.poll()
     poller.register(conn, select.POLLRDHUP)
-    while not gone.is_set():
-        if poller.poll(50):
+    poller.register(wake, select.POLLIN)
+    for fd, _events in poller.poll():
+        if fd != wake:
             gone.set()
 
 
