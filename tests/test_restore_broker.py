@@ -39,7 +39,7 @@ def _connect(b: broker.RestoreBroker) -> socket.socket:
     fd = os.open(b.state_dir, os.O_PATH | os.O_DIRECTORY)
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        conn.connect(f"/proc/self/fd/{fd}/{broker.SOCKET_NAME}")
+        conn.connect(f"/proc/self/fd/{fd}/{contract.BROKER_SOCKET}")
     finally:
         os.close(fd)
     conn.settimeout(10)
@@ -78,7 +78,7 @@ def test_the_socket_is_private_and_removed_at_stop(served: tuple[broker.RestoreB
     assert len(str(b.path)) > 108
     fd = os.open(b.state_dir, os.O_PATH | os.O_DIRECTORY)
     try:
-        mode = os.stat(broker.SOCKET_NAME, dir_fd=fd).st_mode & 0o777
+        mode = os.stat(contract.BROKER_SOCKET, dir_fd=fd).st_mode & 0o777
     finally:
         os.close(fd)
     assert mode == 0o600
@@ -114,6 +114,18 @@ def _archive(tmp_path: Path, pages: bytes) -> tuple[Path, dict[str, str]]:
     return ckpt, {"checkpoint/pages-1.img": hashlib.sha256(pages).hexdigest()}
 
 
+def _started_eager_restore(
+    b: broker.RestoreBroker, tmp_path: Path, ckpt: Path, digests: dict[str, str]
+) -> tuple[restore.PageImages, Path]:
+    """RestorePod's part: the page check started, and the bundle of an eager restore of `ckpt`."""
+    b.checks.start(ckpt, digests)
+    annotations = {
+        contract.RESTORE_ANNOTATION: str(ckpt),
+        contract.PAGE_DIGESTS_ANNOTATION: contract.page_digests_record(digests),
+    }
+    return b.checks._checks[b.checks._key(ckpt, digests)][0], _bundle(tmp_path, annotations)
+
+
 def test_exec_started_exited_then_the_verdict(
     served: tuple[broker.RestoreBroker, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -121,15 +133,7 @@ def test_exec_started_exited_then_the_verdict(
     page check RestorePod started, and a failed restore's verdict is `fail` naming the exit code."""
     b, tmp_path = served
     ckpt, digests = _archive(tmp_path, b"\1" * 4096)
-    b.checks.start(ckpt, digests)
-    started = b.checks._checks[b.checks._key(ckpt, digests)][0]
-    bundle = _bundle(
-        tmp_path,
-        {
-            contract.RESTORE_ANNOTATION: str(ckpt),
-            contract.PAGE_DIGESTS_ANNOTATION: contract.page_digests_record(digests),
-        },
-    )
+    started, bundle = _started_eager_restore(b, tmp_path, ckpt, digests)
     taken: list[restore.PageImages] = []
     real_settle = restore.Prepared.settle
 
@@ -260,15 +264,7 @@ def test_a_client_that_hangs_up_stops_the_preparation(
         real_apply(tar, ti, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(rootfs_diff, "_apply_member", slow_apply)
-    b.checks.start(ckpt, digests)
-    pages = b.checks._checks[b.checks._key(ckpt, digests)][0]
-    bundle = _bundle(
-        tmp_path,
-        {
-            contract.RESTORE_ANNOTATION: str(ckpt),
-            contract.PAGE_DIGESTS_ANNOTATION: contract.page_digests_record(digests),
-        },
-    )
+    pages, bundle = _started_eager_restore(b, tmp_path, ckpt, digests)
     with _connect(b) as conn:
         conn.send(broker._packet("prepare", "/", "/usr/sbin/runc", "", *_argv(tmp_path, bundle)))
         deadline = time.monotonic() + 10

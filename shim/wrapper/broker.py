@@ -2,7 +2,7 @@
 
 podshim-runc (native/podshim-runc.c) is called by the upstream's shim for `create` of a restored
 container. Starting the Python hook for it costs every restore ~0.08 s, so podshim-runc asks the
-running podshim instead, over SOCKET_NAME in server.state_dir (AF_UNIX, SOCK_SEQPACKET: one
+running podshim instead, over BROKER_SOCKET in server.state_dir (AF_UNIX, SOCK_SEQPACKET: one
 message per packet, NUL-terminated fields, the first one the verb):
 
     podshim-runc -> podshim   prepare <cwd> <runtime binary> <PODSHIM_FAILPOINTS> <argv[1:]...>
@@ -36,15 +36,15 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from shim import contract, faults, logs
+from shim import faults, logs
 from shim.config import Config
+from shim.contract import BROKER_SOCKET
 from shim.errors import Stopped
 from shim.wrapper import restore
 from shim.wrapper.main import split_global
 
 log = logs.get("shim.wrapper.broker")
 
-SOCKET_NAME = contract.BROKER_SOCKET
 EARLY_NICE = 10  # RestorePod's page checks, until podshim-runc's restore takes them (PageImages.boost)
 MAX_PACKET = 256 * 1024  # argv, env and a failure message (CRIU's error lines) fit easily
 
@@ -118,36 +118,24 @@ class _ClientGone(Exception):
     """podshim-runc died (EOF) or was killed by a failpoint: the restore is undone."""
 
 
-class _ClientFaults:
+def _client_failpoints(spec: str, pid: int) -> faults.Failpoints:
     """podshim-runc's failpoints (its PODSHIM_FAILPOINTS, `runc-wrapper.*`), acted on here where the
-    hook acted on them: `kill` kills podshim-runc (tests/faults: a death at that instant)."""
+    hook acted on them: `kill` kills podshim-runc (tests/faults: a death at that instant) and ends
+    its restore here (_ClientGone); `error` fails it."""
 
-    def __init__(self, spec: str, pid: int) -> None:
-        self.points = faults.parse(spec)
-        self.pid = pid
-        self.hits: dict[str, int] = {}
+    def kill(name: str) -> None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        raise _ClientGone(f"failpoint {name} killed podshim-runc")
 
-    def __call__(self, name: str) -> None:
-        action = self.points.get(name)
-        if action is None:
-            return
-        action, at, nth = action.partition("@")
-        if at:
-            self.hits[name] = self.hits.get(name, 0) + 1
-            if self.hits[name] != int(nth):
-                return
-        if action == "kill":
-            with contextlib.suppress(OSError):
-                os.kill(self.pid, signal.SIGKILL)
-            raise _ClientGone(f"failpoint {name} killed podshim-runc")
-        if action == "error":
-            raise restore.RestoreFailed(f"failpoint {name} triggered (PODSHIM_FAILPOINTS)")
-        if action.startswith("sleep:"):
-            time.sleep(float(action.split(":", 1)[1]))
+    def error(name: str) -> Exception:
+        return restore.RestoreFailed(f"failpoint {name} triggered (PODSHIM_FAILPOINTS)")
+
+    return faults.Failpoints(spec, kill, error)
 
 
 class RestoreBroker:
-    """Serves podshim-runc's restores on SOCKET_NAME in `state_dir`, a thread per connection."""
+    """Serves podshim-runc's restores on BROKER_SOCKET in `state_dir`, a thread per connection."""
 
     def __init__(self, config: Config, checks: PageChecks) -> None:
         self.config = config
@@ -158,7 +146,7 @@ class RestoreBroker:
 
     @property
     def path(self) -> Path:
-        return Path(self.state_dir) / SOCKET_NAME
+        return Path(self.state_dir) / BROKER_SOCKET
 
     def start(self) -> None:
         """Listen; on failure podshim-runc falls back to the hook (logged, not fatal)."""
@@ -166,11 +154,11 @@ class RestoreBroker:
             # named through a descriptor of the state dir: its path may not fit in sun_path (108)
             self._dir_fd = os.open(self.state_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(SOCKET_NAME, dir_fd=self._dir_fd)  # a previous run's
+                os.unlink(BROKER_SOCKET, dir_fd=self._dir_fd)  # a previous run's
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             old = os.umask(0o177)
             try:
-                listener.bind(f"/proc/self/fd/{self._dir_fd}/{SOCKET_NAME}")
+                listener.bind(f"/proc/self/fd/{self._dir_fd}/{BROKER_SOCKET}")
             finally:
                 os.umask(old)
             listener.listen(64)
@@ -188,7 +176,7 @@ class RestoreBroker:
                 listener.shutdown(socket.SHUT_RDWR)
             listener.close()
             with contextlib.suppress(OSError):
-                os.unlink(SOCKET_NAME, dir_fd=self._dir_fd)
+                os.unlink(BROKER_SOCKET, dir_fd=self._dir_fd)
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
@@ -219,7 +207,7 @@ class RestoreBroker:
             _send(conn, "hook")
             return
         cwd, binary, failpoints, argv = fields[1], fields[2], fields[3], fields[4:]
-        client_faults = _ClientFaults(failpoints, pid)
+        client_faults = _client_failpoints(failpoints, pid)
         flags, command, rest = split_global(argv)
         if command != "create":
             _send(conn, "hook")
@@ -237,7 +225,7 @@ class RestoreBroker:
             if prepared is None:
                 _send(conn, "hook")  # not a restore after all: the hook judges it
                 return
-            client_faults("runc-wrapper.before-restore")
+            client_faults.hit("runc-wrapper.before-restore")
         except restore.RestoreFailed as e:
             _send(conn, "fail", str(e))
             return
@@ -254,7 +242,7 @@ class RestoreBroker:
         self._run(conn, prepared, client_faults, begun)
 
     def _run(
-        self, conn: socket.socket, p: restore.Prepared, client_faults: _ClientFaults, begun: float
+        self, conn: socket.socket, p: restore.Prepared, client_faults: faults.Failpoints, begun: float
     ) -> None:
         """From `exec` to the verdict, with the watchdog's role: whatever ends this early undoes."""
         held = restore._hold_dirs([p.work])  # the upstream renames the bundle while it deletes it
@@ -268,7 +256,7 @@ class RestoreBroker:
             returncode = int(_expect(conn, "exited"))
             t1 = time.monotonic()
             faults.hit("restore-broker.after-restore")  # tests/faults: podshim dies, tasks held
-            p.settle(returncode, client_faults)
+            p.settle(returncode, client_faults.hit)
             try:
                 restore.conclude(p, returncode)
                 reply = ("ok",)

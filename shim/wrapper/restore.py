@@ -25,6 +25,7 @@ from typing import Any
 
 from shim import contract, faults
 from shim.contract import (
+    ABORT_ENV,
     CRIU_CONFIG_ANNOTATION,
     LAZY_PAGES_ANNOTATION,
     LAZY_PAGES_FAILED,
@@ -92,9 +93,6 @@ def maybe_restore(binary: str, argv: list[str], flags: dict[str, str], rest: lis
     raise SystemExit(0)
 
 
-ABORT_ENV = contract.ABORT_ENV  # set by podshim-runc (C) for the hook: why the restore is undone
-
-
 def _bundle_spec(rest: list[str], cwd: str | None = None) -> tuple[Path, dict] | None:
     """The bundle and its config.json, None when it cannot be read (not ours to judge)."""
     bundle = Path(cwd or os.getcwd(), _arg(rest, "--bundle", "-b") or ".")
@@ -117,8 +115,7 @@ class Prepared:
         self.spec: dict = kw["spec"]
         self.work: Path = kw["work"]
         self.lazy: bool = kw["lazy"]
-        self.state_dir: Path = kw["state_dir"]  # the runtime's state dir of the container
-        self.marker_dir: Path = kw["marker_dir"]
+        self.state_dir: Path = kw["state_dir"]  # the runtime's state dir of the container (the marker's)
         self.cgroups_path: str = kw["cgroups_path"]
         self.pid_file: str | None = kw["pid_file"]
         self.cmd: list[str] = kw["cmd"]
@@ -223,11 +220,6 @@ def prepare(
         global_args=argv[: len(argv) - len(rest) - 1],
         lazy_pages=lazy is not None,
     )
-    # a restored container killed afterwards (its page images differ, or podshim-runc died while
-    # they were held) leaves no runtime state behind: runc saved it, and containerd 2.1 does not
-    # delete it after the failed create
-    # (--root and the cgroup driver only: the --log file lies in the bundle, gone when the watchdog runs)
-    systemd = ["--systemd-cgroup"] if "--systemd-cgroup" in flags else []
     return Prepared(
         binary=binary,
         container_id=container_id,
@@ -236,16 +228,29 @@ def prepare(
         spec=spec,
         work=work,
         lazy=lazy is not None,
-        state_dir=Path(flags.get("--root", "")) / container_id,
-        marker_dir=Path(flags.get("--root", "")) / container_id,
+        state_dir=_runtime_state_dir(flags, container_id),
         cgroups_path=spec.get("linux", {}).get("cgroupsPath", ""),
         pid_file=pid_file,
         cmd=cmd,
         env={"CRIU_CONFIG_FILE": str(criu_conf)},
-        delete=[binary, "--root", flags.get("--root", ""), *systemd, "delete", "--force", container_id],
+        delete=_runtime_delete(binary, flags, container_id),
         pages=pages,
         cfg_state_dir=cfg.state_dir,
     )
+
+
+def _runtime_state_dir(flags: dict[str, str], container_id: str) -> Path:
+    """The runtime's state dir of the container (`--root`/<id>): its state.json and our marker."""
+    return Path(flags.get("--root", "")) / container_id
+
+
+def _runtime_delete(binary: str, flags: dict[str, str], container_id: str) -> list[str]:
+    """The runtime's `delete --force` of the container. A restored container killed afterwards
+    (its page images differ, or podshim-runc died while they were held) leaves no runtime state
+    behind: runc saved it, and containerd 2.1 does not delete it after the failed create. (--root
+    and the cgroup driver only: the --log file lies in the bundle, gone when the watchdog runs.)"""
+    systemd = ["--systemd-cgroup"] if "--systemd-cgroup" in flags else []
+    return [binary, "--root", flags.get("--root", ""), *systemd, "delete", "--force", container_id]
 
 
 def conclude(p: Prepared, returncode: int) -> None:
@@ -276,26 +281,21 @@ def conclude(p: Prepared, returncode: int) -> None:
             "killed before they ran: take a new checkpoint"
         )
     try:
-        (p.marker_dir / RESTORED_MARKER).write_text(str(p.ckpt))
+        (p.state_dir / RESTORED_MARKER).write_text(str(p.ckpt))
     except OSError as e:
-        raise RestoreFailed(
-            f"restored {p.container_id} but cannot record it in {p.marker_dir}: {e}"
-        ) from None
+        raise RestoreFailed(f"restored {p.container_id} but cannot record it in {p.state_dir}: {e}") from None
 
 
-def _remove_decrypted(ckpt: str | None) -> None:
-    """Remove the decrypted images in `ckpt` once checked to be podshim's (an owned root)."""
-    import contextlib
-
-    from shim import config
+def _remove_decrypted(ckpt: str | None, state_dir: str) -> None:
+    """Remove the decrypted images in `ckpt` once checked to be podshim's (an owned root of
+    `state_dir`)."""
     from shim.archive import crypto, paths
     from shim.errors import ShimError
 
     if not ckpt:
         return
-    with contextlib.suppress(config.ConfigError, ShimError, OSError):
-        cfg = config.load(check_files=False)
-        real = paths.validate_archive_dir(ckpt, contract.owned_roots(cfg.state_dir))
+    with contextlib.suppress(ShimError, OSError):
+        real = paths.validate_archive_dir(ckpt, contract.owned_roots(state_dir))
         if (real / contract.DECRYPTED_MARKER).is_file():
             crypto.remove_decrypted(real)
 
@@ -320,29 +320,30 @@ def abort(binary: str, flags: dict[str, str], rest: list[str], reason: str) -> N
     value = (spec.get("annotations") or {}).get(LAZY_PAGES_ANNOTATION)
     if value and Path(os.path.realpath(value)).parent.name == contract.LAZY_DIR:
         work = Path(os.path.realpath(value))
-    state_dir = Path(flags.get("--root", "")) / container_id
-    systemd = ["--systemd-cgroup"] if "--systemd-cgroup" in flags else []
-    delete = [binary, "--root", flags.get("--root", ""), *systemd, "delete", "--force", container_id]
     cgroups_path = spec.get("linux", {}).get("cgroupsPath", "")
     kill_tasks(cgroups_path, _arg(rest, "--pid-file"))
-    _kill_restore(None, cgroups_path, [work, state_dir], _hold_dirs([work]), delete)
+    delete = _runtime_delete(binary, flags, container_id)
+    _kill_restore(
+        None, cgroups_path, [work, _runtime_state_dir(flags, container_id)], _hold_dirs([work]), delete
+    )
+    cfg = _hook_config()
     if not value:  # decrypted images no CRIU reads any more (a lazy daemon's: podshim's business)
-        _remove_decrypted((spec.get("annotations") or {}).get(RESTORE_ANNOTATION))
-    kept = _keep_log(work / "restore.log", _state_dir(), container_id)
+        _remove_decrypted((spec.get("annotations") or {}).get(RESTORE_ANNOTATION), cfg.state_dir)
+    kept = _keep_log(work / "restore.log", cfg.state_dir, container_id)
     raise RestoreFailed(
         f"restore of container {container_id} undone: {reason}; its processes were killed: start it "
         f"again (CRIU log: {kept})"
     )
 
 
-def _state_dir() -> str:
-    """podshim's state dir as the hook's config names it."""
+def _hook_config() -> Any:
+    """podshim's config as the hook reads it (the defaults when it cannot)."""
     from shim import config
 
     try:
-        return config.load(check_files=False).state_dir
+        return config.load(check_files=False)
     except config.ConfigError:
-        return config.Config().state_dir
+        return config.Config()
 
 
 def _lazy_dir(spec: dict, cfg: Any, container_id: str) -> Path | None:
@@ -560,8 +561,6 @@ def _hit(name: str) -> None:
 
 def _log_page_check(work: Path, pages: PageImages, restored: float) -> None:
     """The overlap of the page check with CRIU's restore, for the operator and bench/restore."""
-    import contextlib
-
     doc = {
         "files": len(pages.digests),
         "bytes": pages.bytes,
@@ -578,8 +577,6 @@ def container_pids(cgroups_path: str, pid_file: str | None = None) -> set[int]:
     """Every process of the container: those in its cgroup and the cgroups below it (freezer
     hierarchy on v1, the unified one on v2), and the runtime's pid-file process with its
     descendants (/proc/<pid>/task/*/children), in case a cgroup cannot be read."""
-    import contextlib
-
     pids: set[int] = set()
     if cgroups_path:
         with contextlib.suppress(Exception):
@@ -639,8 +636,6 @@ def kill_tasks(cgroups_path: str, pid_file: str | None) -> None:
     """SIGKILL every process of the container (a stopped one dies too): first all it has (through
     pidfds: the pid file's pid may be reused once the container's init is reaped), then what its
     cgroup still holds, until nothing alive is left (at most ~2 s)."""
-    import contextlib
-
     for pid in container_pids(cgroups_path, pid_file):
         with contextlib.suppress(OSError):
             fd = os.pidfd_open(pid)
@@ -661,8 +656,6 @@ def kill_tasks(cgroups_path: str, pid_file: str | None) -> None:
 def _delete_state(delete: list[str]) -> None:
     """Run the runtime's `delete --force` of a restored container that is then killed (its stdio
     is not the container's; a failure leaves it to the upstream's own delete)."""
-    import contextlib
-
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(delete, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
 
@@ -780,8 +773,6 @@ def _kill_restore(
     held: dict[Path, int] | None = None,
     delete: list[str] | None = None,
 ) -> None:
-    import contextlib
-
     if pgid is not None:
         with contextlib.suppress(OSError):
             os.killpg(pgid, signal.SIGKILL)
