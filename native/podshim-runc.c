@@ -875,9 +875,12 @@ static char **split_fields(char *buf, size_t n, int *nf) {
     return f;
 }
 
-static void reap(pid_t pid) {
-    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {
+/* Wait for the child `pid`; its wait status. */
+static int reap(pid_t pid) {
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
+    return status;
 }
 
 /* The connection failed after the restore started: kill what it started, and let the hook (in
@@ -906,9 +909,7 @@ static void __attribute__((noreturn)) abort_restore(pid_t pid, const char *what,
     }
     if (undo < 0)
         to_hook(); /* in this process, then */
-    int status = 0;
-    while (waitpid(undo, &status, 0) < 0 && errno == EINTR) {
-    }
+    int status = reap(undo);
     exit(WIFEXITED(status) ? WEXITSTATUS(status) : 1);
 }
 
