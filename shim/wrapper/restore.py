@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,9 @@ def _fail(message: str, log_file: str | None) -> None:
 def already_restored(flags: dict[str, str], rest: list[str]) -> bool:
     """`start ID` of a container that `create` restored (it is running: start is a no-op)."""
     container_id = rest[-1] if rest else ""
-    root = flags.get("--root", "")
-    return bool(root and container_id and (Path(root) / container_id / RESTORED_MARKER).exists())
+    if not (flags.get("--root") and container_id):
+        return False
+    return (_runtime_state_dir(flags, container_id) / RESTORED_MARKER).exists()
 
 
 def maybe_restore(binary: str, argv: list[str], flags: dict[str, str], rest: list[str]) -> None:
@@ -103,26 +105,23 @@ def _bundle_spec(rest: list[str], cwd: str | None = None) -> tuple[Path, dict] |
     return (bundle, spec) if isinstance(spec, dict) else None
 
 
+@dataclass
 class Prepared:
     """A restore ready to run: `cmd` with `env` (the runtime's `restore`), and what settling and
     concluding it need. Made by prepare() in the hook, or in podshim for podshim-runc (broker)."""
 
-    def __init__(self, **kw: Any) -> None:
-        self.binary: str = kw["binary"]
-        self.container_id: str = kw["container_id"]
-        self.ckpt: Path = kw["ckpt"]
-        self.bundle: Path = kw["bundle"]
-        self.spec: dict = kw["spec"]
-        self.work: Path = kw["work"]
-        self.lazy: bool = kw["lazy"]
-        self.state_dir: Path = kw["state_dir"]  # the runtime's state dir of the container (the marker's)
-        self.cgroups_path: str = kw["cgroups_path"]
-        self.pid_file: str | None = kw["pid_file"]
-        self.cmd: list[str] = kw["cmd"]
-        self.env: dict[str, str] = kw["env"]  # set on top of the caller's environment
-        self.delete: list[str] = kw["delete"]  # the runtime's delete --force of the container
-        self.pages: PageImages | None = kw["pages"]
-        self.cfg_state_dir: str = kw["cfg_state_dir"]
+    container_id: str
+    ckpt: Path
+    work: Path
+    lazy: bool
+    state_dir: Path  # the runtime's state dir of the container (the marker's)
+    cgroups_path: str
+    pid_file: str | None
+    cmd: list[str]
+    env: dict[str, str]  # set on top of the caller's environment
+    delete: list[str]  # the runtime's delete --force of the container
+    pages: PageImages | None
+    cfg_state_dir: str
 
     def settle(self, returncode: int, hit: Callable[[str], None] | None = None) -> None:
         """Once the restore ended, before the watchdog lets go: the page check's verdict (_settler)."""
@@ -221,11 +220,8 @@ def prepare(
         lazy_pages=lazy is not None,
     )
     return Prepared(
-        binary=binary,
         container_id=container_id,
         ckpt=ckpt,
-        bundle=bundle,
-        spec=spec,
         work=work,
         lazy=lazy is not None,
         state_dir=_runtime_state_dir(flags, container_id),
