@@ -17,6 +17,8 @@
 #      test suite's crun variants then fail (PODSHIM_TESTS_WITHOUT_CRUN=1 skips them).
 #   3b. containerd 1.7 (trixie) and 2.1 (sid) binary packages unpacked (not installed) into
 #      /var/cache/podshim/containerd/<minor>/bin for the test bed (PODSHIM_TEST_CONTAINERD).
+#   3c. the Go programs the tests drive, built from pinned Go modules (tools/go/, scripts/gotools.sh)
+#      into /var/cache/podshim/go/bin: kubelet, crictl, critest, containerd 2.2 and 2.4, runc 1.3.
 #   4. Python: .venv, `pip install -e '.[dev]'` when pyproject.toml changed, and pycriu
 #      (from CRIU's source, *_pb2 regenerated with the venv's grpc_tools) into the venv;
 #      the compiled runtime wrapper native/podshim-runc.c as .venv/bin/podshim-runc (its
@@ -723,6 +725,15 @@ step_cgroups() {
 }
 
 # ---------------------------------------------------------------------------------------
+# 3c. The Go programs the tests drive (kubelet, crictl, critest, containerd 2.2/2.4, runc 1.3),
+# built from the pinned modules under tools/go/ into /var/cache/podshim/go (scripts/gotools.sh).
+# ---------------------------------------------------------------------------------------
+step_gotools() {
+  step "Go programs for the tests (tools/go/) in ${PODSHIM_GO_CACHE:-/var/cache/podshim/go}"
+  bash "$REPO_ROOT/scripts/gotools.sh"
+}
+
+# ---------------------------------------------------------------------------------------
 system_steps() {
   mkdir -p "$BUILD_DIR/logs"
   step_apt
@@ -730,6 +741,7 @@ system_steps() {
   step_criu
   step_crun
   step_containerd
+  step_gotools
 }
 
 if [ "${1:-}" = "--system-only" ]; then
