@@ -4,7 +4,8 @@ Inactive unless PODSHIM_FAILPOINTS is set, e.g.
 `PODSHIM_FAILPOINTS=checkpoint.after-freeze=kill,restore.after-sandbox=error`.
 Actions: `kill` (SIGKILL this process: a crash), `error` (raise Internal), `sleep:<seconds>`;
 `<action>@<n>` acts on the n-th hit only (e.g. `write-file.manifest.json=kill@2`: during the
-second write of a manifest).
+second write of a manifest). A failpoint on the event loop is `await hit_async(name)`: its sleep
+leaves the loop and the deadlines running (a caller's deadline cancels it), as a slow step would.
 """
 
 from __future__ import annotations
@@ -56,22 +57,37 @@ class Failpoints:
 
     def hit(self, name: str) -> None:
         """Act on failpoint `name` if it is armed (a dict lookup otherwise)."""
+        seconds = self._act(name)
+        if seconds:
+            time.sleep(seconds)
+
+    async def hit_async(self, name: str) -> None:
+        """hit() on the event loop: a `sleep` awaits, so it can be cancelled."""
+        seconds = self._act(name)
+        if seconds:
+            import asyncio  # here: podshim-runc's hook imports this module and no asyncio
+
+            await asyncio.sleep(seconds)
+
+    def _act(self, name: str) -> float:
+        """Kill or raise if `name` is armed so; the seconds it is to sleep (0: none)."""
         if not self.points:
-            return
+            return 0.0
         action = self.points.get(name)
         if action is None:
-            return
+            return 0.0
         action, at, nth = action.partition("@")
         if at:
             self.hits[name] = self.hits.get(name, 0) + 1
             if self.hits[name] != int(nth):
-                return
+                return 0.0
         if action == "kill":
             self.kill(name)
         elif action == "error":
             raise self.error(name)
         elif action.startswith("sleep:"):
-            time.sleep(float(action.split(":", 1)[1]))
+            return float(action.split(":", 1)[1])
+        return 0.0
 
 
 _PROCESS = Failpoints(os.environ.get(ENV, ""))  # this process's, from its environment
@@ -80,3 +96,8 @@ _PROCESS = Failpoints(os.environ.get(ENV, ""))  # this process's, from its envir
 def hit(name: str) -> None:
     """Act on this process's failpoint `name` if it is armed (a dict lookup otherwise)."""
     _PROCESS.hit(name)
+
+
+async def hit_async(name: str) -> None:
+    """hit() for code on the event loop (a `sleep` awaits: the loop and deadlines keep running)."""
+    await _PROCESS.hit_async(name)

@@ -694,12 +694,13 @@ oom_score = 0
 
     @contextlib.contextmanager
     def extra_podshim(
-        self, workdir: str | os.PathLike[str], **overrides: dict[str, Any]
+        self, workdir: str | os.PathLike[str], failpoints: str = "", **overrides: dict[str, Any]
     ) -> Iterator[tuple[Path, Path]]:
         """A second podshim in front of this bed's containerd, configured like the bed's own but
         with its own socket and state dir under `workdir`, and `overrides` merged per TOML section
-        (e.g. `checkpoint={"encryption_key_file": ...}`). Yields (socket, log path) once it answers
-        Version; stopped (SIGTERM) on exit."""
+        (e.g. `checkpoint={"encryption_key_file": ...}`), `failpoints` its PODSHIM_FAILPOINTS
+        (shim/faults.py). Yields (socket, log path) once it answers Version; stopped (SIGTERM) on
+        exit."""
         workdir = Path(workdir)
         with open(self.podshim_config, "rb") as f:
             config = tomllib.load(f)
@@ -709,7 +710,9 @@ oom_score = 0
         path = workdir / "podshim.toml"
         path.write_text(_toml_dump(config))
         log = workdir / "podshim.log"
-        env = {k: v for k, v in self._env().items() if k != "PODSHIM_CONFIG"}
+        env = {k: v for k, v in self._env().items() if k not in ("PODSHIM_CONFIG", "PODSHIM_FAILPOINTS")}
+        if failpoints:
+            env["PODSHIM_FAILPOINTS"] = failpoints
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 [*self.podshim_command, "serve", "--config", str(path)],

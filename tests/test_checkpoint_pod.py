@@ -27,6 +27,7 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.archive import manifest as mf
+from shim.deadlines import CLEANUP_MARGIN
 from testbed import pods
 from testbed.bed import TestBed
 from testbed.checks import FREEZER, container_cgroup, expect_error, freezer_state, verbose_info
@@ -424,34 +425,51 @@ def assert_refused_cleanly(
     return details
 
 
-def test_deadline_too_short(rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]) -> None:
+# the dump step held (`checkpoint.mid-dump=sleep`: runc and CRIU started, podshim not yet waiting
+# for them) longer than any deadline below, so the deadline runs out during the dump on any machine
+DUMP_HELD = "checkpoint.mid-dump=sleep:600"
+# the deadline of the call that runs out during the dump: ample for the checks, the files written
+# before the freeze and the freeze (tens of milliseconds here); a machine taking longer fails the
+# test with "while checking" instead
+MID_DUMP_DEADLINE = 5.0
+
+
+def test_deadline_too_short(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], tmp_path: Path
+) -> None:
     pod = start_pod(rt, "deadline", log_root, pod_cleanup, {"counter": counter("counter", mem_mib=256)})
     wait_counting(pod, "counter", 2, timeout=60)
     out = empty_dir(bed, "deadline")
+    # no longer than the cleanup margin podshim keeps from it: refused before anything is frozen
     assert_refused_cleanly(
         rt,
         bed,
         pod,
         out,
         grpc.StatusCode.DEADLINE_EXCEEDED,
-        lambda: checkpoint(rt, pod.id, out, timeout=0.3),
+        lambda: checkpoint(rt, pod.id, out, timeout=CLEANUP_MARGIN),
         "deadline leaves no time",
         pod.config.metadata.name,
     )
-    # a deadline that runs out in the middle of the dump: aborted, thawed, cleaned up
+    # a deadline that runs out in the middle of the dump: runc and CRIU stopped, the pod thawed,
+    # the partial files removed, nothing left in the journal of the podshim that ran it
     out2 = empty_dir(bed, "deadline-mid")
-    details = assert_refused_cleanly(
-        rt,
-        bed,
-        pod,
-        out2,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        lambda: checkpoint(rt, pod.id, out2, timeout=1.0),
-        "did not finish within the caller's deadline",
-        pod.config.metadata.name,
-    )
+    with bed.extra_podshim(tmp_path, failpoints=DUMP_HELD) as (sock, log):
+        held = pods.stubs(sock)[0]
+        details = assert_refused_cleanly(
+            rt,
+            bed,
+            pod,
+            out2,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            lambda: checkpoint(held, pod.id, out2, timeout=MID_DUMP_DEADLINE),
+            "did not finish within the caller's deadline",
+            pod.config.metadata.name,
+        )
+        assert list((tmp_path / "state" / "ops").glob("*.json")) == []
+        assert '"event": "pod frozen"' in log.read_text()  # it ran out after the freeze: in the dump
     assert "thawed" in details and "partial files removed" in details
-    # CRIU was killed in the middle of its dump: the process is intact, every page of it
+    # the dump was abandoned: the process is intact, every page of it
     assert_memory_intact(rt, pod, "counter")
 
 

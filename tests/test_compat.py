@@ -3,9 +3,12 @@ without a bed: cgroup version detection, old manifests, several mismatches in on
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import platform
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,21 +73,61 @@ def test_image_mismatch_messages() -> None:
 CRIU = "/usr/local/sbin/criu"
 
 
-@pytest.mark.skipif(
-    not Path(CRIU).exists() or platform.machine() != "x86_64", reason="x86 CRIU (scripts/setup.sh builds it)"
-)
-def test_cpu_features_are_compared_by_criu() -> None:
-    import base64
-    import io
-
+def _x86_entry(recorded: str) -> dict[str, Any]:
+    """The x86 entry of a cpuinfo.img (base64)."""
     import pycriu
 
+    img = pycriu.images.load(io.BytesIO(base64.b64decode(recorded)))
+    return img["entries"][0]["x86_entry"][0]  # type: ignore[no-any-return]
+
+
+def _edited(recorded: str, field: str, value: int) -> str:
+    """`recorded` with its x86 entry's `field` set to `value`."""
+    import pycriu
+
+    img = pycriu.images.load(io.BytesIO(base64.b64decode(recorded)))
+    img["entries"][0]["x86_entry"][0][field] = value
+    out = io.BytesIO()
+    pycriu.images.dump(img, out)
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def foreign_cpu(recorded: str, host: str) -> tuple[str, int]:
+    """`recorded` (a cpuinfo.img, base64) edited to claim one more xsave state component: the
+    lowest one this node's own image `host` lacks. Whatever this CPU has, the edit is a CPU it
+    is not: CRIU's `cpuinfo check` refuses an image whose `xfeatures_mask` has a bit the node's
+    lacks (criu/arch/x86/cpu.c, cpu_validate_features, "CPU xfeatures has unsupported bits").
+    Returns (the edited image, the bit added)."""
+    mask = _x86_entry(recorded)["xfeatures_mask"]
+    here = _x86_entry(host)["xfeatures_mask"]
+    # bit 63 of XCR0 is reserved: some lower bit is always free
+    bit = next(1 << n for n in range(63) if not (here | mask) & (1 << n))
+    return _edited(recorded, "xfeatures_mask", mask | bit), bit
+
+
+# CRIU's cpuinfo image is x86's; on x86 the set-up installs CRIU, so these run (and fail without it)
+X86_CRIU = pytest.mark.skipif(
+    platform.machine() != "x86_64",
+    reason=f"criu cpuinfo compares x86 CPUs; this node is {platform.machine()}",
+)
+
+
+@X86_CRIU
+def test_cpu_features_are_compared_by_criu() -> None:
+    """This CPU's own image passes; the same image with one xsave component this CPU lacks is
+    refused, naming that component (the comparison works, whatever the CPU)."""
     here = compat.cpuinfo(CRIU)
     assert here, "criu cpuinfo dump failed"
     assert compat.cpuinfo_problem(here, CRIU) is None
-    img = pycriu.images.load(io.BytesIO(base64.b64decode(here)))
-    img["entries"][0]["x86_entry"][0]["xfeatures_mask"] |= 0xE0  # AVX-512 state this VM lacks
-    out = io.BytesIO()
-    pycriu.images.dump(img, out)
-    problem = compat.cpuinfo_problem(base64.b64encode(out.getvalue()).decode(), CRIU)
-    assert problem and "xfeatures" in problem, problem
+    other, bit = foreign_cpu(here, here)
+    problem = compat.cpuinfo_problem(other, CRIU)
+    assert problem and f"xfeatures has unsupported bits ({bit:#x})" in problem, (hex(bit), problem)
+
+
+@X86_CRIU
+def test_xsave_frame_size_must_match() -> None:
+    """CRIU also requires the xsave frame sizes equal (a restored libc sized its frames by them)."""
+    here = compat.cpuinfo(CRIU)
+    size = _x86_entry(here)["xsave_size"]
+    problem = compat.cpuinfo_problem(_edited(here, "xsave_size", size + 64), CRIU)
+    assert problem and f"xsave size mismatch ({size + 64}/{size})" in problem, problem

@@ -23,13 +23,15 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
+from shim.archive import compat
 from shim.archive import manifest as mf
 from shim.distribution import artifact, pull, push
 from shim.distribution.registry_auth import client_for
 from shim.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 from testbed import pods
-from testbed.bed import VENV_BIN, TestBed
+from testbed.bed import CRIU, VENV_BIN, TestBed
 from testbed.registry import Registry, registry_available
+from tests.test_compat import foreign_cpu
 from tests.test_restore_pod import SMALL_ARGS, Checkpoint, assert_resumed, counter_config, take_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -550,27 +552,14 @@ def test_pull_outside_the_allowed_roots_is_invalid_argument(
 # ---------------------------------------------------------------------- another node, or a clear refusal
 
 
-def other_cpu(recorded: str) -> str:
-    """The recorded cpuinfo.img with FPU state components (AVX-512) this CPU lacks."""
-    import base64
-
-    import pycriu
-
-    img = pycriu.images.load(io.BytesIO(base64.b64decode(recorded)))
-    entry = img["entries"][0]["x86_entry"][0]
-    entry["xfeatures_mask"] |= 0xE0
-    out = io.BytesIO()
-    pycriu.images.dump(img, out)
-    return base64.b64encode(out.getvalue()).decode()
-
-
 def test_incompatible_node_is_refused_naming_each_mismatch(
     source: Checkpoint, registry: Registry, node_b: TestBed, rt_b: Stub, tmp_path: Path
 ) -> None:
-    """An archive recorded on a newer kernel, a CPU with AVX-512 state, cgroup v2, and a container
-    image id node B does not have (a plain archive: its manifest is not authenticated, so the edit
-    keeps the checksums right): `restorepod --from` answers FAILED_PRECONDITION naming all four,
-    creates no sandbox and removes what it pulled."""
+    """An archive recorded on a newer kernel, a CPU with an xsave state component node B's lacks
+    (derived from node B's own CPU, whatever it is: tests/test_compat.py foreign_cpu), the other
+    cgroup version, and a container image id node B does not have (a plain archive: its manifest
+    is not authenticated, so the edit keeps the checksums right): `restorepod --from` answers
+    FAILED_PRECONDITION naming all four, creates no sandbox and removes what it pulled."""
     m = mf.read_manifest(source.path)
     assert m.host.cpuinfo and m.host.cgroup_version in ("1", "2")  # recorded at checkpoint time
     edited = tmp_path / "edited"
@@ -584,9 +573,10 @@ def test_incompatible_node_is_refused_naming_each_mismatch(
         "size": dump.stat().st_size,
         "sha256": hashlib.sha256(dump.read_bytes()).hexdigest(),
     }
+    cpu, bit = foreign_cpu(doc["host"]["cpuinfo"], compat.cpuinfo(CRIU))
     doc["host"].update(
         kernel="99.1.0",
-        cpuinfo=other_cpu(doc["host"]["cpuinfo"]),
+        cpuinfo=cpu,
         cgroup_version="2" if doc["host"]["cgroup_version"] == "1" else "1",
     )
     (edited / "manifest.json").write_text(json.dumps(doc))
@@ -613,7 +603,8 @@ def test_incompatible_node_is_refused_naming_each_mismatch(
     assert res.returncode == 1, res.stdout + res.stderr
     err = res.stderr
     assert "FAILED_PRECONDITION" in err and "4 mismatches" in err, err
-    for needle in ("kernel 99.1.0", "CPU lacks features", "cgroup v", "the checkpoint ran sha256:000"):
+    cpu = f"CPU xfeatures has unsupported bits ({bit:#x})"  # CRIU's own words for the bit added
+    for needle in ("kernel 99.1.0", "CPU lacks features", cpu, "cgroup v", "the checkpoint ran sha256:000"):
         assert needle in err, f"{needle!r} not in {err}"
     f = cri.PodSandboxFilter(label_selector={"io.kubernetes.pod.name": name})
     assert list(rt_b.ListPodSandbox(cri.ListPodSandboxRequest(filter=f)).items) == []

@@ -372,8 +372,10 @@ class OciRuntime:
             env=env,
             pass_fds=pass_fds,
         )
-        faults.hit("checkpoint.mid-dump")
         try:
+            # runc and CRIU are running: a `sleep` here outlasts any deadline by construction
+            # (tests/test_checkpoint_pod.py), an `error` stops them as any failure does
+            await faults.hit_async("checkpoint.mid-dump")
             out, _ = await proc.communicate()
         except BaseException:
             # cancelled: runc and its CRIU must be gone before the caller thaws (see end_dump)
