@@ -1,0 +1,217 @@
+"""CRIU's lazy migration on this node (issue 27's first step, docs/architecture.md §18 (This machine
+(Debian 12, kernel 6.18))): a process dumped with `--lazy-pages` serves its memory from its own
+page server, a `criu lazy-pages --page-server` daemon fetches it for `criu restore --lazy-pages`.
+
+Plain CRIU, no container: what podshim's migration (shim/migration/) is built on. Without the
+project's patch 0004 the dump's page server failed at the first page request on a node without
+CAP_SYS_RESOURCE (`page-pipe: tee: 65536: Operation not permitted`, `Lazy pages transfer
+FAILED`); without 0005 a daemon whose page server died exited and let the restored process read
+zero pages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from images import build as images_build
+from testbed import bed as testbed_bed
+
+pytestmark = pytest.mark.e2e
+
+COUNTER_SOURCE = Path(images_build.__file__).resolve().parent / "counter.c"
+WAIT = 60.0
+
+
+def criu() -> str:
+    return str(testbed_bed.CRIU)  # the CRIU the test beds give podshim
+
+
+@pytest.fixture(scope="module")
+def counter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("counter") / "counter"
+    images_build.compile_c(COUNTER_SOURCE, out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, cond: object, timeout: float = WAIT) -> None:
+    end = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+@dataclass
+class Migration:
+    """One lazy migration of the counter on this node: its source (left frozen by the dump's
+    page server), the images copied for the restore, the daemon, the restored process."""
+
+    dir: Path
+    out: Path
+    source_pid: int
+    dump: subprocess.Popen[bytes]
+    daemon: subprocess.Popen[bytes] | None = None
+    restored_pid: int = 0
+
+    def log(self, name: str) -> str:
+        for d in (self.dir / "img", self.dir / "dest"):
+            with contextlib.suppress(OSError):
+                return (d / name).read_text(errors="replace")
+        return ""
+
+    def lines(self) -> list[str]:
+        return self.out.read_text(errors="replace").splitlines()
+
+
+@contextlib.contextmanager
+def migration(tmp: Path, counter: Path, mem_mib: int) -> Iterator[Migration]:
+    """Start the counter in its own pid namespace, dump it lazily (its page server on a loopback
+    port), copy the images, start the daemon, restore. Everything is killed at the end."""
+    out = tmp / "counter.out"
+    src = subprocess.Popen(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "setsid",
+            str(counter),
+            "--mem-mib",
+            str(mem_mib),
+            "--interval-ms",
+            "50",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=out.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    m: Migration | None = None
+    pids: list[int] = []
+    try:
+        wait_for("the counter to fill its memory", lambda: "count=1 " in out.read_text(errors="replace"))
+        inner = int(subprocess.check_output(["pgrep", "-P", str(src.pid)]).split()[0])
+        pids.append(inner)
+        port = free_port()
+        img = tmp / "img"
+        img.mkdir()
+        dump = subprocess.Popen(
+            [criu(), "dump", "-t", str(inner), "-D", str(img), "-o", "dump.log", "-v4"]
+            + ["--lazy-pages", "--address", "127.0.0.1", "--port", str(port)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        m = Migration(tmp, out, inner, dump)
+        wait_for("the dump's page server", lambda: "Starting page server" in m.log("dump.log"))  # type: ignore[union-attr]
+        dest = tmp / "dest"
+        shutil.copytree(img, dest)  # the images but the lazy pages, as another node receives them
+        m.daemon = subprocess.Popen(
+            [criu(), "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(port)]
+            + ["-D", str(dest), "-o", "lazy.log", "-v4"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for("the daemon's socket", lambda: (dest / "lazy-pages.socket").exists())
+        pidfile = tmp / "restored.pid"
+        res = subprocess.run(
+            [criu(), "restore", "-D", str(dest), "--lazy-pages", "-d", "-o", "restore.log", "-v4"]
+            + ["--pidfile", str(pidfile)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=WAIT,
+        )
+        if res.returncode != 0:
+            errors = [
+                ln for name in ("dump.log", "lazy.log", "restore.log") for ln in m.log(name).splitlines()
+            ]
+            raise AssertionError(
+                f"{criu()} restore failed: " + "\n".join(ln for ln in errors if "Error" in ln)
+            )
+        m.restored_pid = int(pidfile.read_text())
+        pids.append(m.restored_pid)
+        yield m
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        procs = [src] + ([m.dump] if m else []) + ([m.daemon] if m and m.daemon else [])
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=WAIT)
+
+
+def test_lazy_migration_through_the_page_server(tmp_path: Path, counter: Path) -> None:
+    """All 256 MiB arrive through the dump's page server; the pattern checks on the restored side
+    and the dump ends with the transfer (patch 0004)."""
+    with migration(tmp_path, counter, 256) as m:
+        assert m.daemon is not None
+        assert m.daemon.wait(timeout=WAIT) == 0, m.log("lazy.log")[-2000:]
+        assert m.dump.wait(timeout=WAIT) == 0, m.log("dump.log")[-2000:]
+        assert "Lazy pages transfer finished successfully" in m.log("dump.log")
+        seen = len(m.lines())
+        os.kill(m.restored_pid, signal.SIGUSR1)
+        wait_for("the restored counter's verify line", lambda: any("verify" in ln for ln in m.lines()[seen:]))
+        verdicts = [ln for ln in m.lines()[seen:] if ln.startswith("verify")]
+        assert verdicts == ["verify ok mem_mib=256"], verdicts
+        # the source, whose dump ended successfully without --leave-running, was killed by CRIU
+        wait_for("the source to be gone", lambda: state(m.source_pid) in ("", "Z"))
+
+
+def test_daemon_holds_the_faults_when_the_page_server_dies(tmp_path: Path, counter: Path) -> None:
+    """The page server killed mid-transfer: the daemon stops with the userfaultfds still open
+    (patch 0005), so the restored process blocks on its next missing page instead of reading a
+    zero page; killing the process, then the daemon, ends it."""
+    with migration(tmp_path, counter, 1024) as m:
+        assert m.daemon is not None
+        wait_for(
+            "the first pages to arrive",
+            lambda: "uffd_copy" in m.log("lazy.log") or m.daemon.poll() is not None,
+        )  # type: ignore[union-attr]
+        m.dump.kill()  # the page server, mid-transfer (1 GiB takes seconds here)
+        m.dump.wait(timeout=WAIT)
+        wait_for("the daemon to stop", lambda: state(m.daemon.pid) == "T" or m.daemon.poll() is not None)  # type: ignore[union-attr]
+        assert m.daemon.poll() is None, (
+            f"the daemon exited {m.daemon.returncode}: {m.log('lazy.log')[-1500:]}"
+        )
+        assert "the userfaultfds stay open" in m.log("lazy.log")
+        seen = len(m.lines())
+        os.kill(m.restored_pid, signal.SIGUSR1)  # reads every page: blocks on the first missing one
+        wait_for(
+            "the restored counter to block on a missing page",
+            lambda: Path(f"/proc/{m.restored_pid}/wchan").read_text() == "handle_userfault",
+            timeout=10,
+        )
+        time.sleep(0.5)
+        assert not [ln for ln in m.lines()[seen:] if ln.startswith("verify")], "it read memory it never got"
+        os.kill(m.restored_pid, signal.SIGKILL)  # a fault blocked on a userfaultfd is killable
+        wait_for("the restored counter to die", lambda: state(m.restored_pid) in ("", "Z"))
+        m.daemon.kill()
+        assert m.daemon.wait(timeout=WAIT) == -signal.SIGKILL
