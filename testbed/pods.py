@@ -82,6 +82,84 @@ def container_config(
     )
 
 
+# What a kubelet adds to each container (pkg/kubelet/kuberuntime/labels.go, makeMounts): the pod's
+# identity in labels, its restart count and termination-log path in annotations, per-pod files.
+KUBELET_POD_UID = "io.kubernetes.pod.uid"
+KUBELET_POD_NAME = "io.kubernetes.pod.name"
+KUBELET_POD_NAMESPACE = "io.kubernetes.pod.namespace"
+KUBELET_CONTAINER_NAME = "io.kubernetes.container.name"
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def image_id(img: api_pb2_grpc.ImageServiceStub, name: str) -> str:
+    """The ID (sha256:…) of an image on the node, as the kubelet resolves it before CreateContainer."""
+    st = img.ImageStatus(cri.ImageStatusRequest(image=cri.ImageSpec(image=name)))
+    if not st.image.id:
+        raise LookupError(f"image {name} is not on the node")
+    return st.image.id
+
+
+def kubelet_pod_dir(kubelet_root: str | Path, config: cri.PodSandboxConfig) -> Path:
+    """<root-dir>/pods/<uid>: where the kubelet keeps a pod's etc-hosts and termination logs."""
+    return Path(kubelet_root) / "pods" / config.metadata.uid
+
+
+def kubelet_container_config(
+    img: api_pb2_grpc.ImageServiceStub,
+    config: cri.PodSandboxConfig,
+    kubelet_root: str | Path,
+    name: str,
+    image: str = COUNTER_IMAGE,
+    args: list[str] | None = None,
+    command: list[str] | None = None,
+    attempt: int = 0,
+) -> cri.ContainerConfig:
+    """A ContainerConfig shaped as the kubelet (v1.37) sends it for a container of the pod
+    `config`: `ImageSpec{image: <image ID>, user_specified_image: <name>}`, the pod's identity in
+    labels, restart count and termination-message path in annotations, and the per-pod files
+    bind-mounted from under `kubelet_root` (`pods/<uid>/etc-hosts` on /etc/hosts, a fresh
+    `pods/<uid>/containers/<name>/<random>` on /dev/termination-log), which this creates."""
+    md = config.metadata
+    pod_dir = kubelet_pod_dir(kubelet_root, config)
+    hosts = pod_dir / "etc-hosts"
+    if not hosts.exists():
+        hosts.parent.mkdir(parents=True, exist_ok=True)
+        hosts.write_text(
+            f"127.0.0.1\tlocalhost\n# Kubernetes-managed hosts file.\n10.0.0.1\t{config.hostname}\n"
+        )
+    term = pod_dir / "containers" / name / secrets.token_hex(4)
+    term.parent.mkdir(parents=True, exist_ok=True)
+    term.touch(mode=0o666)
+    cc = container_config(name, image=image, args=args, command=command)
+    cc.metadata.attempt = attempt
+    cc.image.CopyFrom(cri.ImageSpec(image=image_id(img, image), user_specified_image=image))
+    cc.log_path = f"{name}/{attempt}.log"
+    cc.labels.update(
+        {
+            KUBELET_POD_NAME: md.name,
+            KUBELET_POD_NAMESPACE: md.namespace,
+            KUBELET_POD_UID: md.uid,
+            KUBELET_CONTAINER_NAME: name,
+        }
+    )
+    cc.annotations.update(
+        {
+            "io.kubernetes.container.hash": secrets.token_hex(4),
+            "io.kubernetes.container.restartCount": str(attempt),
+            "io.kubernetes.container.terminationMessagePath": TERMINATION_LOG,
+            "io.kubernetes.container.terminationMessagePolicy": "File",
+            "io.kubernetes.pod.terminationGracePeriod": "30",
+        }
+    )
+    cc.mounts.extend(
+        [
+            cri.Mount(host_path=str(hosts), container_path="/etc/hosts"),
+            cri.Mount(host_path=str(term), container_path=TERMINATION_LOG),
+        ]
+    )
+    return cc
+
+
 @dataclass
 class Pod:
     id: str

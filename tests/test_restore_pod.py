@@ -9,6 +9,7 @@ gRPC code, a message naming the problem, and that nothing is left behind.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from testbed.bed import REAL_RUNC, TestBed
 pytestmark = pytest.mark.e2e
 
 Stub = api_pb2_grpc.RuntimeServiceStub
+ImageStub = api_pb2_grpc.ImageServiceStub
 
 BIG_ARGS = ["--mem-mib", "64", "--interval-ms", "50"]  # the warm-start workload of the issue
 SMALL_ARGS = ["--mem-mib", "4", "--interval-ms", "50"]
@@ -1286,3 +1288,155 @@ def test_deadline_during_a_hung_criu_restore(
                 [REAL_RUNC, "--root", str(bed.runc_root), "delete", "--force", cid], capture_output=True
             )
         remove_pod_cgroup(config)
+
+
+# ---------------------------------------------------------------------------- a kubelet's pods
+
+
+@dataclass
+class KubeletCheckpoint:
+    path: Path
+    source: pods.Pod
+    at_checkpoint: int  # the counter's last value when CheckpointPod returned
+    kubelet_root: Path
+
+
+def kubelet_checkpoint(
+    rt: Stub, img: ImageStub, bed: TestBed, log_root: Path, name: str, cleanup: list[str]
+) -> KubeletCheckpoint:
+    """A counter pod created as a kubelet creates it (image by ID, user_specified_image, per-pod
+    /etc/hosts and termination log), checkpointed with what the kubelet sends: the container ids
+    and an empty options map."""
+    kubelet_root = Path(bed.base_dir) / "kubelet"
+    config = pods.pod_config(name, log_root)
+    cc = pods.kubelet_container_config(img, config, kubelet_root, "counter", args=SMALL_ARGS)
+    pod_id = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=config)).pod_sandbox_id
+    cleanup.append(pod_id)
+    cid = rt.CreateContainer(
+        cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config)
+    ).container_id
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+    src = pods.Pod(pod_id, config, {"counter": cid})
+    pods.wait_count(src.log_path("counter"), 10)
+    out = Path(bed.checkpoint_root) / f"{name}-{secrets.token_hex(3)}"
+    out.mkdir(mode=0o700)
+    rt.CheckpointPod(
+        cri.CheckpointPodRequest(
+            pod_sandbox_id=pod_id, output_path=str(out), container_ids=[cid], options={}
+        ),
+        timeout=RPC_TIMEOUT,
+    )
+    return KubeletCheckpoint(out, src, pods.counts(src.log_path("counter"))[-1], kubelet_root)
+
+
+@contextlib.contextmanager
+def digest_reference(bed: TestBed, name: str) -> Iterator[str]:
+    """A digest reference (name@sha256:<manifest digest>) of the local image `name`, as a pull
+    from a registry leaves one; removed again (the bed's images are shared by the session)."""
+    line = next(row for row in bed.ctr("images", "ls").stdout.splitlines() if row.split()[0] == name)
+    digest = next(w for w in line.split() if w.startswith("sha256:"))
+    ref = f"{name.rsplit(':', 1)[0]}@{digest}"
+    bed.ctr("images", "tag", name, ref)
+    try:
+        yield ref
+    finally:
+        bed.ctr("images", "rm", ref, check=False)
+
+
+def test_kubelet_pod_restores_by_image_id_digest_or_name(
+    rt: Stub, img: ImageStub, bed: TestBed, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    """docs/architecture.md §19 (Image identity): the checkpoint of a pod a kubelet made (its
+    containers created with the image ID) records the image's ID and name, and RestorePod takes
+    the same image by its ID (the kubelet's container_configs), a digest reference or its name;
+    the restored counter resumes. Another image is a config mismatch, INVALID_ARGUMENT, and
+    DATA_LOSS stays for a config.dump that names another image than the manifest."""
+    ck = kubelet_checkpoint(rt, img, bed, log_root, f"kubelet-img-{secrets.token_hex(2)}", pod_cleanup)
+    scratch.append(ck.path)
+    counter_id = pods.image_id(img, pods.COUNTER_IMAGE)
+    entry = manifest.read_manifest(ck.path).container("counter")
+    assert (entry.image_id, entry.user_specified_image) == (counter_id, pods.COUNTER_IMAGE), entry
+    record = json.loads((ck.path / "containers/counter/config.dump").read_text())
+    assert record["image_id"] == counter_id and record["config"]["image"]["image"] == counter_id
+
+    # the kubelet's shape: the new pod's uid, name, log dir and its own per-pod files
+    config = pods.pod_config("kubelet-img-restored", log_root)
+    cc = pods.kubelet_container_config(img, config, ck.kubelet_root, "counter", args=SMALL_ARGS)
+    resp = restore(rt, ck.path, config, [cc])
+    pod_cleanup.append(resp.pod_sandbox_id)
+    cid = resp.restored_containers[0].container_id
+    assert status(rt, cid).status.state == cri.CONTAINER_CREATED
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+    new_log = container_log(config, "counter")
+    first = pods.wait_for(lambda: pods.counts(new_log), what="the restored counter's output")[0]
+    assert 0 < first <= ck.at_checkpoint + 3, (first, ck.at_checkpoint)
+    wait_counting(new_log, first + 3)
+
+    # the same image by name and by a digest reference: restored (CREATED) too
+    with digest_reference(bed, pods.COUNTER_IMAGE) as digest_ref:
+        for i, ref in enumerate((pods.COUNTER_IMAGE, digest_ref)):
+            by = pods.pod_config(f"kubelet-img-ref{i}", log_root)
+            other = pods.kubelet_container_config(img, by, ck.kubelet_root, "counter", args=SMALL_ARGS)
+            other.image.CopyFrom(cri.ImageSpec(image=ref))
+            r = restore(rt, ck.path, by, [other])
+            pod_cleanup.append(r.pod_sandbox_id)
+            got = status(rt, r.restored_containers[0].container_id).status
+            assert got.state == cri.CONTAINER_CREATED, (ref, got.state)
+
+    # another image, by its ID as the kubelet would send it: a config mismatch
+    busybox_id = pods.image_id(img, pods.BUSYBOX_IMAGE)
+    wrong = pods.kubelet_container_config(img, config, ck.kubelet_root, "counter", args=SMALL_ARGS)
+    wrong.image.CopyFrom(cri.ImageSpec(image=busybox_id, user_specified_image=pods.BUSYBOX_IMAGE))
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    expect_failure(rt, bed, log_root, pod_cleanup, ck.path, [wrong], bad, "'counter'", busybox_id, counter_id)
+
+    # an archive whose config.dump names another image than its manifest changed: DATA_LOSS
+    changed = copy_archive(ck.path, bed, "other-image")
+    scratch.append(changed)
+    dump = changed / "containers/counter/config.dump"
+    doc = json.loads(dump.read_text())
+    doc["config"]["image"]["image"] = busybox_id
+    dump.write_text(json.dumps(doc))
+    rehash(changed, "containers/counter/config.dump")
+    expect_failure(
+        rt, bed, log_root, pod_cleanup, changed, [cc], grpc.StatusCode.DATA_LOSS, "config.dump", busybox_id
+    )
+
+
+def test_kubelet_archive_of_an_older_podshim_restores(
+    rt: Stub, img: ImageStub, bed: TestBed, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    """An archive written before the image ID was recorded (no image_id / user_specified_image in
+    manifest.json and config.dump; config.dump's config.image is the ID the kubelet sent, the
+    manifest names the tag) restores: its references are resolved on this node."""
+    ck = kubelet_checkpoint(rt, img, bed, log_root, f"kubelet-old-{secrets.token_hex(2)}", pod_cleanup)
+    scratch.append(ck.path)
+    old = copy_archive(ck.path, bed, "format-before-issue-22")
+    scratch.append(old)
+    dump = old / "containers/counter/config.dump"
+    doc = json.loads(dump.read_text())
+    del doc["image_id"], doc["user_specified_image"]
+    dump.write_text(json.dumps(doc))
+    rehash(old, "containers/counter/config.dump")
+    m = json.loads((old / "manifest.json").read_text())
+    for c in m["containers"]:
+        del c["image_id"], c["user_specified_image"]
+    (old / "manifest.json").write_text(json.dumps(m, indent=1))
+    assert m["containers"][0]["image"] == pods.COUNTER_IMAGE
+    assert doc["config"]["image"]["image"] == pods.image_id(img, pods.COUNTER_IMAGE)
+
+    config = pods.pod_config("kubelet-old-restored", log_root)
+    cc = pods.kubelet_container_config(img, config, ck.kubelet_root, "counter", args=SMALL_ARGS)
+    resp = restore(rt, old, config, [cc], options={"start": "true"})
+    pod_cleanup.append(resp.pod_sandbox_id)
+    new_log = container_log(config, "counter")
+    first = pods.wait_for(lambda: pods.counts(new_log), what="the restored counter's output")[0]
+    assert 0 < first <= ck.at_checkpoint + 3, (first, ck.at_checkpoint)
+
+
+def rehash(root: Path, rel: str) -> None:
+    """Make manifest.json agree with the changed member `rel` (its checksum is no signature)."""
+    data = (root / rel).read_bytes()
+    m = json.loads((root / "manifest.json").read_text())
+    m["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (root / "manifest.json").write_text(json.dumps(m, indent=1))

@@ -100,6 +100,7 @@ class HostInfo:
 
 
 OPTIONAL_HOST_FIELDS = ("cgroup_version", "cpuinfo")
+OPTIONAL_CONTAINER_FIELDS = ("image_id", "user_specified_image")
 
 
 @dataclass
@@ -121,6 +122,10 @@ class ContainerEntry:
     # the files of a checkpointed container, relative to `dir` (write_manifest fills it); None in
     # manifests written before it existed (then REQUIRED_MEMBERS is what is checked)
     members: list[str] | None = None
+    # the image's ID and its name as the pod spec gives it (docs/architecture.md §19 (Image
+    # identity)); "" in manifests written before they existed
+    image_id: str = ""
+    user_specified_image: str = ""
 
 
 @dataclass(frozen=True)
@@ -214,6 +219,7 @@ class Manifest:
                     checkpointed=p.typed(c, "checkpointed", bool, cw),
                     dir=p.typed(c, "dir", str, cw),
                     members=_parse_members(p, c, cw),
+                    **{k: p.typed(c, k, str, cw) for k in OPTIONAL_CONTAINER_FIELDS if k in c},
                 )
             )
         files = {}
@@ -261,6 +267,9 @@ def _container_dict(c: ContainerEntry) -> dict[str, Any]:
     d = vars(c).copy()
     if c.members is None:
         del d["members"]  # as a manifest written before the field existed
+    for key in OPTIONAL_CONTAINER_FIELDS:
+        if not d[key]:
+            del d[key]
     return d
 
 

@@ -30,6 +30,7 @@ from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, NetnsLock, OciRuntime, binary_version, read_dump_stats
 from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
+from shim.images import resolve_container_images
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sharing import check_shared_state
 from shim.state import Journal, OpRecord
@@ -305,6 +306,7 @@ class PodCheckpointer:
                 f"pod {pod.name} ({pod.id[:13]}) is {cri.PodSandboxState.Name(pod.status.state)}, not ready"
             )
         selected = select_containers(pod, list(req.container_ids))
+        await resolve_container_images(self.upstream, recorded_containers(pod, selected))
         for c in selected:
             await run_to_end(check_dumpable, c)
         await run_to_end(check_shared_state, selected)  # what the containers share (shim/sharing.py)
@@ -559,6 +561,8 @@ class PodCheckpointer:
                     name=c.name,
                     id=c.id,
                     image=c.image,
+                    image_id=c.image_id,
+                    user_specified_image=c.user_specified_image,
                     state=cri.ContainerState.Name(c.state),
                     restart_count=c.restart_count,
                     checkpointed=c.id in dumped,

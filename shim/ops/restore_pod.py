@@ -39,6 +39,7 @@ from shim.deadlines import (
     SANDBOX_SETTLE,
     STALE_DECRYPTED_SECONDS,
 )
+from shim.images import Images
 from shim.ops.lazy_pages import Daemon, LazyPages, PageCheck, check_runtime, page_images
 from shim.sandbox import build_pod_view
 from shim.state import Journal, OpRecord
@@ -208,16 +209,36 @@ def _container_record(
     return record
 
 
-def check_record(root: Path, entry: manifest.ContainerEntry, record: dict[str, Any]) -> None:
+def recorded_images(entry: manifest.ContainerEntry) -> list[str]:
+    """The references manifest.json records for a container's image (docs/architecture.md §19
+    (Image identity)): its ID and user-specified name (since issue 22), the name the upstream
+    reported."""
+    return [r for r in (entry.image_id, entry.image, entry.user_specified_image) if r]
+
+
+async def check_record(
+    root: Path, entry: manifest.ContainerEntry, record: dict[str, Any], images: Images
+) -> None:
     """config.dump must name the image manifest.json names (DATA_LOSS: an inconsistent archive,
-    refused here rather than when StartContainer restores the container)."""
-    images = {"image": record.get("image"), "config.image": archived_config(record).image.image}
-    for where, image in images.items():
-        if image and image != entry.image:
+    refused here rather than when StartContainer restores the container). The same image may go
+    by its ID, a digest reference or a name (§19 (Image identity)): only a reference this node
+    resolves to another image than the manifest's is refused; one it cannot resolve is left to
+    the check that the image is on this node (_missing_images)."""
+    named = recorded_images(entry)
+    recorded_id = await images.first_id(named)
+    refs = {
+        "image": record.get("image"),
+        "image_id": record.get("image_id"),
+        "config.image": archived_config(record).image.image,
+    }
+    for where, image in refs.items():
+        if not image or not isinstance(image, str) or image in named:
+            continue
+        if await images.differs(image, recorded_id):
             raise errors.DataLoss(
                 f"checkpoint {root} is inconsistent: container {entry.name!r}'s config.dump has {where} "
-                f"{image!r}, manifest.json says {entry.image!r}; the archive cannot be trusted, take a "
-                "new checkpoint"
+                f"{image!r}, manifest.json says {entry.image!r} ({recorded_id}), another image; the "
+                "archive cannot be trusted, take a new checkpoint"
             )
 
 
@@ -247,7 +268,7 @@ class _Planned:
     entry: manifest.ContainerEntry
     config: cri.ContainerConfig
     dir: Path
-    image_ref: str = ""  # the image id the checkpointed container ran (config.dump)
+    image_ref: str = ""  # the image the checkpointed container ran: its ID, or config.dump's image_ref
 
 
 def _recorded_network(root: Path, m: manifest.Manifest, key: crypto.NodeKey | None) -> dict[str, Any]:
@@ -547,18 +568,20 @@ class PodRestorer:
                 )
             )
         plan = []
+        images = Images(self.upstream)
         for entry in dumped:
             cl = archive.container(entry.name)
             manifest.check_container_members(archive.root, m, entry)
             record = await run_to_end(_container_record, archive.root, cl, m, key)  # off the loop
-            check_record(archive.root, entry, record)
+            await check_record(archive.root, entry, record, images)
             requested = by_name[entry.name]
             problem = config_mismatch(entry.name, requested, archived_config(record))
             if problem is None:
-                problem = await self._image_mismatch(entry, requested, record)
+                problem = await self._image_mismatch(entry, requested, record, images)
             if problem:
                 raise errors.InvalidArgument(problem)
-            plan.append(_Planned(entry, requested, cl.root, str(record.get("image_ref") or "")))
+            ran = entry.image_id or str(record.get("image_ref") or "")  # the ID, else what 1.x reported
+            plan.append(_Planned(entry, requested, cl.root, ran))
         return plan
 
     async def _check_upstream_handler(self, handler: str) -> None:
@@ -596,18 +619,28 @@ class PodRestorer:
                 out.append(problem)
         return out
 
+    @staticmethod
     async def _image_mismatch(
-        self, entry: manifest.ContainerEntry, requested: cri.ContainerConfig, record: dict
+        entry: manifest.ContainerEntry, requested: cri.ContainerConfig, record: dict, images: Images
     ) -> str | None:
+        """The request's image must be the checkpoint's: the same reference, or one this node
+        resolves to the checkpoint's image ID (docs/architecture.md §19 (Image identity)); a
+        different image is a config mismatch (INVALID_ARGUMENT). When the checkpoint's image is
+        not on this node, _missing_images says so."""
         want = requested.image.image
-        if want in (entry.image, record.get("image_ref")):
+        named = recorded_images(entry)
+        if want in (*named, record.get("image_ref"), record.get("image_id")):
             return None
-        st = await self.upstream.image_status(want)
-        if st.HasField("image") and st.image.id == record.get("image_ref"):
+        checkpoint_id = await images.first_id([*named, str(record.get("image_ref") or "")])
+        if checkpoint_id is None:
             return None
+        found = await images.id_of(want)
+        if found == checkpoint_id:
+            return None
+        what = f"is {found} on this node" if found else "is not on this node"
         return (
             f"container {entry.name!r}: image {want!r} differs from the checkpoint's "
-            f"{entry.image!r} ({record.get('image_ref')})"
+            f"{entry.image!r} ({checkpoint_id}): it {what}"
         )
 
     async def _verify_rest(self, checked: _Checked, run: _Run) -> None:

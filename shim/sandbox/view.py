@@ -33,6 +33,8 @@ class ContainerView:
     pid: int
     runtime_root: str  # the OCI runtime's --root holding this container's state
     runtime_binary: str  # the binary the upstream calls (podshim-runc in front of runc/crun)
+    # the image's ID (docs/architecture.md §19 (Image identity)); set by resolve_container_images
+    image_id: str = ""
 
     @property
     def running(self) -> bool:
@@ -48,7 +50,21 @@ class ContainerView:
 
     @property
     def image(self) -> str:
-        return self.status.image.image or str(self.config.get("image", {}).get("image", ""))
+        """The image by name when the upstream reports one (containerd: its first tag)."""
+        return self.status.image.image or self.configured_image
+
+    @property
+    def configured_image(self) -> str:
+        """The image reference the container was created with (the kubelet sends the image ID)."""
+        return str(self.config.get("image", {}).get("image", ""))
+
+    @property
+    def user_specified_image(self) -> str:
+        """The image as the pod spec names it (the kubelet's ImageSpec.user_specified_image, which
+        containerd 1.x does not keep: then the name the upstream reports)."""
+        spec = self.config.get("image", {})
+        named = spec.get("user_specified_image") or spec.get("userSpecifiedImage")
+        return str(named or self.status.image.user_specified_image or self.image)
 
     @property
     def mount_destinations(self) -> list[str]:
@@ -85,6 +101,8 @@ class ContainerView:
             "state": cri.ContainerState.Name(self.state),
             "image": self.image,
             "image_ref": self.status.image_ref,
+            "image_id": self.image_id,
+            "user_specified_image": self.user_specified_image,
             "restart_count": self.restart_count,
             "created_at": self.status.created_at,
             "started_at": self.status.started_at,

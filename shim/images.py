@@ -1,0 +1,70 @@
+"""Image identity (docs/architecture.md §19 (Image identity)).
+
+One image has many references: its ID (`sha256:<hex>` of its config, what the kubelet puts in
+`ImageSpec.image`), digest references (`name@sha256:<manifest digest>`) and names
+(`name:tag`, the kubelet's `user_specified_image`). Two references name the same image when
+they are equal or the upstream's ImageStatus resolves both to the same ID. An ID is its own
+answer; a reference the node does not know resolves to nothing, so "the same image" is then
+undecided, never "different".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shim.sandbox.view import ContainerView
+    from shim.upstream import Upstream
+
+IMAGE_ID_RE = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def is_image_id(ref: str) -> bool:
+    return IMAGE_ID_RE.fullmatch(ref) is not None
+
+
+class Images:
+    """The image IDs behind references, each reference asked of the upstream once per operation."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        self._ids: dict[str, str | None] = {}
+
+    async def id_of(self, ref: str) -> str | None:
+        """The ID of the image `ref` names on this node; None when the node has no such image."""
+        if not ref:
+            return None
+        if is_image_id(ref):
+            return ref
+        if ref not in self._ids:
+            st = await self.upstream.image_status(ref)
+            self._ids[ref] = st.image.id if st.HasField("image") and st.image.id else None
+        return self._ids[ref]
+
+    async def first_id(self, refs: Iterable[str]) -> str | None:
+        """The ID of the first of `refs` the node resolves (None: none)."""
+        for ref in refs:
+            found = await self.id_of(ref)
+            if found is not None:
+                return found
+        return None
+
+    async def differs(self, ref: str, image_id: str | None) -> bool:
+        """`ref` provably names another image than `image_id`: both are known and their IDs differ."""
+        if image_id is None:
+            return False
+        found = await self.id_of(ref)
+        return found is not None and found != image_id
+
+
+async def resolve_container_images(upstream: Upstream, containers: Iterable[ContainerView]) -> None:
+    """Set each container's `image_id`: the upstream's status field (containerd 2.x), else its
+    `image_ref` when that is an ID (containerd 1.x for an image without a repo digest), else what
+    ImageStatus says of that reference or of the container's configured image."""
+    images = Images(upstream)
+    for c in containers:
+        c.image_id = c.status.image_id or (
+            await images.first_id((c.status.image_ref, c.configured_image, c.image)) or ""
+        )
