@@ -6,6 +6,8 @@ Plain modules raise these; the gRPC layer turns them into a status with the same
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 
 class ShimError(Exception):
     """An error with the gRPC code the caller must see. The message says what failed and what to do."""
@@ -69,3 +71,23 @@ class Stopped(Exception):
     every thread podshim runs (fsutil, crypto, the container tar). Not a ShimError: the cancelled
     operation ends with its own status. Here, in a module that imports nothing, so the blocking
     modules (shim/archive) need not import asyncio (shim/aio.py re-exports it)."""
+
+
+# What the caller of the current call should be told even when it succeeds (e.g. tasks a
+# checkpoint left stopped and podshim resumed): the server collects them per call and sends them
+# as the `podshim-notice` trailing metadata, or appended to the error's message.
+_caller_notes: ContextVar[list[str] | None] = ContextVar("podshim_caller_notes", default=None)
+
+
+def collect_caller_notes() -> list[str]:
+    """Start collecting the notes of the current call (the server, once per call)."""
+    notes: list[str] = []
+    _caller_notes.set(notes)
+    return notes
+
+
+def tell_caller(note: str) -> None:
+    """Add a note to the current call's answer (nothing when no call collects them)."""
+    notes = _caller_notes.get()
+    if notes is not None:
+        notes.append(note)

@@ -33,6 +33,12 @@ freeze_window = Histogram(
     "Time the pod's containers were frozen during CheckpointPod/CheckpointContainer",
     buckets=_OP_BUCKETS,
 )
+tasks_resumed = Counter(
+    "podshim_checkpoint_tasks_resumed_total",
+    "Tasks of a checkpointed container found stopped after the thaw that were not before the freeze, "
+    "resumed with SIGCONT (operation: checkpoint_pod, checkpoint_container)",
+    ["operation"],
+)
 archive_size = Histogram(
     "podshim_checkpoint_archive_bytes",
     "Size of the written checkpoint",

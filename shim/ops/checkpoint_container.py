@@ -36,7 +36,7 @@ from typing import IO, Any, TypeVar
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, contract, errors, faults, logs, space
+from shim import __version__, contract, errors, faults, logs, space, taskstate
 from shim.aio import Steps, run_to_end
 from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.container_tar import (
@@ -60,6 +60,7 @@ from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sharing import check_shared_state
 from shim.state import Journal, OpRecord
 from shim.state.records import ContainerCheckpointRecord
+from shim.taskstate import TaskStates
 from shim.upstream import Upstream, is_not_found
 
 log = logs.get("shim.ops.checkpoint_container")
@@ -361,6 +362,7 @@ class ContainerCheckpointer:
         target = loc.target(kubelet_name(pod, c.name, when))
         with hold([f"pod {pod.id}", f"path {target}"]):
             await run_to_end(check_dumpable, c)
+            await run_to_end(self.pods.check_criu_config, c)
             # a file of the pod's /dev/shm in use: the restore could not open it
             await run_to_end(check_shared_state, [c])
             # the directory of the tar, held open: from here on it is reached only through that
@@ -471,6 +473,9 @@ class ContainerCheckpointer:
         # touched); someone else's earlier pause is left as found.
         cgroup = c.cgroups_path
         cut = PodCut(None, [cgroup], timeout=FREEZE_TIMEOUT)
+        # its tasks' states, read before the freeze and checked after the thaw (docs/architecture.md
+        # §4.2 (Task states after a checkpoint))
+        states = await steps.run(TaskStates, [cgroup])
         await steps.run(self.journal.update, rec, "frozen")  # fsync: never on the loop
         checkpointed = rfc3339()
         try:
@@ -491,10 +496,12 @@ class ContainerCheckpointer:
                 for t in tasks:  # the first failure propagated; the others are retrieved
                     if not t.cancelled():
                         t.exception()
+            faults.hit("checkpoint-container.before-thaw")
         finally:
             cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
             if cut.timings.started_monotonic is not None and not cut.preexisting:
                 confirm_thawed([cgroup], c.id)  # read back: no dump left to freeze it again
+                taskstate.settle(states, "checkpoint_container", f"container {c.name!r}", container=c.id)
         timings["freeze_window"] = cut.window_seconds
         # runc/CRIU wrote through the held descriptors: if the location's directory was replaced
         # meanwhile, fail rather than publish a tar where the caller's path no longer leads
@@ -553,6 +560,7 @@ class ContainerCheckpointer:
             leave_running=True,
             pass_fds=(images.fd, tree.fd),
         )
+        log.info("container dumped", container=c.id, seconds=round(timings["dump"], 4))
 
     async def _diff(
         self, steps: Steps, c: ContainerView, upper: Path, cl: layout.ContainerLayout, timings: dict

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import threading
@@ -22,12 +23,13 @@ from typing import Any
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, cni, contract, errors, faults, logs, space
+from shim import __version__, cni, contract, errors, faults, logs, space, taskstate
 from shim.aio import run_to_end
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.dirfd import DirHandle, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
+from shim.criu import rpc_config
 from shim.criu.runtime import CriuOptions, NetnsLock, OciRuntime, binary_version, read_dump_stats
 from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
 from shim.images import resolve_container_images
@@ -35,6 +37,7 @@ from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sharing import check_shared_state
 from shim.state import Journal, OpRecord
 from shim.state.records import CheckpointRecord
+from shim.taskstate import TaskStates
 from shim.upstream import Upstream
 
 log = logs.get("shim.ops.checkpoint_pod")
@@ -236,6 +239,18 @@ class PodCheckpointer:
         rt = self.config.runtime_for_root(c.runtime_root) if c.runtime_root else self.config.runtime
         return OciRuntime(rt.binary, c.runtime_root or rt.root, rt.criu)
 
+    def check_criu_config(self, c: ContainerView) -> None:
+        """The CRIU config file runc would hand this container's dump: a restore's leftover is
+        removed, a file overriding podshim's dump options refused (shim/criu/rpc_config.py)."""
+        rt = self.runtime_for(c)
+        removed = rpc_config.check_before_dump(rt.root, rt.is_runc, c.id, c.name)
+        if removed:
+            log.warning(
+                "removed a restore's CRIU config named for the container's dumps",
+                container=c.id,
+                path=removed,
+            )
+
     async def checkpoint(self, req: cri.CheckpointPodRequest, deadline: float | None) -> manifest.Manifest:
         """Run CheckpointPod; `deadline` is the caller's remaining seconds (None: none set),
         counted from here: the checks before the freeze are bounded by it too."""
@@ -309,6 +324,7 @@ class PodCheckpointer:
         await resolve_container_images(self.upstream, recorded_containers(pod, selected))
         for c in selected:
             await run_to_end(check_dumpable, c)
+            await run_to_end(self.check_criu_config, c)
         await run_to_end(check_shared_state, selected)  # what the containers share (shim/sharing.py)
         held = open_checked(out, req.output_path, "output path", empty=True)
         try:
@@ -348,6 +364,7 @@ class PodCheckpointer:
         timings: dict[str, float] = {}
         stopped = post == cri.POST_CHECKPOINT_STATE_STOPPED
         # 1. Everything that needs no frozen state is written before the freeze.
+        faults.hit("checkpoint.before-prepare")
         work = await run_to_end(self._prepare, pod, selected, archive)
         timings["prepare"] = time.monotonic() - started
         log.info("checkpoint prepared", pod=pod.id, containers=[w.view.name for w in work])
@@ -359,6 +376,11 @@ class PodCheckpointer:
         # journaled first so that recovery unlocks it after a crash
         netlock = NetnsLock(pod.netns) if opts.criu.tcp_established and pod.netns else None
         netns = netlock.netns if netlock is not None else None
+        # every task's scheduling state, read before the freeze and checked after the thaw, both
+        # outside the freeze window (docs/architecture.md §4.2 (Task states after a checkpoint))
+        states_start = time.monotonic()
+        states = await run_to_end(TaskStates, [w.view.cgroups_path for w in work])
+        timings["task_states"] = time.monotonic() - states_start
         await run_to_end(self.journal.update, rec, "frozen", netns=netns)  # fsync: never on the loop
         try:
             await run_to_end(cut.freeze)
@@ -386,6 +408,7 @@ class PodCheckpointer:
                 if netlock is not None:
                     netlock.unlock()  # synchronous on purpose, as the thaw: runs while cancelled
             timings["dump"] = time.monotonic() - dump_start
+            faults.hit("checkpoint.before-thaw")
             # runc/CRIU wrote through the directory podshim holds (/proc/self/fd/N), never
             # through output_path: if someone replaced output_path meanwhile, fail instead of
             # answering OK for a checkpoint the caller's path does not hold
@@ -399,6 +422,9 @@ class PodCheckpointer:
         finally:
             cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
             confirm_thawed([cut.parent, *(c for c in cut.containers if c not in cut.preexisting)], pod.id)
+            check_start = time.monotonic()
+            taskstate.settle(states, "checkpoint_pod", f"pod {pod.name}", pod=pod.id)
+            timings["task_check"] = time.monotonic() - check_start
         timings["freeze_window"] = cut.window_seconds
         timings["freeze_cut"] = cut.cut_seconds
         log.info("pod thawed", pod=pod.id, freeze_window=round(cut.window_seconds, 4))
@@ -442,18 +468,33 @@ class PodCheckpointer:
     def _prepare(
         self, pod: PodView, selected: list[ContainerView], archive: layout.ArchiveLayout
     ) -> list[_Work]:
-        """Write what needs no frozen state, every level through the held output_path."""
+        """Write what needs no frozen state, every level through the held output_path. Each
+        directory is podshim's own new one (an exclusive mkdir): anything planted in output_path
+        since it was checked empty is FAILED_PRECONDITION (docs/architecture.md §13 (Path
+        confinement)), whatever it is."""
+        try:
+            return self._prepare_dirs(pod, selected, archive)
+        except (FileExistsError, NotADirectoryError, IsADirectoryError, errors.InvalidArgument) as e:
+            raise _written_meanwhile(archive, str(e)) from None
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTEMPTY):  # a symlink or a filled dir in the way
+                raise _written_meanwhile(archive, str(e)) from None
+            raise
+
+    def _prepare_dirs(
+        self, pod: PodView, selected: list[ContainerView], archive: layout.ArchiveLayout
+    ) -> list[_Work]:
         assert archive.dir is not None
-        with archive.dir.sub(layout.SANDBOX_DIR, create=True) as sb:
+        with archive.dir.mkdir(layout.SANDBOX_DIR) as sb:
             sb.write_file(layout.SANDBOX_CONFIG_FILE, layout.json_bytes(pod.config))
             sb.write_file(layout.SANDBOX_STATUS_FILE, layout.json_bytes(pod.to_record()))
             sb.write_file(layout.SANDBOX_NETWORK_FILE, layout.json_bytes(network_record(pod)))
         work: list[_Work] = []
-        with archive.dir.sub(layout.CONTAINERS_DIR, create=True) as containers:
+        with archive.dir.mkdir(layout.CONTAINERS_DIR) as containers:
             for c in recorded_containers(pod, selected):
                 cl = archive.container(c.name)  # checks the name is one path component
-                cd = archive.dir.adopt(containers.sub(c.name, create=True))  # closed with output_path
-                images = cd.adopt(cd.sub(layout.CHECKPOINT_DIR, create=True)) if c in selected else None
+                cd = archive.dir.adopt(containers.mkdir(c.name))  # closed with output_path
+                images = cd.adopt(cd.mkdir(layout.CHECKPOINT_DIR)) if c in selected else None
                 cd.write_file(layout.CONFIG_DUMP_FILE, layout.json_bytes(c.to_record()))
                 cd.write_file(layout.SPEC_DUMP_FILE, layout.json_bytes(c.spec))
                 cd.write_file(layout.STATUS_DUMP_FILE, layout.json_bytes(json_format.MessageToDict(c.status)))
@@ -590,7 +631,27 @@ class PodCheckpointer:
             crypto.encrypt_tree(archive.dir, key, workers=2, stop=stop)
             timings["encrypt"] = time.monotonic() - encrypt_start  # m.timings: the same dict
         archive.dir.check_in_place("output path", "the checkpoint")  # the last moment to refuse
+        _check_only_ours(archive, [c.name for c in m.containers])
         return manifest.write_manifest(archive.dir, m, workers=HASH_WORKERS, key=key, stop=stop)
+
+
+def _written_meanwhile(archive: layout.ArchiveLayout, what: str) -> errors.FailedPrecondition:
+    return errors.FailedPrecondition(
+        f"output path {archive.root} was written to by someone else during the checkpoint ({what}): "
+        "nothing was written outside it, the pod was thawed and the partial files removed; "
+        "retry with an empty directory nobody else writes to"
+    )
+
+
+def _check_only_ours(archive: layout.ArchiveLayout, containers: list[str]) -> None:
+    """Before the manifest: output_path holds only podshim's entries (sandbox/, containers/ and one
+    directory per recorded container), so nothing planted meanwhile becomes part of the archive."""
+    assert archive.dir is not None
+    top = set(archive.dir.names()) - {layout.SANDBOX_DIR, layout.CONTAINERS_DIR}
+    with archive.dir.sub(layout.CONTAINERS_DIR) as d:
+        extra = sorted(top) + [f"{layout.CONTAINERS_DIR}/{n}" for n in d.names() if n not in containers]
+    if extra:
+        raise _written_meanwhile(archive, f"{extra[0]!r} is not podshim's")
 
 
 def _options_record(opts: CheckpointOptions) -> dict[str, str]:

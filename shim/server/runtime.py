@@ -77,6 +77,14 @@ def fit_message(message: str) -> str:
     return message[: MAX_MESSAGE_CHARS - 16] + " … (truncated)"
 
 
+NOTICE_KEY = "podshim-notice"  # trailing metadata: what the caller should know of a call that succeeded
+
+
+def ascii_notice(notes: list[str]) -> str:
+    """The notes as one metadata value (ASCII only, deliverable like a status message)."""
+    return fit_message("; ".join(notes)).encode("ascii", "replace").decode()
+
+
 def restored_start_code(err: grpc.aio.AioRpcError) -> grpc.StatusCode | None:
     """StartContainer of a restored container that podshim-runc failed for a page image whose
     sha256 differs from the manifest (docs/architecture.md §5 (RestorePod) step 4): DATA_LOSS, as
@@ -103,10 +111,15 @@ def typed_handler(
     async def handle(raw: bytes | Message, context: grpc.aio.ServicerContext) -> Message:
         # bytes from the wire; a decoded request when another handler delegates (CreateContainer)
         request = await decode(req_cls, raw, context) if isinstance(raw, bytes) else raw
+        notes = errors.collect_caller_notes()
         try:
-            return await fn(request, context)
+            response = await fn(request, context)
+            if notes:
+                context.set_trailing_metadata(((NOTICE_KEY, ascii_notice(notes)),))
+            return response
         except errors.ShimError as e:
-            await context.abort(grpc.StatusCode[e.code_name], fit_message(e.message))
+            message = "; ".join([e.message, *(n for n in notes if n not in e.message)])
+            await context.abort(grpc.StatusCode[e.code_name], fit_message(message))
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # a bug: say so without leaking a traceback to the caller

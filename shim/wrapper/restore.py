@@ -195,14 +195,22 @@ def prepare(
     lazy = _lazy_dir(spec, cfg, container_id)
     work = lazy or bundle / WORK_DIR
     work.mkdir(mode=0o700, exist_ok=True)
-    # Established TCP connections are closed on restore (KEP-5823 alpha): neither runc nor crun
-    # has a flag for it, so it goes through a CRIU config file: runc passes the one named by the
-    # spec's org.criu.config to CRIU; crun does not, but the CRIU it starts reads the file named
-    # by CRIU_CONFIG_FILE from its environment.
+    # Established TCP connections are closed on restore (KEP-5823 alpha) and, for the page check,
+    # every restored task is left stopped: neither runc nor crun has a flag for either, so they go
+    # to CRIU in a config file named only in this restore's environment (CRIU_CONFIG_FILE, read by
+    # the CRIU runc and crun start). Never by the spec's org.criu.config: runc keeps the spec's
+    # annotations with the container and hands that file to CRIU on every later run, so the next
+    # checkpoint's dump would leave the pod stopped (docs/architecture.md §4.2 (Task states after
+    # a checkpoint)). runc gets it empty (no config file, now and at every later dump); crun 1.21
+    # ignores it, a newer crun passes an annotation to CRIU, and fails when its libcriu predates
+    # CRIU 4.2 whatever the value, so for crun it is dropped.
     criu_conf = work / "criu.conf"
     criu_conf.write_text("tcp-close\n" + ("leave-stopped\n" if pages is not None else ""))
-    # (leave-stopped: CRIU leaves every restored task stopped for the page check)
-    spec.setdefault("annotations", {})[CRIU_CONFIG_ANNOTATION] = str(criu_conf)
+    annotations = spec.setdefault("annotations", {})
+    if OciRuntime(binary, "").is_runc:
+        annotations[CRIU_CONFIG_ANNOTATION] = ""
+    else:
+        annotations.pop(CRIU_CONFIG_ANNOTATION, None)
     (bundle / "config.json").write_text(json.dumps(spec))
 
     criu_opts = contract.from_record(annotations.get(RESTORE_OPTIONS_ANNOTATION, ""))

@@ -177,3 +177,52 @@ def test_location_swapped_mid_checkpoint_container(
     finally:
         swap.cleanup()
     wait_serving(rt)
+
+
+# (failpoint the checkpoint is held at, what is planted in output_path then): a directory where
+# podshim makes its own, one inside its layout, and one it never writes
+PLANTS = (
+    ("before-prepare", "sandbox"),
+    ("before-prepare", "containers/counter"),
+    ("before-prepare", "planted"),
+    ("after-freeze", "planted/deeper"),
+    ("after-freeze", "containers/other"),
+)
+
+
+def test_subdirectory_planted_after_the_emptiness_check(rt: Rt, bed: TestBed, pod_cleanup: list[str]) -> None:
+    """A sub-directory planted in output_path between the emptiness check and the dump (issue 23
+    item 5): FAILED_PRECONDITION every time, never INTERNAL; the pod thawed, output_path left
+    empty, nothing written elsewhere."""
+    cp = start_counter_pod(rt, bed, "plant", pod_cleanup)
+    spec = "checkpoint.before-prepare=sleep:1,checkpoint.after-freeze=sleep:1"
+    with FailpointPodshim(bed, spec) as fp:
+        for point, rel in PLANTS:
+            out = new_output_dir(bed, "plant")
+            frozen = fp.log_text().count('"pod frozen"')
+            held = {
+                "before-prepare": lambda: bool(journal_files(bed)),  # journaled: _prepare is next
+                "after-freeze": lambda frozen=frozen: fp.log_text().count('"pod frozen"') > frozen,
+            }[point]
+
+            def plant(held: Callable[[], bool] = held, out: Path = out, rel: str = rel) -> None:
+                end = time.monotonic() + 60
+                while not held() and time.monotonic() < end:
+                    time.sleep(0.001)
+                (out / rel).mkdir(parents=True, exist_ok=True)
+
+            planter = threading.Thread(target=plant, daemon=True)
+            planter.start()
+            code, details = _call(
+                lambda out=out: fp.rt.CheckpointPod(
+                    cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(out)), timeout=120
+                )
+            )
+            planter.join(10)
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, f"{point} {rel}: {code}: {details}"
+            assert "written to by someone else" in details, details
+            assert out.is_dir() and not out.is_symlink() and tree_listing(out) == []
+            assert not journal_files(bed)
+            assert_thawed_and_counting(fp.rt, cp)
+    wait_serving(rt)
+    wait_journal_empty(bed)
