@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_CONFIG_PATH = "/etc/podshim/config.toml"
+KUBELET_CHECKPOINT_ROOTS = ("/var/lib/kubelet/pod-checkpoints", "/var/lib/kubelet/checkpoints")
+RUNTIME_NAMES = ("upstream", "podshim")
 CONFIG_ENV = "PODSHIM_CONFIG"
 
 
@@ -36,10 +38,16 @@ class Config:
     socket: str = "/run/podshim/podshim.sock"
     state_dir: str = "/var/lib/podshim"
     metrics_address: str = ""
+    # What Version answers as runtime_name: "upstream" (the upstream's, so a kubelet shows
+    # containerd://<id> and node agents keyed on it keep working; podshim is in runtime_version)
+    # or "podshim" (runtime_name podshim, runtime_version <podshim>+<upstream>-<version>)
+    runtime_name: str = "upstream"
     upstream_endpoint: str = "unix:///run/containerd/containerd.sock"
     # Timeout for upstream calls made by podshim itself when the caller set no deadline.
     upstream_timeout: float = 120.0
-    allowed_roots: tuple[str, ...] = ("/var/lib/kubelet/pod-checkpoints",)
+    # the kubelet's checkpoint API writes into <root-dir>/checkpoints; pod checkpoints go into
+    # pod-checkpoints by the project's convention
+    allowed_roots: tuple[str, ...] = KUBELET_CHECKPOINT_ROOTS
     # CheckpointContainer: "fallback" asks the upstream first and checkpoints itself only when
     # the upstream answers UNIMPLEMENTED; "always" never asks the upstream.
     container_checkpoint: str = "fallback"
@@ -75,6 +83,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
         "socket": ("socket", str),
         "state_dir": ("state_dir", str),
         "metrics_address": ("metrics_address", str),
+        "runtime_name": ("runtime_name", str),
     },
     "upstream": {
         "endpoint": ("upstream_endpoint", str),
@@ -181,6 +190,10 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError(f"log.format: must be one of {', '.join(_LOG_FORMATS)}, got {cfg.log_format!r}")
     if cfg.log_level not in _LOG_LEVELS:
         raise ConfigError(f"log.level: must be one of {', '.join(_LOG_LEVELS)}, got {cfg.log_level!r}")
+    if cfg.runtime_name not in RUNTIME_NAMES:
+        raise ConfigError(
+            f"server.runtime_name: must be one of {', '.join(RUNTIME_NAMES)}, got {cfg.runtime_name!r}"
+        )
     if not cfg.socket.startswith("/"):
         raise ConfigError(f"server.socket: must be an absolute path, got {cfg.socket!r}")
     if not cfg.upstream_endpoint.startswith(("unix://", "unix:")):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from shim import __version__
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _OP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _SIZE_BUCKETS = tuple(float(2**i) for i in range(20, 38, 2))  # 1 MiB .. 64 GiB
@@ -51,6 +53,9 @@ lazy_restore_failures = Counter(
     "page, or whose page images failed their checksum (reason: killed, exit, podshim-restart, checksum)",
     ["reason"],
 )
+# podshim is visible here even where Version reports the upstream's runtime_name
+build_info = Gauge("podshim_build_info", "podshim's version (always 1)", ["version"])
+build_info.labels(__version__).set(1)
 wiring_ok = Gauge(
     "podshim_wiring_ok",
     "Whether the upstream runtime handler runs podshim-runc and passes podshim.* annotations "

@@ -19,7 +19,9 @@ def write(tmp_path: Path, text: str) -> str:
 def test_defaults_without_a_file() -> None:
     cfg = config.load(None, env={})
     assert cfg.socket == "/run/podshim/podshim.sock"
-    assert cfg.allowed_roots == ("/var/lib/kubelet/pod-checkpoints",)
+    # the kubelet's checkpoint API writes into <root-dir>/checkpoints: allowed without a config
+    assert cfg.allowed_roots == ("/var/lib/kubelet/pod-checkpoints", "/var/lib/kubelet/checkpoints")
+    assert cfg.runtime_name == "upstream"
     assert cfg.log_format == "json"
 
 
@@ -55,6 +57,7 @@ def test_config_env_names_the_file(tmp_path: Path) -> None:
         ("[server]\nsocket = 3\n", "server.socket"),
         ('[server]\nsocket = "relative.sock"\n', "server.socket"),
         ('[log]\nlevel = "loud"\n', "log.level"),
+        ('[server]\nruntime_name = "kubelet"\n', "server.runtime_name"),
         ('[upstream]\nendpoint = "tcp://1.2.3.4:1"\n', "upstream.endpoint"),
         ('[checkpoint]\nallowed_roots = "/one"\n', "checkpoint.allowed_roots"),
         ('[checkpoint]\nallowed_roots = ["rel"]\n', "checkpoint.allowed_roots"),

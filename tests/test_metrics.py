@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
-from shim import metrics
+from shim import __version__, metrics
 from testbed import pods
 from testbed.bed import TestBed
 
@@ -32,6 +32,7 @@ EXPECTED = {
     "podshim_checkpoint_archive_bytes": "histogram",
     "podshim_proxy_requests": "counter",
     "podshim_proxy_request_duration_seconds": "histogram",
+    "podshim_build_info": "gauge",
 }
 
 
@@ -115,6 +116,8 @@ def test_metrics_move_with_proxied_calls_and_operations(
     types, before = scrape(port)
     for name, kind in EXPECTED.items():
         assert types.get(name) == kind, (name, types.get(name))
+    # podshim is visible in its metrics, whatever Version calls the runtime (the upstream's name)
+    assert value(before, "podshim_build_info", version=__version__) == 1
 
     channel = grpc.insecure_channel(f"unix://{sock}")
     rt = api_pb2_grpc.RuntimeServiceStub(channel)

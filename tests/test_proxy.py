@@ -3,6 +3,7 @@ containerd behaves as it does against containerd directly."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import threading
@@ -15,21 +16,33 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
+from shim import __version__
 from testbed import pods
 from testbed.bed import TestBed
 
 pytestmark = pytest.mark.e2e
 
 
-def test_version_names_podshim_and_upstream(
-    rt: api_pb2_grpc.RuntimeServiceStub, direct_rt: api_pb2_grpc.RuntimeServiceStub
+def test_version_names_the_upstream_and_podshim(
+    rt: api_pb2_grpc.RuntimeServiceStub,
+    direct_rt: api_pb2_grpc.RuntimeServiceStub,
+    bed: TestBed,
+    tmp_path: Path,
 ) -> None:
+    """The node still looks like a containerd node: runtime_name is the upstream's (the kubelet
+    shows containerd://<id>), podshim is in runtime_version's build metadata; `[server]
+    runtime_name = "podshim"` gives the name podshim again, the upstream in its version."""
     ours = rt.Version(cri.VersionRequest())
     theirs = direct_rt.Version(cri.VersionRequest())
-    assert ours.runtime_name == "podshim"
+    assert ours.runtime_name == theirs.runtime_name == "containerd"
     assert ours.runtime_api_version == theirs.runtime_api_version == "v1"
-    assert "containerd" in ours.runtime_version
-    assert ours.runtime_version.startswith("0.")
+    sep = "." if "+" in theirs.runtime_version else "+"  # one "+" only (semver build metadata)
+    assert ours.runtime_version == f"{theirs.runtime_version}{sep}podshim.{__version__}", ours.runtime_version
+    with bed.extra_podshim(tmp_path, server={"runtime_name": "podshim"}) as (socket, _log):
+        named = pods.stubs(socket)[0].Version(cri.VersionRequest(), timeout=10)
+    upstream = re.sub(r"[^0-9A-Za-z.-]", "-", theirs.runtime_version)  # "1.6.20~ds1", "2.1.9+unknown"
+    assert named.runtime_name == "podshim", named
+    assert named.runtime_version == f"{__version__}+containerd-{upstream}", named.runtime_version
 
 
 def test_pod_sandbox_lifecycle(

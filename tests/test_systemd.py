@@ -198,6 +198,9 @@ def test_example_config_loads() -> None:
     assert cfg.metrics_address  # documented on, bound to localhost
     assert cfg.metrics_address.startswith("127.0.0.1:")
     assert cfg.runtime.root == "/run/containerd/runc/k8s.io"
+    # a stock kubelet's checkpoint API (POST /checkpoint/...) writes into <root-dir>/checkpoints
+    assert "/var/lib/kubelet/checkpoints" in cfg.allowed_roots
+    assert cfg.allowed_roots == configmod.Config().allowed_roots
 
 
 def test_kubelet_flags_point_at_podshim() -> None:

@@ -71,7 +71,7 @@ class Server:
         self.config = config
         self.upstream = upstream or Upstream(config.upstream_endpoint, config.upstream_timeout)
         passthrough = Passthrough(self.upstream)
-        self.handlers = RuntimeHandlers(passthrough, engine)
+        self.handlers = RuntimeHandlers(passthrough, engine, config.runtime_name)
         self.grpc = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE),

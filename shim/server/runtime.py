@@ -132,12 +132,36 @@ def typed_handler(
     return grpc.unary_unary_rpc_method_handler(handle, response_serializer=resp_cls.SerializeToString)
 
 
+def version_answer(up: cri.VersionResponse, runtime_name: str) -> cri.VersionResponse:
+    """Version through podshim (docs/architecture.md §3 (The proxy)). "upstream": the upstream's
+    runtime_name (the kubelet reports container ids as `<runtime_name>://<id>`, which node agents
+    key on) and its runtime_version with podshim added as build metadata
+    (`1.6.20~ds1+podshim.0.1.0`); "podshim": runtime_name podshim, the upstream in the build
+    metadata of podshim's version (`0.1.0+containerd-1.6.20-ds1`)."""
+    if runtime_name == "podshim":
+        upstream = re.sub(r"[^0-9A-Za-z.-]", "-", f"{up.runtime_name}-{up.runtime_version}")
+        name, version = "podshim", f"{__version__}+{upstream}"
+    else:
+        # one "+" only: build metadata the upstream's version already has goes on after a "."
+        sep = "." if "+" in up.runtime_version else "+"
+        name, version = up.runtime_name, f"{up.runtime_version}{sep}podshim.{__version__}"
+    return cri.VersionResponse(
+        version=up.version or "0.1.0",
+        runtime_name=name,
+        runtime_version=version,
+        runtime_api_version=up.runtime_api_version or "v1",
+    )
+
+
 class RuntimeHandlers:
     """Builds the handlers of the RuntimeService methods podshim owns or corrects."""
 
-    def __init__(self, passthrough: Passthrough, engine: Engine | None) -> None:
+    def __init__(
+        self, passthrough: Passthrough, engine: Engine | None, runtime_name: str = "upstream"
+    ) -> None:
         self.passthrough = passthrough
         self.engine = engine
+        self.runtime_name = runtime_name  # [server] runtime_name: "upstream" or "podshim"
 
     async def version(
         self, req: cri.VersionRequest, context: grpc.aio.ServicerContext
@@ -147,15 +171,7 @@ class RuntimeHandlers:
         except grpc.aio.AioRpcError as err:
             await self.passthrough.abort_with(context, err)
             raise
-        up = cri.VersionResponse.FromString(raw)
-        # Semver build metadata names the upstream without breaking version parsers.
-        upstream = re.sub(r"[^0-9A-Za-z.-]", "-", f"{up.runtime_name}-{up.runtime_version}")
-        return cri.VersionResponse(
-            version=up.version or "0.1.0",
-            runtime_name="podshim",
-            runtime_version=f"{__version__}+{upstream}",
-            runtime_api_version=up.runtime_api_version or "v1",
-        )
+        return version_answer(cri.VersionResponse.FromString(raw), self.runtime_name)
 
     def idempotent_stop(self, method: str) -> grpc.RpcMethodHandler:
         """StopPodSandbox/StopContainer: the CRI makes them idempotent, containerd 1.6 answers

@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
+from shim import __version__
 from testbed._cri import field_bytes, field_str
 
 from .corpus import INVALID, NOT_FOUND, Case, Ctx, counter
@@ -359,7 +360,8 @@ def check(ctx: Ctx, case: Case) -> str:
     assert code == case.code, f"{case.id}: {code}: {details}"
     for n in case.needles:
         assert n in details, f"{case.id}: {n!r} not in {details!r}"
-    assert ctx.rt.Version(cri.VersionRequest(), timeout=10).runtime_name == "podshim"
+    version = ctx.rt.Version(cri.VersionRequest(), timeout=10).runtime_version
+    assert version.endswith(f"+podshim.{__version__}"), version
     assert ctx.bed.podshim_pid == pid and ctx.bed.podshim_running, "podshim restarted or died"
     assert ctx.canary.fingerprint() == before, "something outside the allowed roots was read or written"
     for d in ctx.outputs:  # offered as output_path (or next to the case): nothing written there

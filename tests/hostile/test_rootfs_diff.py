@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
+from shim import __version__
 from shim.archive import rootfs_diff
 from shim.errors import DataLoss, InvalidArgument, ShimError
 from testbed import pods
@@ -320,7 +321,7 @@ def test_restore_with_hostile_diff(ctx: Ctx, name: str, build: Any, needle: str,
             assert st.state != cri.CONTAINER_RUNNING
         assert ctx.canary.fingerprint() == before, "the hostile diff reached outside the rootfs"
         assert not (ctx.canary.dir / "pwned").exists() and ctx.canary.secret.exists()
-        assert ctx.rt.Version(cri.VersionRequest()).runtime_name == "podshim"
+        assert ctx.rt.Version(cri.VersionRequest()).runtime_version.endswith(f"+podshim.{__version__}")
     finally:
         if sid:
             pods.remove_pod(ctx.rt, sid)  # and the pod-level cgroup
