@@ -362,6 +362,69 @@ def test_restore_into_a_new_sandbox(
     assert imports(bed) == []
 
 
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def test_restore_of_a_kubelet_container_needs_its_bind_mounts(
+    rt: Rt, img: api_pb2_grpc.ImageServiceStub, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    """The tar of a container a kubelet made holds its bind mounts (per-pod /etc/hosts, the
+    termination log, a service-account token) in spec.dump: CreateContainer from it without them
+    is FAILED_PRECONDITION naming each one the upstream does not provide itself (containerd mounts
+    the sandbox's /etc/hosts), before anything is created or CRIU runs; with them in the request
+    the process resumes where it left off."""
+    kubelet_root = Path(bed.base_dir) / "kubelet"
+    src_config = pods.pod_config(f"kube-src-{secrets.token_hex(3)}", log_root)
+    cc = pods.kubelet_container_config(img, src_config, kubelet_root, "counter", args=["--interval-ms", "50"])
+    token = pods.kubelet_pod_dir(kubelet_root, src_config) / "volumes" / "token"
+    token.mkdir(parents=True)
+    (token / "token").write_text("not a real token")
+    cc.mounts.append(cri.Mount(host_path=str(token), container_path=SERVICE_ACCOUNT, readonly=True))
+    src_id = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=src_config)).pod_sandbox_id
+    pod_cleanup.append(src_id)
+    cid = rt.CreateContainer(
+        cri.CreateContainerRequest(pod_sandbox_id=src_id, config=cc, sandbox_config=src_config)
+    ).container_id
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+    src_log = Path(src_config.log_directory) / "counter" / "0.log"
+    pods.wait_count(src_log, 10)
+    target = new_dir(bed, "kubelet-ctr") / "counter.tar"
+    before = pods.counts(src_log)[-1]
+    checkpoint(rt, cid, target)
+    after = pods.counts(src_log)[-1]
+
+    pod_id, config = run_sandbox(rt, "kube-dst", log_root, pod_cleanup)
+
+    def create(*mounts: str) -> str:
+        new = pods.container_config("copy", image=str(target), args=[])
+        for dest in mounts:
+            host = Path(bed.base_dir) / "kubelet" / "new" / secrets.token_hex(3)
+            host.parent.mkdir(parents=True, exist_ok=True)
+            host.mkdir() if dest == SERVICE_ACCOUNT else host.touch()
+            new.mounts.append(cri.Mount(host_path=str(host), container_path=dest))
+        req = cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=new, sandbox_config=config)
+        return rt.CreateContainer(req, timeout=CALL_TIMEOUT).container_id
+
+    details = expect_error(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        create,
+        pods.TERMINATION_LOG,
+        SERVICE_ACCOUNT,
+        "nothing was created",
+    )
+    assert "/etc/hosts" not in details, details  # containerd mounts the sandbox's own
+    expect_error(grpc.StatusCode.FAILED_PRECONDITION, lambda: create(pods.TERMINATION_LOG), SERVICE_ACCOUNT)
+    in_pod = rt.ListContainers(cri.ListContainersRequest(filter=cri.ContainerFilter(pod_sandbox_id=pod_id)))
+    assert list(in_pod.containers) == [] and imports(bed) == []
+
+    copy = create(pods.TERMINATION_LOG, SERVICE_ACCOUNT)
+    rt.StartContainer(cri.StartContainerRequest(container_id=copy), timeout=CALL_TIMEOUT)
+    restored_log = Path(config.log_directory) / "copy" / "0.log"
+    first = pods.wait_for(lambda: pods.counts(restored_log), what="restored counter output")[0]
+    assert 0 < before <= first <= after + 3, (before, first, after)
+    pods.wait_count(restored_log, first + 5)
+
+
 def test_restore_refuses_hostile_and_missing_archives(
     rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], tmp_path: Path
 ) -> None:

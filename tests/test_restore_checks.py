@@ -1,4 +1,5 @@
-"""RestorePod's host check (no bed): what an archive needs of the node it is restored on."""
+"""What an archive needs of the node and the request it is restored with (no bed): RestorePod's
+host check, a container tar's bind mounts."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import platform
 
 import pytest
 
+from api.runtime.v1 import api_pb2 as cri
 from shim.archive.manifest import HostInfo, Manifest, SandboxInfo
 from shim.errors import FailedPrecondition
+from shim.ops.restore_container import missing_mounts
 from shim.ops.restore_pod import check_host
 
 HERE = platform.machine()
@@ -49,3 +52,26 @@ def test_incompatible_hosts(host: dict[str, str], criu: str, name: str, version:
     with pytest.raises(FailedPrecondition) as err:
         check_host(archive(**host), criu, name, version)
     assert needle in err.value.message, err.value.message
+
+
+def test_container_tar_restore_needs_the_checkpoint_bind_mounts() -> None:
+    """restore_container.missing_mounts: the checkpoint's bind mounts the request lacks, but not
+    the runtime's own mounts nor those the upstream adds itself; a hostile spec.dump is no crash."""
+    spec = {
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "options": ["nosuid"]},
+            {"destination": "/etc/hosts", "type": "bind", "options": ["rbind", "rw"]},
+            {"destination": "/etc/hostname", "type": "bind", "options": ["rbind"]},
+            {"destination": "/etc/resolv.conf", "type": "bind", "options": ["rbind"]},
+            {"destination": "/dev/shm", "type": "bind", "options": ["rbind"]},
+            {"destination": "/dev/termination-log", "type": "bind", "options": ["rbind", "rw"]},
+            {"destination": "/data/", "options": ["rbind", "ro"]},  # a bind mount without a type
+            {"destination": "/data", "options": ["rbind"]},
+        ]
+    }
+    assert missing_mounts(spec, cri.ContainerConfig()) == ["/dev/termination-log", "/data"]
+    given = cri.ContainerConfig(mounts=[cri.Mount(container_path="/data", host_path="/srv")])
+    assert missing_mounts(spec, given) == ["/dev/termination-log"]
+    for hostile in ({"mounts": 3}, {"mounts": ["x", {"options": [{}], "type": 1}]}, {}):
+        assert missing_mounts(hostile, cri.ContainerConfig()) == []
