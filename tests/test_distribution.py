@@ -566,9 +566,11 @@ def test_incompatible_node_is_refused_naming_each_mismatch(
     shutil.copytree(source.path, edited)
     dump = edited / "containers/counter/config.dump"
     record = json.loads(dump.read_text())
-    record["image_ref"] = "sha256:" + "0" * 64
+    other_image = "sha256:" + "0" * 64  # recorded as the image's ID (docs/architecture.md §19)
+    record["image_ref"] = record["image_id"] = other_image
     dump.write_text(json.dumps(record))
     doc = json.loads((edited / "manifest.json").read_text())
+    doc["containers"][0]["image_id"] = other_image
     doc["files"]["containers/counter/config.dump"] = {
         "size": dump.stat().st_size,
         "sha256": hashlib.sha256(dump.read_bytes()).hexdigest(),
