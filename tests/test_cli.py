@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
@@ -317,6 +318,62 @@ def test_restorepod_print_request_derives_configs(tmp_path: Path, capsys: pytest
     assert req["containerConfigs"][0]["logPath"] == "app/1.log"
 
 
+def test_restorepod_moves_derived_containers_to_the_new_pod(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A kubelet's container config names its pod (labels) and mounts the pod's own files
+    (<root-dir>/pods/<uid>/etc-hosts, a termination log): derived for the new pod, they name the
+    new pod and mount the new pod's files; nothing of the old uid is left in the request."""
+    uid = "0609a4ed-9294-5fc9-aaaa-bbbbccccdddd"
+    archive = fake_archive(tmp_path / "cp", uid=uid)
+    pod_dir = tmp_path / "kubelet" / "pods" / uid
+    (pod_dir / "containers" / "app").mkdir(parents=True)
+    (pod_dir / "etc-hosts").write_text("127.0.0.1 localhost\n10.88.0.7 web\n")
+    (pod_dir / "containers" / "app" / "5e1f").write_text("the old container's last words")
+    dump = archive / "containers" / "app" / "config.dump"
+    record = json.loads(dump.read_text())
+    record["config"]["labels"] = {
+        "io.kubernetes.pod.uid": uid,
+        "io.kubernetes.pod.name": "web",
+        "io.kubernetes.pod.namespace": "shop",
+        "io.kubernetes.container.name": "app",
+    }
+    record["config"]["annotations"] = {
+        "io.kubernetes.container.terminationMessagePath": "/dev/termination-log"
+    }
+    record["config"]["mounts"] = [
+        {"host_path": str(pod_dir / "etc-hosts"), "container_path": "/etc/hosts"},
+        {"host_path": str(pod_dir / "containers/app/5e1f"), "container_path": "/dev/termination-log"},
+        {"host_path": "/srv/data", "container_path": "/data"},
+    ]
+    dump.write_text(json.dumps(record))
+
+    code, out, err = run_main(["restorepod", str(archive), "--print-request"], capsys)
+    assert code == 0, err
+    req = json.loads(out)
+    new_uid = req["config"]["metadata"]["uid"]
+    assert uid not in out and new_uid != uid
+    cc = req["containerConfigs"][0]
+    assert cc["labels"]["io.kubernetes.pod.uid"] == new_uid
+    assert cc["labels"]["io.kubernetes.pod.name"] == "web-restored"
+    new_dir = tmp_path / "kubelet" / "pods" / new_uid
+    assert [(m["hostPath"], m["containerPath"]) for m in cc["mounts"]] == [
+        (str(new_dir / "etc-hosts"), "/etc/hosts"),
+        (str(new_dir / "containers/app/5e1f"), "/dev/termination-log"),
+        ("/srv/data", "/data"),  # not the old pod's
+    ]
+    assert not new_dir.exists()  # --print-request makes nothing
+
+    # what restorepod makes before sending the request: the new pod's own files
+    derived = restorepod.build_restore_request(
+        cli.build_parser().parse_args(["restorepod", str(archive), "--pod-name", "w2"])
+    )[1]
+    restorepod.make_pod_files(derived.pod_files)
+    made = tmp_path / "kubelet" / "pods" / derived.pod_files[0].new.split("/pods/")[1].split("/")[0]
+    assert (made / "etc-hosts").read_text() == (pod_dir / "etc-hosts").read_text()
+    assert (made / "containers/app/5e1f").read_text() == ""  # a termination log starts empty
+
+
 def test_restorepod_given_configs_json_and_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     archive = fake_archive(tmp_path / "cp")
     pod = tmp_path / "pod.json"
@@ -467,3 +524,56 @@ def test_checkpointpod_errors(bed: TestBed, rt: api_pb2_grpc.RuntimeServiceStub,
 
     res = podshim("inspectp", "does-not-exist", endpoint=ep)
     assert_clean_error(res, 1, "NOT_FOUND")
+
+
+@pytest.mark.e2e
+def test_restorepod_of_a_kubelet_pod_has_only_its_own_identity(
+    bed: TestBed,
+    rt: api_pb2_grpc.RuntimeServiceStub,
+    img: api_pb2_grpc.ImageServiceStub,
+    pod_cleanup: list[str],
+    log_root: Path,
+) -> None:
+    """`podshim restorepod PATH` without --config of a pod a kubelet made: the restored
+    containers carry nothing of the old pod's uid or per-pod paths (labels, annotations, the
+    /etc/hosts and termination-log mounts: ContainerStatus and its verbose info), mount files of
+    the new pod, and resume."""
+    ep = f"unix://{bed.podshim_socket}"
+    kubelet_root = Path(bed.base_dir) / "kubelet"
+    config = pods.pod_config("cli-kubelet", log_root)
+    cc = pods.kubelet_container_config(img, config, kubelet_root, "counter")
+    pod_id = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=config)).pod_sandbox_id
+    pod_cleanup.append(pod_id)
+    cid = rt.CreateContainer(
+        cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config)
+    ).container_id
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+    src_log = Path(config.log_directory) / "counter" / "0.log"
+    pods.wait_count(src_log, 5)
+    old_uid, old_dir = config.metadata.uid, str(pods.kubelet_pod_dir(kubelet_root, config))
+
+    out = Path(bed.checkpoint_root) / f"cli-kubelet-{pod_id[:12]}"
+    assert podshim("checkpointpod", pod_id, str(out), endpoint=ep).returncode == 0
+    saved = pods.counts(src_log)[-1]
+    restored = _json(podshim("restorepod", str(out), "--start", "-o", "json", endpoint=ep))
+    pod_cleanup.append(restored["podSandboxId"])
+    new_cid = restored["restoredContainers"][0]["containerId"]
+    new_uid = restored["uid"]
+
+    st = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=new_cid, verbose=True))
+    seen = json.dumps({"status": json_format.MessageToDict(st.status), "info": dict(st.info)})
+    assert old_uid not in seen, f"the old pod's uid {old_uid} is in the restored container: {seen[:2000]}"
+    assert old_dir not in seen, f"the old pod's files ({old_dir}) are in the restored container"
+    assert st.status.labels["io.kubernetes.pod.uid"] == new_uid
+    assert st.status.labels["io.kubernetes.pod.name"] == "cli-kubelet-restored"
+    new_dir = Path(kubelet_root) / "pods" / new_uid
+    spec = json.loads(st.info["info"])["runtimeSpec"]
+    mounts = {m["destination"]: m["source"] for m in spec["mounts"]}
+    assert mounts["/etc/hosts"] == str(new_dir / "etc-hosts"), mounts
+    assert mounts[pods.TERMINATION_LOG].startswith(str(new_dir / "containers" / "counter") + "/"), mounts
+    assert Path(mounts[pods.TERMINATION_LOG]).read_text() == ""
+
+    log_path = Path(st.status.log_path)
+    first = pods.wait_for(lambda: pods.counts(log_path), what="restored counter output")[0]
+    assert 0 < first <= saved + 1, (first, saved)
+    pods.wait_count(log_path, first + 3)

@@ -8,7 +8,9 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,9 @@ RESTORED_SUFFIX = "-restored"
 MANIFEST_FILE = "manifest.json"
 SANDBOX_STATUS_FILE = "sandbox/status.json"
 CONFIG_DUMP_FILE = "config.dump"
+# the kubelet's keys naming a pod (pkg/kubelet/types) and a container's termination-message file
+POD_NAME_KEY = "io.kubernetes.pod.name"
+TERMINATION_MESSAGE_PATH_KEY = "io.kubernetes.container.terminationMessagePath"
 
 
 def load_document(path: str, what: str) -> dict[str, Any]:
@@ -127,13 +132,70 @@ def derive_pod_config(
         config.log_directory = swapped if swapped != log_dir else f"{log_dir.rstrip('/')}{RESTORED_SUFFIX}"
     if config.linux.cgroup_parent:
         config.linux.cgroup_parent = _replace_identity(config.linux.cgroup_parent, old, new)
-    for kv in (config.labels, config.annotations):
-        for k, v in list(kv.items()):
-            if v == old["uid"] and old["uid"]:
-                kv[k] = new["uid"]
-            elif k == "io.kubernetes.pod.name" and v == old["name"]:
-                kv[k] = new["name"]
+    _rename_in(config.labels, old, new)
+    _rename_in(config.annotations, old, new)
     return config
+
+
+def _rename_in(kv: Any, old: dict[str, str], new: dict[str, str]) -> None:
+    """Labels or annotations that name the old pod (its uid, its name under the kubelet's key,
+    a value holding the uid) name the new one."""
+    for k, v in list(kv.items()):
+        if k == POD_NAME_KEY and v == old["name"]:
+            kv[k] = new["name"]
+        elif old["uid"] and old["uid"] in v:
+            kv[k] = _replace_identity(v, old, new)
+
+
+@dataclass(frozen=True)
+class PodFile:
+    """A per-pod file or directory the kubelet made for the old pod (under `<root-dir>/pods/<uid>`:
+    its etc-hosts, a container's termination log, a volume's directory), at the new pod's path."""
+
+    old: str
+    new: str
+    empty: bool  # a termination-message file starts empty
+
+
+def move_to_new_pod(cc: cri.ContainerConfig, old: dict[str, str], new: dict[str, str]) -> list[PodFile]:
+    """A checkpointed container's config for the new pod (docs/architecture.md §5 (RestorePod)):
+    labels and annotations that name the old pod name the new one, and every mount of a file of
+    the old pod (a host path holding its uid) mounts the new pod's instead. Returns those files,
+    which restorepod makes (make_pod_files) before it sends the request: nothing is shared with
+    the old pod."""
+    _rename_in(cc.labels, old, new)
+    _rename_in(cc.annotations, old, new)
+    if not old["uid"]:
+        return []
+    term = cc.annotations.get(TERMINATION_MESSAGE_PATH_KEY, "/dev/termination-log")
+    files = []
+    for m in cc.mounts:
+        swapped = _replace_identity(m.host_path, old, new)
+        if swapped != m.host_path:
+            files.append(PodFile(m.host_path, swapped, empty=m.container_path == term))
+            m.host_path = swapped
+    return files
+
+
+def make_pod_files(files: list[PodFile]) -> None:
+    """The new pod's per-pod files, the kubelet's job done for it here: a file is a copy of the old
+    pod's (its /etc/hosts) or, for a termination log or when the old one is gone, empty; a
+    directory (a volume) is made empty (volume contents are not part of a checkpoint)."""
+    for f in files:
+        if os.path.lexists(f.new):
+            continue
+        try:
+            os.makedirs(os.path.dirname(f.new), mode=0o750, exist_ok=True)
+            if os.path.isdir(f.old):
+                os.mkdir(f.new, mode=0o750)
+            elif f.empty or not os.path.isfile(f.old):
+                with open(f.new, "x"):
+                    pass
+                os.chmod(f.new, 0o666)  # as the kubelet's termination-log files
+            else:
+                shutil.copy2(f.old, f.new)
+        except OSError as e:
+            raise CliError(f"cannot make the new pod's file {f.new}: {e.strerror or e}") from None
 
 
 def checkpointed_containers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -145,7 +207,8 @@ def checkpointed_containers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def derive_container_config(archive: Path, entry: dict[str, Any]) -> cri.ContainerConfig:
-    """A container's ContainerConfig as checkpointed (`containers/<name>/config.dump` field `config`)."""
+    """A container's ContainerConfig as checkpointed (`containers/<name>/config.dump` field
+    `config`), still naming the old pod (move_to_new_pod)."""
     rel = entry.get("dir") or f"containers/{entry['name']}"
     path = archive / rel / CONFIG_DUMP_FILE
     try:
@@ -165,9 +228,16 @@ def archived_runtime_handler(archive: Path) -> str:
     return ""
 
 
-def build_restore_request(args: argparse.Namespace) -> tuple[cri.RestorePodRequest, bool]:
-    """The RestorePodRequest from the flags, deriving what they omit from the archive.
-    Returns it and whether the pod config was derived."""
+@dataclass
+class Derived:
+    """What restorepod derived from the archive."""
+
+    pod_config: bool  # the pod config (its log directory is then made here)
+    pod_files: list[PodFile]  # the new pod's per-pod files the derived container configs mount
+
+
+def build_restore_request(args: argparse.Namespace) -> tuple[cri.RestorePodRequest, Derived]:
+    """The RestorePodRequest from the flags, deriving what they omit from the archive."""
     archive = Path(os.path.abspath(args.path))
     given: dict[str, cri.ContainerConfig] = {}
     for name, file in args.container_configs or []:
@@ -202,6 +272,8 @@ def build_restore_request(args: argparse.Namespace) -> tuple[cri.RestorePodReque
     # Containers without --container-config get their checkpointed config. With --config and
     # some --container-config, an unreadable archive is left for the runtime to judge.
     entries: list[dict[str, Any]] | None = None
+    configs: list[cri.ContainerConfig] = []
+    files: list[PodFile] = []
     try:
         entries = checkpointed_containers(archived())
     except CliError:
@@ -217,7 +289,17 @@ def build_restore_request(args: argparse.Namespace) -> tuple[cri.RestorePodReque
                 f"--container-config {unknown[0]}: no such container in the checkpoint "
                 f"(it has {', '.join(sorted(names)) or 'none'})"
             )
-        configs = [given.get(e["name"]) or derive_container_config(archive, e) for e in entries]
+        sandbox_md = archived()["sandbox"].get("metadata") or {}
+        old = {"uid": str(sandbox_md.get("uid") or ""), "name": str(sandbox_md.get("name") or "")}
+        new = {"uid": config.metadata.uid, "name": config.metadata.name}
+        for e in entries:
+            if e["name"] in given:
+                configs.append(given[e["name"]])
+                continue
+            cc = derive_container_config(archive, e)
+            if old != new:
+                files.extend(move_to_new_pod(cc, old, new))
+            configs.append(cc)
 
     handler = args.runtime_handler
     if handler is None:
@@ -232,7 +314,7 @@ def build_restore_request(args: argparse.Namespace) -> tuple[cri.RestorePodReque
         options=options,
         container_configs=configs,
     )
-    return req, derived
+    return req, Derived(derived, files)
 
 
 @guarded("restorepod")
@@ -261,8 +343,9 @@ def _restorepod(args: argparse.Namespace) -> int:
     if args.print_request:
         output.render(output.message_dict(req), "json" if fmt == "table" else fmt)
         return EXIT_OK
+    make_pod_files(derived.pod_files)
     log_dir = req.config.log_directory
-    if derived and log_dir.startswith("/") and not os.path.exists(log_dir):
+    if derived.pod_config and log_dir.startswith("/") and not os.path.exists(log_dir):
         try:
             os.makedirs(log_dir, mode=0o755, exist_ok=True)  # the kubelet's job, done for it here
         except OSError as e:
