@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 PYTEST := .venv/bin/pytest
 
-.PHONY: setup demo test test-core test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution
+.PHONY: setup demo test test-core test-kubelet test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution
 
 setup:
 	bash scripts/setup.sh
@@ -29,6 +29,10 @@ test: setup
 CONTAINERD ?= 1.6
 test-core: setup
 	PODSHIM_TEST_CONTAINERD=$(CONTAINERD) $(PYTEST) -ra -m core
+
+# A real kubelet (v1.37, standalone, static pods) on podshim: tests/test_kubelet.py (also in `make test`).
+test-kubelet: setup
+	$(PYTEST) -ra -m kubelet
 
 # Unit tests only (no containerd, no root needed for most).
 test-fast:

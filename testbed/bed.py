@@ -30,6 +30,7 @@ import grpc
 
 from testbed import _sys
 from testbed._cri import CriClient, target
+from testbed.mntns import NodeMounts
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO / ".venv" / "bin"
@@ -154,6 +155,8 @@ class TestBed:
         save_logs_to: str | os.PathLike[str] | None = None,
         extra_env: dict[str, str] | None = None,
         containerd: str | None = None,
+        node_mounts: NodeMounts | None = None,
+        stock_checkpoint_roots: bool = False,
     ) -> None:
         """
         base_dir: where everything lives; must not exist or be empty; removed by ``stop()``.
@@ -183,6 +186,10 @@ class TestBed:
             ``PODSHIM_TEST_CONTAINERD``, else 1.6, the system's). 1.7 and 2.1 run from the set-up's
             private prefix, first on containerd's PATH so that it finds their runc shim; 2.x gets
             config version 3.
+        node_mounts: run containerd and podshim in a private mount namespace showing these
+            (testbed/mntns.py), e.g. a kubelet's stock /var/lib/kubelet (testbed/kubelet.py).
+        stock_checkpoint_roots: leave ``[checkpoint] allowed_roots`` out of podshim's config, so
+            podshim's built-in default applies (else: ``<base>/checkpoints``).
         """
         self.base_dir = Path(base_dir or f"/run/podshim-testbed-{secrets.token_hex(4)}").absolute()
         self.start_podshim = start_podshim
@@ -203,6 +210,8 @@ class TestBed:
                 f"containerd {self.containerd_version!r}: must be one of {', '.join(CONTAINERD_VERSIONS)}"
             )
         self.containerd_bin_dir = containerd_bin_dir(self.containerd_version)
+        self.node_mounts = node_mounts
+        self.stock_checkpoint_roots = stock_checkpoint_roots
 
         b = self.base_dir
         self.containerd_socket = b / "containerd.sock"
@@ -335,6 +344,8 @@ class TestBed:
         self._started = True
         try:
             self._make_base_dir()
+            if self.node_mounts is not None:
+                self.node_mounts.create(self.base_dir)
             images = self._build_images() if self.import_images else []
             self._setup_network()
             self._write_files()
@@ -457,6 +468,9 @@ binary = {_toml_str(self.crun_runtime)}
 root = {_toml_str(self.crun_root)}
 criu = {_toml_str(CRIU)}
 """
+        checkpoint_section = ""
+        if not self.stock_checkpoint_roots:
+            checkpoint_section = f"[checkpoint]\nallowed_roots = {_toml_list([str(self.checkpoint_root)])}\n"
         podshim = f"""# written by testbed/bed.py
 [server]
 socket = {_toml_str(self.podshim_socket)}
@@ -472,9 +486,7 @@ root = {_toml_str(self.runc_root)}
 criu = {_toml_str(CRIU)}
 
 {crun_section}
-[checkpoint]
-allowed_roots = {_toml_list([str(self.checkpoint_root)])}
-
+{checkpoint_section}
 [log]
 format = "json"
 level = "info"
@@ -607,7 +619,11 @@ oom_score = 0
         env.update(self.extra_env)
         return env
 
+    def _in_node(self, cmd: list[str]) -> list[str]:
+        return self.node_mounts.command(cmd) if self.node_mounts is not None else cmd
+
     def _spawn(self, cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+        cmd = self._in_node(cmd)
         with open(log, "ab") as out:
             return subprocess.Popen(
                 cmd,
@@ -715,7 +731,7 @@ oom_score = 0
             env["PODSHIM_FAILPOINTS"] = failpoints
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                [*self.podshim_command, "serve", "--config", str(path)],
+                self._in_node([*self.podshim_command, "serve", "--config", str(path)]),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -1069,6 +1085,7 @@ _BED_PROGRAMS = {
     "podshim-runc",
     "podshim-runc-hook",  # the Python restore hook podshim-runc execs (a restore, its watchdog)
     "runc-wrapper",
+    "kubelet",  # testbed/kubelet.py
 }
 
 

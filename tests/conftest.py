@@ -37,6 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "core: the end-to-end core, also run on containerd 1.7 and 2.1 (tests/conftest.py)"
     )
+    config.addinivalue_line("markers", "kubelet: runs a real kubelet (testbed/kubelet.py; make test-kubelet)")
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
