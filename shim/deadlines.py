@@ -18,6 +18,10 @@ KILL_WAIT = 10.0  # for SIGKILLed runc/CRIU processes to disappear
 VERSION_TIMEOUT = 10.0  # for `runc/crun/criu --version` (and `restore --help`)
 CPUINFO_TIMEOUT = 20.0  # for `criu cpuinfo dump/check`
 NETLOCK_TIMEOUT = 10.0  # for one iptables-restore of the pod's netns lock (tcp-established)
+# exec sessions in a container (the kubelet's exec probes) are waited for this long before a
+# checkpoint refuses them, looking again every EXEC_SESSION_POLL
+EXEC_SESSION_WAIT = 3.0
+EXEC_SESSION_POLL = 0.02
 
 # ---------------------------------------------------------------------- lazy restore (§5.1)
 LAZY_READY_TIMEOUT = 30.0  # for a lazy-pages daemon to listen (it reads the images' metadata first)

@@ -671,6 +671,33 @@ def test_exec_session_is_refused(rt: Rt, bed: TestBed, counter_pod: pods.Pod) ->
         t.join(20)
 
 
+def test_short_exec_session_is_waited_for(
+    rt: Rt, bed: TestBed, counter_pod: pods.Pod, archives: list[Path]
+) -> None:
+    """An exec session that ends within EXEC_SESSION_WAIT (a kubelet exec probe) does not fail
+    the checkpoint: podshim waits for it, then checkpoints."""
+    cid = counter_pod.containers["counter"]
+    cgroup = FREEZER / container_cgroup(rt, cid).lstrip("/")
+    before = set((cgroup / "cgroup.procs").read_text().split())
+    done: list[Any] = []
+    t = threading.Thread(
+        target=lambda: done.append(
+            rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["sleep", "1"], timeout=20))
+        )
+    )
+    t.start()
+    try:
+        pods.wait_for(lambda: set((cgroup / "cgroup.procs").read_text().split()) - before, what="the exec")
+        out = empty_dir(bed, "short-exec")
+        archives.append(out)
+        checkpoint(rt, counter_pod.id, out)
+        assert done and done[0].exit_code == 0, "the exec session ended before the freeze"
+        assert_dumped(out, verified(bed, out), "counter")
+    finally:
+        t.join(20)
+    assert_pod_alive(rt, counter_pod, ["counter"])
+
+
 def test_detached_daemon_is_refused_with_what_to_do(
     rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
 ) -> None:

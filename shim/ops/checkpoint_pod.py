@@ -23,7 +23,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, cni, contract, errors, faults, logs, space, taskstate
+from shim import __version__, cni, contract, deadlines, errors, faults, logs, space, taskstate
 from shim.aio import run_to_end
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.dirfd import DirHandle, open_checked
@@ -190,20 +190,28 @@ def confirm_thawed(cgroups: list[str], pod_id: str) -> None:
         log.warning("cgroups frozen again after the thaw; thawed them again", pod=pod_id, cgroups=again)
 
 
-def check_dumpable(c: ContainerView) -> None:
+def check_dumpable(c: ContainerView, exec_wait: float = deadlines.EXEC_SESSION_WAIT) -> None:
     """Refuse what CRIU cannot dump, before anything is frozen: processes in the container's
-    cgroup outside its process tree (exec sessions, detached daemons) would fail the dump."""
+    cgroup outside its process tree (exec sessions, detached daemons) would fail the dump. Exec
+    sessions alone are waited for up to `exec_wait` seconds: the kubelet's exec probes are such
+    sessions, a few every second, each over in milliseconds."""
     import psutil
 
-    try:
-        tree = {c.pid, *(p.pid for p in psutil.Process(c.pid).children(recursive=True))}
-    except psutil.Error:
-        raise errors.FailedPrecondition(f"container {c.name!r}: its process {c.pid} is gone") from None
-    extra = sorted(set(cgroup_procs(c.cgroups_path)) - tree)
-    if extra:
-        from shim import strays
+    from shim import strays
 
-        raise strays.refusal(c.name, extra)  # what each is (exec session or not) and what to do
+    give_up = time.monotonic() + exec_wait
+    while True:
+        try:
+            tree = {c.pid, *(p.pid for p in psutil.Process(c.pid).children(recursive=True))}
+        except psutil.Error:
+            raise errors.FailedPrecondition(f"container {c.name!r}: its process {c.pid} is gone") from None
+        extra = sorted(set(cgroup_procs(c.cgroups_path)) - tree)
+        if not extra:
+            return
+        only_exec = all(s.exec_session for s in strays.classify(extra))
+        if not only_exec or time.monotonic() >= give_up:
+            raise strays.refusal(c.name, extra)  # what each is (exec session or not) and what to do
+        time.sleep(deadlines.EXEC_SESSION_POLL)
 
 
 @dataclass
