@@ -99,7 +99,7 @@ def record(kb: KubeletBed) -> CriRecorder:
 
 # How podshim serves each method (shim/server/runtime.py): docs/kubelet-calls.md's "podshim" column.
 SERVED = {
-    "Version": "answered by podshim (the upstream's, renamed)",
+    "Version": "answered by podshim: the upstream's name, podshim in runtime_version",
     "RunPodSandbox": "decoded and checked (names), forwarded as bytes",
     "CreateContainer": "decoded and checked (reserved annotations, names); forwarded as bytes, "
     "or podshim's restore when the image is a checkpoint tar's path",

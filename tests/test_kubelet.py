@@ -269,11 +269,6 @@ def test_kubelet_and_podshim_restarts_keep_pods(
     assert pods.wait_count(log, n + 2) >= n + 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs issue 22 item 6 (kubefix): podshim's default allowed_roots lacks the kubelet's "
-    "/var/lib/kubelet/checkpoints, so the stock config answers InvalidArgument (HTTP 500)",
-)
 def test_checkpoint_api_with_the_stock_config(
     kb: KubeletBed, kubelet: Kubelet, static_pods: list[str]
 ) -> None:
@@ -377,5 +372,4 @@ def test_what_the_kubelet_sends(kb: KubeletBed, kubelet: Kubelet) -> None:
     # a container being stopped (UNKNOWN, as straight at containerd)
     failed = {(m, c) for (m, c) in rec.counts if c != "OK" and m != "ExecSync" and c != "NOT_FOUND"}
     expected = {("RuntimeConfig", "UNIMPLEMENTED")}  # containerd 1.6 has no RuntimeConfig
-    expected |= {("CheckpointContainer", "INVALID_ARGUMENT")}  # until issue 22 item 6 (kubefix)
     assert failed <= expected, rec.counts
