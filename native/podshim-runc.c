@@ -4,7 +4,7 @@
  * docs/architecture.md §7 (The runtime wrapper): every call is an execv of the real runtime (runc or
  * crun) with the same argv, environment and file descriptors, except
  *   - `create` of a container whose bundle config.json carries podshim's restore annotation,
- * which asks the running podshim first (its restore broker, shim/wrapper/broker.py): a
+ * which asks the running podshim first (its restore broker, shim/ops/restore_broker.py): a
  * SOCK_SEQPACKET connection to <[server] state_dir>/restore.sock, named through an O_PATH
  * descriptor of the dir (/proc/self/fd/N/..., paths longer than sun_path), its peer's uid checked
  * equal to ours. `prepare` (cwd, the runtime chosen, PODSHIM_FAILPOINTS, argv[1..]); podshim

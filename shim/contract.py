@@ -25,7 +25,7 @@ RESTORE_OPTIONS_ANNOTATION = "podshim.restore.criu-options"  # the CRIU option r
 RESTORED_MARKER = "podshim-restored"  # in the runtime's state dir of the container
 HOOK_NAME = "podshim-runc-hook"  # the Python side the compiled wrapper execs
 WORK_DIR = "podshim-restore"  # in the bundle: CRIU's work dir (log, restore stats, config)
-BROKER_SOCKET = "restore.sock"  # in server.state_dir: podshim's restore broker (shim/wrapper/broker.py)
+BROKER_SOCKET = "restore.sock"  # in server.state_dir: podshim's restore broker (shim/ops/restore_broker.py)
 ABORT_ENV = "PODSHIM_RUNC_ABORT"  # podshim-runc -> its hook: undo the restore podshim lost, and why
 CRIU_CONFIG_ANNOTATION = "org.criu.config"  # runc/crun read CRIU options from this file
 # <state_dir>/imports: container checkpoint tars extracted by podshim's CreateContainer

@@ -22,12 +22,12 @@ from shim.ops import checkpoint_container, checkpoint_pod
 from shim.ops import restore_pod as restore_mod
 from shim.ops.checkpoint_container import ContainerCheckpointer
 from shim.ops.checkpoint_pod import PodCheckpointer
+from shim.ops.restore_broker import RestoreBroker
 from shim.ops.restore_container import ArchiveImporter
 from shim.ops.restore_pod import PodRestorer
 from shim.state import Journal, OpRecord
 from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
-from shim.wrapper.broker import RestoreBroker
 
 log = logs.get("shim.engine")
 

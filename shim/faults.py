@@ -42,7 +42,7 @@ class Failpoints:
     """The failpoints armed by one `spec`, their hits counted. `kill(name)` and `error(name)` (the
     exception to raise) act for `kill` and `error`: by default this process is SIGKILLed, Internal
     is raised. podshim's restore broker arms podshim-runc's own with a kill of podshim-runc
-    (shim/wrapper/broker.py)."""
+    (shim/ops/restore_broker.py)."""
 
     def __init__(
         self,

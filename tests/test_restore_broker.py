@@ -1,4 +1,4 @@
-"""The restore broker's protocol edges (shim/wrapper/broker.py, docs/architecture.md §7 (The runtime
+"""The restore broker's protocol edges (shim/ops/restore_broker.py, docs/architecture.md §7 (The runtime
 wrapper)), with a Python client in podshim-runc's place. The restores themselves, through the real
 podshim-runc, containerd, runc/crun and CRIU, are in tests/test_restore_broker_e2e.py."""
 
@@ -17,7 +17,8 @@ import pytest
 
 from shim import contract
 from shim.config import Config
-from shim.wrapper import broker, restore
+from shim.ops import restore_broker as broker
+from shim.wrapper import restore
 
 
 @pytest.fixture

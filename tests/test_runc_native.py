@@ -1,6 +1,6 @@
 """The compiled podshim-runc (native/podshim-runc.c, docs/architecture.md §7 (The runtime wrapper)):
 which calls it execs the real runtime with, which it hands to the Python hook, and its side of
-podshim's restore broker (a FakeBroker speaking the protocol, not shim/wrapper/broker.py).
+podshim's restore broker (a FakeBroker speaking the protocol, not shim/ops/restore_broker.py).
 
 The wrapper is built from the current source into a temporary directory, next to a fake hook;
 the "runtimes" are a small recorder program that writes down its pid, argv, environment and what
@@ -466,7 +466,7 @@ def _packet(*fields: str) -> bytes:
 
 
 class FakeBroker:
-    """podshim's restore broker as the wrapper sees it (the protocol of shim/wrapper/broker.py,
+    """podshim's restore broker as the wrapper sees it (the protocol of shim/ops/restore_broker.py,
     not its code): a SOCK_SEQPACKET listener at <state_dir>/restore.sock, one connection, answered
     by `script(broker, conn)`. Every packet received is kept in `got` (its fields; None: EOF)."""
 

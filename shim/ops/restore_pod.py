@@ -41,12 +41,12 @@ from shim.deadlines import (
 )
 from shim.images import Images
 from shim.ops.lazy_pages import Daemon, LazyPages, PageCheck, check_runtime, page_images
+from shim.ops.restore_broker import PageChecks
 from shim.sandbox import build_pod_view
 from shim.state import Journal, OpRecord
 from shim.state.records import RestoreRecord
 from shim.upstream import Upstream, is_not_found
 from shim.wiring import RestoredContainers, Verdict, WiringChecker, confirm_restored
-from shim.wrapper.broker import PageChecks
 
 log = logs.get("shim.ops.restore_pod")
 

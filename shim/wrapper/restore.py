@@ -683,7 +683,7 @@ def _run_guarded(p: Prepared) -> int:
     `p.settle(returncode)` runs before the watchdog is released: the tasks held stopped for the page
     check are continued or killed while a death of podshim-runc still kills them. `p.delete` (the
     runtime's `delete --force`) removes the state of a restore that had completed. (podshim-runc
-    with podshim's broker: podshim is the watchdog, shim/wrapper/broker.py.)"""
+    with podshim's broker: podshim is the watchdog, shim/ops/restore_broker.py.)"""
     # The work dir, held by an O_PATH descriptor (close-on-exec: runc does not get it): the
     # upstream renames the bundle (<id> -> .<id>) while it deletes it, so the watchdog finds CRIU's
     # mounts below through the descriptor, never through a path that may be gone.

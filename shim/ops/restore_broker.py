@@ -43,7 +43,7 @@ from shim.errors import Stopped
 from shim.wrapper import restore
 from shim.wrapper.main import split_global
 
-log = logs.get("shim.wrapper.broker")
+log = logs.get("shim.ops.restore_broker")
 
 EARLY_NICE = 10  # RestorePod's page checks, until podshim-runc's restore takes them (PageImages.boost)
 MAX_PACKET = 256 * 1024  # argv, env and a failure message (CRIU's error lines) fit easily
