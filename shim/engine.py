@@ -16,6 +16,7 @@ import psutil
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import aio, errors, logs, metrics
+from shim.checks.wiring import RestoredContainers, WiringChecker, confirm_restored
 from shim.config import Config
 from shim.deadlines import KILL_WAIT, RECOVERY_WAIT, RETRY_FIRST, RETRY_MAX
 from shim.ops import checkpoint_container, checkpoint_pod
@@ -27,7 +28,6 @@ from shim.ops.restore_container import ArchiveImporter
 from shim.ops.restore_pod import PodRestorer
 from shim.state import Journal, OpRecord
 from shim.upstream import Upstream, is_not_found
-from shim.wiring import RestoredContainers, WiringChecker, confirm_restored
 
 log = logs.get("shim.engine")
 

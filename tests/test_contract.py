@@ -76,7 +76,7 @@ def test_the_daemon_imports_the_wrapper_only_from_its_broker() -> None:
 
 
 def test_the_cli_never_imports_daemon_internals() -> None:
-    daemon = ("shim.ops", "shim.engine", "shim.wiring", "shim.upstream", "shim.server")
+    daemon = ("shim.ops", "shim.engine", "shim.checks.wiring", "shim.upstream", "shim.server")
     for path in (SHIM / "cli").rglob("*.py"):
         if path.name == "serve.py":  # `podshim serve` starts the daemon itself
             continue

@@ -320,7 +320,7 @@ async def test_undo_runs_last_in_first_out(
     import dataclasses
 
     from shim.archive import crypto
-    from shim.wiring import RestoredContainers
+    from shim.checks.wiring import RestoredContainers
 
     order: list[str] = []
     monkeypatch.setattr(crypto, "decrypt_members", lambda *a, **k: None)

@@ -339,7 +339,7 @@ def test_wiring_requires_the_page_digests_to_pass(patterns: list[str], ok: bool)
     """Dropped on the way to podshim-runc, the annotation would leave an eager restore running on
     page images nobody checked: a handler that does not pass it is wired wrong (and RestorePod
     defers the page images only on a handler wired OK)."""
-    from shim import wiring
+    from shim.checks import wiring
     from tests.test_wiring import runtime, status_info
 
     w = wiring.judge(status_info({"runc": runtime("/usr/local/bin/podshim-runc", patterns)}), "", 1)

@@ -14,11 +14,11 @@ import pytest
 
 from shim import errors
 from shim.archive import compat, manifest
+from shim.checks.wiring import WiringChecker, confirm_restored
 from shim.config import Config, RuntimeConfig
 from shim.contract import RESTORED_MARKER
 from shim.ops.restore_pod import PodRestorer
 from shim.state import Journal
-from shim.wiring import WiringChecker, confirm_restored
 from tests.fakes import FakeUpstream
 
 # ---------------------------------------------------------------------------- StartContainer

@@ -25,7 +25,7 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
-from shim import wiring
+from shim.checks import wiring
 from shim.contract import RESTORE_ANNOTATION, RESTORED_MARKER
 from testbed import _sys, pods
 from testbed.bed import REAL_RUNC, TestBed

@@ -34,13 +34,13 @@ from shim.archive.container_tar import (
 from shim.archive.dirfd import DirHandle
 from shim.archive.dirfd import held as held_dir
 from shim.archive.manifest import ContainerTarManifest, container_tar_files
+from shim.checks.wiring import RestoredContainers, WiringChecker
 from shim.config import Config
 from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, STALE_IMPORT_SECONDS
 from shim.ops.restore_pod import archived_config
 from shim.sandbox.view import pod_status
 from shim.upstream import Upstream, is_not_found
-from shim.wiring import RestoredContainers, WiringChecker
 
 log = logs.get("shim.ops.restore_container")
 

@@ -29,6 +29,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import cni, contract, cri_checks, errors, faults, logs
 from shim.aio import Steps, run_to_end
 from shim.archive import compat, crypto, layout, manifest, paths, rootfs_diff
+from shim.checks.wiring import RestoredContainers, Verdict, WiringChecker, confirm_restored
 from shim.config import Config
 from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.criu.runtime import binary_version
@@ -46,7 +47,6 @@ from shim.sandbox import build_pod_view
 from shim.state import Journal, OpRecord
 from shim.state.records import RestoreRecord
 from shim.upstream import Upstream, is_not_found
-from shim.wiring import RestoredContainers, Verdict, WiringChecker, confirm_restored
 
 log = logs.get("shim.ops.restore_pod")
 

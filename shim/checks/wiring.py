@@ -43,7 +43,7 @@ from shim.contract import (
 from shim.deadlines import WIRING_CACHE_SECONDS, WIRING_RETRY_SECONDS, WIRING_STATUS_TIMEOUT
 from shim.upstream import Upstream, is_not_found
 
-log = logs.get("shim.wiring")
+log = logs.get("shim.checks.wiring")
 
 WRAPPER_PREFIX = "podshim-runc"  # podshim-runc, or a variant of it (its file name starts so)
 # PAGE_DIGESTS_ANNOTATION too: dropped on the way, an eager restore would run on memory nobody checked
