@@ -46,6 +46,7 @@ from shim.archive.container_tar import (
 )
 from shim.archive.dirfd import DirHandle, HeldTree, open_checked
 from shim.cgroups import PodCut, thaw_paths
+from shim.checks.sharing import check_shared_state
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
@@ -57,7 +58,6 @@ from shim.ops.checkpoint_pod import (
     self_frozen,
 )
 from shim.sandbox import ContainerView, PodView, build_pod_view
-from shim.sharing import check_shared_state
 from shim.state import Journal, OpRecord
 from shim.state.records import ContainerCheckpointRecord
 from shim.taskstate import TaskStates

@@ -28,13 +28,13 @@ from shim.aio import run_to_end
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.dirfd import DirHandle, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
+from shim.checks.sharing import check_shared_state
 from shim.config import Config
 from shim.criu import rpc_config
 from shim.criu.runtime import CriuOptions, NetnsLock, OciRuntime, binary_version, read_dump_stats
 from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
 from shim.images import resolve_container_images
 from shim.sandbox import ContainerView, PodView, build_pod_view
-from shim.sharing import check_shared_state
 from shim.state import Journal, OpRecord
 from shim.state.records import CheckpointRecord
 from shim.taskstate import TaskStates
@@ -333,7 +333,7 @@ class PodCheckpointer:
         for c in selected:
             await run_to_end(check_dumpable, c)
             await run_to_end(self.check_criu_config, c)
-        await run_to_end(check_shared_state, selected)  # what the containers share (shim/sharing.py)
+        await run_to_end(check_shared_state, selected)  # what the containers share (shim/checks/sharing.py)
         held = open_checked(out, req.output_path, "output path", empty=True)
         try:
             stop = threading.Event()  # set when the deadline cancels the estimate: its walk ends
