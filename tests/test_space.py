@@ -15,7 +15,7 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
-from shim import space
+from shim.checks import space
 from testbed import pods
 from testbed.bed import TestBed
 from testbed.checks import container_cgroup, freezer_state

@@ -36,7 +36,7 @@ from typing import IO, Any, TypeVar
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, contract, errors, faults, logs, space, taskstate
+from shim import __version__, contract, errors, faults, logs, taskstate
 from shim.aio import Steps, run_to_end
 from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.container_tar import (
@@ -46,6 +46,7 @@ from shim.archive.container_tar import (
 )
 from shim.archive.dirfd import DirHandle, HeldTree, open_checked
 from shim.cgroups import PodCut, thaw_paths
+from shim.checks import space
 from shim.checks.sharing import check_shared_state
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats

@@ -23,11 +23,12 @@ from typing import Any
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, cni, contract, deadlines, errors, faults, logs, space, taskstate
+from shim import __version__, cni, contract, deadlines, errors, faults, logs, taskstate
 from shim.aio import run_to_end
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.dirfd import DirHandle, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
+from shim.checks import space
 from shim.checks.sharing import check_shared_state
 from shim.config import Config
 from shim.criu import rpc_config
