@@ -198,7 +198,7 @@ def check_dumpable(c: ContainerView, exec_wait: float = deadlines.EXEC_SESSION_W
     sessions, a few every second, each over in milliseconds."""
     import psutil
 
-    from shim import strays
+    from shim.checks import strays
 
     give_up = time.monotonic() + exec_wait
     while True:
