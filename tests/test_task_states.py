@@ -1,5 +1,5 @@
 """The pieces of issue 23 that need no test bed: the task states read before a freeze and settled
-after the thaw (shim/taskstate.py), on real processes, and the CRIU config file runc would hand a
+after the thaw (shim/checks/taskstate.py), on real processes, and the CRIU config file runc would hand a
 dump (shim/criu/rpc_config.py), on a runc state dir laid out here."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from shim import errors, taskstate
+from shim import errors
+from shim.checks import taskstate
 from shim.criu import rpc_config
 
 

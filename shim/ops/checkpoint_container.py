@@ -36,7 +36,7 @@ from typing import IO, Any, TypeVar
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, contract, errors, faults, logs, taskstate
+from shim import __version__, contract, errors, faults, logs
 from shim.aio import Steps, run_to_end
 from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.container_tar import (
@@ -46,8 +46,9 @@ from shim.archive.container_tar import (
 )
 from shim.archive.dirfd import DirHandle, HeldTree, open_checked
 from shim.cgroups import PodCut, thaw_paths
-from shim.checks import space
+from shim.checks import space, taskstate
 from shim.checks.sharing import check_shared_state
+from shim.checks.taskstate import TaskStates
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
@@ -61,7 +62,6 @@ from shim.ops.checkpoint_pod import (
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.state import Journal, OpRecord
 from shim.state.records import ContainerCheckpointRecord
-from shim.taskstate import TaskStates
 from shim.upstream import Upstream, is_not_found
 
 log = logs.get("shim.ops.checkpoint_container")

@@ -23,13 +23,14 @@ from typing import Any
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, cni, contract, deadlines, errors, faults, logs, taskstate
+from shim import __version__, cni, contract, deadlines, errors, faults, logs
 from shim.aio import run_to_end
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.dirfd import DirHandle, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
-from shim.checks import space
+from shim.checks import space, taskstate
 from shim.checks.sharing import check_shared_state
+from shim.checks.taskstate import TaskStates
 from shim.config import Config
 from shim.criu import rpc_config
 from shim.criu.runtime import CriuOptions, NetnsLock, OciRuntime, binary_version, read_dump_stats
@@ -38,7 +39,6 @@ from shim.images import resolve_container_images
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.state import Journal, OpRecord
 from shim.state.records import CheckpointRecord
-from shim.taskstate import TaskStates
 from shim.upstream import Upstream
 
 log = logs.get("shim.ops.checkpoint_pod")

@@ -151,11 +151,15 @@ def settle(states: TaskStates | None, operation: str, what: str, **fields: objec
     try:
         found = states.settle()
     except Exception:  # noqa: BLE001 - reading /proc failed: say so, the operation's result stands
-        logs.get("shim.taskstate").exception("could not check the task states after the thaw", **fields)
+        logs.get("shim.checks.taskstate").exception(
+            "could not check the task states after the thaw", **fields
+        )
         return None
     if found:
         message = found.describe(what)
-        logs.get("shim.taskstate").warning("tasks disturbed by the checkpoint", detail=message, **fields)
+        logs.get("shim.checks.taskstate").warning(
+            "tasks disturbed by the checkpoint", detail=message, **fields
+        )
         metrics.tasks_resumed.labels(operation).inc(len(found.resumed))
         errors.tell_caller(message)
     return found
