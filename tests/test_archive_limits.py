@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import aio, cri_checks
+from shim import aio
 from shim.archive import fsutil, layout
 from shim.archive.manifest import (
     MAX_TREE_DEPTH,
@@ -30,6 +30,7 @@ from shim.archive.manifest import (
     verify_files,
     write_manifest,
 )
+from shim.checks import cri_strings
 from shim.errors import DataLoss, InvalidArgument, ResourceExhausted
 
 
@@ -275,15 +276,15 @@ def _sandbox(**md: str) -> cri.PodSandboxConfig:
 )
 def test_sandbox_configs_the_upstream_cannot_undo(config: cri.PodSandboxConfig, needle: str) -> None:
     with pytest.raises(InvalidArgument, match=needle):
-        cri_checks.check_sandbox_config(config)
+        cri_strings.check_sandbox_config(config)
 
 
 def test_ordinary_configs_pass() -> None:
-    cri_checks.check_sandbox_config(_sandbox(name="web-0.x", uid="6f1c2d3e-aaaa-bbbb-cccc-0123456789ab"))
-    cri_checks.check_sandbox_config(_sandbox(name="a/b c_d"))  # containerd takes these
-    cri_checks.check_container_config(cri.ContainerConfig(metadata=cri.ContainerMetadata(name="a;b=c")))
+    cri_strings.check_sandbox_config(_sandbox(name="web-0.x", uid="6f1c2d3e-aaaa-bbbb-cccc-0123456789ab"))
+    cri_strings.check_sandbox_config(_sandbox(name="a/b c_d"))  # containerd takes these
+    cri_strings.check_container_config(cri.ContainerConfig(metadata=cri.ContainerMetadata(name="a;b=c")))
     with pytest.raises(InvalidArgument, match="NUL"):
-        cri_checks.check_container_config(cri.ContainerConfig(metadata=cri.ContainerMetadata(name="a\x00")))
+        cri_strings.check_container_config(cri.ContainerConfig(metadata=cri.ContainerMetadata(name="a\x00")))
 
 
 # ---------------------------------------------------------------------------- runtime handlers

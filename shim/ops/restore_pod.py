@@ -26,9 +26,10 @@ from typing import Any
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import cni, contract, cri_checks, errors, faults, logs
+from shim import cni, contract, errors, faults, logs
 from shim.aio import Steps, run_to_end
 from shim.archive import compat, crypto, layout, manifest, paths, rootfs_diff
+from shim.checks import cri_strings
 from shim.checks.wiring import RestoredContainers, Verdict, WiringChecker, confirm_restored
 from shim.config import Config
 from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
@@ -482,9 +483,9 @@ class PodRestorer:
         opts = RestoreOptions.parse(dict(req.options), self.config.lazy_pages)
         if not req.HasField("config") or not req.config.metadata.name:
             raise errors.InvalidArgument("config (the new PodSandboxConfig with metadata) is required")
-        cri_checks.check_sandbox_config(req.config)  # what the upstream could not undo
+        cri_strings.check_sandbox_config(req.config)  # what the upstream could not undo
         for i, cc in enumerate(req.container_configs):
-            cri_checks.check_container_config(cc, f"container_configs[{i}]")
+            cri_strings.check_container_config(cc, f"container_configs[{i}]")
         runtime = self.config.runtime_for_handler(req.runtime_handler)
         if runtime is None:
             raise errors.InvalidArgument(

@@ -13,7 +13,8 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, contract, cri_checks, errors, logs
+from shim import __version__, contract, errors, logs
+from shim.checks import cri_strings
 from shim.server.proxy import Passthrough
 
 log = logs.get("shim.server")
@@ -205,7 +206,7 @@ class RuntimeHandlers:
                     f"annotation {reserved[0]!r} is reserved for podshim's RestorePod: remove it",
                 )
             try:
-                cri_checks.check_container_config(req.config)
+                cri_strings.check_container_config(req.config)
             except errors.InvalidArgument as e:
                 await context.abort(grpc.StatusCode[e.code_name], fit_message(e.message))
             if req.config.image.image.startswith("/"):
@@ -217,14 +218,14 @@ class RuntimeHandlers:
 
     def guarded_run_sandbox(self) -> grpc.RpcMethodHandler:
         """RunPodSandbox: decoded only to refuse a config the upstream would turn into a sandbox
-        nobody can remove (a NUL, ';' or '=' in the name: shim/cri_checks.py), INVALID_ARGUMENT
+        nobody can remove (a NUL, ';' or '=' in the name: shim/checks/cri_strings.py), INVALID_ARGUMENT
         before anything is created; forwarded as the original bytes."""
         forward = self.passthrough.unary(SERVICE + "RunPodSandbox")
 
         async def run(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             req = await decode(cri.RunPodSandboxRequest, request, context)
             try:
-                cri_checks.check_sandbox_config(req.config)
+                cri_strings.check_sandbox_config(req.config)
             except errors.InvalidArgument as e:
                 await context.abort(grpc.StatusCode[e.code_name], fit_message(e.message))
             return await forward(request, context)
