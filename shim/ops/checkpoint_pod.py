@@ -35,8 +35,8 @@ from shim.config import Config
 from shim.criu import rpc_config
 from shim.criu.runtime import CriuOptions, NetnsLock, OciRuntime, binary_version, read_dump_stats
 from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
-from shim.images import resolve_container_images
 from shim.sandbox import ContainerView, PodView, build_pod_view
+from shim.sandbox.images import resolve_container_images
 from shim.state import Journal, OpRecord
 from shim.state.records import CheckpointRecord
 from shim.upstream import Upstream

@@ -41,10 +41,10 @@ from shim.deadlines import (
     SANDBOX_SETTLE,
     STALE_DECRYPTED_SECONDS,
 )
-from shim.images import Images
 from shim.ops.lazy_pages import Daemon, LazyPages, PageCheck, check_runtime, page_images
 from shim.ops.restore_broker import PageChecks
 from shim.sandbox import build_pod_view
+from shim.sandbox.images import Images
 from shim.state import Journal, OpRecord
 from shim.state.records import RestoreRecord
 from shim.upstream import Upstream, is_not_found
