@@ -53,6 +53,18 @@ class Config:
     container_checkpoint: str = "fallback"
     # Node key (32 random bytes, a root-owned 0600 file) encrypting CheckpointPod archives; "": none.
     encryption_key_file: str = ""
+    # [checkpoint]: the node's default of each CheckpointPod option (the kubelet sends none;
+    # option_defaults gives them in the options' own vocabulary)
+    file_locks: bool = True
+    tcp_established: bool = False
+    ext_unix_sk: bool = False
+    shell_job: bool = False
+    rootfs_compression: str = "none"
+    # "auto": sized before the freeze from the deleted files the pod holds open, up to
+    # ghost_limit_max; or a size (bytes, K/M/G)
+    ghost_limit: str = "auto"
+    ghost_limit_max: str = "64M"
+    irmap_scan_paths: tuple[str, ...] = ()
     # RestorePod's default for its `lazy-pages` option (docs/architecture.md §5.1 (Lazy restore))
     lazy_pages: bool = False
     log_format: str = "json"
@@ -60,6 +72,19 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     # Extra runtime handlers by CRI runtime_handler name (e.g. "crun"); "" and "runc" mean `runtime`.
     runtimes: dict[str, RuntimeConfig] = field(default_factory=dict)
+
+    def option_defaults(self) -> dict[str, str]:
+        """The CheckpointPod options a request leaves out, as option values (docs/architecture.md
+        §4.3 (What the kubelet sends))."""
+        return {
+            "file-locks": str(self.file_locks).lower(),
+            "tcp-established": str(self.tcp_established).lower(),
+            "ext-unix-sk": str(self.ext_unix_sk).lower(),
+            "shell-job": str(self.shell_job).lower(),
+            "rootfs-compression": self.rootfs_compression,
+            "ghost-limit": self.ghost_limit,
+            "irmap-scan-paths": ",".join(self.irmap_scan_paths),
+        }
 
     def runtime_for_handler(self, handler: str) -> RuntimeConfig | None:
         if handler in self.runtimes:
@@ -93,6 +118,14 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
         "allowed_roots": ("allowed_roots", list),
         "container_checkpoint": ("container_checkpoint", str),
         "encryption_key_file": ("encryption_key_file", str),
+        "file_locks": ("file_locks", bool),
+        "tcp_established": ("tcp_established", bool),
+        "ext_unix_sk": ("ext_unix_sk", bool),
+        "shell_job": ("shell_job", bool),
+        "rootfs_compression": ("rootfs_compression", str),
+        "ghost_limit": ("ghost_limit", str),
+        "ghost_limit_max": ("ghost_limit_max", str),
+        "irmap_scan_paths": ("irmap_scan_paths", list),
     },
     "restore": {"lazy_pages": ("lazy_pages", bool)},
     "log": {"format": ("log_format", str), "level": ("log_level", str)},
@@ -101,6 +134,20 @@ _RUNTIME_KEYS: dict[str, type] = {f.name: str for f in fields(RuntimeConfig)}
 _LOG_FORMATS = ("json", "console")
 CONTAINER_CHECKPOINT_MODES = ("fallback", "always")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+ROOTFS_COMPRESSIONS = ("none", "gzip")
+GHOST_LIMIT_AUTO = "auto"
+GHOST_LIMIT_MAX = 1 << 40  # 1 TiB: a bound a typo cannot pass (the images hold the file)
+
+
+def parse_size(value: str) -> int:
+    """Bytes, optionally with a K, M or G suffix (binary, as CRIU reads them), 1 to 1 TiB;
+    ValueError otherwise."""
+    v = value.strip().upper().removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1:], 1)
+    digits = v[:-1] if scale > 1 else v
+    if not digits.isdigit() or not 0 < int(digits) * scale <= GHOST_LIMIT_MAX:
+        raise ValueError(f"expected a size in bytes (e.g. 8388608 or 8M), 1 to 1T, got {value!r}")
+    return int(digits) * scale
 
 
 def _typed(key: str, value: Any, kind: type) -> Any:
@@ -205,6 +252,23 @@ def _validate(cfg: Config) -> Config:
             f"checkpoint.container_checkpoint: must be one of {', '.join(CONTAINER_CHECKPOINT_MODES)}, "
             f"got {cfg.container_checkpoint!r}"
         )
+    if cfg.rootfs_compression not in ROOTFS_COMPRESSIONS:
+        raise ConfigError(
+            f"checkpoint.rootfs_compression: must be one of {', '.join(ROOTFS_COMPRESSIONS)}, "
+            f"got {cfg.rootfs_compression!r}"
+        )
+    for key, size in (("ghost_limit", cfg.ghost_limit), ("ghost_limit_max", cfg.ghost_limit_max)):
+        if key == "ghost_limit" and size == GHOST_LIMIT_AUTO:
+            continue
+        try:
+            parse_size(size)
+        except ValueError as e:
+            raise ConfigError(
+                f"checkpoint.{key}: {e}" + (' or "auto"' if key == "ghost_limit" else "")
+            ) from None
+    for path in cfg.irmap_scan_paths:
+        if not path.startswith("/") or ".." in path.split("/"):
+            raise ConfigError(f"checkpoint.irmap_scan_paths: {path!r} is not an absolute path (no '..')")
     for root in cfg.allowed_roots:
         if not root.startswith("/"):
             raise ConfigError(f"checkpoint.allowed_roots: {root!r} is not an absolute path")

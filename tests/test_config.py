@@ -58,6 +58,11 @@ def test_config_env_names_the_file(tmp_path: Path) -> None:
         ('[server]\nsocket = "relative.sock"\n', "server.socket"),
         ('[log]\nlevel = "loud"\n', "log.level"),
         ('[server]\nruntime_name = "kubelet"\n', "server.runtime_name"),
+        ('[checkpoint]\nghost_limit = "lots"\n', "checkpoint.ghost_limit"),
+        ('[checkpoint]\nghost_limit_max = "auto"\n', "checkpoint.ghost_limit_max"),
+        ('[checkpoint]\nrootfs_compression = "zstd"\n', "checkpoint.rootfs_compression"),
+        ('[checkpoint]\nirmap_scan_paths = ["data"]\n', "checkpoint.irmap_scan_paths"),
+        ("[checkpoint]\nfile_locks = 1\n", "checkpoint.file_locks"),
         ('[upstream]\nendpoint = "tcp://1.2.3.4:1"\n', "upstream.endpoint"),
         ('[checkpoint]\nallowed_roots = "/one"\n', "checkpoint.allowed_roots"),
         ('[checkpoint]\nallowed_roots = ["rel"]\n', "checkpoint.allowed_roots"),
@@ -131,3 +136,37 @@ async def test_upstream_timeout_bounds_podshims_own_calls(tmp_path: Path) -> Non
         await build_pod_view(server.upstream, "pod-1")
     assert server.upstream.timeout == 7.5 and seen == [7.5]
     await server.upstream.close()
+
+
+def test_checkpoint_option_defaults() -> None:
+    """Every CheckpointPod option has a node default ([checkpoint]), in the options' vocabulary,
+    overridable from the file and the environment; a request's own keys win (CheckpointOptions)."""
+    from shim.ops.checkpoint_pod import CheckpointOptions
+
+    assert config.load(None, env={}).option_defaults() == {
+        "file-locks": "true",
+        "tcp-established": "false",
+        "ext-unix-sk": "false",
+        "shell-job": "false",
+        "rootfs-compression": "none",
+        "ghost-limit": "auto",
+        "irmap-scan-paths": "",
+    }
+    assert set(config.Config().option_defaults()) == set(CheckpointOptions.KEYS)
+    cfg = config.load(
+        None,
+        env={
+            "PODSHIM_CHECKPOINT_TCP_ESTABLISHED": "true",
+            "PODSHIM_CHECKPOINT_GHOST_LIMIT": "8M",
+            "PODSHIM_CHECKPOINT_IRMAP_SCAN_PATHS": "/etc/app,/data",
+        },
+    )
+    opts = CheckpointOptions.parse({}, cfg.option_defaults(), config.parse_size(cfg.ghost_limit_max))
+    assert opts.criu.tcp_established and opts.criu.ghost_limit == 8 << 20 and opts.ghost_auto_max == 0
+    assert opts.criu.irmap_scan_paths == ("/etc/app", "/data")
+    mine = CheckpointOptions.parse(
+        {"tcp-established": "false", "ghost-limit": "auto"}, cfg.option_defaults(), 64
+    )
+    assert not mine.criu.tcp_established and mine.ghost_auto_max == 64 and mine.criu.ghost_limit == 0
+    default = CheckpointOptions.parse({}, config.Config().option_defaults(), 64 << 20)
+    assert default.ghost_auto_max == 64 << 20 and default.criu.file_locks and not default.compress

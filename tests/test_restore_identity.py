@@ -396,37 +396,20 @@ def test_concurrent_restores_of_one_archive(
 # ---------------------------------------------------------------------------- 6. CRIU options
 
 
-def refused_then_taken(
+def test_deleted_open_file_over_a_mib_checkpoints_without_options(
     rt: Stub,
     bed: TestBed,
-    pod: pods.Pod,
-    tag: str,
+    log_root: Path,
+    pod_cleanup: list[str],
+    runtime_handler: str,
     out_dirs: list[Path],
-    needle: str,
-    options: dict[str, str],
-) -> Path:
-    """CheckpointPod without `options` fails INTERNAL naming the option that would help (`needle`),
-    clears output_path and leaves the pod running; with them it succeeds. Returns the archive."""
-    out = new_out(bed, f"{tag}-no", out_dirs)
-    with pytest.raises(grpc.RpcError) as err:
-        checkpoint(rt, pod.id, out)
-    assert err.value.code() == grpc.StatusCode.INTERNAL, err.value.details()
-    assert needle in err.value.details(), err.value.details()
-    assert list(out.iterdir()) == []
-    for cid in pod.containers.values():
-        assert freezer_state(container_pid(rt, cid)) == "THAWED"
-    out = new_out(bed, f"{tag}-yes", out_dirs)
-    checkpoint(rt, pod.id, out, options)
-    assert json.loads((out / "manifest.json").read_text())["options"][next(iter(options))] != ""
-    return out
-
-
-def test_deleted_open_file_over_a_mib_needs_ghost_limit(
-    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str, out_dirs: list[Path]
+    tmp_path: Path,
 ) -> None:
-    """A deleted but open 2 MiB file (a rotated log held open): CRIU refuses it by default (its
-    ghost-file limit is 1 MiB) and the refusal names ghost-limit; with ghost-limit=4M the pod is
-    checkpointed and restored with the file's content."""
+    """A deleted but open 2 MiB file (a rotated log held open), over CRIU's 1 MiB ghost-file
+    limit: CheckpointPod without options (as the kubelet sends it) sizes ghost-limit before the
+    freeze (docs/architecture.md §4.3 (What the kubelet sends)) and the restore has the file's
+    content. Over the node's cap ([checkpoint] ghost_limit_max) it is FAILED_PRECONDITION before
+    anything is frozen; an explicit ghost-limit too small fails in CRIU naming the option."""
     tag = f"ghost-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
     script = (
         "dd if=/dev/zero of=/tmp/big bs=1024 count=2048 2>/dev/null && exec 3</tmp/big && rm /tmp/big "
@@ -436,34 +419,59 @@ def test_deleted_open_file_over_a_mib_needs_ghost_limit(
     src = pods.run_pod(rt, tag, log_root, {"app": cc}, runtime_handler=runtime_handler)
     pod_cleanup.append(src.id)
     pods.wait_for(lambda: b"ready" in _read(src.log_path("app")), what="the file held open")
-    out = refused_then_taken(rt, bed, src, tag, out_dirs, "ghost-limit=2097152", {"ghost-limit": "4M"})
+    # an explicit ghost-limit too small: CRIU refuses, the message names the option and the size
+    out = new_out(bed, f"{tag}-small", out_dirs)
+    with pytest.raises(grpc.RpcError) as err:
+        checkpoint(rt, src.id, out, {"ghost-limit": "1M"})
+    assert err.value.code() == grpc.StatusCode.INTERNAL, err.value.details()
+    assert "ghost-limit=2097152" in err.value.details(), err.value.details()
+    assert list(out.iterdir()) == []
+    assert freezer_state(container_pid(rt, src.containers["app"])) == "THAWED"
 
+    out = new_out(bed, f"{tag}-yes", out_dirs)
+    checkpoint(rt, src.id, out)  # no options
+    assert json.loads((out / "manifest.json").read_text())["options"]["ghost-limit"] == str(3 << 20)
     config = pods.pod_config(f"{tag}-new", log_root)
     resp = restore_and_start(rt, out, config, [cc], runtime_handler, pod_cleanup)
     cid = resp.restored_containers[0].container_id
     r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["wc", "-c", "/proc/1/fd/3"], timeout=10))
     assert r.exit_code == 0 and r.stdout.split()[0] == b"2097152", (r.stdout, r.stderr)
 
+    # a node that caps ghost files at 1 MiB refuses it before the freeze, naming file and key
+    with bed.extra_podshim(tmp_path, checkpoint={"ghost_limit_max": "1M"}) as (socket, _log):
+        capped = new_out(bed, f"{tag}-cap", out_dirs)
+        with pytest.raises(grpc.RpcError) as err:
+            checkpoint(pods.stubs(socket)[0], src.id, capped)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    for needle in ("/tmp/big", "2097152 bytes", "ghost_limit_max", "nothing was frozen"):
+        assert needle in err.value.details(), err.value.details()
+    assert list(capped.iterdir()) == []
+    assert freezer_state(container_pid(rt, src.containers["app"])) == "THAWED"
 
-def test_inotify_watch_in_rootfs_needs_irmap_scan_paths(
+
+def test_inotify_watch_in_rootfs_checkpoints_without_options(
     rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str, out_dirs: list[Path]
 ) -> None:
-    """An inotify watch on a file of the container's rootfs: CRIU cannot find its path by
-    default and the refusal names irmap-scan-paths; with irmap-scan-paths=/data the pod is
-    checkpointed and the restored watch still reports writes."""
+    """An inotify watch on a file of the container's rootfs (overlayfs: CRIU cannot reopen it by
+    handle): CheckpointPod without options finds the watched file's directory before the freeze
+    and passes it to CRIU as irmap-scan-path; the restored watch still reports writes."""
     tag = f"inotify-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
-    script = "mkdir -p /data && exec /sharer watch /data/f"
+    script = "mkdir -p /data/deep && exec /sharer watch /data/deep/f"
     cc = pods.container_config("app", command=["sh", "-c", script], args=[])
     src = pods.run_pod(rt, tag, log_root, {"app": cc}, runtime_handler=runtime_handler)
     pod_cleanup.append(src.id)
     pods.wait_for(lambda: b"ready" in _read(src.log_path("app")), what="the watch")
-    out = refused_then_taken(rt, bed, src, tag, out_dirs, "irmap-scan-paths=", {"irmap-scan-paths": "/data"})
 
+    out = new_out(bed, f"{tag}-yes", out_dirs)
+    checkpoint(rt, src.id, out)  # no options
+    assert json.loads((out / "manifest.json").read_text())["options"]["irmap-scan-paths"] == "/data/deep"
     config = pods.pod_config(f"{tag}-new", log_root)
     resp = restore_and_start(rt, out, config, [cc], runtime_handler, pod_cleanup)
     cid = resp.restored_containers[0].container_id
     log_path = Path(config.log_directory) / "app" / "0.log"
-    r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["sh", "-c", "echo b >> /data/f"], timeout=10))
+    r = rt.ExecSync(
+        cri.ExecSyncRequest(container_id=cid, cmd=["sh", "-c", "echo b >> /data/deep/f"], timeout=10)
+    )
     assert r.exit_code == 0, r.stderr
     pods.wait_for(lambda: b"event " in _read(log_path), what="the restored watch to report the write")
 

@@ -201,6 +201,9 @@ def test_example_config_loads() -> None:
     # a stock kubelet's checkpoint API (POST /checkpoint/...) writes into <root-dir>/checkpoints
     assert "/var/lib/kubelet/checkpoints" in cfg.allowed_roots
     assert cfg.allowed_roots == configmod.Config().allowed_roots
+    # every CheckpointPod option's node default is written out, as the built-in one
+    assert cfg.option_defaults() == configmod.Config().option_defaults()
+    assert "ghost_limit_max" in CONFIG.read_text() and "irmap_scan_paths" in CONFIG.read_text()
 
 
 def test_kubelet_flags_point_at_podshim() -> None:

@@ -1,4 +1,5 @@
 """podshim's checks of the node, the pod and the request, one concern each: the wiring of the
-runtime handlers, what containers share, space, stray processes, CRI strings, task states. Each
-refuses with a clear error before anything is frozen or created, or confirms afterwards what an
-operation left (imports nothing: each caller loads only the check it runs)."""
+runtime handlers, what containers share, space, stray processes, CRI strings, task states, the
+files CRIU's defaults refuse (openfiles, which also fits CRIU's options to them). Each refuses with
+a clear error before anything is frozen or created, or confirms afterwards what an operation left
+(imports nothing: each caller loads only the check it runs)."""

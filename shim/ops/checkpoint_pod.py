@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,10 @@ from shim.aio import run_to_end
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.dirfd import DirHandle, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
-from shim.checks import space, taskstate
+from shim.checks import openfiles, space, taskstate
 from shim.checks.sharing import check_shared_state
 from shim.checks.taskstate import TaskStates
-from shim.config import Config
+from shim.config import GHOST_LIMIT_AUTO, ROOTFS_COMPRESSIONS, Config, parse_size
 from shim.criu import rpc_config
 from shim.criu.runtime import CriuOptions, NetnsLock, OciRuntime, binary_version, read_dump_stats
 from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
@@ -50,10 +50,14 @@ HASH_WORKERS = max(1, (os.cpu_count() or 2) // 2)
 
 @dataclass(frozen=True)
 class CheckpointOptions:
-    """The `options` map of CheckpointPodRequest, parsed. Unknown keys are rejected."""
+    """The `options` map of CheckpointPodRequest, parsed over the node's defaults (`[checkpoint]`,
+    Config.option_defaults: the kubelet sends none). Unknown keys are rejected."""
 
     criu: CriuOptions = field(default_factory=CriuOptions)
     compress: bool = False  # gzip the rootfs diff
+    # ghost-limit=auto: sized before the freeze from the deleted files the pod holds open, up to
+    # this cap (docs/architecture.md §4.3 (What the kubelet sends)); 0: no sizing
+    ghost_auto_max: int = 0
 
     KEYS = {
         contract.FILE_LOCKS: "handle file locks (default true)",
@@ -61,60 +65,61 @@ class CheckpointOptions:
         contract.EXT_UNIX_SK: "allow external unix sockets (default false)",
         contract.SHELL_JOB: "allow a container attached to a terminal (default false)",
         "rootfs-compression": "none (default) or gzip for rootfs-diff.tar",
-        "ghost-limit": "bytes (K/M/G suffix allowed) of a deleted but open file CRIU keeps (default 1M)",
+        "ghost-limit": "bytes (K/M/G suffix allowed) of a deleted but open file CRIU keeps, or auto "
+        "(default: sized before the freeze, up to the node's cap)",
         "irmap-scan-paths": "comma-separated directories (container paths) where CRIU looks for the paths "
-        "of files watched with inotify/fanotify (default: none)",
+        "of files watched with inotify/fanotify (default: none; the watched files' directories are added)",
     }
 
     @classmethod
-    def parse(cls, options: dict[str, str]) -> CheckpointOptions:
+    def parse(
+        cls, options: dict[str, str], defaults: dict[str, str] | None = None, ghost_cap: int = 0
+    ) -> CheckpointOptions:
+        """`options` over `defaults` (the same vocabulary); `ghost_cap` bounds ghost-limit=auto."""
         unknown = sorted(set(options) - set(cls.KEYS))
         if unknown:
             known = ", ".join(sorted(cls.KEYS))
             raise errors.InvalidArgument(f"unknown checkpoint option(s) {', '.join(unknown)}; known: {known}")
+        values = {**(defaults or {}), **options}
 
         def flag(key: str, default: bool) -> bool:
-            if key not in options:
+            if key not in values:
                 return default
-            value = options[key].strip().lower()
+            value = values[key].strip().lower()
             if value in ("true", "1", "yes"):
                 return True
             if value in ("false", "0", "no"):
                 return False
-            raise errors.InvalidArgument(f"option {key}={options[key]!r}: expected true or false")
+            raise errors.InvalidArgument(f"option {key}={values[key]!r}: expected true or false")
 
-        compression = options.get("rootfs-compression", "none")
-        if compression not in ("none", "gzip"):
+        compression = values.get("rootfs-compression", "none")
+        if compression not in ROOTFS_COMPRESSIONS:
             raise errors.InvalidArgument(f"option rootfs-compression={compression!r}: expected none or gzip")
+        ghost = values.get("ghost-limit", "").strip()
+        auto = ghost.lower() == GHOST_LIMIT_AUTO
         return cls(
             criu=CriuOptions(
                 file_locks=flag(contract.FILE_LOCKS, True),
                 tcp_established=flag(contract.TCP_ESTABLISHED, False),
                 ext_unix_sk=flag(contract.EXT_UNIX_SK, False),
                 shell_job=flag(contract.SHELL_JOB, False),
-                ghost_limit=_size(options.get("ghost-limit", "")),
-                irmap_scan_paths=_scan_paths(options.get("irmap-scan-paths", "")),
+                ghost_limit=0 if auto else _size(ghost),
+                irmap_scan_paths=_scan_paths(values.get("irmap-scan-paths", "")),
             ),
             compress=compression == "gzip",
+            ghost_auto_max=ghost_cap if auto else 0,
         )
-
-
-GHOST_LIMIT_MAX = 1 << 40  # 1 TiB: a bound a typo cannot pass (the images hold the file)
 
 
 def _size(value: str) -> int:
     """`ghost-limit`: bytes, optionally with a K, M or G suffix (binary, as CRIU reads it); "" is
     0, CRIU's default (1 MiB)."""
-    v = value.strip().upper().removesuffix("B")
-    if not v:
+    if not value.strip():
         return 0
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1], 1)
-    digits = v[:-1] if scale > 1 else v
-    if not digits.isdigit() or not 0 < int(digits) * scale <= GHOST_LIMIT_MAX:
-        raise errors.InvalidArgument(
-            f"option ghost-limit={value!r}: expected a size in bytes (e.g. 8388608 or 8M), 1 to 1T"
-        )
-    return int(digits) * scale
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise errors.InvalidArgument(f"option ghost-limit={value!r}: {e} (or auto)") from None
 
 
 def _scan_paths(value: str) -> tuple[str, ...]:
@@ -318,7 +323,8 @@ class PodCheckpointer:
         key, pod (ready), the containers to capture (running, dumpable), and that the checkpoint
         fits on output_path's file system. Returns output_path held open (dirfd.py): from here
         on nothing inside it is reached through its path."""
-        opts = CheckpointOptions.parse(dict(req.options))
+        cap = parse_size(self.config.ghost_limit_max)
+        opts = CheckpointOptions.parse(dict(req.options), self.config.option_defaults(), cap)
         post = req.post_checkpoint_state
         if post not in (cri.POST_CHECKPOINT_STATE_RUNNING, cri.POST_CHECKPOINT_STATE_STOPPED):
             raise errors.InvalidArgument(f"post_checkpoint_state {post} is not RUNNING (0) or STOPPED (1)")
@@ -335,6 +341,10 @@ class PodCheckpointer:
             await run_to_end(check_dumpable, c)
             await run_to_end(self.check_criu_config, c)
         await run_to_end(check_shared_state, selected)  # what the containers share (shim/checks/sharing.py)
+        # what the kubelet sends is enough: CRIU's ghost-limit and irmap-scan-path fitted to the
+        # files the pod holds (docs/architecture.md §4.3 (What the kubelet sends))
+        criu = await run_to_end(openfiles.fitted, opts.criu, selected, opts.ghost_auto_max)
+        opts = replace(opts, criu=criu)
         held = open_checked(out, req.output_path, "output path", empty=True)
         try:
             stop = threading.Event()  # set when the deadline cancels the estimate: its walk ends
