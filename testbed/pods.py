@@ -177,9 +177,11 @@ def run_pod(
     containers: dict[str, cri.ContainerConfig] | None = None,
     runtime_handler: str = "",
     start: bool = True,
+    config: cri.PodSandboxConfig | None = None,
 ) -> Pod:
-    """Run a sandbox and create (and start) its containers, as the kubelet does."""
-    config = pod_config(name, log_root)
+    """Run a sandbox and create (and start) its containers, as the kubelet does. `config`: the
+    pod's config when the containers' configs needed it first (kubelet_container_config)."""
+    config = config or pod_config(name, log_root)
     pod_id = rt.RunPodSandbox(
         cri.RunPodSandboxRequest(config=config, runtime_handler=runtime_handler)
     ).pod_sandbox_id

@@ -380,13 +380,10 @@ def test_restore_of_a_kubelet_container_needs_its_bind_mounts(
     token.mkdir(parents=True)
     (token / "token").write_text("not a real token")
     cc.mounts.append(cri.Mount(host_path=str(token), container_path=SERVICE_ACCOUNT, readonly=True))
-    src_id = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=src_config)).pod_sandbox_id
-    pod_cleanup.append(src_id)
-    cid = rt.CreateContainer(
-        cri.CreateContainerRequest(pod_sandbox_id=src_id, config=cc, sandbox_config=src_config)
-    ).container_id
-    rt.StartContainer(cri.StartContainerRequest(container_id=cid))
-    src_log = Path(src_config.log_directory) / "counter" / "0.log"
+    src = pods.run_pod(rt, src_config.metadata.name, log_root, {"counter": cc}, config=src_config)
+    pod_cleanup.append(src.id)
+    cid = src.containers["counter"]
+    src_log = src.log_path("counter")
     pods.wait_count(src_log, 10)
     target = new_dir(bed, "kubelet-ctr") / "counter.tar"
     before = pods.counts(src_log)[-1]

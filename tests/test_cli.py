@@ -542,12 +542,8 @@ def test_restorepod_of_a_kubelet_pod_has_only_its_own_identity(
     kubelet_root = Path(bed.base_dir) / "kubelet"
     config = pods.pod_config("cli-kubelet", log_root)
     cc = pods.kubelet_container_config(img, config, kubelet_root, "counter")
-    pod_id = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=config)).pod_sandbox_id
+    pod_id = pods.run_pod(rt, "cli-kubelet", log_root, {"counter": cc}, config=config).id
     pod_cleanup.append(pod_id)
-    cid = rt.CreateContainer(
-        cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config)
-    ).container_id
-    rt.StartContainer(cri.StartContainerRequest(container_id=cid))
     src_log = Path(config.log_directory) / "counter" / "0.log"
     pods.wait_count(src_log, 5)
     old_uid, old_dir = config.metadata.uid, str(pods.kubelet_pod_dir(kubelet_root, config))

@@ -1310,19 +1310,14 @@ def kubelet_checkpoint(
     kubelet_root = Path(bed.base_dir) / "kubelet"
     config = pods.pod_config(name, log_root)
     cc = pods.kubelet_container_config(img, config, kubelet_root, "counter", args=SMALL_ARGS)
-    pod_id = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=config)).pod_sandbox_id
-    cleanup.append(pod_id)
-    cid = rt.CreateContainer(
-        cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config)
-    ).container_id
-    rt.StartContainer(cri.StartContainerRequest(container_id=cid))
-    src = pods.Pod(pod_id, config, {"counter": cid})
+    src = pods.run_pod(rt, name, log_root, {"counter": cc}, config=config)
+    cleanup.append(src.id)
     pods.wait_count(src.log_path("counter"), 10)
     out = Path(bed.checkpoint_root) / f"{name}-{secrets.token_hex(3)}"
     out.mkdir(mode=0o700)
     rt.CheckpointPod(
         cri.CheckpointPodRequest(
-            pod_sandbox_id=pod_id, output_path=str(out), container_ids=[cid], options={}
+            pod_sandbox_id=src.id, output_path=str(out), container_ids=[src.containers["counter"]], options={}
         ),
         timeout=RPC_TIMEOUT,
     )
