@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from shim.archive import fsutil, layout
+from shim.archive.dirfd import clear_dir_contents
 from shim.archive.manifest import (
     FORMAT,
     ContainerEntry,
@@ -254,11 +255,11 @@ def test_clear_dir_contents_never_removes_dir_or_follows_links(tmp_path: Path) -
     (d / "sub" / "deep" / "g").write_text("y")
     (d / "link").symlink_to(keep)
     (d / "sub" / "link2").symlink_to(keep)
-    fsutil.clear_dir_contents(d)
+    clear_dir_contents(d)
     assert d.is_dir() and os.listdir(d) == []
     assert (keep / "precious").exists()
     with pytest.raises(NotFound):
-        fsutil.clear_dir_contents(tmp_path / "missing")
+        clear_dir_contents(tmp_path / "missing")
 
 
 def test_sha256_and_fsync_tree(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from shim import errors
 from shim.aio import Steps
-from shim.archive import crypto, dirfd, fsutil, manifest
+from shim.archive import crypto, dirfd, manifest
 from shim.archive.dirfd import DirHandle, open_checked
 from shim.archive.manifest import container_tar_files
 from shim.ops.restore_container import extract_archive
@@ -102,7 +102,7 @@ def test_open_follows_no_symlink(tmp_path: Path, outside: Path) -> None:
     with DirHandle.open(d) as h, pytest.raises(OSError):
         h.sub("inner/sub")
     with pytest.raises(errors.InvalidArgument, match="not a directory"):
-        fsutil.clear_dir_contents(tmp_path / "link")
+        dirfd.clear_dir_contents(tmp_path / "link")
     assert (outside / "secret").exists()
 
 

@@ -306,6 +306,27 @@ def open_checked(real: Path, asked: str, what: str, empty: bool = False) -> DirH
 MAX_DEPTH = 32  # directories a held tree may nest (podshim's archives: 3); each level is an fd
 
 
+def clear_dir_contents(path: Path) -> None:
+    """Remove everything INSIDE `path`, never `path` itself (podshim never removes output_path).
+
+    `path` is opened with no component followed if it is a symlink (DirHandle.open: a
+    directory replaced by a symlink is refused, InvalidArgument) and cleared through that
+    descriptor; symlinks inside are removed, not followed.
+    """
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError as e:
+        raise NotFound(f"cannot clear {path}: it does not exist") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"cannot clear {path}: it is not a directory")
+    try:
+        with DirHandle.open(path) as d:
+            d.clear()
+    except OSError as e:
+        raise Internal(f"cannot remove the contents of {path}: {e}; remove them by hand") from e
+
+
 class HeldTree:
     """The directories of a tree held open (O_NOFOLLOW, each relative to its parent) and its
     regular files (relative posix path -> size). Anything but directories and regular files,

@@ -1,4 +1,4 @@
-"""Durable file-system primitives: atomic writes, fsync of trees, hashing, emptying a directory.
+"""Durable file-system primitives: atomic writes, fsync of trees, hashing, private modes.
 
 Every durable state file of podshim (journal records, manifest.json) goes through
 `atomic_write`, so a crash leaves either the old or the new content, never a torn file.
@@ -129,29 +129,6 @@ def fsync_tree(root: Path, workers: int = 1, files: bool = True) -> None:
             fsync_dir(d)
     except OSError as e:
         raise Internal(f"cannot fsync {root}: {e}; check the disk") from e
-
-
-def clear_dir_contents(path: Path) -> None:
-    """Remove everything INSIDE `path`, never `path` itself (podshim never removes output_path).
-
-    `path` is opened with no component followed if it is a symlink (dirfd.DirHandle.open: a
-    directory replaced by a symlink is refused, InvalidArgument) and cleared through that
-    descriptor; symlinks inside are removed, not followed.
-    """
-    from shim.archive.dirfd import DirHandle
-
-    path = Path(path)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError as e:
-        raise NotFound(f"cannot clear {path}: it does not exist") from e
-    if not stat.S_ISDIR(st.st_mode):
-        raise InvalidArgument(f"cannot clear {path}: it is not a directory")
-    try:
-        with DirHandle.open(path) as d:
-            d.clear()
-    except OSError as e:
-        raise Internal(f"cannot remove the contents of {path}: {e}; remove them by hand") from e
 
 
 def map_in_threads(fn: Callable[[T], R], items: list[T], workers: int) -> list[R]:

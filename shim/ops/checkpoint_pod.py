@@ -26,7 +26,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, cni, contract, deadlines, errors, faults, logs
 from shim.aio import run_to_end
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff
-from shim.archive.dirfd import DirHandle, open_checked
+from shim.archive.dirfd import DirHandle, clear_dir_contents, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.checks import openfiles, space, taskstate
 from shim.checks.sharing import check_shared_state
@@ -698,7 +698,7 @@ async def recover(rec: OpRecord) -> None:
     out = data.output_path
     if out and not (Path(out) / layout.MANIFEST_FILE).exists():
         with contextlib.suppress(OSError, errors.NotFound):  # NotFound: dir removed since
-            fsutil.clear_dir_contents(Path(out))
+            clear_dir_contents(Path(out))
     elif out:
         _remove_manifest_temps(Path(out))
 
