@@ -26,6 +26,11 @@ class ShimError(Exception):
         self.transport = False
 
 
+def is_not_found(e: ShimError) -> bool:
+    """The upstream itself answered NOT_FOUND (not a NotFound of podshim's own)."""
+    return e.upstream_code == "NOT_FOUND"
+
+
 class NotFound(ShimError):
     code_name = "NOT_FOUND"
 

@@ -12,11 +12,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from api.runtime.v1 import api_pb2 as cri
     from shim.sandbox.view import ContainerView
-    from shim.upstream import Upstream
+
+
+class ImageSource(Protocol):
+    """The upstream's ImageStatus, raising podshim's typed errors (shim/upstream's client
+    satisfies it)."""
+
+    async def image_status(
+        self, image: str, *, doing: str = ..., timeout: float | None = None
+    ) -> cri.ImageStatusResponse: ...
+
 
 IMAGE_ID_RE = re.compile(r"sha256:[0-9a-f]{64}")
 
@@ -28,7 +38,7 @@ def is_image_id(ref: str) -> bool:
 class Images:
     """The image IDs behind references, each reference asked of the upstream once per operation."""
 
-    def __init__(self, upstream: Upstream) -> None:
+    def __init__(self, upstream: ImageSource) -> None:
         self.upstream = upstream
         self._ids: dict[str, str | None] = {}
 
@@ -59,7 +69,7 @@ class Images:
         return found is not None and found != image_id
 
 
-async def resolve_container_images(upstream: Upstream, containers: Iterable[ContainerView]) -> None:
+async def resolve_container_images(upstream: ImageSource, containers: Iterable[ContainerView]) -> None:
     """Set each container's `image_id`: the upstream's status field (containerd 2.x), else its
     `image_ref` when that is an ID (containerd 1.x for an image without a repo digest), else what
     ImageStatus says of that reference or of the container's configured image."""

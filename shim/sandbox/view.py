@@ -11,13 +11,34 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import cni, errors
-from shim.upstream import Upstream, is_not_found
+from shim.errors import is_not_found
+
+
+class PodSource(Protocol):
+    """The upstream's status calls the view is built from, raising podshim's typed errors (the
+    upstream's own answer in `upstream_code`): shim/upstream's client satisfies it, so the view
+    knows neither the client nor gRPC, and a unit test passes a fake."""
+
+    timeout: float  # each call's default limit (`[upstream] timeout_seconds`)
+
+    async def pod_status(
+        self, pod_id: str, verbose: bool = False, *, doing: str = ..., timeout: float | None = None
+    ) -> cri.PodSandboxStatusResponse: ...
+
+    async def container_status(
+        self, container_id: str, verbose: bool = False, *, doing: str = ..., timeout: float | None = None
+    ) -> cri.ContainerStatusResponse: ...
+
+    async def list_containers(
+        self, filter: cri.ContainerFilter, *, doing: str = ..., timeout: float | None = None
+    ) -> list[cri.Container]: ...
+
 
 CRI_NAMESPACE = "k8s.io"  # containerd's namespace for CRI objects: the runc root's last element
 
@@ -179,7 +200,7 @@ def _runtime_root(info: dict[str, Any]) -> str:
 
 
 async def pod_status(
-    upstream: Upstream, pod_id: str, verbose: bool = False, timeout: float | None = None
+    upstream: PodSource, pod_id: str, verbose: bool = False, timeout: float | None = None
 ) -> cri.PodSandboxStatusResponse:
     """The pod's status; an id the upstream does not know is NotFound saying how to find it."""
     try:
@@ -192,7 +213,7 @@ async def pod_status(
         raise
 
 
-async def build_pod_view(upstream: Upstream, pod_id: str, timeout: float | None = None) -> PodView:
+async def build_pod_view(upstream: PodSource, pod_id: str, timeout: float | None = None) -> PodView:
     """The pod and all its containers (running and exited), ordered by creation; each upstream
     call limited to `timeout` (default: the upstream's `[upstream] timeout_seconds`)."""
     timeout = timeout if timeout is not None else upstream.timeout

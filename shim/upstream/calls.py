@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 import grpc
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import errors
 from shim.upstream.errors import upstream_error
 
 R = TypeVar("R")
@@ -127,8 +126,3 @@ class CriCalls:
     ) -> cri.ImageStatusResponse:
         req = cri.ImageStatusRequest(image=cri.ImageSpec(image=image))
         return await self._call(self.image.ImageStatus, req, doing or f"looking up image {image}", timeout)
-
-
-def is_not_found(e: errors.ShimError) -> bool:
-    """The upstream itself answered NOT_FOUND (not a NotFound of podshim's own)."""
-    return e.upstream_code == "NOT_FOUND"
