@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors, logs, metrics
@@ -41,7 +42,7 @@ from shim.contract import (
     RESTORED_MARKER,
 )
 from shim.deadlines import WIRING_CACHE_SECONDS, WIRING_RETRY_SECONDS, WIRING_STATUS_TIMEOUT
-from shim.upstream import Upstream, is_not_found
+from shim.errors import is_not_found
 
 log = logs.get("shim.checks.wiring")
 
@@ -52,6 +53,31 @@ PASSED_ANNOTATIONS = (RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION, PAGE_DIGES
 RUNC_SHIMS = ("io.containerd.runc.v2", "io.containerd.runc.v1", "io.containerd.runtime.v1.linux")
 RESTORED_DIR = "restored"  # <state_dir>/restored/<container id>: created for a restore, not started
 CRI_NAMESPACE = "k8s.io"  # containerd's CRI namespace: the runc shim's root is <Root>/<namespace>
+
+
+class RuntimeCalls(Protocol):
+    """The upstream calls the wiring check and the restore's confirmation make, raising podshim's
+    typed errors (shim/upstream's client satisfies it: this module knows neither it nor gRPC)."""
+
+    timeout: float  # each call's default limit (`[upstream] timeout_seconds`)
+
+    async def version(self, *, doing: str = ..., timeout: float | None = None) -> cri.VersionResponse: ...
+
+    async def status(
+        self, verbose: bool = False, *, doing: str = ..., timeout: float | None = None
+    ) -> cri.StatusResponse: ...
+
+    async def container_status(
+        self, container_id: str, verbose: bool = False, *, doing: str = ..., timeout: float | None = None
+    ) -> cri.ContainerStatusResponse: ...
+
+    async def stop_container(
+        self, container_id: str, grace: int = 0, *, doing: str = ..., timeout: float | None = None
+    ) -> None: ...
+
+    async def remove_container(
+        self, container_id: str, *, doing: str = ..., timeout: float | None = None
+    ) -> None: ...
 
 
 class Verdict(enum.Enum):
@@ -217,7 +243,7 @@ def major_version(version: str) -> int:
 class WiringChecker:
     """Asks the upstream (one verbose Status, cached WIRING_CACHE_SECONDS) how its handlers are wired."""
 
-    def __init__(self, upstream: Upstream, cache_seconds: float = WIRING_CACHE_SECONDS) -> None:
+    def __init__(self, upstream: RuntimeCalls, cache_seconds: float = WIRING_CACHE_SECONDS) -> None:
         self.upstream = upstream
         self.cache_seconds = cache_seconds
         self._info: Mapping[str, str] | None = None
@@ -353,7 +379,7 @@ class RestoredContainers:
         return hits[0] if len(hits) == 1 else None
 
 
-async def _runtime_root(upstream: Upstream, container_id: str) -> tuple[str, int]:
+async def _runtime_root(upstream: RuntimeCalls, container_id: str) -> tuple[str, int]:
     """The container's OCI runtime root as the upstream reports it ('' if it does not), and its
     state."""
     resp = await upstream.container_status(
@@ -380,7 +406,7 @@ def marker_verdict(roots: list[str], container_id: str) -> bool | None:
     return False if seen else None
 
 
-async def confirm_restored(upstream: Upstream, config: Config, container_id: str, name: str = "") -> None:
+async def confirm_restored(upstream: RuntimeCalls, config: Config, container_id: str, name: str = "") -> None:
     """After a successful StartContainer of a container created for a restore: the restore must
     have run. If not, the container is stopped and removed, and FailedPrecondition says so."""
     configured = [rt.root for rt in (config.runtime, *config.runtimes.values())]
