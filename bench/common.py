@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmarks: statistics, tables, the bed, counter pods, CRI logs, runc."""
+"""Shared helpers of the benchmarks: statistics, tables, the bed, counter pods, CRI logs, runc, and
+what a restore leaves (the container's task dir, podshim's logged restore phases)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ import grpc
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
+from shim import contract
 from testbed import pods
-from testbed.bed import CRIU, REAL_RUNC, TestBed
+from testbed.bed import CRIU, NAMESPACE, REAL_RUNC, TestBed
 
 READY_RE = re.compile(rb"\bready mem_mib=\d+")
 COUNT_RE = re.compile(rb"\bcount=(\d+) ts=(\d+\.\d+)")
 MIB = 1 << 20
+RESTORE_WORK_DIR = contract.WORK_DIR  # podshim-runc's CRIU work dir inside the container bundle
 
 
 # ---------------------------------------------------------------------------- output
@@ -252,3 +255,24 @@ def read_criu_stats(path: Path, kind: str) -> dict[str, int]:
         return {k: int(v) for k, v in img["entries"][0].get(kind, {}).items()}
     except Exception:  # missing file, no pycriu, unknown format: the figure is just absent
         return {}
+
+
+def task_dir(bed: TestBed, cid: str) -> Path:
+    return Path(bed.containerd_state) / "io.containerd.runtime.v2.task" / NAMESPACE / cid
+
+
+def restore_phases(bed: TestBed, pod_id: str) -> dict[str, float]:
+    """The per-phase seconds podshim logged for the RestorePod that created `pod_id` (its
+    "restore done" line, `phases`), {} when it logged none."""
+    try:
+        lines = bed.podshim_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        if '"restore done"' in line and pod_id in line:
+            try:
+                phases = json.loads(line).get("phases") or {}
+            except ValueError:
+                return {}
+            return {k: float(v) for k, v in phases.items() if isinstance(v, int | float)}
+    return {}

@@ -69,6 +69,7 @@ from api.runtime.v1 import api_pb2_grpc
 from bench.common import (
     COUNT_RE,
     READY_RE,
+    RESTORE_WORK_DIR,
     CriLog,
     bench_bed,
     checkpoint_pod,
@@ -80,6 +81,7 @@ from bench.common import (
     read_criu_stats,
     remove_pod,
     remove_tree,
+    restore_phases,
     result_line,
     runc_argv,
     runtime_stub,
@@ -87,14 +89,13 @@ from bench.common import (
     start_counter_pod,
     sync_disk,
     table,
+    task_dir,
     worst,
 )
-from shim import contract
 from testbed import pods
-from testbed.bed import NAMESPACE, TestBed
+from testbed.bed import TestBed
 
 WARM_TARGET = 0.15
-RESTORE_WORK_DIR = contract.WORK_DIR  # podshim-runc's CRIU work dir inside the container bundle
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,10 +134,6 @@ class Restored:
     criu_restore_s: float  # CRIU's restore_time from stats-restore
     # podshim-runc's page-check.json: the page images hashed beside CRIU's restore ({} when none)
     page_check: dict = field(default_factory=dict)
-
-
-def task_dir(bed: TestBed, cid: str) -> Path:
-    return Path(bed.containerd_state) / "io.containerd.runtime.v2.task" / NAMESPACE / cid
 
 
 def podshim_restore(
@@ -440,23 +437,6 @@ def size_sweep(rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed, args: argparse
 # ---------------------------------------------------------------------------- eager overhead
 
 EAGER_OVERHEAD_TARGET = 1.3  # issue 15 item 3
-
-
-def restore_phases(bed: TestBed, pod_id: str) -> dict[str, float]:
-    """The per-phase seconds podshim logged for the RestorePod that created `pod_id` (its
-    "restore done" line, `phases`), {} when it logged none."""
-    try:
-        lines = bed.podshim_log.read_text(errors="replace").splitlines()
-    except OSError:
-        return {}
-    for line in reversed(lines):
-        if '"restore done"' in line and pod_id in line:
-            try:
-                phases = json.loads(line).get("phases") or {}
-            except ValueError:
-                return {}
-            return {k: float(v) for k, v in phases.items() if isinstance(v, int | float)}
-    return {}
 
 
 def measure_eager_overhead(

@@ -62,6 +62,7 @@ from api.runtime.v1 import api_pb2_grpc
 from bench.common import (
     COUNT_RE,
     READY_RE,
+    RESTORE_WORK_DIR,
     CriLog,
     checkpoint_pod,
     counter_config,
@@ -72,22 +73,21 @@ from bench.common import (
     read_criu_stats,
     remove_pod,
     remove_tree,
+    restore_phases,
     runc_argv,
     runtime_stub,
     say,
     start_counter_pod,
     table,
+    task_dir,
     worst,
 )
 from bench.restore import (
-    RESTORE_WORK_DIR,
     RawBundle,
     build_raw_bundle,
     delete_raw,
     fresh_bundle,
-    restore_phases,
     sandbox_alone,
-    task_dir,
 )
 from testbed import pods
 from testbed.bed import CRIU, TestBed
