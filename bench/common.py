@@ -27,6 +27,7 @@ from testbed.bed import CRIU, NAMESPACE, REAL_RUNC, TestBed
 
 READY_RE = re.compile(rb"\bready mem_mib=\d+")
 COUNT_RE = re.compile(rb"\bcount=(\d+) ts=(\d+\.\d+)")
+VERIFY_RE = re.compile(rb"\bverify (ok|FAILED)\b[^\n]*")
 MIB = 1 << 20
 RESTORE_WORK_DIR = contract.WORK_DIR  # podshim-runc's CRIU work dir inside the container bundle
 

@@ -46,10 +46,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,6 +61,7 @@ from bench.common import (
     COUNT_RE,
     READY_RE,
     RESTORE_WORK_DIR,
+    VERIFY_RE,
     CriLog,
     checkpoint_pod,
     counter_config,
@@ -82,20 +81,21 @@ from bench.common import (
     task_dir,
     worst,
 )
-from bench.restore import (
+from bench.raw_restore import (
+    PipeLines,
     RawBundle,
     build_raw_bundle,
     delete_raw,
     fresh_bundle,
     sandbox_alone,
+    start_lazy_daemon,
 )
 from testbed import pods
-from testbed.bed import CRIU, TestBed
+from testbed.bed import TestBed
 
 MODES = ("eager", "lazy", "runc", "runc-lazy")
 CACHES = ("warm", "cold")
 LAZY_OPTION = {"lazy-pages": "true"}
-VERIFY_RE = re.compile(rb"\bverify (ok|FAILED)\b[^\n]*")
 INTERVAL_MS = 10  # the grid's counters print every 10 ms: first output resolves to ~10 ms
 WAIT_S = 300.0  # the longest wait for one line (a cold 4 GiB check on a busy VM stays far below)
 BIG = 4096  # MiB: sizes from here on run `big_repeat` times (bench/restore.py --big-repeat)
@@ -410,64 +410,6 @@ def podshim_cell(
 
 
 # ---------------------------------------------------------------------------- plain runc restore
-
-
-class PipeLines:
-    """Reads a pipe in a thread; remembers when the first count line and the first verify line came."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.first: tuple[float, bytes] | None = None
-        self.verify: tuple[float, bytes] | None = None
-        self.got_first = threading.Event()
-        self.got_verify = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        buf = b""
-        while True:
-            try:
-                chunk = os.read(self.fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            now = time.perf_counter()
-            for line in lines:
-                if self.first is None and COUNT_RE.search(line):
-                    self.first = (now, line)
-                    self.got_first.set()
-                if self.verify is None and VERIFY_RE.search(line):
-                    self.verify = (now, line)
-                    self.got_verify.set()
-        self.got_first.set()
-        self.got_verify.set()
-
-
-def start_lazy_daemon(images: Path, work: Path) -> subprocess.Popen[bytes]:
-    """A plain ``criu lazy-pages`` serving ``images`` from ``work``, once it listens (its status fd)."""
-    r_fd, w_fd = os.pipe()
-    try:
-        daemon = subprocess.Popen(
-            [CRIU, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
-             "--status-fd", str(w_fd), "-o", "lazy-pages.log"],
-            pass_fds=(w_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        os.close(w_fd)
-        w_fd = -1
-        if os.read(r_fd, 1) != b"\0":
-            daemon.kill()
-            daemon.wait()
-            tail = (work / "lazy-pages.log").read_text(errors="replace").splitlines()[-4:]
-            raise RuntimeError(f"criu lazy-pages did not start: {' | '.join(tail)}")
-        return daemon
-    finally:
-        if w_fd >= 0:
-            os.close(w_fd)
-        os.close(r_fd)
 
 
 def raw_cell(bed: TestBed, rb: RawBundle, index: int, cache: str, lazy: bool = False) -> Sample:
