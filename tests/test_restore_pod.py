@@ -28,6 +28,7 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.archive import manifest
+from shim.deadlines import RESTORE_CLEANUP_MARGIN
 from testbed import _sys, pods
 from testbed.bed import REAL_RUNC, TestBed
 
@@ -652,7 +653,7 @@ def test_established_tcp_connection_is_closed_on_restore(
             "sh",
             "-c",
             "while true; do echo tick; sleep 1; done | nc -l -p 7777 & "
-            "mkfifo /tmp/f; sleep 100000 > /tmp/f & sleep 0.3; "
+            f"mkfifo /tmp/f; sleep 100000 > /tmp/f & {pods.until_listening(7777)}; "
             "nc 127.0.0.1 7777 < /tmp/f; echo client-ended; sleep 2",
         ],
         args=[],
@@ -1110,13 +1111,15 @@ def test_deadline_shorter_than_verifying_creates_nothing(
     rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path
 ) -> None:
     """The deadline counts from the request: verifying the archive is bounded by it, and
-    podshim answers DEADLINE_EXCEEDED itself (before gRPC cancels it) with nothing created."""
+    podshim answers DEADLINE_EXCEEDED itself (before gRPC cancels it) with nothing created. A
+    deadline no longer than the rollback margin podshim keeps leaves no time for a restore on any
+    machine: refused once verified, or while verifying if that takes longer."""
     config = pods.pod_config(f"short-{secrets.token_hex(3)}", log_root)
     request = cri.RestorePodRequest(
         checkpoint_path=str(good.path), config=config, container_configs=good.containers
     )
     with pytest.raises(grpc.RpcError) as err:
-        rt.RestorePod(request, timeout=0.15)
+        rt.RestorePod(request, timeout=RESTORE_CLEANUP_MARGIN)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     details = err.value.details() or ""
     assert "while verifying" in details or "leaves no time" in details, details

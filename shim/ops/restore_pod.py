@@ -695,6 +695,7 @@ class PodRestorer:
             await run.steps.run(
                 crypto.decrypt_members, root, list(m.files), p.entry.dir, d, key, 2, run.steps.cancel, expect
             )
+            await faults.hit_async("restore.decrypted")  # the plaintext is on disk: a deadline removes it
             p.dir = d
         log.info("restore decrypted", archive=str(root), containers=[p.entry.name for p in checked.plan])
 
