@@ -6,7 +6,8 @@
     python -m testbed env     print those two lines again
     python -m testbed down    stop the bed and remove everything it created
 
-The running bed is recorded in /run/podshim-testbed/current.json.
+The running bed is recorded in /run/podshim-testbed/current.json ($PODSHIM_TESTBED_STATE_DIR
+instead of /run/podshim-testbed: the tests' own `up`, beside a bed someone brought up).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from testbed import _sys
 from testbed.bed import TestBed, TestBedError
 
-STATE_DIR = Path("/run/podshim-testbed")
+STATE_DIR = Path(os.environ.get("PODSHIM_TESTBED_STATE_DIR", "/run/podshim-testbed"))
 CURRENT = STATE_DIR / "current.json"
 
 

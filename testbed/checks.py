@@ -14,7 +14,14 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 
-FREEZER = Path("/sys/fs/cgroup/freezer")  # this machine: cgroup v1
+CGROUP_MOUNT = Path("/sys/fs/cgroup")
+# A cgroup2-only host (its root cgroup's cgroup.controllers at the mount point) freezes through
+# cgroup.freeze in the unified hierarchy; a v1 or hybrid host (this machine: the v1 controllers
+# and a controller-less cgroup2 at /sys/fs/cgroup/unified) through the v1 freezer hierarchy, as
+# podshim decides (shim/cgroups/freezer.py detect_hierarchy). FREEZER: where a container's cgroup
+# (and its cgroup.procs) is for the freezer.
+UNIFIED = (CGROUP_MOUNT / "cgroup.controllers").exists()
+FREEZER = CGROUP_MOUNT if UNIFIED else CGROUP_MOUNT / "freezer"
 
 
 def expect_error(code: grpc.StatusCode, call: Callable[[], Any], *words: str) -> str:
@@ -38,7 +45,39 @@ def container_cgroup(rt: api_pb2_grpc.RuntimeServiceStub, container_id: str) -> 
 
 
 def freezer_state(cgroup: str) -> str:
-    return (FREEZER / cgroup.lstrip("/") / "freezer.state").read_text().strip()
+    """THAWED, FREEZING or FROZEN: the kernel's word on `cgroup` (a cgroupfs path), frozen by itself
+    or an ancestor. v1: freezer.state; cgroup2: cgroup.events `frozen` (reached), cgroup.freeze
+    (asked)."""
+    d = FREEZER / cgroup.lstrip("/")
+    if not UNIFIED:
+        return (d / "freezer.state").read_text().strip()
+    if "frozen 1" in (d / "cgroup.events").read_text().splitlines():
+        return "FROZEN"
+    return "FREEZING" if (d / "cgroup.freeze").read_text().strip() == "1" else "THAWED"
+
+
+def set_freezer(cgroup: str, state: str) -> None:
+    """Freeze (`FROZEN`) or thaw (`THAWED`) `cgroup` as someone other than podshim would (a
+    `crictl pause`, an operator)."""
+    d = FREEZER / cgroup.lstrip("/")
+    if UNIFIED:
+        (d / "cgroup.freeze").write_text("1" if state == "FROZEN" else "0")
+    else:
+        (d / "freezer.state").write_text(state)
+
+
+def lacks_room(memory_mib: int, disk_mib: int, where: str | os.PathLike[str]) -> str | None:
+    """Why this machine cannot run a test that needs `memory_mib` of memory and `disk_mib` free on
+    `where`'s file system (None: it can). Its total memory, not what is free at the moment: a shared
+    machine's other users must not make a test that fits here skip."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize >> 20
+    if total < memory_mib:
+        return f"needs {memory_mib} MiB of memory, this machine has {total} MiB"
+    if free < disk_mib:
+        return f"needs {disk_mib} MiB free in {where}, there are {free} MiB"
+    return None
 
 
 def journal_files(state_dir: str | os.PathLike[str]) -> list[str]:

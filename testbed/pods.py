@@ -20,6 +20,7 @@ import grpc
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
+from testbed import _sys
 
 PAUSE_IMAGE = "localhost/podshim/pause:1"
 BUSYBOX_IMAGE = "localhost/podshim/busybox:1"
@@ -218,9 +219,9 @@ def remove_pod(rt: api_pb2_grpc.RuntimeServiceStub, pod_id: str) -> None:
     rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=pod_id))
     rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=pod_id))
     if parent.startswith(CGROUP_ROOT + "/"):
-        for hierarchy in Path("/sys/fs/cgroup").iterdir():
+        for d in _sys.cgroup_dirs(parent):  # every hierarchy's, v1 or cgroup2
             with contextlib.suppress(OSError):
-                (hierarchy / parent.lstrip("/")).rmdir()
+                d.rmdir()
 
 
 def counts(log_path: Path) -> list[int]:

@@ -35,7 +35,7 @@ from shim import config as configmod
 from shim.server.runtime import RuntimeHandlers
 from testbed import pods
 from testbed.bed import TestBed
-from testbed.checks import FREEZER, container_cgroup, expect_error, freezer_state, journal_files
+from testbed.checks import container_cgroup, expect_error, freezer_state, journal_files, set_freezer
 
 # podshim's own checkpoint: with "always" on containerd 2.x (tests/conftest.py)
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("own_container_checkpoint")]
@@ -677,9 +677,8 @@ def test_recovery_leaves_a_paused_container_paused(
     cid = pod.containers["counter"]
     wait_counting(pod.log_path("counter"))
     cgroup = container_cgroup(rt, cid)
-    state = FREEZER / cgroup.lstrip("/") / "freezer.state"
     out = new_dir(bed, "paused")
-    state.write_text("FROZEN")
+    set_freezer(cgroup, "FROZEN")
     try:
         bed.kill_podshim()
         try:
@@ -696,7 +695,7 @@ def test_recovery_leaves_a_paused_container_paused(
         assert journal_files(bed.podshim_state_dir) == [] and listing(out) == set()
         assert freezer_state(cgroup) == "FROZEN", "recovery thawed a container it had not frozen"
     finally:
-        state.write_text("THAWED")
+        set_freezer(cgroup, "THAWED")
     assert_unharmed(pods.stubs(bed.podshim_socket)[0], pod)
 
 

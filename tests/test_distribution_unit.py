@@ -6,8 +6,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
 import subprocess
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -198,23 +200,32 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def test_cli_refusals_are_one_line_with_the_code(tmp_path: Path) -> None:
+@pytest.fixture
+def nothing_listens() -> Iterator[str]:
+    """host:port of a loopback port bound but not listening while the test runs: a connection is
+    refused there on any machine (a fixed port may be some service's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_cli_refusals_are_one_line_with_the_code(tmp_path: Path, nothing_listens: str) -> None:
     root = tmp_path / "root"
     root.mkdir()
     config = tmp_path / "podshim.toml"
     config.write_text(f'[checkpoint]\nallowed_roots = ["{root}"]\n')
     outside = tmp_path / "outside"
-    res = run_cli("pull", "127.0.0.1:9/pods/x:v1", str(outside), "--podshim-config", str(config))
+    res = run_cli("pull", f"{nothing_listens}/pods/x:v1", str(outside), "--podshim-config", str(config))
     assert res.returncode == 1 and "podshim pull: INVALID_ARGUMENT:" in res.stderr, res.stderr
     assert "outside the allowed checkpoint roots" in res.stderr and "Traceback" not in res.stderr
     assert not outside.exists()  # the directory the command created is gone again
     empty = root / "empty"
     empty.mkdir()
-    res = run_cli("push", str(empty), "127.0.0.1:9/pods/x:v1")
+    res = run_cli("push", str(empty), f"{nothing_listens}/pods/x:v1")
     assert res.returncode == 1 and "podshim push: NOT_FOUND:" in res.stderr, res.stderr
     res = run_cli("push", str(empty), "pods/x:v1")
     assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "names no registry host" in res.stderr
-    res = run_cli("pull", "127.0.0.1:9/pods/x:v1", str(root / "new"), "--podshim-config", str(config))
+    res = run_cli("pull", f"{nothing_listens}/pods/x:v1", str(root / "new"), "--podshim-config", str(config))
     assert res.returncode == 1 and "podshim pull: UNAVAILABLE:" in res.stderr, res.stderr  # nothing listens
     assert not (root / "new").exists()
 

@@ -30,7 +30,7 @@ from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.archive import crypto
 from shim.deadlines import RESTORE_CLEANUP_MARGIN
-from testbed import pods
+from testbed import _sys, pods
 from testbed.bed import TestBed
 
 pytestmark = pytest.mark.e2e
@@ -177,10 +177,9 @@ def pods_named(rt: Stub, name: str) -> list[cri.PodSandbox]:
 
 
 def remove_pod_cgroup(config: cri.PodSandboxConfig) -> None:
-    parent = config.linux.cgroup_parent.strip("/")
-    for hierarchy in Path("/sys/fs/cgroup").iterdir():
+    for d in _sys.cgroup_dirs(config.linux.cgroup_parent):  # every hierarchy's, v1 or cgroup2
         with contextlib.suppress(OSError):
-            (hierarchy / parent).rmdir()
+            d.rmdir()
 
 
 def tree_fingerprint(root: Path) -> dict[str, tuple[int, int, int]]:

@@ -21,6 +21,7 @@ import pytest
 from testbed import _sys
 from testbed._cri import field_bytes, field_str
 from testbed.bed import BUSYBOX_IMAGE, COUNTER_IMAGE, IMAGES, REPO, TestBed
+from testbed.checks import set_freezer
 
 NEEDS_ROOT = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("containerd") is None,
@@ -197,9 +198,7 @@ def test_stop_cleans_up_after_containerd_was_killed(private_bed: TestBed) -> Non
     outside = f"/podshim-test/pod{uuid.uuid4().hex[:16]}"
     other = _run_pod(bed, "outside", BUSYBOX_IMAGE, ["sleep", "3600"], cgroup_parent=outside)
     # A frozen container (as a checkpoint leaves it) and a containerd that died.
-    freezer = Path("/sys/fs/cgroup/freezer") / f"{str(pod['cgroup_parent']).strip('/')}/{pod['cid']}"
-    if freezer.is_dir():
-        (freezer / "freezer.state").write_text("FROZEN")
+    set_freezer(f"{pod['cgroup_parent']}/{pod['cid']}", "FROZEN")
     assert bed.containerd_pid is not None
     os.kill(bed.containerd_pid, signal.SIGKILL)
     _wait(lambda: not bed.containerd_running, what="containerd to die")
@@ -215,9 +214,9 @@ def test_stop_cleans_up_after_containerd_was_killed(private_bed: TestBed) -> Non
 @pytest.mark.e2e
 @NEEDS_ROOT
 def test_cli_up_env_down(tmp_path: Path) -> None:
-    state = Path("/run/podshim-testbed/current.json")
-    if state.exists():
-        pytest.skip("a bed started with `python -m testbed up` is running")
+    # its own record of the running bed: a bed someone brought up (make up) may be running
+    record = {**os.environ, "PODSHIM_TESTBED_STATE_DIR": str(tmp_path / "testbed-state")}
+    state = tmp_path / "testbed-state" / "current.json"
     base = Path(f"/run/podshim-testbed-cli-{uuid.uuid4().hex[:6]}")
     cmd = [sys.executable, "-m", "testbed"]
     up = subprocess.run(
@@ -226,6 +225,7 @@ def test_cli_up_env_down(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=120,
+        env=record,
     )
     try:
         assert up.returncode == 0, up.stderr
@@ -235,10 +235,12 @@ def test_cli_up_env_down(tmp_path: Path) -> None:
         ]
         desc = json.loads(state.read_text())
         assert _sys.alive(desc["containerd_pid"]), "containerd keeps running after `up` returned"
-        env = subprocess.run([*cmd, "env"], cwd=REPO, capture_output=True, text=True, timeout=30)
+        env = subprocess.run([*cmd, "env"], cwd=REPO, capture_output=True, text=True, timeout=30, env=record)
         assert env.stdout == up.stdout
     finally:
-        down = subprocess.run([*cmd, "down"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        down = subprocess.run(
+            [*cmd, "down"], cwd=REPO, capture_output=True, text=True, timeout=120, env=record
+        )
     assert down.returncode == 0, down.stderr
     assert not base.exists() and not state.exists()
     assert not _sys.alive(desc["containerd_pid"])
@@ -267,3 +269,50 @@ def test_images_build_is_deterministic_and_cached(tmp_path: Path) -> None:
     before = (tmp_path / "a" / "counter.tar").stat().st_mtime_ns
     subprocess.run([*build, str(tmp_path / "a")], check=True, capture_output=True, timeout=300)
     assert (tmp_path / "a" / "counter.tar").stat().st_mtime_ns == before, "unchanged inputs: no rebuild"
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["v1-freezer", "cgroup2"])
+def test_freezer_state_and_set_freezer_on_either_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unified: bool
+) -> None:
+    """The tests read and set a cgroup's freezer as the kernel shows it on a v1/hybrid host
+    (freezer.state) and on a cgroup2-only one (cgroup.freeze asked, cgroup.events reached)."""
+    from testbed import checks
+
+    monkeypatch.setattr(checks, "UNIFIED", unified)
+    monkeypatch.setattr(checks, "FREEZER", tmp_path)
+    d = tmp_path / "pod" / "c"
+    d.mkdir(parents=True)
+    if unified:
+        (d / "cgroup.freeze").write_text("0\n")
+        (d / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    else:
+        (d / "freezer.state").write_text("THAWED\n")
+    assert checks.freezer_state("/pod/c") == "THAWED"
+    checks.set_freezer("/pod/c", "FROZEN")
+    if unified:
+        assert (d / "cgroup.freeze").read_text() == "1"
+        assert checks.freezer_state("/pod/c") == "FREEZING"  # asked, not reached yet
+        (d / "cgroup.events").write_text("populated 1\nfrozen 1\n")
+    assert checks.freezer_state("/pod/c") == "FROZEN"
+    checks.set_freezer("/pod/c", "THAWED")
+    if unified:
+        assert (d / "cgroup.freeze").read_text() == "0"
+    else:
+        assert checks.freezer_state("/pod/c") == "THAWED"
+
+
+def test_the_tests_freezer_is_the_one_podshim_uses() -> None:
+    """On this host the tests look where podshim freezes (shim/cgroups/freezer.py)."""
+    from shim.cgroups import detect_hierarchy
+    from testbed import checks
+
+    assert checks.FREEZER == detect_hierarchy().root
+
+
+def test_lacks_room_names_what_is_missing(tmp_path: Path) -> None:
+    from testbed import checks
+
+    assert checks.lacks_room(1, 1, tmp_path) is None
+    assert "MiB of memory, this machine has" in (checks.lacks_room(1 << 40, 1, tmp_path) or "")
+    assert f"free in {tmp_path}" in (checks.lacks_room(1, 1 << 40, tmp_path) or "")

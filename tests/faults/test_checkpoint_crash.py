@@ -20,7 +20,7 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from testbed import _sys
 from testbed.bed import TestBed
-from testbed.checks import FREEZER
+from testbed.checks import FREEZER, set_freezer
 
 from .helpers import (
     CounterPod,
@@ -285,8 +285,7 @@ def test_recovery_leaves_a_paused_container_paused(
     and so does the recovery after a crash inside the freeze (the journal names only the
     cgroups the checkpoint froze); the other container is thawed and counts again."""
     cp = start_counter_pod(rt, bed, "paused", pod_cleanup, mem_mib=8, containers=("paused", "counter"))
-    paused_cg = FREEZER / cp.cgroups[1].lstrip("/") / "freezer.state"
-    paused_cg.write_text("FROZEN")
+    set_freezer(cp.cgroups[1], "FROZEN")
     try:
         out = new_output_dir(bed, "paused")
         archives.append(out)
@@ -301,4 +300,4 @@ def test_recovery_leaves_a_paused_container_paused(
         time.sleep(0.5)
         assert cp.last_count("counter") > before, "the other container does not count again"
     finally:
-        paused_cg.write_text("THAWED")
+        set_freezer(cp.cgroups[1], "THAWED")

@@ -34,7 +34,7 @@ from shim.state import Journal
 from shim.upstream.calls import CriCalls
 from testbed import _sys, pods
 from testbed.bed import TestBed
-from testbed.checks import FREEZER, container_cgroup, freezer_state
+from testbed.checks import FREEZER, container_cgroup, freezer_state, set_freezer
 
 from .helpers import Rt, wait_serving
 
@@ -107,7 +107,7 @@ def cgroups() -> Iterator[list[str]]:
     for rel in reversed(made):
         d = FREEZER / rel.lstrip("/")
         if d.is_dir():
-            (d / "freezer.state").write_text("THAWED")
+            set_freezer(rel, "THAWED")
             for sub in sorted(d.rglob("*"), reverse=True):
                 if sub.is_dir():
                     sub.rmdir()
@@ -120,7 +120,7 @@ def frozen_pod(cgroups: list[str]) -> list[str]:
     ctr = f"{pod}/ctr"
     (FREEZER / ctr.lstrip("/")).mkdir(parents=True)
     cgroups.append(pod)
-    (FREEZER / ctr.lstrip("/") / "freezer.state").write_text("FROZEN")
+    set_freezer(ctr, "FROZEN")
     assert freezer_state(ctr) == "FROZEN"
     return [pod, ctr]
 
