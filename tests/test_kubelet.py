@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
-from testbed import pods
+from testbed import _sys, pods
 from testbed.bed import BUSYBOX_IMAGE, COUNTER_IMAGE
 from testbed.kubelet import (
     KUBELET_PATH,
@@ -101,8 +101,8 @@ def test_the_host_is_left_alone(kb: KubeletBed, kubelet: Kubelet) -> None:
     assert (kubelet.root / "pki").is_dir(), "its serving cert is in the bed's root dir"
     assert shutil.which("iptables", path=KUBELET_PATH) is None
     assert str(kubelet.config()["volumePluginDir"]).startswith(str(kb.bed.base_dir))
-    cgroups = kubelet.cgroup_root.strip("/")
-    assert Path("/sys/fs/cgroup/memory", cgroups, "kubepods").is_dir()
+    # in the bed's cgroup subtree, whichever hierarchies this host mounts (v1, hybrid or cgroup2)
+    assert _sys.cgroup_dirs(f"{kubelet.cgroup_root}/kubepods"), "no kubepods under the bed's cgroup root"
 
 
 def test_pods_with_one_and_two_containers(kb: KubeletBed, kubelet: Kubelet, static_pods: list[str]) -> None:
