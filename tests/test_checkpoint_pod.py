@@ -432,14 +432,15 @@ def test_deadline_too_short(
     pod = start_pod(rt, "deadline", log_root, pod_cleanup, {"counter": counter("counter", mem_mib=256)})
     wait_counting(pod, "counter", 2, timeout=60)
     out = empty_dir(bed, "deadline")
-    # no longer than the cleanup margin podshim keeps from it: refused before anything is frozen
+    # shorter than the cleanup margin podshim keeps from it: refused before anything is frozen
+    # (9/10 of it: gRPC's timeout header rounds up, the server may see ~1 % more than was set)
     assert_refused_cleanly(
         rt,
         bed,
         pod,
         out,
         grpc.StatusCode.DEADLINE_EXCEEDED,
-        lambda: checkpoint(rt, pod.id, out, timeout=CLEANUP_MARGIN),
+        lambda: checkpoint(rt, pod.id, out, timeout=0.9 * CLEANUP_MARGIN),
         "deadline leaves no time",
         pod.config.metadata.name,
     )

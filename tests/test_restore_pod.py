@@ -1112,14 +1112,15 @@ def test_deadline_shorter_than_verifying_creates_nothing(
 ) -> None:
     """The deadline counts from the request: verifying the archive is bounded by it, and
     podshim answers DEADLINE_EXCEEDED itself (before gRPC cancels it) with nothing created. A
-    deadline no longer than the rollback margin podshim keeps leaves no time for a restore on any
-    machine: refused once verified, or while verifying if that takes longer."""
+    deadline shorter than the rollback margin podshim keeps leaves no time for a restore on any
+    machine: refused once verified, or while verifying if that takes longer. (9/10 of the margin:
+    gRPC's timeout header rounds up, a 1 s deadline reaches the server as about 1.009 s.)"""
     config = pods.pod_config(f"short-{secrets.token_hex(3)}", log_root)
     request = cri.RestorePodRequest(
         checkpoint_path=str(good.path), config=config, container_configs=good.containers
     )
     with pytest.raises(grpc.RpcError) as err:
-        rt.RestorePod(request, timeout=RESTORE_CLEANUP_MARGIN)
+        rt.RestorePod(request, timeout=0.9 * RESTORE_CLEANUP_MARGIN)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     details = err.value.details() or ""
     assert "while verifying" in details or "leaves no time" in details, details
