@@ -304,7 +304,7 @@ def test_env_mismatch_rejected(t: Context) -> None:
     shared = shared_checkpoint(t)
     cc = cri.ContainerConfig()
     cc.CopyFrom(shared.pod.configs["workload"])
-    cc.envs.append(cri.KeyValue(key="CONFORMANCE_MISMATCH", value="1"))
+    cc.envs.append(cri.KeyValue(key="CONFORMANCE_MISMATCH", value=b"1"))
     _rejected_restore(t, [cc], "a different environment")
 
 

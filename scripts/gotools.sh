@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The Go programs the tests drive, built from pinned Go modules (scripts/setup.sh step 3c; alone:
 # `bash scripts/gotools.sh [NAME...]`). Idempotent: a program is rebuilt only when its module
-# files (tools/go/<dir>/go.mod, go.sum) or this script's recipe for it changed.
+# files (tools/go/<dir>/go.mod, go.sum, its own *.go) or this script's recipe for it changed.
 #
 # Each tools/go/<dir>/ is a small Go module of the project's whose go.mod requires the released
-# module and whose go.sum pins every dependency's hash: the build runs with -mod=readonly, so it
+# module (or, for cri-client, holds the project's own Go CRI client, main.go) and whose go.sum
+# pins every dependency's hash: the build runs with -mod=readonly, so it
 # downloads only what go.sum names, from the Go module proxy, into the cache below, and fails
 # rather than resolve anything new. k8s.io/kubernetes points its ~30 staging modules at local
 # paths; tools/go/kubelet/go.mod replaces each with the same-numbered v0.x release.
@@ -28,6 +29,7 @@ TOOLS=(
   "containerd-2.2|containerd-2.2|build|github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2|containerd-shim-runc-v2||-X github.com/containerd/containerd/v2/version.Version=2.2.9"
   "containerd-2.4|containerd-2.4|build|github.com/containerd/containerd/v2/cmd/containerd|containerd|no_btrfs|-X github.com/containerd/containerd/v2/version.Version=2.4.2"
   "containerd-2.4|containerd-2.4|build|github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2|containerd-shim-runc-v2||-X github.com/containerd/containerd/v2/version.Version=2.4.2"
+  "cri-client|cri-client|build|podshim.local/tools/cri-client|cri-client||"
 )
 
 info() { printf '    %s\n' "$*"; }
@@ -47,7 +49,10 @@ for entry in "${TOOLS[@]}"; do
   src=$REPO_ROOT/tools/go/$dir
   out=$GO_CACHE/bin/$name/$binary
   stamp=$out.stamp
-  key=$( { cat "$src/go.mod" "$src/go.sum"; echo "$entry"; go env GOVERSION; } | sha256sum | cut -c1-16)
+  # the module's own Go source (cri-client's main.go; not the tools.go that only pins imports)
+  own=$(find "$src" -maxdepth 1 -name '*.go' ! -name tools.go | sort)
+  # shellcheck disable=SC2086
+  key=$( { cat "$src/go.mod" "$src/go.sum" $own; echo "$entry"; go env GOVERSION; } | sha256sum | cut -c1-16)
   if [ -x "$out" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$key" ]; then
     continue
   fi

@@ -11,16 +11,19 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from testbed import _sys
+
+if TYPE_CHECKING:
+    from testbed.bed import TestBed
 
 PAUSE_IMAGE = "localhost/podshim/pause:1"
 BUSYBOX_IMAGE = "localhost/podshim/busybox:1"
@@ -79,7 +82,7 @@ def container_config(
         image=cri.ImageSpec(image=image),
         command=command or [],
         args=args if args is not None else ["--mem-mib", "8", "--interval-ms", "100"],
-        envs=[cri.KeyValue(key=k, value=v) for k, v in (env or {}).items()],
+        envs=[cri.KeyValue(key=k, value=v.encode()) for k, v in (env or {}).items()],
         log_path=f"{name}/0.log",
         labels={"io.kubernetes.container.name": name},
         linux=cri.LinuxContainerConfig(
@@ -253,3 +256,17 @@ def wait_count(log_path: Path, at_least: int, timeout: float = 20.0) -> int:
         what=f"count>={at_least} in {log_path}",
     )
     return counts(log_path)[-1]
+
+
+@contextlib.contextmanager
+def digest_reference(bed: TestBed, name: str) -> Iterator[str]:
+    """A digest reference (name@sha256:<manifest digest>) of the local image `name`, as a pull
+    from a registry leaves one; removed again (the bed's images are shared by the session)."""
+    line = next(row for row in bed.ctr("images", "ls").stdout.splitlines() if row.split()[0] == name)
+    digest = next(w for w in line.split() if w.startswith("sha256:"))
+    ref = f"{name.rsplit(':', 1)[0]}@{digest}"
+    bed.ctr("images", "tag", name, ref)
+    try:
+        yield ref
+    finally:
+        bed.ctr("images", "rm", ref, check=False)

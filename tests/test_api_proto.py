@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescriptor
 
 from api.runtime.v1 import api_pb2, api_pb2_grpc
+from testbed.tools import GO_CACHE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO = "api/runtime/v1/api.proto"
@@ -379,8 +381,12 @@ def test_misc_upstream_numbers() -> None:
         "containers_statuses": 3,
         "timestamp": 4,
     }
-    assert _numbers("ExecRequest")["audit_request_id"] == 7
-    assert _numbers("AttachRequest")["audit_request_id"] == 6
+    assert "audit_request_id" not in _numbers("ExecRequest") and "audit_request_id" not in _numbers(
+        "AttachRequest"
+    )
+    _assert_field("KeyValue", "value", 2, T.TYPE_BYTES)  # bytes in the released API
+    _assert_field("Mount", "mount_options", 11, T.TYPE_STRING, repeated=True)
+    _assert_field("RuntimeFeatures", "mount_options", 3, T.TYPE_BOOL)
     assert _numbers("Namespace") == {"options": 2}
     assert _numbers("PsiData") == {"Total": 1, "Avg10": 2, "Avg60": 3, "Avg300": 4}
     _assert_field("ExecSyncResponse", "stdout", 1, T.TYPE_BYTES)
@@ -402,5 +408,74 @@ def test_upstream_enums() -> None:
     assert values("CgroupDriver") == {"SYSTEMD": 0, "CGROUPFS": 1}
     signal = values("Signal")
     assert len(signal) == 66
-    assert signal["RUNTIME_DEFAULT"] == 0 and signal["SIGKILL"] == 13 and signal["SIGTERM"] == 23
-    assert signal["SIGRTMIN"] == 35 and signal["SIGRTMAXMINUS1"] == 64 and signal["SIGRTMAX"] == 65
+    assert signal["SIGNAL_RUNTIME_DEFAULT"] == 0 and signal["SIGNAL_SIGKILL"] == 13
+    assert signal["SIGNAL_SIGTERM"] == 23 and signal["SIGNAL_SIGRTMIN"] == 35
+    assert signal["SIGNAL_SIGRTMAXMINUS1"] == 64 and signal["SIGNAL_SIGRTMAX"] == 65
+
+
+# (c) the whole schema against the released API ----------------------------------------
+
+# the released proto the set-up fetched with the Go modules (k8s.io/cri-api v0.37.2, required by
+# tools/go/cri-client and the kubelet's module): docs/architecture.md §20.3 (The released API's Go
+# client)
+RELEASED = GO_CACHE / "mod/k8s.io/cri-api@v0.37.2/pkg/apis/runtime/v1/api.proto"
+EXTENSIONS = {  # podshim's own, on field numbers the released API leaves free
+    "CheckpointPodRequest.post_checkpoint_state",
+    "PostCheckpointState.POST_CHECKPOINT_STATE_RUNNING",
+    "PostCheckpointState.POST_CHECKPOINT_STATE_STOPPED",
+}
+
+
+def _schema(fds_bytes: bytes) -> dict[str, object]:
+    """Every field (number, type, label, type name), enum value and RPC of a descriptor set."""
+    fds = descriptor_pb2.FileDescriptorSet.FromString(fds_bytes)
+    (f,) = [x for x in fds.file if x.package == "runtime.v1"]
+    out: dict[str, object] = {}
+
+    def message(m: descriptor_pb2.DescriptorProto, prefix: str) -> None:
+        for fld in m.field:
+            out[f"{prefix}{m.name}.{fld.name}"] = (fld.number, fld.type, fld.label, fld.type_name)
+        for n in m.nested_type:
+            message(n, f"{prefix}{m.name}.")
+        for e in m.enum_type:
+            for v in e.value:
+                out[f"{prefix}{m.name}.{e.name}.{v.name}"] = v.number
+
+    for m in f.message_type:
+        message(m, "")
+    for e in f.enum_type:
+        for v in e.value:
+            out[f"{e.name}.{v.name}"] = v.number
+    for svc in f.service:
+        for meth in svc.method:
+            out[f"{svc.name}/{meth.name}"] = (meth.input_type, meth.output_type, meth.server_streaming)
+    return out
+
+
+def test_schema_is_the_released_apis(tmp_path: Path) -> None:
+    """Field for field, value for value, RPC for RPC what k8s.io/cri-api v0.37.2 defines, plus
+    the extensions above on numbers it leaves free (the released stubs' wire format is podshim's)."""
+    assert RELEASED.is_file(), f"{RELEASED} is missing: run the set-up (scripts/gotools.sh)"
+    src = tmp_path / "released" / "api.proto"
+    src.parent.mkdir()
+    # its gogo-era imports and options, if any, do not change the schema
+    text = "\n".join(
+        line for line in RELEASED.read_text().splitlines() if not line.startswith(("import ", "option "))
+    )
+    src.write_text(text)
+    sets = {}
+    for name, args in (
+        ("released", ["-I", str(src.parent), str(src)]),
+        ("podshim", ["-I", str(REPO_ROOT), str(REPO_ROOT / PROTO)]),
+    ):
+        out = tmp_path / f"{name}.pb"
+        proc = subprocess.run(
+            [sys.executable, "-m", "grpc_tools.protoc", *args, f"--descriptor_set_out={out}"],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr
+        sets[name] = _schema(out.read_bytes())
+    released, ours = sets["released"], sets["podshim"]
+    differ = sorted(k for k in released.keys() | ours.keys() if released.get(k) != ours.get(k))
+    assert set(differ) == EXTENSIONS, {k: (released.get(k), ours.get(k)) for k in differ}

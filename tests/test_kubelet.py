@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
 import tarfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from testbed.kubelet import (
 )
 from testbed.kubelet_calls import record as record_calls
 from testbed.mntns import host_sysctl, same_namespace
+from testbed.tools import go_tool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kubelet]
 
@@ -373,3 +376,113 @@ def test_what_the_kubelet_sends(kb: KubeletBed, kubelet: Kubelet) -> None:
     failed = {(m, c) for (m, c) in rec.counts if c != "OK" and m != "ExecSync" and c != "NOT_FOUND"}
     expected = {("RuntimeConfig", "UNIMPLEMENTED")}  # containerd 1.6 has no RuntimeConfig
     assert failed <= expected, rec.counts
+
+
+def cri_client(kb: KubeletBed, *args: str, expect: str | None = "OK") -> dict[str, Any]:
+    """The project's Go client (tools/go/cri-client: the released API's stubs and the kubelet's
+    CRI client code), run in the node's mount namespace like the kubelet; its JSON answer."""
+    assert kb.bed.node_mounts is not None
+    argv = kb.bed.node_mounts.command([str(go_tool("cri-client")), *args])
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert res.returncode in (0, 3), f"cri-client {args[0]}: exit {res.returncode}: {res.stderr}"
+    out: dict[str, Any] = json.loads(res.stdout)
+    if expect is not None:
+        assert out["code"] == expect, out
+    return out
+
+
+def test_restore_pod_of_a_kubelet_pod_with_the_released_api(
+    kb: KubeletBed, kubelet: Kubelet, static_pods: list[str]
+) -> None:
+    """RestorePod of the checkpoint of a pod the kubelet made, called as the kubelet's KEP-5823
+    code will (docs/architecture.md §20.3 (The released API's Go client)): the new pod's own uid,
+    name, log dir, /etc/hosts, termination logs and emptyDir, each image by its ID plus the name
+    the spec gives; StartContainer; the counter resumes where it was. The same image by a digest
+    reference or by name restores too; another image is a config mismatch (INVALID_ARGUMENT),
+    never DATA_LOSS."""
+    static_pods.append("warm")
+    volume = {"name": "work", "mountPath": "/work"}
+    manifest = pod_manifest(
+        "warm",
+        [
+            counter(env=[{"name": "GREETING", "value": "hello"}], volumeMounts=[volume]),
+            busybox("side", "date > /work/side; exec sleep 3600", volumeMounts=[volume]),
+        ],
+        volumes=[{"name": "work", "emptyDir": {}}],
+    )
+    kubelet.add_static_pod(manifest)
+    kubelet.wait_running("warm", ["app", "side"])
+    old_uid = (kubelet.pod("warm") or {})["metadata"]["uid"]
+    log = log_file(kubelet, "warm", "app")
+    pods.wait_count(log, 3)
+    manifest_file = kubelet.dir / "warm-manifest.json"
+    manifest_file.write_text(json.dumps(manifest))
+    out_node = ROOT_IN_NODE / "pod-checkpoints" / f"warm-{uuid.uuid4().hex[:6]}"
+    kubelet.host_path(out_node).mkdir(parents=True, mode=0o700)
+    endpoint = f"unix://{kb.bed.podshim_socket}"
+    ck = cri_client(
+        kb, "checkpoint-pod", f"--endpoint={endpoint}", f"--pod-uid={old_uid}", f"--output={out_node}"
+    )
+    assert len(ck["container_ids"]) == 2
+    at_checkpoint = pods.counts(log)[-1]
+
+    kubelet.stop()  # it would remove the restored pods (it did not make them) within seconds
+    rt = kb.bed.runtime_stub(kb.bed.podshim_socket)
+    restored: list[str] = []
+    try:
+
+        def restore(uid: str, *extra: str, expect: str | None = "OK") -> dict[str, Any]:
+            r = cri_client(
+                kb,
+                "restore-pod",
+                "--endpoint", endpoint,
+                "--checkpoint", str(out_node),
+                "--manifest", str(manifest_file),
+                "--name", f"warm-{uid[:6]}",
+                "--uid", uid,
+                "--pod-logs-dir", str(kubelet.pod_logs),
+                "--cgroup-root", kubelet.cgroup_root,
+                *extra,
+                expect=expect,
+            )  # fmt: skip
+            if r.get("pod_sandbox_id"):
+                restored.append(r["pod_sandbox_id"])
+            return r
+
+        new_uid = uuid.uuid4().hex
+        r = restore(new_uid)
+        assert r["images"]["app"].startswith("sha256:") and r["started"], r
+        new_log = kubelet.pod_logs / f"{NAMESPACE}_warm-{new_uid[:6]}_{new_uid}" / "app" / "0.log"
+        first = pods.wait_for(lambda: pods.counts(new_log), what="the restored counter's output")[0]
+        assert 0 < first <= at_checkpoint + 3, (first, at_checkpoint)
+        assert pods.wait_count(new_log, first + 2) >= first + 2
+        for name, cid in r["containers"].items():
+            st = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status
+            assert st.state == cri.CONTAINER_RUNNING and st.labels["io.kubernetes.pod.uid"] == new_uid
+            text = str(st)
+            assert old_uid not in text, f"{name} keeps something of the old pod: {text}"
+            hosts = [m.host_path for m in st.mounts if m.container_path == "/etc/hosts"]
+            assert hosts == [f"{ROOT_IN_NODE}/pods/{new_uid}/etc-hosts"], hosts
+
+        # the same images, by a digest reference (as a pull leaves one) or by name
+        with pods.digest_reference(kb.bed, COUNTER_IMAGE), pods.digest_reference(kb.bed, BUSYBOX_IMAGE):
+            for how in ("--image-as=digest", "--image-as=name"):
+                other = restore(uuid.uuid4().hex, how, "--no-start")
+                assert "@sha256:" in other["images"]["app"] or how.endswith("name"), other
+                states = [
+                    rt.ContainerStatus(cri.ContainerStatusRequest(container_id=c)).status.state
+                    for c in other["containers"].values()
+                ]
+                assert states == [cri.CONTAINER_CREATED] * 2, (how, states)
+        busybox_id = (
+            kb.bed.image_stub()
+            .ImageStatus(cri.ImageStatusRequest(image=cri.ImageSpec(image=BUSYBOX_IMAGE)))
+            .image.id
+        )
+        wrong = restore(uuid.uuid4().hex, f"--image=app={busybox_id}", expect=None)
+        assert wrong["code"] == "InvalidArgument" and "'app'" in wrong["message"], wrong
+    finally:
+        for pod_id in restored:
+            pods.remove_pod(rt, pod_id)
+        shutil.rmtree(kubelet.host_path(out_node), ignore_errors=True)
+        kubelet.start()

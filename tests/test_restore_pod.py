@@ -1029,7 +1029,7 @@ def test_container_configs_must_match_the_checkpoint(
         cc.CopyFrom(base)
         for field, value in changes.items():
             if field == "envs":
-                cc.envs.append(cri.KeyValue(key="EXTRA", value="1"))
+                cc.envs.append(cri.KeyValue(key="EXTRA", value=b"1"))
             elif field == "image":
                 cc.image.image = str(value)
             else:
@@ -1328,20 +1328,6 @@ def kubelet_checkpoint(
     return KubeletCheckpoint(out, src, pods.counts(src.log_path("counter"))[-1], kubelet_root)
 
 
-@contextlib.contextmanager
-def digest_reference(bed: TestBed, name: str) -> Iterator[str]:
-    """A digest reference (name@sha256:<manifest digest>) of the local image `name`, as a pull
-    from a registry leaves one; removed again (the bed's images are shared by the session)."""
-    line = next(row for row in bed.ctr("images", "ls").stdout.splitlines() if row.split()[0] == name)
-    digest = next(w for w in line.split() if w.startswith("sha256:"))
-    ref = f"{name.rsplit(':', 1)[0]}@{digest}"
-    bed.ctr("images", "tag", name, ref)
-    try:
-        yield ref
-    finally:
-        bed.ctr("images", "rm", ref, check=False)
-
-
 def test_kubelet_pod_restores_by_image_id_digest_or_name(
     rt: Stub, img: ImageStub, bed: TestBed, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
 ) -> None:
@@ -1372,7 +1358,7 @@ def test_kubelet_pod_restores_by_image_id_digest_or_name(
     wait_counting(new_log, first + 3)
 
     # the same image by name and by a digest reference: restored (CREATED) too
-    with digest_reference(bed, pods.COUNTER_IMAGE) as digest_ref:
+    with pods.digest_reference(bed, pods.COUNTER_IMAGE) as digest_ref:
         for i, ref in enumerate((pods.COUNTER_IMAGE, digest_ref)):
             by = pods.pod_config(f"kubelet-img-ref{i}", log_root)
             other = pods.kubelet_container_config(img, by, ck.kubelet_root, "counter", args=SMALL_ARGS)

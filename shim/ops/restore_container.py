@@ -218,7 +218,7 @@ def _spec_defaults(spec: dict[str, Any]) -> cri.ContainerConfig:
     envs = []
     for e in proc.get("env") or []:
         k, _, v = str(e).partition("=")
-        envs.append(cri.KeyValue(key=k, value=v))
+        envs.append(cri.KeyValue(key=k, value=v.encode()))
     return cri.ContainerConfig(
         command=[str(a) for a in proc.get("args") or []], envs=envs, working_dir=str(proc.get("cwd") or "")
     )

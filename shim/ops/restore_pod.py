@@ -28,7 +28,7 @@ from google.protobuf import json_format
 from api.runtime.v1 import api_pb2 as cri
 from shim import cni, contract, errors, faults, logs
 from shim.aio import Steps, run_to_end
-from shim.archive import compat, crypto, layout, manifest, paths, rootfs_diff
+from shim.archive import compat, config_dump, crypto, layout, manifest, paths, rootfs_diff
 from shim.checks import cri_strings
 from shim.checks.wiring import RestoredContainers, Verdict, WiringChecker, confirm_restored
 from shim.config import Config
@@ -104,9 +104,7 @@ def this_host_mismatches(m: manifest.Manifest, criu_binary: str, runtime_binary:
 
 
 def archived_config(record: dict[str, Any]) -> cri.ContainerConfig:
-    return json_format.ParseDict(
-        record.get("config") or {}, cri.ContainerConfig(), ignore_unknown_fields=True
-    )
+    return config_dump.container_config(record.get("config") or {})
 
 
 def _credentials(c: cri.ContainerConfig) -> dict[str, Any]:

@@ -120,7 +120,7 @@ def counter(name: str = "counter", **changes: Any) -> cri.ContainerConfig:
         elif k == "command":
             cc.command.extend(v)
         elif k == "env":
-            cc.envs.extend(cri.KeyValue(key=a, value=b) for a, b in v.items())
+            cc.envs.extend(cri.KeyValue(key=a, value=b.encode()) for a, b in v.items())
         elif k == "working_dir":
             cc.working_dir = v
         elif k == "image":

@@ -18,6 +18,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from api.runtime.v1 import api_pb2 as cri
+from shim.archive import config_dump
 from shim.cli import output
 from shim.cli.base import (
     EXIT_OK,
@@ -215,8 +216,10 @@ def derive_container_config(archive: Path, entry: dict[str, Any]) -> cri.Contain
         record = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CliError(f"{path}: unreadable: {getattr(e, 'strerror', None) or e}") from None
-    cc = parse_message(record.get("config") or {}, cri.ContainerConfig(), str(path), strict=False)
-    assert isinstance(cc, cri.ContainerConfig)
+    try:
+        cc = config_dump.container_config(record.get("config") or {})
+    except json_format.ParseError as e:
+        raise CliError(f"{path}: {e}") from None
     if not cc.metadata.name:
         cc.metadata.name = entry["name"]
     return cc
