@@ -19,6 +19,14 @@ placed on the same clock, so the timeline below is relative to the freeze:
 The same containers are then dumped alone, one after the other, by plain runc (the bench's raw
 floor) through the same wrappers, so each phase can be compared with its cost when nothing else
 runs. ``--no-podshim`` / ``--no-raw`` leave one side out; ``--keep DIR`` keeps every dump.log.
+
+Through the window (and through the raw dumps), the page cache as the kernel's writeback sees it
+(issue 25): /proc/vmstat's dirty and writeback pages against its two thresholds every 20 ms, the
+pages dirtied and written back; the writeback podshim started during the dumps (its log;
+docs/architecture.md §4.1 (The freeze window)); CRIU's memwrite per dump; and, with tracefs at
+/sys/kernel/tracing, every pause balance_dirty_pages imposed on a writer (trace event
+writeback:balance_dirty_pages, in a private trace instance), summed per CRIU. The window's
+CLOCK_MONOTONIC bounds are printed for ``perf record -k mono`` profiles (``perf report --time``).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from bench.common import (
     checkpoint_pod,
     counter_config,
     machine_summary,
+    read_criu_stats,
     remove_pod,
     remove_tree,
     runtime_stub,
@@ -136,6 +145,7 @@ class Run:
     runc_end: float = 0.0
     cpu: float = 0.0
     criu_starts: list[float] = field(default_factory=list)
+    criu_pids: list[int] = field(default_factory=list)
     log: dict[str, float] = field(default_factory=dict)
     diff: float = float("nan")
 
@@ -157,6 +167,7 @@ def read_wrapper_log(log: Path, ids: dict[str, str]) -> dict[str, Run]:
             r.runc_start, r.runc_end, r.cpu = float(f[1]), float(f[2]), _times_cpu(" ".join(f[5:]))
         elif f[0] == "criu" and f[3] in runs:
             runs[f[3]].criu_starts.append(float(f[1]))
+            runs[f[3]].criu_pids.append(int(f[2]))
     return runs
 
 
@@ -181,6 +192,8 @@ def podshim_events(log: Path, since: float) -> dict[str, Any]:
             ev["cut"] = rec.get("cut_seconds", 0.0)
         elif e == "container dumped":
             ev["dumped"][rec["container"]] = t
+        elif e == "images written back during the dumps":
+            ev["ahead_mib"] = rec.get("mib", 0)
         elif e == "pod thawed":
             ev["thawed"] = t
             ev["window"] = rec.get("freeze_window", 0.0)
@@ -248,23 +261,40 @@ def wrappers(base: Path) -> tuple[Path, Path, Path]:
     return log, runc, criu
 
 
+VMSTAT_KEYS = (
+    "nr_dirty",
+    "nr_writeback",
+    "nr_dirty_threshold",
+    "nr_dirty_background_threshold",
+    "nr_dirtied",
+    "nr_written",
+)
+PAGE_MIB = os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def read_vmstat() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        k, _, v = line.partition(" ")
+        if k in VMSTAT_KEYS:
+            out[k] = int(v)
+    return out
+
+
 class DirtySampler:
-    """Dirty and Writeback of /proc/meminfo every 50 ms while a dump runs (page-cache pressure)."""
+    """/proc/vmstat's dirty-page counters every 20 ms while a dump runs (page-cache pressure):
+    nr_dirty + nr_writeback against the kernel's thresholds, which balance_dirty_pages compares
+    them with (it starts throttling writers half-way between the two thresholds)."""
 
     def __init__(self) -> None:
-        self.samples: list[tuple[float, int, int]] = []
+        self.samples: list[tuple[float, dict[str, int]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            mi = {}
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                k, _, v = line.partition(":")
-                if k in ("Dirty", "Writeback"):
-                    mi[k] = int(v.split()[0]) // 1024
-            self.samples.append((time.time(), mi.get("Dirty", 0), mi.get("Writeback", 0)))
-            self._stop.wait(0.05)
+            self.samples.append((time.time(), read_vmstat()))
+            self._stop.wait(0.02)
 
     def __enter__(self) -> DirtySampler:
         self._thread.start()
@@ -275,16 +305,79 @@ class DirtySampler:
         self._thread.join()
 
     def summary(self, zero: float, end: float) -> str:
-        inside = [(t - zero, d, w) for t, d, w in self.samples if zero <= t <= end]
+        inside = [(t - zero, v) for t, v in self.samples if zero <= t <= end]
         if not inside:
             return "page cache: no sample inside the window"
-        peak = max(inside, key=lambda x: x[1])
-        picks = inside[:: max(1, len(inside) // 8)]
+
+        def mib(v: dict[str, int], k: str) -> int:
+            return round(v.get(k, 0) * PAGE_MIB)
+
+        def dirty(v: dict[str, int]) -> int:
+            return mib(v, "nr_dirty") + mib(v, "nr_writeback")
+
+        peak_t, peak = max(inside, key=lambda x: dirty(x[1]))
+        first, last = inside[0][1], inside[-1][1]
+        bg, hard = mib(peak, "nr_dirty_background_threshold"), mib(peak, "nr_dirty_threshold")
+        picks = inside[:: max(1, len(inside) // 10)]
         return (
-            f"page cache inside the window: Dirty peak {peak[1]} MiB at {peak[0]:.2f}s; "
-            f"dirty_background {_sysctl('dirty_background_ratio')}%, dirty {_sysctl('dirty_ratio')}% of "
-            "dirtyable memory; (t, Dirty MiB, Writeback MiB): "
-            + " ".join(f"({t:.1f},{d},{w})" for t, d, w in picks)
+            f"page cache inside the window (vmstat, MiB): dirty+writeback at the freeze {dirty(first)}, "
+            f"peak {dirty(peak)} at {peak_t:.2f}s (thresholds: background {bg}, hard {hard}, throttling "
+            f"from ~{(bg + hard) // 2}); dirtied {mib(last, 'nr_dirtied') - mib(first, 'nr_dirtied')}, "
+            f"written back {mib(last, 'nr_written') - mib(first, 'nr_written')} during the window; "
+            "(t, dirty, writeback): "
+            + " ".join(f"({t:.1f},{mib(v, 'nr_dirty')},{mib(v, 'nr_writeback')})" for t, v in picks)
+        )
+
+
+TRACEFS = Path("/sys/kernel/tracing")
+BDP_RE = re.compile(
+    r"^\s*(?P<comm>.+?)-(?P<pid>\d+)\s+\[\d+\].*?\s(?P<ts>\d+\.\d+): balance_dirty_pages: .*?"
+    r"\bpaused=(?P<paused>\d+) pause=(?P<pause>-?\d+)"
+)
+
+
+class ThrottleTrace:
+    """The kernel's dirty-page throttling of writers (tracefs event writeback:balance_dirty_pages,
+    one per pause a writing task takes), in a private trace instance on the monotonic clock.
+    Absent (no tracefs mounted at /sys/kernel/tracing, or no such event): `available` is False."""
+
+    def __init__(self) -> None:
+        self.dir = TRACEFS / "instances" / f"podshim-freeze-profile-{os.getpid()}"
+        self.available = (TRACEFS / "events/writeback/balance_dirty_pages").exists()
+        self.events: list[tuple[float, str, int, int]] = []  # (monotonic s, comm, pid, pause ms)
+
+    def __enter__(self) -> ThrottleTrace:
+        if self.available:
+            self.dir.mkdir()
+            (self.dir / "trace_clock").write_text("mono")
+            (self.dir / "buffer_size_kb").write_text("8192")
+            (self.dir / "events/writeback/balance_dirty_pages/enable").write_text("1")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.available:
+            return
+        (self.dir / "events/writeback/balance_dirty_pages/enable").write_text("0")
+        for line in (self.dir / "trace").read_text(errors="replace").splitlines():
+            m = BDP_RE.match(line)
+            if m and int(m.group("pause")) > 0:
+                ts, pid, pause = float(m.group("ts")), int(m.group("pid")), int(m.group("pause"))
+                self.events.append((ts, m.group("comm"), pid, pause))
+        self.dir.rmdir()
+
+    def summary(self, zero_mono: float, end_mono: float, pids: dict[int, str]) -> str:
+        if not self.available:
+            return "dirty throttling: no tracefs at /sys/kernel/tracing (mount -t tracefs nodev it to see it)"
+        inside = [e for e in self.events if zero_mono <= e[0] <= end_mono]
+        per: dict[str, list[int]] = {}
+        for _, comm, pid, pause in inside:
+            per.setdefault(pids.get(pid, f"{comm}-{pid}"), []).append(pause)
+        if not per:
+            return "dirty throttling inside the window: none (no balance_dirty_pages pause)"
+        first = min(e[0] for e in inside) - zero_mono
+        return (
+            f"dirty throttling inside the window (balance_dirty_pages pauses, first at {first:.2f}s): "
+            + "; ".join(f"{who} {len(p)} pauses {sum(p) / 1e3:.3f}s" for who, p in sorted(per.items()))
         )
 
 
@@ -306,7 +399,8 @@ def profile_podshim(bed: TestBed, pod: Any, tag: str, keep: Path | None) -> str:
         out = Path(bed.checkpoint_root) / f"profile-{tag}"
         sync_disk()
         since = time.time() - 1
-        with DirtySampler() as dirty:
+        mono_offset = time.time() - time.monotonic()  # wall = monotonic + offset
+        with DirtySampler() as dirty, ThrottleTrace() as throttle:
             wall, m = checkpoint_pod(rt, pod.id, out, 900)
         time.sleep(0.2)  # the log lines are written
         ev = podshim_events(plog, since)
@@ -331,16 +425,31 @@ def profile_podshim(bed: TestBed, pod: Any, tag: str, keep: Path | None) -> str:
         f"seconds on the freeze clock (0 = pod frozen; @ = instant, others = durations)",
         table(HEADERS, rows),
         f"podshim between freeze and first runc: {first_runc:.3f}s; last runc end -> thaw "
-        f"logged: {thaw - last_runc:.3f}s; window {ev.get('window', float('nan')):.3f}s",
+        f"logged: {thaw - last_runc:.3f}s; window {ev.get('window', float('nan')):.3f}s; CLOCK_MONOTONIC "
+        f"{zero - mono_offset:.3f} to {zero + thaw - mono_offset:.3f} (perf -k mono)",
         dirty.summary(zero, zero + thaw),
-        "CRIU stats (ms): "
-        + "; ".join(
-            f"{n}: freezing {s.get('freezing_time', 0) / 1e3:.0f} frozen {s.get('frozen_time', 0) / 1e3:.0f} "
-            f"memdump {s.get('memdump_time', 0) / 1e3:.0f} memwrite {s.get('memwrite_time', 0) / 1e3:.0f}"
-            for n, s in stats.items()
-        ),
+        f"writeback started by podshim during the dumps: {ev['ahead_mib']} MiB"
+        if "ahead_mib" in ev
+        else "writeback started by podshim during the dumps: none (the kernel's own only)",
+        f"archive phase after the thaw {m['timings'].get('archive', float('nan')):.3f}s, total "
+        f"{m['timings'].get('total', float('nan')):.3f}s",
+        throttle.summary(zero - mono_offset, zero + thaw - mono_offset, criu_pids(runs)),
+        "CRIU stats (ms): " + stats_line(stats),
     ]
     return "\n".join(lines)
+
+
+def stats_line(stats: dict[str, dict[str, Any]]) -> str:
+    return "; ".join(
+        f"{n}: freezing {s.get('freezing_time', 0) / 1e3:.0f} frozen {s.get('frozen_time', 0) / 1e3:.0f} "
+        f"memdump {s.get('memdump_time', 0) / 1e3:.0f} memwrite {s.get('memwrite_time', 0) / 1e3:.0f}"
+        for n, s in stats.items()
+    )
+
+
+def criu_pids(runs: dict[str, Run]) -> dict[int, str]:
+    """pid -> "<container> criu" of every CRIU the wrappers saw (the dump's and runc's probe)."""
+    return {pid: f"{r.name} criu" for r in runs.values() for pid in r.criu_pids}
 
 
 def profile_raw(bed: TestBed, pod: Any, tag: str, keep: Path | None) -> str:
@@ -348,16 +457,21 @@ def profile_raw(bed: TestBed, pod: Any, tag: str, keep: Path | None) -> str:
     wlog, runc, criu = wrappers(base)
     out = Path(bed.checkpoint_root) / f"profile-raw-{tag}"
     sync_disk()
-    for name, cid in pod.containers.items():
-        images, work = out / name / "images", out / name / "work"
-        images.mkdir(parents=True, mode=0o700)
-        work.mkdir(parents=True, mode=0o700)
-        argv = [str(runc), "--root", str(bed.runc_root), "--criu", str(criu), "checkpoint", "--leave-running"]
-        argv += ["--image-path", str(images), "--work-path", str(work), cid]
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-        if res.returncode != 0:
-            raise RuntimeError(f"raw dump of {name} failed: {res.stderr.strip()}")
+    start = time.time()
+    mono_offset = start - time.monotonic()
+    with DirtySampler() as dirty, ThrottleTrace() as throttle:
+        for name, cid in pod.containers.items():
+            images, work = out / name / "images", out / name / "work"
+            images.mkdir(parents=True, mode=0o700)
+            work.mkdir(parents=True, mode=0o700)
+            argv = [str(runc), "--root", str(bed.runc_root), "--criu", str(criu), "checkpoint"]
+            argv += ["--leave-running", "--image-path", str(images), "--work-path", str(work), cid]
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+            if res.returncode != 0:
+                raise RuntimeError(f"raw dump of {name} failed: {res.stderr.strip()}")
+    end = time.time()
     runs = read_wrapper_log(wlog, pod.containers)
+    stats = {n: read_criu_stats(out / n / "work" / "stats-dump", "dump") for n in pod.containers}
     for r in runs.values():
         r.log = parse_dump_log(out / r.name / "work" / "dump.log")
         if keep:
@@ -369,6 +483,9 @@ def profile_raw(bed: TestBed, pod: Any, tag: str, keep: Path | None) -> str:
         [
             f"raw runc, {tag}, one after the other (each on its own clock: 0 = its runc started)",
             table(HEADERS, rows),
+            "all raw dumps: " + dirty.summary(start, end),
+            throttle.summary(start - mono_offset, end - mono_offset, criu_pids(runs)),
+            "CRIU stats (ms): " + stats_line(stats),
         ]
     )
 
