@@ -53,6 +53,10 @@ class Config:
     container_checkpoint: str = "fallback"
     # Node key (32 random bytes, a root-owned 0600 file) encrypting CheckpointPod archives; "": none.
     encryption_key_file: str = ""
+    # CheckpointPod: write the page images back while the pod is frozen ("auto": when the dumps
+    # would otherwise meet the kernel's dirty-page throttling; docs/architecture.md §4.1 (The
+    # freeze window)), "always", or "never" (the kernel's own writeback only).
+    writeback_ahead: str = "auto"
     # [checkpoint]: the node's default of each CheckpointPod option (the kubelet sends none;
     # option_defaults gives them in the options' own vocabulary)
     file_locks: bool = True
@@ -118,6 +122,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
         "allowed_roots": ("allowed_roots", list),
         "container_checkpoint": ("container_checkpoint", str),
         "encryption_key_file": ("encryption_key_file", str),
+        "writeback_ahead": ("writeback_ahead", str),
         "file_locks": ("file_locks", bool),
         "tcp_established": ("tcp_established", bool),
         "ext_unix_sk": ("ext_unix_sk", bool),
@@ -133,6 +138,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
 _RUNTIME_KEYS: dict[str, type] = {f.name: str for f in fields(RuntimeConfig)}
 _LOG_FORMATS = ("json", "console")
 CONTAINER_CHECKPOINT_MODES = ("fallback", "always")
+WRITEBACK_AHEAD_MODES = ("auto", "always", "never")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 ROOTFS_COMPRESSIONS = ("none", "gzip")
 GHOST_LIMIT_AUTO = "auto"
@@ -269,6 +275,11 @@ def _validate(cfg: Config) -> Config:
     for path in cfg.irmap_scan_paths:
         if not path.startswith("/") or ".." in path.split("/"):
             raise ConfigError(f"checkpoint.irmap_scan_paths: {path!r} is not an absolute path (no '..')")
+    if cfg.writeback_ahead not in WRITEBACK_AHEAD_MODES:
+        raise ConfigError(
+            f"checkpoint.writeback_ahead: must be one of {', '.join(WRITEBACK_AHEAD_MODES)}, "
+            f"got {cfg.writeback_ahead!r}"
+        )
     for root in cfg.allowed_roots:
         if not root.startswith("/"):
             raise ConfigError(f"checkpoint.allowed_roots: {root!r} is not an absolute path")

@@ -236,6 +236,29 @@ def test_single_counter_pod(
     assert m.host.runtime_name == (runtime_handler or "runc")
 
 
+def test_page_images_written_back_while_frozen(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], tmp_path: Path
+) -> None:
+    # `writeback_ahead = "always"`: a thread starts the writeback of the page images while CRIU
+    # writes them (docs/architecture.md §4.1 (The freeze window)); the archive is the same
+    c = {"a": counter("a", mem_mib=48), "b": counter("b", mem_mib=48)}
+    pod = start_pod(rt, "ahead", log_root, pod_cleanup, c)
+    wait_counting(pod, "a", 2, timeout=60)
+    wait_counting(pod, "b", 2, timeout=60)
+    out = empty_dir(bed, "ahead")
+    with bed.extra_podshim(tmp_path, checkpoint={"writeback_ahead": "always"}) as (sock, log):
+        checkpoint(pods.stubs(sock)[0], pod.id, out)
+        lines = [json.loads(x) for x in log.read_text().splitlines() if "images written back" in x]
+    # every whole 8 MiB step of each container's 48 MiB of pages (the rest: the archive's fsync)
+    assert [x["mib"] >= 2 * 48 - 2 * 8 for x in lines] == [True], lines
+    assert list((tmp_path / "state" / "ops").glob("*.json")) == []
+    m = verified(bed, out)
+    assert_dumped(out, m, "a")
+    assert_dumped(out, m, "b")
+    assert_pod_alive(rt, pod, ["a", "b"])
+    assert_memory_intact(rt, pod, "a")
+
+
 def test_rootfs_diff_has_written_and_deleted_files(
     rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
 ) -> None:

@@ -66,6 +66,7 @@ def test_config_env_names_the_file(tmp_path: Path) -> None:
         ('[upstream]\nendpoint = "tcp://1.2.3.4:1"\n', "upstream.endpoint"),
         ('[checkpoint]\nallowed_roots = "/one"\n', "checkpoint.allowed_roots"),
         ('[checkpoint]\nallowed_roots = ["rel"]\n', "checkpoint.allowed_roots"),
+        ('[checkpoint]\nwriteback_ahead = "sometimes"\n', "checkpoint.writeback_ahead"),
         ('[runtime]\nbinry = "/x"\n', "runtime.binry"),
         ("[server\n", "not valid TOML"),
     ],

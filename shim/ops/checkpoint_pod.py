@@ -25,7 +25,7 @@ from google.protobuf import json_format
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, cni, contract, deadlines, errors, faults, logs
 from shim.aio import run_to_end
-from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff
+from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff, writeback
 from shim.archive.dirfd import DirHandle, clear_dir_contents, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.checks import openfiles, space, taskstate
@@ -406,6 +406,7 @@ class PodCheckpointer:
             faults.hit("checkpoint.after-freeze")
             log.info("pod frozen", pod=pod.id, cut_seconds=round(cut.cut_seconds, 4))
             dump_start = time.monotonic()
+            ahead = self._writeback_ahead(work)
             try:
                 if netlock is not None:
                     await run_to_end(netlock.lock)
@@ -426,7 +427,11 @@ class PodCheckpointer:
             finally:
                 if netlock is not None:
                     netlock.unlock()  # synchronous on purpose, as the thaw: runs while cancelled
+                if ahead is not None:
+                    await run_to_end(ahead.stop)  # waits for its thread even when cancelled
             timings["dump"] = time.monotonic() - dump_start
+            if ahead is not None:
+                log.info("images written back during the dumps", pod=pod.id, mib=ahead.started_bytes >> 20)
             faults.hit("checkpoint.before-thaw")
             # runc/CRIU wrote through the directory podshim holds (/proc/self/fd/N), never
             # through output_path: if someone replaced output_path meanwhile, fail instead of
@@ -520,6 +525,21 @@ class PodCheckpointer:
                 if images is not None:
                     work.append(_Work(c, cl, self.runtime_for(c), cd, images, memory=space.memory_bytes(c)))
         return work
+
+    def _writeback_ahead(self, work: list[_Work]) -> writeback.ImagesWriteback | None:
+        """When the pod's memory would take the node's dirty pages past the point where the kernel
+        throttles writers, the page images are written back from their first MiB by a thread
+        beside the dumps: the disk starts with the dumps instead of at the kernel's background
+        threshold, and fewer of their pages count against the throttle point (docs/architecture.md
+        §4.1 (The freeze window)). Below it the images stay in the page cache until the thaw.
+        `[checkpoint] writeback_ahead` = "always" / "never" decides without looking."""
+        mode = self.config.writeback_ahead
+        memory = sum(w.memory for w in work)
+        if mode == "never" or (
+            mode == "auto" and not writeback.would_be_throttled(memory, writeback.dirty_state())
+        ):
+            return None
+        return writeback.ImagesWriteback([w.images for w in work]).start()
 
     async def _dump(self, w: _Work, opts: CheckpointOptions) -> None:
         try:

@@ -1,0 +1,178 @@
+"""Writeback started from the first MiB (docs/architecture.md §4.1 (The freeze window) and §10
+(Checkpoints through a registry)).
+
+Linux writes dirty page cache back on its own only once dirty pages pass
+`vm.dirty_background_ratio` of the dirtyable memory (or after `dirty_expire_centisecs`), and it
+throttles every writer (balance_dirty_pages) once dirty + writeback pages pass half-way from there
+to `vm.dirty_ratio`. A writer of GiBs that leaves it to the kernel pays twice: the disk sits idle
+while the first GiB or two go into the page cache, then the writer is held to the disk's pace (or,
+with a final fsync, waits for all of it at the end). podshim starts the writeback of what it
+writes itself (a pulled file) or has written for it (CRIU's page images) as the bytes arrive:
+`sync_file_range(SYNC_FILE_RANGE_WRITE)` queues them for the disk and returns without waiting for
+the I/O, so the flush runs beside the writing and the fsync that makes the file durable finds
+little left to do. Nothing is written anywhere else and no host-wide setting is touched.
+
+A failure here only loses the head start: the fsync that follows is what makes the data durable
+and what reports an I/O error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from shim.archive.dirfd import DirHandle
+
+SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the dirty pages, do not wait for it
+STEP = 8 << 20  # start the writeback of every 8 MiB: requests big enough to stream, started early
+POLL_INTERVAL = 0.05  # seconds between looks at the image files CRIU is writing
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+_libc = ctypes.CDLL(None, use_errno=True)  # ctypes releases the GIL for the call
+_sync_file_range = _libc.sync_file_range
+_sync_file_range.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+_sync_file_range.restype = ctypes.c_int
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Queue the dirty pages of `fd` in [offset, offset + nbytes) for writeback without waiting
+    for them; False when the file (a pipe, a file system without it) cannot: stop asking then."""
+    if _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) == 0:
+        return True
+    ctypes.get_errno()  # ESPIPE, EINVAL, EBADF: no head start for this file, nothing else is lost
+    return False
+
+
+class Ahead:
+    """One file written front to back through `fd`: the writeback of each `step` bytes is started
+    as soon as they are written. After each write: `wrote(n)` (n bytes more), or `written(end)`
+    (the file holds `end` bytes now)."""
+
+    def __init__(self, fd: int, step: int = STEP) -> None:
+        self.fd = fd
+        self.step = step
+        self.end = 0  # bytes written so far
+        self.started = 0  # writeback started for [0, started)
+        self.enabled = True
+
+    def wrote(self, nbytes: int) -> None:
+        self.written(self.end + nbytes)
+
+    def written(self, end: int) -> None:
+        self.end = end
+        if self.enabled and end - self.started >= self.step:
+            upto = end - end % self.step
+            self.enabled = start_writeback(self.fd, self.started, upto - self.started)
+            self.started = upto
+
+
+@dataclass(frozen=True)
+class DirtyState:
+    """The kernel's dirty-page counters and thresholds, in bytes (/proc/vmstat)."""
+
+    dirty: int
+    writeback: int
+    background: int  # the kernel starts writing back above this
+    threshold: int  # writers are blocked above this
+
+    @property
+    def throttle_point(self) -> int:
+        """Where balance_dirty_pages starts throttling writers: half-way between the two
+        thresholds (its "freerun ceiling")."""
+        return (self.background + self.threshold) // 2
+
+
+def dirty_state(vmstat: Path = Path("/proc/vmstat")) -> DirtyState | None:
+    """The counters now; None when they cannot be read (no /proc, an unknown kernel)."""
+    keys = {"nr_dirty", "nr_writeback", "nr_dirty_background_threshold", "nr_dirty_threshold"}
+    values: dict[str, int] = {}
+    try:
+        for line in vmstat.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name in keys:
+                values[name] = int(value)
+    except (OSError, ValueError):
+        return None
+    if values.keys() != keys:
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    return DirtyState(
+        dirty=values["nr_dirty"] * page,
+        writeback=values["nr_writeback"] * page,
+        background=values["nr_dirty_background_threshold"] * page,
+        threshold=values["nr_dirty_threshold"] * page,
+    )
+
+
+def would_be_throttled(nbytes: int, state: DirtyState | None) -> bool:
+    """Would writing `nbytes` more into the page cache, faster than the disk takes them, push the
+    dirty + writeback pages past the kernel's throttle point? Unknown counters: no."""
+    if state is None:
+        return False
+    return state.dirty + state.writeback + nbytes > state.throttle_point
+
+
+class ImagesWriteback:
+    """The files a dump is writing into `dirs` (CRIU's page images), written back as they grow:
+    a thread looks at them every `interval` seconds and starts the writeback of every `step`
+    bytes appended since. Files are opened read-only through the held directories (no path
+    is followed); `stop()` ends the thread and closes them."""
+
+    def __init__(self, dirs: Sequence[DirHandle], interval: float = POLL_INTERVAL, step: int = STEP) -> None:
+        self.dirs = list(dirs)
+        self.interval = interval
+        self.step = step
+        self.files: dict[tuple[int, str], Ahead] = {}
+        self.started_bytes = 0  # writeback started for this many bytes in all
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="podshim-writeback", daemon=True)
+
+    def start(self) -> ImagesWriteback:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End the thread, start the writeback of what was appended since its last look (the
+        dumps have ended), close the files."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.poll()
+        for ahead in self.files.values():
+            os.close(ahead.fd)
+        self.files.clear()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def poll(self) -> None:
+        """One look at every file: writeback started for what was appended since the last one
+        (a file is opened once it holds `step` bytes: the small images are left alone)."""
+        for i, d in enumerate(self.dirs):
+            try:
+                with os.scandir(d.fd) as it:
+                    sizes = [(e.name, e.stat(follow_symlinks=False)) for e in it]
+            except OSError:
+                continue  # the directory is being cleared (a failed dump): nothing to flush
+            for name, st in sizes:
+                ahead = self.files.get((i, name))
+                if ahead is None:
+                    if not stat.S_ISREG(st.st_mode) or st.st_size < self.step:
+                        continue
+                    try:
+                        fd = os.open(name, READ_FLAGS, dir_fd=d.fd)
+                    except OSError:
+                        continue  # gone already
+                    ahead = self.files[(i, name)] = Ahead(fd, self.step)
+                before = ahead.started
+                try:
+                    ahead.written(os.fstat(ahead.fd).st_size)
+                except OSError:
+                    continue
+                self.started_bytes += ahead.started - before
