@@ -4,8 +4,10 @@ credentials and transport rules. End to end: tests/test_distribution.py."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
+import os
 import socket
 import subprocess
 import tarfile
@@ -15,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from shim.archive import manifest as mf
+from shim.archive import writeback
 from shim.distribution import artifact, registry_auth
-from shim.distribution.pull import _TarStream
+from shim.distribution.pull import _finish_file, _TarStream, _write
 from shim.errors import DataLoss, InvalidArgument
 
 
@@ -247,3 +250,24 @@ def test_a_second_pull_into_the_same_target_is_aborted(tmp_path: Path) -> None:
             pull.pull("127.0.0.1:9/pods/x:v1", target, allowed_roots=[str(root)])
     finally:
         os.close(fd)
+
+
+def test_a_pulled_file_is_hashed_written_and_its_writeback_started_as_it_arrives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[tuple[int, int]] = []
+    monkeypatch.setattr(writeback, "start_writeback", lambda fd, off, n: started.append((off, n)) or True)
+    mib = 1 << 20
+    data = os.urandom(2 * mib + 1234)
+    fd = os.open(tmp_path / "pages-1.img", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    sha, ahead = hashlib.sha256(), writeback.Ahead(fd, step=mib)
+    for i in range(0, len(data), 300_000):  # the chunks as they come off the stream
+        _write(fd, sha, ahead, data[i : i + 300_000])
+    assert started == [(0, mib), (mib, mib)]  # each MiB once it was written, not at the fsync
+    _finish_file(fd, sha, "ref", "pages-1.img", hashlib.sha256(data).hexdigest())  # fsyncs, closes
+    assert (tmp_path / "pages-1.img").read_bytes() == data
+    fd = os.open(tmp_path / "other", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    sha = hashlib.sha256()
+    _write(fd, sha, writeback.Ahead(fd), b"tampered")
+    with pytest.raises(DataLoss, match="sha256"):
+        _finish_file(fd, sha, "ref", "other", hashlib.sha256(b"original").hexdigest())

@@ -12,7 +12,8 @@ input (docs/architecture.md §10 (Checkpoints through a registry)).
   refused at once; digest checked at its end), decompressed (zstd, capped), and read as a tar in
   which only directories and regular files below the layer's own directory are accepted, each
   file listed in the manifest with that size (checked from its header, before a byte is written)
-  and hashed as written (its sha256 checked at its end).
+  and hashed as written (its sha256 checked at its end), its writeback started as it is written
+  (shim/archive/writeback.py), so its fsync does not wait for all of it.
 * Everything lands in a staging directory inside DIR (`.podshim-pull-<random>`); only when every
   layer verified are its entries renamed into DIR, manifest.json last. Any failure removes the
   staging directory: DIR is left empty, never with something that looks complete. A pull killed
@@ -40,7 +41,7 @@ import requests
 
 from shim import faults
 from shim.archive import manifest as mf
-from shim.archive import paths
+from shim.archive import paths, writeback
 from shim.archive.dirfd import DirHandle, open_checked
 from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE
 from shim.archive.layout import MANIFEST_FILE
@@ -530,11 +531,12 @@ class _Writer:
         self.pending.clear()
 
 
-def _write(fd: int, sha: Any, chunk: bytes) -> None:
+def _write(fd: int, sha: Any, ahead: writeback.Ahead, chunk: bytes) -> None:
     sha.update(chunk)
     view = memoryview(chunk)
     while view:
         view = view[os.write(fd, view) :]
+    ahead.wrote(len(chunk))  # the disk starts on it now, not at the fsync (writeback.py)
 
 
 def _finish_file(fd: int, sha: Any, ref: str, rel: str, expected: str) -> None:
@@ -577,9 +579,10 @@ def _extract(
     with staging.sub(parent, create=True) as pd:
         fd = pd.create(name, FILE_MODE)
     sha = hashlib.sha256()
+    ahead = writeback.Ahead(fd)
     try:
         for chunk in tar.data(member.size):
-            writer.submit(_write, fd, sha, chunk)
+            writer.submit(_write, fd, sha, ahead, chunk)
             faults.hit("pull.chunk")
     except BaseException:
         writer.drain_quietly()
