@@ -1,7 +1,7 @@
 """bench/checkpoint: CheckpointPod vs plain ``runc checkpoint`` of the same containers (issue 3).
 
-For pods of N counter containers x M MiB resident memory each (default 1,2,4 x 64,256,1024), in
-one run, per repeat:
+For pods of N counter containers x M MiB resident memory each (default 1,2,4 x 64,256,1024, and
+2 x 4096: 8 GiB, `--cells`), in one run, per repeat:
 
 * podshim: CheckpointPod of the whole pod; from the archive's manifest.json ``timings`` the
   freeze window and total (plus the wall time of the call as the client saw it);
@@ -12,6 +12,12 @@ one run, per repeat:
 Both write to the bed's checkpoint root (one filesystem). Before each measurement the previous
 output is deleted and the disk synced, and the order (podshim first / raw first) alternates
 between repeats and cells, so neither side inherits the other's page cache or writeback.
+
+With `--parallel-floor`, also the same plain runc dumps started all at once (the pod's cut
+without podshim: N CRIUs sharing the cores, the page cache and the disk, as podshim's do); the
+table's `freeze/at once` and RESULT's `freeze_vs_raw_at_once` compare the window with it. Each
+repeat also reports how many MiB of page images podshim wrote back during its dumps (its log:
+docs/architecture.md §4.1 (The freeze window)).
 
 Per cell: freeze_window / slowest single raw dump, and total / (sum of raw dumps + 0.2 s)
 (per repeat, then the median over repeats).
@@ -35,6 +41,8 @@ and total / (raw sum + 0.2 s), the ratios of issue 3.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import resource
 import secrets
@@ -79,6 +87,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--containers", default="1,2,4", help="containers per pod (default 1,2,4)")
     p.add_argument("--mem", default="64,256,1024", help="MiB resident per container (default 64,256,1024)")
+    p.add_argument(
+        "--cells",
+        default="2x4096",
+        help="cells beyond the grid, NxMiB comma-separated (default 2x4096: 8 GiB; '' for none)",
+    )
+    p.add_argument(
+        "--parallel-floor",
+        action="store_true",
+        help="also dump the containers with plain runc all at once (the same cut without podshim)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="repeats per cell (default 3)")
     p.add_argument("--timeout", type=float, default=900.0, help="CheckpointPod deadline, seconds")
     return p.parse_args(argv)
@@ -86,6 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _cells(text: str) -> list[tuple[int, int]]:
+    """`2x4096,1x512` -> [(2, 4096), (1, 512)]."""
+    return [(int(n), int(m)) for n, _, m in (x.strip().partition("x") for x in text.split(",") if x.strip())]
 
 
 @dataclass
@@ -101,6 +124,8 @@ class Sample:
     raw: list[float] = field(default_factory=list)  # per container, in order
     raw_cpu: float = 0.0  # CPU seconds (user + sys) of all raw dumps
     raw_flush: float = 0.0  # the sync right after the raw dumps
+    parallel: float = float("nan")  # plain runc dumps of all containers at once (--parallel-floor)
+    ahead_mib: int = 0  # page images podshim wrote back during its dumps (its log)
 
     @property
     def cpu_floor(self) -> float:
@@ -120,6 +145,10 @@ class Sample:
         return self.total / (sum(self.raw) + self.raw_flush + RAW_SLACK)
 
     @property
+    def freeze_vs_parallel(self) -> float:
+        return self.freeze / self.parallel
+
+    @property
     def freeze_ratio(self) -> float:
         return self.freeze / max(self.raw)
 
@@ -128,11 +157,15 @@ class Sample:
         return self.total / (sum(self.raw) + RAW_SLACK)
 
 
-def raw_dumps(bed: TestBed, container_ids: list[str], base: Path) -> tuple[list[float], float, float]:
-    """Plain runc checkpoints of the containers, one after the other: wall seconds of each, CPU
-    seconds of all, and the seconds of a sync right after them."""
-    times = []
+def raw_dumps(
+    bed: TestBed, container_ids: list[str], base: Path, parallel: bool = False
+) -> tuple[list[float], float, float]:
+    """Plain runc checkpoints of the containers, one after the other (`parallel`: all started at
+    once): wall seconds of each, CPU seconds of all, and the seconds of a sync right after them."""
+    times = [0.0] * len(container_ids)
+    procs = []
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    begin = time.perf_counter()
     for i, cid in enumerate(container_ids):
         images, work = base / f"c{i}" / "images", base / f"c{i}" / "work"
         images.mkdir(parents=True, mode=0o700)
@@ -148,16 +181,48 @@ def raw_dumps(bed: TestBed, container_ids: list[str], base: Path) -> tuple[list[
             cid,
         )
         start = time.perf_counter()
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-        times.append(time.perf_counter() - start)
-        if res.returncode != 0:
-            tail = (work / "dump.log").read_text(errors="replace").splitlines()[-5:] if work.exists() else []
-            raise RuntimeError(f"runc checkpoint {cid[:13]} failed: {res.stderr.strip()} {tail}")
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append((i, cid, proc, work, start))
+        if not parallel:
+            _raw_done(procs[-1], times)
+    if parallel:
+        for p in procs:
+            _raw_done(p, times, begin)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     start = time.perf_counter()
     sync_disk()
     return times, cpu, time.perf_counter() - start
+
+
+def _raw_done(
+    p: tuple[int, str, subprocess.Popen[str], Path, float], times: list[float], since: float | None = None
+) -> None:
+    """Wait for one raw dump; its wall seconds (from `since`, else from its own start) into `times`."""
+    i, cid, proc, work, start = p
+    try:
+        _, err = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    times[i] = time.perf_counter() - (start if since is None else since)
+    if proc.returncode != 0:
+        tail = (work / "dump.log").read_text(errors="replace").splitlines()[-5:] if work.exists() else []
+        raise RuntimeError(f"runc checkpoint {cid[:13]} failed: {err.strip()} {tail}")
+
+
+def ahead_mib(bed: TestBed, since: int) -> tuple[int, int]:
+    """MiB of page images podshim wrote back during its dumps, from its log lines past byte
+    `since` (0 when it left that to the kernel); and the log's size now."""
+    log = Path(bed.podshim_log)
+    data = log.read_bytes()[since:]
+    mib = 0
+    for line in data.splitlines():
+        if b"images written back during the dumps" in line:
+            with contextlib.suppress(ValueError, KeyError):
+                mib = int(json.loads(line)["mib"])
+    return mib, since + len(data)
 
 
 def measure_once(
@@ -167,6 +232,7 @@ def measure_once(
     tag: str,
     podshim_first: bool,
     timeout: float,
+    parallel_floor: bool = False,
 ) -> Sample:
     ids = list(pod.containers.values())
     root = Path(bed.checkpoint_root)
@@ -175,8 +241,9 @@ def measure_once(
     def podshim() -> None:
         out = root / f"podshim-{tag}"
         sync_disk()
+        log_at = Path(bed.podshim_log).stat().st_size
         wall, m = checkpoint_pod(rt, pod.id, out, timeout)
-        result["podshim"] = (wall, m["timings"])
+        result["podshim"] = (wall, m["timings"], ahead_mib(bed, log_at)[0])
         remove_tree(out)
 
     def raw() -> None:
@@ -185,11 +252,19 @@ def measure_once(
         result["raw"] = raw_dumps(bed, ids, base)
         remove_tree(base)
 
-    steps = (podshim, raw) if podshim_first else (raw, podshim)
+    def parallel() -> None:
+        base = root / f"par-{tag}"
+        sync_disk()
+        result["parallel"] = max(raw_dumps(bed, ids, base, parallel=True)[0])
+        remove_tree(base)
+
+    steps = [podshim, raw] if podshim_first else [raw, podshim]
+    if parallel_floor:
+        steps.insert(1, parallel)
     for step in steps:
         step()
     sync_disk()
-    wall, t = result["podshim"]
+    wall, t, ahead = result["podshim"]
     return Sample(
         order="podshim-first" if podshim_first else "raw-first",
         freeze=t["freeze_window"],
@@ -200,6 +275,8 @@ def measure_once(
         raw=result["raw"][0],
         raw_cpu=result["raw"][1],
         raw_flush=result["raw"][2],
+        parallel=result.get("parallel", float("nan")),
+        ahead_mib=ahead,
     )
 
 
@@ -208,19 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     run_start = time.monotonic()
     counts, mems = _ints(args.containers), _ints(args.mem)
     cells = [(n, m) for m in mems for n in counts]
+    cells += [c for c in _cells(args.cells) if c not in cells]
     print("bench/checkpoint: CheckpointPod vs sequential plain runc checkpoint", flush=True)
     print(machine_summary(), flush=True)
-    biggest = max(n * m for n, m in cells)
-    # the pod itself + both outputs' page cache (one at a time) + room for the rest of the host
-    if meminfo_mib() < biggest * 2 + 2048:
-        print(f"not enough memory for a {biggest} MiB pod: {meminfo_mib()} MiB available", flush=True)
-        return 2
     results: dict[tuple[int, int], list[Sample]] = {}
     failures: dict[tuple[int, int], str] = {}
     with bench_bed() as bed:
-        if disk_free_mib(bed.checkpoint_root) < biggest * 3:
-            print(f"not enough disk under {bed.checkpoint_root} for {biggest} MiB dumps", flush=True)
-            return 2
         rt = runtime_stub(bed.podshim_socket)
         say("warm-up: a 1 x 64 MiB pod, one podshim checkpoint and one raw dump (not counted)")
         pod = start_counter_pod(rt, bed, "ckpt-warmup", {"c0": counter_config("c0", 64)})
@@ -229,8 +299,12 @@ def main(argv: list[str] | None = None) -> int:
 
         for idx, (n, mem) in enumerate(cells):
             key = (n, mem)
+            # the pod itself + one output's page cache at a time + room for the rest of the host
             if meminfo_mib() < n * mem * 2 + 1024:
                 failures[key] = f"skipped: only {meminfo_mib()} MiB available"
+            elif disk_free_mib(bed.checkpoint_root) < n * mem * 3:
+                failures[key] = f"skipped: only {disk_free_mib(bed.checkpoint_root)} MiB free on the disk"
+            if key in failures:
                 say(f"cell {n} x {mem} MiB {failures[key]}")
                 continue
             say(f"cell {n} x {mem} MiB: starting the pod")
@@ -246,16 +320,17 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for r in range(args.repeat):
                     podshim_first = (idx + r) % 2 == 0
-                    s = measure_once(
-                        rt, bed, pod, f"{n}x{mem}-{r}-{secrets.token_hex(2)}", podshim_first, args.timeout
-                    )
+                    tag = f"{n}x{mem}-{r}-{secrets.token_hex(2)}"
+                    s = measure_once(rt, bed, pod, tag, podshim_first, args.timeout, args.parallel_floor)
                     samples.append(s)
                     say(
                         f"  {n} x {mem} MiB rep {r + 1} ({s.order}): podshim freeze {s.freeze:.3f}s "
                         f"dump {s.dump:.3f}s archive {s.archive:.3f}s total {s.total:.3f}s "
-                        f"(call {s.wall:.3f}s); raw {' + '.join(f'{x:.3f}' for x in s.raw)} s; "
-                        f"(cpu {s.raw_cpu:.3f}, sync {s.raw_flush:.3f}); "
-                        f"ratios freeze {s.freeze_ratio:.2f} total {s.total_ratio:.2f} "
+                        f"(call {s.wall:.3f}s; written back during the dumps {s.ahead_mib} MiB); "
+                        f"raw {' + '.join(f'{x:.3f}' for x in s.raw)} s; "
+                        f"(cpu {s.raw_cpu:.3f}, sync {s.raw_flush:.3f}"
+                        + (f", all at once {s.parallel:.3f}" if args.parallel_floor else "")
+                        + f"); ratios freeze {s.freeze_ratio:.2f} total {s.total_ratio:.2f} "
                         f"vs floors {s.freeze_vs_floor:.2f} {s.total_vs_durable_floor:.2f}"
                     )
             except (grpc.RpcError, RuntimeError, subprocess.TimeoutExpired) as e:
@@ -269,11 +344,18 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     freeze_ratios, total_ratios, freeze_floor_ratios, total_floor_ratios = [], [], [], []
+    parallel_ratios = []
+    width = 19 if args.parallel_floor else 17
     for n, mem in cells:
         samples = results.get((n, mem), [])
         if not samples:
-            rows.append([f"{n} x {mem} MiB", *(["n/a"] * 15)])
+            rows.append([f"{n} x {mem} MiB", *(["n/a"] * (width - 1))])
             continue
+        extra: list[Any] = []
+        if args.parallel_floor:
+            pr = median([s.freeze_vs_parallel for s in samples])
+            parallel_ratios.append(pr)
+            extra = [median([s.parallel for s in samples]), pr]
         fr = median([s.freeze_ratio for s in samples])
         tr = median([s.total_ratio for s in samples])
         ff = median([s.freeze_vs_floor for s in samples])
@@ -296,10 +378,12 @@ def main(argv: list[str] | None = None) -> int:
                 median([s.cpu_floor for s in samples]),
                 median([s.freeze_floor for s in samples]),
                 median([s.raw_flush for s in samples]),
+                int(median([s.ahead_mib for s in samples])),
                 fr,
                 tr,
                 ff,
                 tf,
+                *extra,
             ]
         )
     print()
@@ -319,10 +403,12 @@ def main(argv: list[str] | None = None) -> int:
                 "cpu floor",
                 "freeze floor",
                 "raw sync",
+                "ahead MiB",
                 "freeze/slowest",
                 "total/(sum+0.2)",
                 "freeze/floor",
                 "total/(sum+sync+0.2)",
+                *(["raw at once", "freeze/at once"] if args.parallel_floor else []),
             ],
             rows,
         )
@@ -332,7 +418,14 @@ def main(argv: list[str] | None = None) -> int:
         "while frozen;\narchive = CRIU stats + sha256 + fsync + manifest after the thaw); call: "
         "CheckpointPod wall time at the client.\n"
         f"cpu floor: raw dumps' CPU seconds / {os.cpu_count()} cores; freeze floor: max(raw slowest, "
-        "cpu floor); raw sync: flushing the raw dumps to disk (podshim's total includes that flush)."
+        "cpu floor); raw sync: flushing the raw dumps to disk (podshim's total includes that flush).\n"
+        "ahead MiB: page images podshim wrote back during its dumps (0: left to the kernel; "
+        "docs/architecture.md §4.1 (The freeze window))"
+        + (
+            "; raw at once: the same plain runc dumps started together (the slowest's end)."
+            if args.parallel_floor
+            else "."
+        )
     )
     for key, why in failures.items():
         print(f"cell {key[0]} x {key[1]} MiB: {why}")
@@ -345,13 +438,13 @@ def main(argv: list[str] | None = None) -> int:
         f"targets (issue 16, every cell): freeze/floor <= {FREEZE_TARGET}, "
         f"total/(sum+sync+0.2) <= {TOTAL_TARGET}; run time {time.monotonic() - run_start:.0f}s"
     )
-    print(
-        result_line(
-            freeze_vs_floor=worst(freeze_floor_ratios),
-            total_vs_durable_floor=worst(total_floor_ratios),
-        ),
-        flush=True,
-    )
+    figures = {
+        "freeze_vs_floor": worst(freeze_floor_ratios),
+        "total_vs_durable_floor": worst(total_floor_ratios),
+    }
+    if args.parallel_floor:
+        figures["freeze_vs_raw_at_once"] = worst(parallel_ratios)
+    print(result_line(**figures), flush=True)
     return 1 if failures and not results else 0
 
 

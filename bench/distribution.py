@@ -17,6 +17,9 @@ pushed), the same for podshim and the floor. Then, per repeat, the whole migrati
 on A → push → pull on B → RestorePod + StartContainer on B → the counter's first line on B
 (`migrate_1g_s`, wall time from the CheckpointPod call to that line).
 
+The pull's CPU seconds (podshim's pull runs in this process) are reported beside curl's.
+`--compression none` and `--skip-migrate` run parts (what is left out is n/a in the RESULT).
+
 Ends with `RESULT push_vs_floor=… pull_vs_floor=… migrate_1g_s=…` (medians, plain layers).
 Targets (reported, not enforced): push and pull within 1.5 × the floor.
 """
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
+import resource
 import secrets
 import subprocess
 import sys
@@ -148,6 +153,13 @@ class Curl:
         return time.perf_counter() - start
 
 
+def _cpu_since(before: resource.struct_rusage, who: int) -> float:
+    """CPU seconds (user + system) of `who` (RUSAGE_SELF: the pull, run in this process;
+    RUSAGE_CHILDREN: curl) since `before`."""
+    after = resource.getrusage(who)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
 def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -197,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mem-mib", type=int, default=1024, help="the counter's resident memory")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--compression", default="none,zstd", help="layer compressions measured (none,zstd)")
+    ap.add_argument("--skip-migrate", action="store_true", help="leave out the migration part")
     args = ap.parse_args(argv)
+    comps = [c for c in args.compression.split(",") if c]
     print(machine_summary())
     with contextlib.ExitStack() as stack:
         bed_a = stack.enter_context(bench_bed())
@@ -226,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             figures.setdefault(key, []).append(value)
 
         for i in range(args.repeats):
-            for comp in ("none", "zstd"):
+            for comp in comps:
                 tag = f"{comp}-{i}-{secrets.token_hex(2)}"
                 ref = reg.ref("bench/pod", tag)
                 os.sync()
@@ -247,14 +262,18 @@ def main(argv: list[str] | None = None) -> int:
                 os.sync()
                 curl_push = curl.push(f"bench/curl-{tag}", [(reg.blob_path(d), d) for d in digests])
                 os.sync()
+                cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
                 curl_pull = curl.pull("bench/pod", digests, Path(bed_b.checkpoint_root) / f"curl-{tag}")
+                curl_cpu = _cpu_since(cpu, resource.RUSAGE_CHILDREN)
                 remove_tree(Path(bed_b.checkpoint_root) / f"curl-{tag}")
                 os.sync()
                 dest = Path(bed_b.checkpoint_root) / f"pulled-{tag}"
                 dest.mkdir(mode=0o700)
                 start = time.perf_counter()
+                cpu = resource.getrusage(resource.RUSAGE_SELF)
                 pull.pull(ref, dest, allowed_roots=[str(bed_b.checkpoint_root)])
                 pulled = time.perf_counter() - start
+                pull_cpu = _cpu_since(cpu, resource.RUSAGE_SELF)
                 remove_tree(dest)
                 stored = result.stored_bytes
                 rows.append(
@@ -269,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                         pulled,
                         floor_pull,
                         curl_pull,
+                        pull_cpu,
+                        curl_cpu,
                     ]
                 )
                 note(f"curl_push_{comp}", curl_push)
@@ -281,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                 note(f"ratio_{comp}", stored / size)
                 say(
                     f"{comp} #{i + 1}: push {push_sync:.2f}s (floor {floor_push:.2f}s), "
-                    f"pull {pulled:.2f}s (floor {floor_pull:.2f}s)"
+                    f"pull {pulled:.2f}s (floor {floor_pull:.2f}s, curl {curl_pull:.2f}s; "
+                    f"CPU seconds: podshim {pull_cpu:.2f}, curl {curl_cpu:.2f})"
                 )
         print()
         print(
@@ -297,12 +319,14 @@ def main(argv: list[str] | None = None) -> int:
                     "pull s",
                     "floor cp+sync s",
                     "curl GET+sync s",
+                    "pull cpu s",
+                    "curl cpu s",
                 ],
                 rows,
             )
         )
         mig_rows = []
-        for i in range(args.repeats):
+        for i in range(0 if args.skip_migrate else args.repeats):
             say(f"migration #{i + 1}: CheckpointPod on A → push → pull on B → RestorePod + StartContainer")
             m = migrate(rt_a, rt_b, bed_a, bed_b, reg, pod, args.mem_mib, f"m{i}-{secrets.token_hex(2)}")
             mig_rows.append(
@@ -314,21 +338,26 @@ def main(argv: list[str] | None = None) -> int:
             table(["migration", "checkpoint s", "push s", "pull s", "restore+start s", "total s"], mig_rows)
         )
         med = {k: median(v) for k, v in figures.items()}
+
+        def m(key: str) -> float:  # NaN for a part left out (--compression, --skip-migrate)
+            return med.get(key, math.nan)
+
         print()
-        print(
-            f"zstd: stored {med['ratio_zstd']:.3f} of the archive; push+sync {med['push_zstd']:.2f}s vs "
-            f"{med['push_none']:.2f}s plain, pull {med['pull_zstd']:.2f}s vs {med['pull_none']:.2f}s plain"
-        )
+        if "zstd" in comps:
+            print(
+                f"zstd: stored {m('ratio_zstd'):.3f} of the archive; push+sync {m('push_zstd'):.2f}s vs "
+                f"{m('push_none'):.2f}s plain, pull {m('pull_zstd'):.2f}s vs {m('pull_none'):.2f}s plain"
+            )
         print(
             result_line(
-                push_vs_floor=med["push_none"] / med["floor_push_none"],
-                pull_vs_floor=med["pull_none"] / med["floor_pull_none"],
-                migrate_1g_s=med["migrate"],
-                push_vs_curl=med["push_none"] / med["curl_push_none"],
-                pull_vs_curl=med["pull_none"] / med["curl_pull_none"],
-                push_zstd_vs_floor=med["push_zstd"] / med["floor_push_zstd"],
-                pull_zstd_vs_floor=med["pull_zstd"] / med["floor_pull_zstd"],
-                zstd_ratio=med["ratio_zstd"],
+                push_vs_floor=m("push_none") / m("floor_push_none"),
+                pull_vs_floor=m("pull_none") / m("floor_pull_none"),
+                migrate_1g_s=m("migrate"),
+                push_vs_curl=m("push_none") / m("curl_push_none"),
+                pull_vs_curl=m("pull_none") / m("curl_pull_none"),
+                push_zstd_vs_floor=m("push_zstd") / m("floor_push_zstd"),
+                pull_zstd_vs_floor=m("pull_zstd") / m("floor_pull_zstd"),
+                zstd_ratio=m("ratio_zstd"),
             )
         )
     return 0
