@@ -159,6 +159,47 @@ def pids_mentioning(path: str) -> set[int]:
     return {pid for pid in all_pids() if pid != me and mentions_path(read_cmdline(pid), path)}
 
 
+def holds_open(pid: int, path: str) -> bool:
+    """Whether process ``pid`` has a descriptor open on ``path`` or on a file under it."""
+    path = path.rstrip("/")
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target == path or target.startswith(path + "/"):
+            return True
+    return False
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def stop_criu_reading(path: str, timeout: float) -> set[int]:
+    """A CRIU that hangs, by construction: wait until a ``criu`` process (CRIU itself, or a task it
+    is restoring, whose comm is still ``criu``) holds a file under ``path`` open (runc hands CRIU
+    the images dir as a descriptor; its argv does not name it), then SIGSTOP every such process.
+    Returns the stopped pids; SIGKILL still ends them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = {p for p in all_pids() if comm(p) == "criu" and holds_open(p, path)}
+        if pids:
+            for pid in pids:
+                kill(pid, signal.SIGSTOP)
+            return pids
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no CRIU process read {path} within {timeout:.0f} s")
+        time.sleep(0.01)
+
+
 def programs_running(names: set[str]) -> set[int]:
     """Live processes whose executable name (argv[0] basename) is in ``names``."""
     found = set()
@@ -202,6 +243,30 @@ def terminate(pids: set[int], timeout: float = 10.0) -> set[int]:
 
 
 # ---------------------------------------------------------------------------- cgroups
+
+
+POD_CGROUP_ROOT_PREFIX = "/podshim-test-p"  # + the pid of the process whose test pods live below
+
+
+def sweep_stale_pod_roots() -> list[str]:
+    """End what a run that is gone left in its pod cgroup root (`POD_CGROUP_ROOT_PREFIX<pid>` of a
+    pid no longer alive): e.g. a restore CRIU was still running when that run was killed, which
+    no bed knew of (runc records a container's cgroup only once it exists). Every process there
+    is thawed and SIGKILLed and the cgroups removed; returns the roots swept."""
+    prefix = POD_CGROUP_ROOT_PREFIX.lstrip("/")
+    names = {d.name for top in cgroup_hierarchies() for d in top.glob(prefix + "*") if d.is_dir()}
+    swept = []
+    for name in sorted(names):
+        pid = name.removeprefix(prefix)
+        if not pid.isdigit() or alive(int(pid)):
+            continue
+        rel = "/" + name
+        thaw(rel)
+        for p in cgroup_pids(rel):
+            kill(p, signal.SIGKILL)
+        remove_cgroup_tree(rel)
+        swept.append(rel)
+    return swept
 
 
 def cgroup_hierarchies() -> list[Path]:

@@ -347,6 +347,7 @@ class TestBed:
             if self.node_mounts is not None:
                 self.node_mounts.create(self.base_dir)
             images = self._build_images() if self.import_images else []
+            _sys.sweep_stale_pod_roots()  # what a killed test run left running
             self._setup_network()
             self._write_files()
             self._start_containerd()

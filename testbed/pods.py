@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import secrets
 import time
@@ -29,14 +30,10 @@ PAUSE_IMAGE = "localhost/podshim/pause:1"
 BUSYBOX_IMAGE = "localhost/podshim/busybox:1"
 COUNTER_IMAGE = "localhost/podshim/counter:1"
 COUNT_RE = re.compile(rb"count=(\d+)")
-CGROUP_ROOT = "/podshim-test"  # pod cgroups go below it, as under a kubelet's /kubepods
-
-
-def until_listening(port: int) -> str:
-    """A busybox shell loop that ends once something in its network namespace listens on TCP
-    `port` (IPv4 or IPv6): a client started after it connects on any machine, where a fixed sleep
-    guesses how long the listener takes to start."""
-    return f"until grep -qs ':{port:04X} [0-9A-F]*:0000 0A' /proc/net/tcp /proc/net/tcp6; do sleep 0.05; done"
+# Pod cgroups go below it, as under a kubelet's /kubepods: one root per process (a test run, a
+# bench), so what a killed run left behind is found and ended by the next bed's start
+# (_sys.sweep_stale_pod_roots).
+CGROUP_ROOT = f"{_sys.POD_CGROUP_ROOT_PREFIX}{os.getpid()}"
 
 
 def stubs(socket: str | Path) -> tuple[api_pb2_grpc.RuntimeServiceStub, api_pb2_grpc.ImageServiceStub]:

@@ -8,6 +8,7 @@ gRPC code, a message naming the problem, and that nothing is left behind.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -1179,8 +1180,7 @@ def test_criu_failure_names_the_log_and_removes_the_sandbox(
     scratch: list[Path],
 ) -> None:
     good = good_for_handler
-    # A damaged memory image the manifest vouches for: validation passes, CRIU fails. (The
-    # header of pagemap-1.img: a truncated pages-1.img makes CRIU 4.1.1's restorer loop forever.)
+    # A damaged memory image the manifest vouches for: validation passes, CRIU fails.
     copy = copy_archive(good.path, bed, "criu")
     scratch.append(copy)
     img = copy / PAGEMAP_IMG
@@ -1210,10 +1210,42 @@ def test_criu_failure_names_the_log_and_removes_the_sandbox(
     assert "Error" in Path(kept.group(1)).read_text(errors="replace")
 
 
+def test_short_pages_image_fails_in_criu(
+    rt: Stub, bed: TestBed, good: Checkpoint, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    """A pages image shorter than its pagemap, which the manifest vouches for: CRIU's restorer
+    fails (the project's CRIU patch 0006; CRIU 4.1.1 looped on it forever, logging each retry,
+    until the disk was full) and the restore ends INTERNAL naming the kept CRIU log, well within
+    the caller's deadline."""
+    copy = copy_archive(good.path, bed, "short")
+    scratch.append(copy)
+    img = copy / PAGES_IMG
+    os.truncate(img, img.stat().st_size // 2)
+    manifest.write_manifest(copy, manifest.read_manifest(copy))  # podshim's size check would refuse it
+    message = expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        copy,
+        good.containers,
+        grpc.StatusCode.INTERNAL,
+        "CRIU log",
+        options={"start": "true"},
+    )
+    kept = re.search(r"CRIU log: (/[^)\s]+)", message)
+    assert kept, message
+    assert "Can't read pages data: the pages image ends at" in Path(kept.group(1)).read_text(errors="replace")
+    assert not kill_restores_of(copy), "the failed restore left a process holding the archive"
+
+
 def kill_restores_of(archive: Path) -> list[str]:
     """SIGKILL whatever still restores from `archive` (runc restore, CRIU, the half-restored
-    task, which is runc's child); returns a description of what was killed."""
-    roots = _sys.pids_mentioning(str(archive))
+    task, which is runc's child, or a task CRIU left holding the archive open); returns a
+    description of what was killed."""
+    holders = {p for p in _sys.all_pids() if _sys.holds_open(p, str(archive))}
+    roots = _sys.pids_mentioning(str(archive)) | holders
+    roots.discard(os.getpid())
     pids = {p for p in roots | _sys.descendants(roots) if _sys.alive(p)}
     found = [f"{p} {' '.join(_sys.read_cmdline(p))[:60] or '(no cmdline)'}" for p in sorted(pids)]
     _sys.thaw_pid_cgroups(pids)
@@ -1230,16 +1262,13 @@ def test_deadline_during_a_hung_criu_restore(
     removed and the journal record closed although the rollback outlasts the deadline (gRPC
     cancels podshim's handler at the deadline, in the middle of the rollback).
 
-    CRIU 4.1.1's restorer loops forever on a short pages-1.img (the manifest is rewritten to vouch
-    for it: podshim's own size check would refuse it). Should a CRIU fail cleanly instead, the
-    call ends INTERNAL and this test fails: then hang the restore some other way."""
+    CRIU hangs by construction: the test SIGSTOPs it as soon as it holds the archive open."""
     copy = copy_archive(good.path, bed, "hang")
     scratch.append(copy)
-    img = copy / PAGES_IMG
-    os.truncate(img, img.stat().st_size // 2)
-    manifest.write_manifest(copy, manifest.read_manifest(copy))
     config = pods.pod_config("hang", log_root)
     before = HostState.take(rt, bed)
+    stopper = concurrent.futures.ThreadPoolExecutor(1)
+    stopped = stopper.submit(_sys.stop_criu_reading, str(copy), 60)
     try:
         with pytest.raises(grpc.RpcError) as err:
             resp = rt.RestorePod(
@@ -1253,6 +1282,7 @@ def test_deadline_during_a_hung_criu_restore(
             )
             pod_cleanup.append(resp.pod_sandbox_id)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+        assert stopped.result(), "CRIU was not stopped"
 
         def rolled_back() -> bool:
             left = pods_named(rt, "hang")
@@ -1283,6 +1313,7 @@ def test_deadline_during_a_hung_criu_restore(
                 f"left: mounts {now.mounts - before.mounts}, runc state {now.runc_state - before.runc_state}"
             ) from None
     finally:
+        stopper.shutdown(cancel_futures=True)
         kill_restores_of(copy)
         now = HostState.take(rt, bed)
         for mount in sorted(now.mounts - before.mounts, key=len, reverse=True):

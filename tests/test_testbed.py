@@ -316,3 +316,36 @@ def test_lacks_room_names_what_is_missing(tmp_path: Path) -> None:
     assert checks.lacks_room(1, 1, tmp_path) is None
     assert "MiB of memory, this machine has" in (checks.lacks_room(1 << 40, 1, tmp_path) or "")
     assert f"free in {tmp_path}" in (checks.lacks_room(1, 1 << 40, tmp_path) or "")
+
+
+@NEEDS_ROOT
+def test_a_killed_runs_pod_cgroups_are_swept() -> None:
+    """What a test run that was killed left in its pod cgroup root (here: a process, as a CRIU
+    restore that no bed knew of) is killed and removed by the next bed's start; a live run's
+    root is left alone."""
+    from testbed import pods
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = f"{_sys.POD_CGROUP_ROOT_PREFIX}{gone.pid}"
+    mine = pods.CGROUP_ROOT  # this process is alive
+    left = subprocess.Popen(["sleep", "300"])
+    kept = subprocess.Popen(["sleep", "300"])
+    try:
+        for root, proc in ((stale, left), (mine, kept)):
+            for h in _sys.cgroup_hierarchies():
+                if h.name in ("freezer", "memory"):
+                    d = h / root.strip("/") / "podx"
+                    d.mkdir(parents=True)
+                    (d / "cgroup.procs").write_text(str(proc.pid))
+        (Path(_sys.cgroup_dirs(stale + "/podx")[0]) / "freezer.state").write_text("FROZEN")
+        assert stale in _sys.sweep_stale_pod_roots()
+        assert left.wait(timeout=10) == -signal.SIGKILL
+        assert not _sys.cgroup_dirs(stale)
+        assert kept.poll() is None and _sys.cgroup_dirs(mine + "/podx")
+    finally:
+        for proc in (left, kept):
+            proc.kill()
+            proc.wait()
+        _sys.remove_cgroup_tree(mine + "/podx")
+        _sys.remove_cgroup_tree(stale)

@@ -150,26 +150,16 @@ def mounts_naming(bed: TestBed, ids: set[str]) -> list[str]:
 
 
 def processes_under(path: Path | str) -> list[int]:
-    """Live processes whose argv names `path` or a path below it (CRIU's title), or that were
-    given it as `/proc/self/fd/N` and hold it open (runc/crun checkpoint: podshim passes them
-    its held directories)."""
+    """Live processes whose argv names `path` or a path below it (CRIU's title), or that hold a
+    file under it open (runc/crun checkpoint: podshim passes them its held directories as
+    `/proc/self/fd/N`; CRIU, and a task it restores, hold the images)."""
     prefix = str(path).rstrip("/") + "/"
-
-    def holds(pid: int) -> bool:
-        try:
-            targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
-            return False
-        return any(t == str(path) or t.startswith(prefix) for t in targets)
-
     out = []
     for pid in _sys.all_pids():
-        argv = _sys.read_cmdline(pid)
-        if not _sys.alive(pid):
+        if pid == os.getpid() or not _sys.alive(pid):
             continue
-        if any(a == str(path) or prefix in a for a in argv) or (
-            any(a.startswith("/proc/self/fd/") for a in argv) and holds(pid)
-        ):
+        argv = _sys.read_cmdline(pid)
+        if any(a == str(path) or prefix in a for a in argv) or _sys.holds_open(pid, str(path)):
             out.append(pid)
     return out
 
