@@ -17,8 +17,8 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import contract
 from shim.aio import Steps
 from shim.archive import layout
-from shim.archive.container_tar import MANIFEST_FILE
-from shim.archive.manifest import ContainerTarManifest, FileEntry, container_tar_files
+from shim.archive.container_tar import MANIFEST_FILE, ContainerTarManifest, container_tar_files
+from shim.archive.manifest import FileEntry
 from shim.cli.commands.inspect import inspect_container_tar
 from shim.errors import DataLoss, FailedPrecondition
 from shim.ops.restore_container import load_imported, restore_config

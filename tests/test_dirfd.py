@@ -17,8 +17,8 @@ import pytest
 from shim import errors
 from shim.aio import Steps
 from shim.archive import crypto, dirfd, manifest
+from shim.archive.container_tar import container_tar_files
 from shim.archive.dirfd import DirHandle, open_checked
-from shim.archive.manifest import container_tar_files
 from shim.ops.restore_container import extract_archive
 
 

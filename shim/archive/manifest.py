@@ -1,5 +1,5 @@
-"""manifest.json: the versioned description and completion marker of a pod checkpoint; and
-podshim-manifest.json, the container checkpoint tar's (ContainerTarManifest, at the end).
+"""manifest.json: the versioned description and completion marker of a pod checkpoint (the
+container checkpoint tar's podshim-manifest.json: shim/archive/container_tar.py).
 
 `write_manifest` records size + sha256 of every other file of the tree, fsyncs the tree and
 only then writes manifest.json atomically: a directory without manifest.json is partial.
@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from shim.archive import crypto
-from shim.archive.container_tar import FORMAT as CONTAINER_FORMAT
-from shim.archive.container_tar import MANIFEST_FILE as CONTAINER_MANIFEST_FILE
 from shim.archive.dirfd import DirHandle, held
 from shim.archive.fsutil import (
     hash_and_flush,
@@ -38,7 +36,6 @@ from shim.archive.layout import (
     MANIFEST_FILE,
     ROOTFS_DIFF_TAR,
     SPEC_DUMP_FILE,
-    json_bytes,
 )
 from shim.archive.paths import check_member_path, validate_archive_dir
 from shim.errors import (
@@ -694,105 +691,3 @@ def load_and_check(
     check_encryption(root, doc, manifest, key)
     check_tree(root, manifest, stop)
     return manifest
-
-
-# ---------------------------------------------------------------------------- the container tar's
-
-
-@dataclass
-class ContainerTarManifest:
-    """podshim-manifest.json, the last member of a container checkpoint tar (CheckpointContainer,
-    docs/architecture.md §6 (CheckpointContainer); the tar's member names: container_tar.py):
-    what was checkpointed, on which host, its timings, CRIU stats and options, and size + sha256
-    of every other member. Written by shim/ops/checkpoint_container.py, checked by
-    shim/ops/restore_container.py and `podshim inspect`."""
-
-    # id, name, image, image_ref, restart_count, state
-    container: dict[str, Any] = field(default_factory=dict)
-    pod: dict[str, Any] = field(default_factory=dict)  # id, name, namespace, uid
-    host: dict[str, Any] = field(default_factory=dict)  # HostInfo's fields
-    timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g. "freeze_window"
-    criu_stats: dict[str, Any] = field(default_factory=dict)
-    options: dict[str, str] = field(default_factory=dict)  # contract.switches_record
-    files: dict[str, FileEntry] = field(default_factory=dict)  # member -> size, sha256
-    created: str = field(default_factory=rfc3339_now)
-    format: str = CONTAINER_FORMAT
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": self.format,
-            "created": self.created,
-            "host": self.host,
-            "container": self.container,
-            "pod": self.pod,
-            "timings": self.timings,
-            "criu_stats": self.criu_stats,
-            "options": self.options,
-            "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
-        }
-
-    def to_json(self) -> bytes:
-        return json_bytes(self.to_dict())
-
-    @classmethod
-    def from_dict(cls, d: Any, where: str) -> ContainerTarManifest:
-        """Parse a decoded podshim-manifest.json (`where`: the tar, for messages). A shape podshim
-        never writes is DataLoss; the format is checked apart (check_format), so that `podshim
-        inspect` still shows another version's tar."""
-        bad = DataLoss(f"{where}: {CONTAINER_MANIFEST_FILE} is malformed")
-        if not isinstance(d, dict) or not isinstance(d.get("files"), dict):
-            raise bad
-        objects = ("container", "pod", "host", "timings", "criu_stats", "options")
-        shapes_ok = all(isinstance(d.get(k, {}), dict) for k in objects)
-        if not shapes_ok or not isinstance(d.get("format", ""), str):
-            raise bad
-        files = {}
-        for rel, fe in d["files"].items():
-            size, digest = (fe.get("size"), fe.get("sha256")) if isinstance(fe, dict) else (None, None)
-            if not isinstance(size, int) or isinstance(size, bool) or not isinstance(digest, str):
-                raise DataLoss(f"{where} is corrupt: {rel} differs from its manifest (size or sha256)")
-            files[rel] = FileEntry(size=size, sha256=digest)
-        return cls(
-            files=files,
-            created=str(d.get("created", "")),
-            format=d.get("format", ""),
-            **{k: d.get(k, {}) for k in objects},
-        )
-
-    def check_format(self, where: str) -> None:
-        """FailedPrecondition unless this podshim reads the tar's format."""
-        if self.format != CONTAINER_FORMAT:
-            raise FailedPrecondition(
-                f"{where}: format {self.format!r} is not supported (this podshim reads {CONTAINER_FORMAT})"
-            )
-
-    def check_files(self, actual: dict[str, FileEntry], where: str) -> None:
-        """The tar's members (but the manifest) are exactly the listed ones, each with its size and
-        sha256: DataLoss naming the first that is not."""
-        odd = sorted(set(actual) ^ set(self.files))
-        if odd:
-            raise DataLoss(f"{where} does not match its manifest: {', '.join(odd[:5])} missing or extra")
-        for rel, fe in sorted(self.files.items()):
-            if actual[rel] != fe:
-                raise DataLoss(f"{where} is corrupt: {rel} differs from its manifest (size or sha256)")
-
-
-def container_tar_files(
-    tree: Path | DirHandle, check: Callable[[], None] | None = None
-) -> dict[str, FileEntry]:
-    """size + sha256 of every regular file under `tree` but the manifest (what it lists), listed
-    and read through descriptors (dirfd.HeldTree); anything else is a bug (Internal). `check` runs
-    before each file (a cancellation point)."""
-    entries = {}
-    with (
-        held(tree) as h,
-        h.tree(lambda msg: Internal(f"unexpected entry in a container checkpoint: {msg}")) as t,
-    ):
-        for rel in sorted(t.files):
-            if rel == CONTAINER_MANIFEST_FILE:
-                continue
-            if check is not None:
-                check()
-            size, digest = hash_file(t.path(rel))
-            entries[rel] = FileEntry(size=size, sha256=digest)
-    return entries

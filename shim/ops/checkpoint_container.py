@@ -43,6 +43,7 @@ from shim.archive.container_tar import (
     FORMAT,
     LEADING_MEMBERS,
     MANIFEST_FILE,
+    ContainerTarManifest,
 )
 from shim.archive.dirfd import DirHandle, HeldTree, open_checked
 from shim.cgroups import PodCut, thaw_paths
@@ -619,11 +620,11 @@ class ContainerCheckpointer:
         opts: CriuOptions,
         timings: dict[str, float],
         files: dict[str, manifest.FileEntry],
-    ) -> manifest.ContainerTarManifest:
+    ) -> ContainerTarManifest:
         """podshim-manifest.json: format, host, container, pod, timings, CRIU stats, options and
         size + sha256 of every other file of the tar."""
         md = pod.status.metadata
-        return manifest.ContainerTarManifest(
+        return ContainerTarManifest(
             host=host,
             container={
                 "id": c.id,

@@ -29,11 +29,12 @@ from shim.archive.container_tar import (
     MANIFEST_FILE,
     MAX_METADATA_BYTES,
     REQUIRED_MEMBERS,
+    ContainerTarManifest,
+    container_tar_files,
     tar_error,
 )
 from shim.archive.dirfd import DirHandle
 from shim.archive.dirfd import held as held_dir
-from shim.archive.manifest import ContainerTarManifest, container_tar_files
 from shim.checks.wiring import RestoredContainers, WiringChecker
 from shim.config import Config
 from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION

@@ -19,7 +19,7 @@ from shim import errors
 from shim.archive import fsutil, layout, manifest
 from shim.archive.container_tar import FORMAT as CONTAINER_FORMAT
 from shim.archive.container_tar import MANIFEST_FILE as CONTAINER_MANIFEST
-from shim.archive.container_tar import MAX_METADATA_BYTES, REQUIRED_MEMBERS, tar_error
+from shim.archive.container_tar import MAX_METADATA_BYTES, REQUIRED_MEMBERS, ContainerTarManifest, tar_error
 from shim.cli import base, output
 from shim.cli.commands import inspectp
 
@@ -200,7 +200,7 @@ def inspect_container_tar(path: Path, verify: bool) -> dict[str, Any]:
     doc = docs.get(CONTAINER_MANIFEST) or {}
     if not isinstance(record, dict) or not isinstance(spec, dict) or not isinstance(doc, dict):
         raise errors.DataLoss(f"{path}: config.dump, spec.dump and the manifest must be JSON objects")
-    m = manifest.ContainerTarManifest.from_dict(doc, str(path)) if doc else None
+    m = ContainerTarManifest.from_dict(doc, str(path)) if doc else None
     if m is None and isinstance(record.get("podshim"), dict):
         raise errors.DataLoss(
             f"{path} was written by podshim but has no {CONTAINER_MANIFEST} (its last member): "
@@ -251,7 +251,7 @@ def inspect_container_tar(path: Path, verify: bool) -> dict[str, Any]:
 
 def _verify_tar(
     path: Path,
-    m: manifest.ContainerTarManifest | None,
+    m: ContainerTarManifest | None,
     sizes: dict[str, int],
     digests: dict[str, str],
     docs: dict[str, Any],
