@@ -36,6 +36,13 @@ COUNT_RE = re.compile(rb"count=(\d+)")
 CGROUP_ROOT = f"{_sys.POD_CGROUP_ROOT_PREFIX}{os.getpid()}"
 
 
+def until_listening(port: int) -> str:
+    """A busybox shell loop that ends once something in its network namespace listens on TCP
+    `port` (IPv4 or IPv6): a client started after it connects on any machine, where a fixed sleep
+    guesses how long the listener takes to start."""
+    return f"until grep -qs ':{port:04X} [0-9A-F]*:0000 0A' /proc/net/tcp /proc/net/tcp6; do sleep 0.05; done"
+
+
 def stubs(socket: str | Path) -> tuple[api_pb2_grpc.RuntimeServiceStub, api_pb2_grpc.ImageServiceStub]:
     channel = grpc.insecure_channel(
         f"unix://{socket}", options=[("grpc.max_receive_message_length", 16 << 20)]
