@@ -9,8 +9,8 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from shim.archive.manifest import HostInfo, Manifest, SandboxInfo
+from shim.checks.mounts import missing_mounts, refuse_missing
 from shim.errors import FailedPrecondition
-from shim.ops.restore_container import missing_mounts
 from shim.ops.restore_pod import check_host
 
 HERE = platform.machine()
@@ -55,7 +55,7 @@ def test_incompatible_hosts(host: dict[str, str], criu: str, name: str, version:
 
 
 def test_container_tar_restore_needs_the_checkpoint_bind_mounts() -> None:
-    """restore_container.missing_mounts: the checkpoint's bind mounts the request lacks, but not
+    """mounts.missing_mounts: the checkpoint's bind mounts the request lacks, but not
     the runtime's own mounts nor those the upstream adds itself; a hostile spec.dump is no crash."""
     spec = {
         "mounts": [
@@ -75,3 +75,16 @@ def test_container_tar_restore_needs_the_checkpoint_bind_mounts() -> None:
     assert missing_mounts(spec, given) == ["/dev/termination-log"]
     for hostile in ({"mounts": 3}, {"mounts": ["x", {"options": [{}], "type": 1}]}, {}):
         assert missing_mounts(hostile, cri.ContainerConfig()) == []
+
+
+def test_missing_bind_mounts_are_named_per_container() -> None:
+    """mounts.refuse_missing: one FAILED_PRECONDITION naming each container and what it lacks (what
+    RestorePod and a container tar's CreateContainer answer); nothing when every one is mounted."""
+    refuse_missing({"a": [], "b": []}, "/ck")
+    with pytest.raises(FailedPrecondition) as err:
+        refuse_missing({"app": ["/dev/termination-log", "/data"], "side": [], "log": ["/var/log"]}, "/ck")
+    msg = err.value.message
+    named = ("container 'app': /dev/termination-log, /data", "container 'log': /var/log")
+    for needle in ("checkpoint /ck", *named):
+        assert needle in msg, msg
+    assert "'side'" not in msg and "nothing was created" in msg, msg

@@ -455,6 +455,11 @@ def test_warm_start_resumes_from_checkpoint(
 def test_restart_count_continues_from_checkpoint(
     rt: Stub, good: Checkpoint, log_root: Path, pod_cleanup: list[str]
 ) -> None:
+    """The restored container continues the checkpointed restart count (SOURCE_ATTEMPT) in its
+    attempt and in the kubelet's restartCount annotation alike, also when the request carries the
+    kubelet's "0": the kubelet reads the count from the annotation and creates its next attempt as
+    count + 1 (v1.37.2 kuberuntime startContainer), and containerd refuses a second container of one
+    name, which it makes from the attempt, while the first exists."""
     config = pods.pod_config("restart-count", log_root)
     assert all(c.metadata.attempt == 0 for c in good.containers)
     resp = restore(rt, good.path, config, good.containers)
@@ -463,6 +468,35 @@ def test_restart_count_continues_from_checkpoint(
     assert st.metadata.attempt == SOURCE_ATTEMPT
     assert st.annotations.get("io.kubernetes.container.restartCount") == str(SOURCE_ATTEMPT)
     assert st.state == cri.CONTAINER_CREATED
+
+    # as the kubelet sends it: attempt 0 and the annotation "0"
+    kubelet = pods.pod_config("restart-count-kubelet", log_root)
+    cc = cri.ContainerConfig()
+    cc.CopyFrom(good.containers[0])
+    cc.annotations["io.kubernetes.container.restartCount"] = "0"
+    resp = restore(rt, good.path, kubelet, [cc])
+    pod_cleanup.append(resp.pod_sandbox_id)
+    cid = resp.restored_containers[0].container_id
+    st = status(rt, cid).status
+    count = int(st.annotations["io.kubernetes.container.restartCount"])
+    assert (st.metadata.attempt, count) == (SOURCE_ATTEMPT, SOURCE_ATTEMPT), (st.metadata, st.annotations)
+
+    def create(attempt: int) -> str:
+        again = counter_config("counter", list(cc.args), attempt=attempt)
+        again.log_path = f"counter/{attempt}.log"
+        again.annotations["io.kubernetes.container.restartCount"] = str(attempt)
+        req = cri.CreateContainerRequest(
+            pod_sandbox_id=resp.pod_sandbox_id, config=again, sandbox_config=kubelet
+        )
+        return rt.CreateContainer(req, timeout=RPC_TIMEOUT).container_id
+
+    # the kubelet's next container of that name (a restart: the old one is kept beside it), whose
+    # attempt is count + 1
+    assert status(rt, create(count + 1)).status.metadata.attempt == SOURCE_ATTEMPT + 1
+    # what the annotation's "0" would have led to on a later restart: the restored container's name
+    with pytest.raises(grpc.RpcError) as err:
+        create(SOURCE_ATTEMPT)
+    assert "reserve" in err.value.details() or "exists" in err.value.details(), err.value.details()
 
 
 def test_option_start_returns_running_containers(
@@ -552,9 +586,11 @@ def test_multi_container_pod(
 def test_completed_init_container_is_not_rerun(
     rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
 ) -> None:
-    """A container that had exited (a completed init container) is recorded, not dumped. The
-    restore accepts its config (a kubelet passes the whole pod spec) and does not run it again;
-    the running container resumes. Without that config the restore is the same."""
+    """A container that had exited (a completed init container) is recorded, not dumped, and not
+    run again. A config naming it is INVALID_ARGUMENT, nothing created: the merged API wants one
+    CREATED container in the answer per config, which the caller starts, and none may stand for it
+    (the kubelet needs none: a pod whose regular container started is initialized). Without it the
+    answer has one entry per config and the running container resumes."""
     init = pods.container_config(
         "init", image=pods.BUSYBOX_IMAGE, command=["sh", "-c", "echo init-ran"], args=[]
     )
@@ -575,16 +611,28 @@ def test_completed_init_container_is_not_rerun(
     m = manifest.read_manifest(out)
     assert [(c.name, c.checkpointed) for c in m.containers] == [("init", False), ("counter", True)]
 
-    for configs in ([init, containers["counter"]], [containers["counter"]]):
-        config = pods.pod_config(f"init-restored-{len(configs)}", log_root)
-        resp = restore(rt, out, config, configs, runtime_handler=runtime_handler)
-        pod_cleanup.append(resp.pod_sandbox_id)
-        assert [c.name for c in resp.restored_containers] == ["counter"]
-        rt.StartContainer(cri.StartContainerRequest(container_id=resp.restored_containers[0].container_id))
-        assert [c.metadata.name for c in pod_containers(rt, resp.pod_sandbox_id)] == ["counter"]
-        first = pods.wait_for(lambda config=config: pods.counts(container_log(config, "counter")))[0]
-        assert first > 0, "the counter restarted from 0"
-        assert not container_log(config, "init").exists(), "the completed init container ran again"
+    expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        out,
+        [init, containers["counter"]],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "init had exited when the pod was checkpointed",
+        "leave its config out",
+        runtime_handler=runtime_handler,
+    )
+    configs = [containers["counter"]]
+    config = pods.pod_config("init-restored", log_root)
+    resp = restore(rt, out, config, configs, runtime_handler=runtime_handler)
+    pod_cleanup.append(resp.pod_sandbox_id)
+    assert [c.name for c in resp.restored_containers] == [c.metadata.name for c in configs]
+    rt.StartContainer(cri.StartContainerRequest(container_id=resp.restored_containers[0].container_id))
+    assert [c.metadata.name for c in pod_containers(rt, resp.pod_sandbox_id)] == ["counter"]
+    first = pods.wait_for(lambda: pods.counts(container_log(config, "counter")))[0]
+    assert first > 0, "the counter restarted from 0"
+    assert not container_log(config, "init").exists(), "the completed init container ran again"
     shutil.rmtree(out, ignore_errors=True)
 
 
@@ -1337,14 +1385,21 @@ class KubeletCheckpoint:
 
 
 def kubelet_checkpoint(
-    rt: Stub, img: ImageStub, bed: TestBed, log_root: Path, name: str, cleanup: list[str]
+    rt: Stub,
+    img: ImageStub,
+    bed: TestBed,
+    log_root: Path,
+    name: str,
+    cleanup: list[str],
+    volumes: tuple[str, ...] = (),
 ) -> KubeletCheckpoint:
     """A counter pod created as a kubelet creates it (image by ID, user_specified_image, per-pod
-    /etc/hosts and termination log), checkpointed with what the kubelet sends: the container ids
-    and an empty options map."""
+    /etc/hosts and termination log, a directory of the pod's on each of `volumes`), checkpointed
+    with what the kubelet sends: the container ids and an empty options map."""
     kubelet_root = Path(bed.base_dir) / "kubelet"
     config = pods.pod_config(name, log_root)
     cc = pods.kubelet_container_config(img, config, kubelet_root, "counter", args=SMALL_ARGS)
+    cc.mounts.extend(kubelet_volume(kubelet_root, config, dest) for dest in volumes)
     src = pods.run_pod(rt, name, log_root, {"counter": cc}, config=config)
     cleanup.append(src.id)
     pods.wait_count(src.log_path("counter"), 10)
@@ -1357,6 +1412,51 @@ def kubelet_checkpoint(
         timeout=RPC_TIMEOUT,
     )
     return KubeletCheckpoint(out, src, pods.counts(src.log_path("counter"))[-1], kubelet_root)
+
+
+def kubelet_volume(kubelet_root: Path, config: cri.PodSandboxConfig, dest: str) -> cri.Mount:
+    """A volume of the pod `config` (a new directory under its kubelet pod dir) mounted on `dest`."""
+    host = pods.kubelet_pod_dir(kubelet_root, config) / "volumes" / secrets.token_hex(3)
+    host.mkdir(parents=True)
+    (host / "token").write_text("not a real token")
+    return cri.Mount(host_path=str(host), container_path=dest, readonly=True)
+
+
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def test_kubelet_pod_needs_the_checkpoint_bind_mounts(
+    rt: Stub, img: ImageStub, bed: TestBed, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    """A kubelet pod's checkpoint holds its containers' bind mounts (termination log, a
+    service-account token) in spec.dump. container_configs lacking one is FAILED_PRECONDITION naming
+    each container and mount (not /etc/hosts: containerd mounts the sandbox's), before any sandbox
+    exists, as for a container tar (shim/checks/mounts.py), instead of failing in CRIU at
+    StartContainer; with them the counter resumes."""
+    ck = kubelet_checkpoint(
+        rt, img, bed, log_root, f"kubelet-mnt-{secrets.token_hex(2)}", pod_cleanup, volumes=(SERVICE_ACCOUNT,)
+    )
+    scratch.append(ck.path)
+    config = pods.pod_config("kubelet-mnt-restored", log_root)
+    cc = pods.kubelet_container_config(img, config, ck.kubelet_root, "counter", args=SMALL_ARGS)
+    bare = cri.ContainerConfig()
+    bare.CopyFrom(cc)
+    del bare.mounts[:]
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    details = expect_failure(
+        rt, bed, log_root, pod_cleanup, ck.path, [bare], code, "container 'counter'", pods.TERMINATION_LOG
+    )
+    assert SERVICE_ACCOUNT in details and "/etc/hosts" not in details, details
+    expect_failure(
+        rt, bed, log_root, pod_cleanup, ck.path, [cc], code, f"container 'counter': {SERVICE_ACCOUNT}"
+    )
+
+    cc.mounts.append(kubelet_volume(ck.kubelet_root, config, SERVICE_ACCOUNT))
+    resp = restore(rt, ck.path, config, [cc], options={"start": "true"})
+    pod_cleanup.append(resp.pod_sandbox_id)
+    new_log = container_log(config, "counter")
+    first = pods.wait_for(lambda: pods.counts(new_log), what="the restored counter's output")[0]
+    assert 0 < first <= ck.at_checkpoint + 3, (first, ck.at_checkpoint)
 
 
 def test_kubelet_pod_restores_by_image_id_digest_or_name(

@@ -35,6 +35,7 @@ from shim.archive.container_tar import (
 )
 from shim.archive.dirfd import DirHandle
 from shim.archive.dirfd import held as held_dir
+from shim.checks import mounts
 from shim.checks.wiring import RestoredContainers, WiringChecker
 from shim.config import Config
 from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
@@ -46,11 +47,6 @@ from shim.upstream import Upstream, is_not_found
 log = logs.get("shim.ops.restore_container")
 
 IMPORT_TREE = "archive"  # <state_dir>/imports/<random>/archive: the extracted checkpoint
-# Bind mounts the upstream adds to a container itself when the request has none there (containerd's
-# CRI: the sandbox's hostname, hosts and resolv.conf files and its /dev/shm): a restore needs no
-# mount of them in the request. Measured: a kubelet container's tar restored without /etc/hosts in
-# the request resumes; without its termination-log or service-account token mount CRIU fails.
-UPSTREAM_MOUNTS = frozenset({"/etc/hostname", "/etc/hosts", "/etc/resolv.conf", "/dev/shm"})
 IMPORT_MARKER = "container-id"  # <state_dir>/imports/<random>/container-id: who uses it
 
 
@@ -225,40 +221,6 @@ def _spec_defaults(spec: dict[str, Any]) -> cri.ContainerConfig:
     )
 
 
-def missing_mounts(spec: dict[str, Any], req: cri.ContainerConfig) -> list[str]:
-    """The destinations of the checkpoint's bind mounts (spec.dump) the request does not mount.
-    CRIU restores the checkpointed mount namespace only with a source for each (else it fails deep
-    in StartContainer: "mnt: No mapping for …"), so they are refused at CreateContainer. The ones
-    the upstream provides itself (UPSTREAM_MOUNTS) and the runtime's own (proc, sysfs, tmpfs,
-    devpts, mqueue, cgroup: no bind mounts) need none."""
-    given = {os.path.normpath(m.container_path) for m in req.mounts if m.container_path}
-    mounts = spec.get("mounts")
-    missing = []
-    for m in mounts if isinstance(mounts, list) else []:
-        if not isinstance(m, dict):
-            continue
-        options = m.get("options")
-        options = {o for o in options if isinstance(o, str)} if isinstance(options, list) else set()
-        if m.get("type") != "bind" and not {"bind", "rbind"} & options:
-            continue
-        dest = os.path.normpath(str(m.get("destination") or "/"))
-        if dest not in UPSTREAM_MOUNTS and dest not in given and dest not in missing:
-            missing.append(dest)
-    return missing
-
-
-def check_mounts(spec: dict[str, Any], req: cri.ContainerConfig, tar_path: Path) -> None:
-    """FAILED_PRECONDITION naming every bind mount of the checkpoint the request lacks (as CRI-O's
-    restore: "expects following bind mounts defined"), before anything is created."""
-    missing = missing_mounts(spec, req)
-    if missing:
-        raise errors.FailedPrecondition(
-            f"checkpoint {tar_path} was taken with bind mount(s) the request lacks: {', '.join(missing)}; "
-            "give the CreateContainer request a mount for each (container_path as listed; the host "
-            "path may be new), as CRIU restores the container's mounts; nothing was created"
-        )
-
-
 def restore_config(req: cri.ContainerConfig, ck: ImportedCheckpoint, image: str) -> cri.ContainerConfig:
     """The request's config (metadata, log path, mounts, labels, resources...) with the
     checkpoint's image, its command/args/env/working dir where the request leaves them empty,
@@ -336,7 +298,9 @@ class ArchiveImporter:
                 tree_held = held.adopt(held.mkdir(IMPORT_TREE))
                 await steps.run(extract_archive, tar_path, tree_held, steps)
                 ck = await steps.run(load_imported, tree, tar_path, steps, tree_held)
-                check_mounts(ck.spec, req.config, tar_path)
+                # every bind mount of the checkpoint given a source (shim/checks/mounts.py)
+                missing = mounts.missing_mounts(ck.spec, req.config)
+                mounts.refuse_missing({req.config.metadata.name: missing}, str(tar_path))
                 image = await self._image(ck, tar_path)
                 cc = restore_config(req.config, ck, image)
                 cid = await self.upstream.create_container(

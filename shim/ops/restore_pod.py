@@ -29,7 +29,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import cni, contract, errors, faults, logs
 from shim.aio import Steps, run_to_end
 from shim.archive import compat, config_dump, crypto, layout, manifest, paths, rootfs_diff
-from shim.checks import cri_strings
+from shim.checks import cri_strings, mounts
 from shim.checks.wiring import RestoredContainers, Verdict, WiringChecker, confirm_restored
 from shim.config import Config
 from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
@@ -52,9 +52,9 @@ from shim.upstream import Upstream, is_not_found
 log = logs.get("shim.ops.restore_pod")
 
 INVENTORY = "inventory.img"  # every CRIU image set has one (the node e2e check relies on it)
-# Kubelet annotation carrying the restart count shown by `kubectl get pods`.
+# The kubelet's record of a container's restart count: what it reads back (pod status, `kubectl get
+# pods`), and count + 1 is the attempt of the container it creates next.
 RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
-# CRIU options recorded at checkpoint that the restore must repeat.
 
 
 @dataclass(frozen=True)
@@ -197,15 +197,22 @@ def _container_record(
             f"checkpoint {root}: container {cl.root.name!r} is marked checkpointed but the manifest "
             f"lists no {rel} or CRIU images for it: the archive is incomplete; take a new checkpoint"
         )
+    return _json_member(root, cl.config_dump, m, key)
+
+
+def _json_member(root: Path, path: Path, m: manifest.Manifest, key: crypto.NodeKey | None) -> dict[str, Any]:
+    """A JSON object member (config.dump, spec.dump) read once, checked against the manifest
+    (_read_member); unreadable or not an object is DATA_LOSS."""
+    rel = path.relative_to(root).as_posix()
     try:
-        record = json.loads(_read_member(root, cl.config_dump, m, key))
+        doc = json.loads(_read_member(root, path, m, key))
     except (ValueError, OSError) as e:
         raise errors.DataLoss(
             f"checkpoint {root}: {rel} is unreadable ({e}): take a new checkpoint"
         ) from None
-    if not isinstance(record, dict):
+    if not isinstance(doc, dict):
         raise errors.DataLoss(f"checkpoint {root}: {rel} is not a JSON object: take a new checkpoint")
-    return record
+    return doc
 
 
 def recorded_images(entry: manifest.ContainerEntry) -> list[str]:
@@ -524,7 +531,11 @@ class PodRestorer:
             raise
         with phases("host"):
             compat.refuse(await host + missing)
-        read = {f"{archive.container(p.entry.name).rel}/{layout.CONFIG_DUMP_FILE}" for p in plan}
+        read = {
+            f"{archive.container(p.entry.name).rel}/{name}"
+            for p in plan
+            for name in (layout.CONFIG_DUMP_FILE, layout.SPEC_DUMP_FILE)
+        }
         read.add(archive.sandbox_network.relative_to(root).as_posix())
         unverified = sorted(set(m.files) - read)
         # deferred only when the annotation is known to reach podshim-runc (dropped, the restore
@@ -552,22 +563,32 @@ class PodRestorer:
                 raise errors.InvalidArgument(f"container config {name!r} appears twice")
             by_name[name] = cc
         missing = [c.name for c in dumped if c.name not in by_name]
+        # a container that had exited at the checkpoint (a completed init container) is recorded,
+        # not checkpointed: the answer could give it no CREATED container to start, which the
+        # merged API wants for every config (docs/architecture.md §5 (RestorePod) step 1)
+        exited = [n for n in by_name if n in recorded_only]
         extra = [n for n in by_name if n not in {c.name for c in dumped} and n not in recorded_only]
-        if missing or extra:
+        if missing or extra or exited:
             raise errors.InvalidArgument(
-                "container_configs must match the checkpointed containers "
+                "container_configs must name exactly the checkpointed containers "
                 f"({', '.join(c.name for c in dumped)}): "
                 + "; ".join(
                     part
                     for part in (
                         f"missing {', '.join(missing)}" if missing else "",
                         f"not in the checkpoint {', '.join(extra)}" if extra else "",
+                        f"{', '.join(exited)} had exited when the pod was checkpointed (recorded, not "
+                        "checkpointed: it is not run again and has no container to start; leave its "
+                        "config out)"
+                        if exited
+                        else "",
                     )
                     if part
                 )
             )
         plan = []
         images = Images(self.upstream)
+        unmounted: dict[str, list[str]] = {}
         for entry in dumped:
             cl = archive.container(entry.name)
             manifest.check_container_members(archive.root, m, entry)
@@ -579,8 +600,13 @@ class PodRestorer:
                 problem = await self._image_mismatch(entry, requested, record, images)
             if problem:
                 raise errors.InvalidArgument(problem)
+            spec = await run_to_end(_json_member, archive.root, cl.spec_dump, m, key)
+            unmounted[entry.name] = mounts.missing_mounts(spec, requested)
             ran = entry.image_id or str(record.get("image_ref") or "")  # the ID, else what 1.x reported
             plan.append(_Planned(entry, requested, cl.root, ran))
+        # every bind mount of each checkpointed container given a source, or CRIU fails at
+        # StartContainer (shim/checks/mounts.py, as for a container tar)
+        mounts.refuse_missing(unmounted, str(archive.root))
         return plan
 
     async def _check_upstream_handler(self, handler: str) -> None:
@@ -725,8 +751,14 @@ class PodRestorer:
     ) -> cri.ContainerConfig:
         cc = cri.ContainerConfig()
         cc.CopyFrom(p.config)
-        if cc.metadata.attempt == 0:
-            cc.metadata.attempt = p.entry.restart_count  # the restart count continues
+        if cc.metadata.attempt == 0 and p.entry.restart_count:
+            # the restart count continues, in the attempt (the upstream names the container after
+            # it) and in the kubelet's annotation alike: the kubelet reads the count back from the
+            # annotation and makes its next container attempt count + 1, a name the upstream
+            # refuses while this one exists if the two differ (docs/architecture.md §5 (RestorePod)
+            # step 3)
+            cc.metadata.attempt = p.entry.restart_count
+            cc.annotations[RESTART_COUNT_ANNOTATION] = str(cc.metadata.attempt)
         cc.annotations[RESTORE_ANNOTATION] = str(p.dir)
         cc.annotations[RESTORE_OPTIONS_ANNOTATION] = criu_flags
         if lazy is not None:
