@@ -36,6 +36,7 @@ from testbed.tools import go_tool
 pytestmark = [pytest.mark.e2e, pytest.mark.kubelet]
 
 HOST_SYSCTLS_BEFORE = {k: host_sysctl(k) for k in KUBELET_SYSCTLS}
+HOST_VAR_LIB_KUBELET_BEFORE = Path("/var/lib/kubelet").exists()
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +97,7 @@ def test_the_host_is_left_alone(kb: KubeletBed, kubelet: Kubelet) -> None:
     files = kb.bed.node_mounts.sysctl_files(kb.bed.base_dir)
     assert {k: files[k].read_text().strip() for k in KUBELET_SYSCTLS} == KUBELET_SYSCTLS
     assert kubelet.pid is not None and not same_namespace(kubelet.pid)
-    assert (
-        not Path("/var/lib/kubelet").exists()
-        or Path("/var/lib/kubelet").is_dir()
-        and (not (Path("/var/lib/kubelet") / "pki").exists())
-    ), "the kubelet wrote into the host's /var/lib/kubelet"
+    assert Path("/var/lib/kubelet").exists() == HOST_VAR_LIB_KUBELET_BEFORE, "the host's /var/lib/kubelet"
     assert (kubelet.root / "pki").is_dir(), "its serving cert is in the bed's root dir"
     assert shutil.which("iptables", path=KUBELET_PATH) is None
     assert str(kubelet.config()["volumePluginDir"]).startswith(str(kb.bed.base_dir))
