@@ -45,17 +45,18 @@ lint:
 proto:
 	bash scripts/gen_proto.sh
 
-# The pod checkpoint conformance suite against a running endpoint: make conformance ENDPOINT=unix:///run/podshim/podshim.sock
-ENDPOINT ?= unix:///run/podshim/podshim.sock
+# critest through podshim and straight at containerd, the checkpoint conformance suite and a crictl
+# tour, offline (conformance/full.py): against a bed of its own, or ENDPOINT=unix://… (`make up`'s).
+ENDPOINT ?=
 conformance: setup
-	$(PY) -m conformance --runtime-endpoint $(ENDPOINT)
+	$(PY) -m conformance.full $(if $(ENDPOINT),--endpoint $(ENDPOINT))
 
 # A private containerd + podshim in the background; prints PODSHIM_SOCKET=… and CONTAINERD_SOCKET=….
 up: setup
-	@$(PY) -m testbed up
+	@$(PY) -m testbed up $(if $(BED),--name $(BED))
 
 down:
-	@$(PY) -m testbed down
+	@$(PY) -m testbed down $(if $(BED),--name $(BED))
 
 bench-proxy: setup
 	$(PY) -m bench.proxy

@@ -12,6 +12,10 @@ Writes into OUT_DIR:
 * ``images.json``  the list of images: name, tar file, manifest/config digests
 * ``stamp``        hash of every input; a rebuild is skipped when it matches
 
+    python images/build.py OUT_DIR --critest
+
+writes critest's images instead (``critest-*.tar``, ``critest.json``; see CRITEST_DEFAULT).
+
 Each tarball is an OCI image layout (``oci-layout``, ``index.json``, ``blobs/sha256/...``) whose
 index names its manifest with the ``org.opencontainers.image.ref.name`` (and containerd's
 ``io.containerd.image.name``) annotation, so that
@@ -84,7 +88,7 @@ class Entry:
     """One file-system entry of a layer."""
 
     path: str  # relative, no leading slash
-    kind: str  # "dir" | "file" | "symlink"
+    kind: str  # "dir" | "file" | "symlink" | "hardlink" (target: a path of the layer)
     mode: int = 0o755
     data: bytes = b""
     target: str = ""
@@ -106,6 +110,10 @@ class Layer:
         self._parents(path)
         self.entries[path] = Entry(path, "symlink", 0o777, target=target)
 
+    def add_hardlink(self, path: str, target: str) -> None:
+        self._parents(path)
+        self.entries[path] = Entry(path, "hardlink", 0o755, target=target)
+
     def _parents(self, path: str) -> None:
         parts = path.split("/")[:-1]
         for i in range(1, len(parts) + 1):
@@ -117,7 +125,8 @@ class Layer:
         """An uncompressed, deterministic tar of the layer (the diff)."""
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for path in sorted(self.entries):
+            # hard links after every file (their targets), each group sorted
+            for path in sorted(self.entries, key=lambda p: (self.entries[p].kind == "hardlink", p)):
                 e = self.entries[path]
                 info = tarfile.TarInfo(e.path + ("/" if e.kind == "dir" else ""))
                 info.mtime = EPOCH
@@ -127,8 +136,8 @@ class Layer:
                 if e.kind == "dir":
                     info.type = tarfile.DIRTYPE
                     tar.addfile(info)
-                elif e.kind == "symlink":
-                    info.type = tarfile.SYMTYPE
+                elif e.kind in ("symlink", "hardlink"):
+                    info.type = tarfile.SYMTYPE if e.kind == "symlink" else tarfile.LNKTYPE
                     info.linkname = e.target
                     tar.addfile(info)
                 else:
@@ -160,6 +169,7 @@ class ImageSpec:
     cmd: list[str] | None = None
     env: list[str] = field(default_factory=lambda: [PATH_ENV])
     working_dir: str = "/"
+    user: str = ""  # the config's User ("uid", "name", "uid:gid"...); empty: root
 
 
 @dataclass
@@ -187,6 +197,8 @@ def write_oci_archive(spec: ImageSpec, out: Path) -> BuiltImage:
         blobs[blob.digest] = blob
 
     container_config: dict[str, object] = {"Env": spec.env, "WorkingDir": spec.working_dir}
+    if spec.user:
+        container_config["User"] = spec.user
     if spec.entrypoint is not None:
         container_config["Entrypoint"] = spec.entrypoint
     if spec.cmd is not None:
@@ -250,7 +262,9 @@ def compile_c(source: Path, output: Path) -> bytes:
     return output.read_bytes()
 
 
-def busybox_layer() -> Layer:
+def busybox_layer(hardlinks: bool = False) -> Layer:
+    """busybox and its applets: symlinks to /bin/busybox, or (``hardlinks``, as in the e2e busybox
+    image critest was written for) hard links, so that masking one applet masks only it."""
     layer = Layer()
     for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "root", "home", "var", "dev", "proc", "sys"):
         layer.add_dir(d, 0o700 if d == "root" else 0o755)
@@ -262,7 +276,10 @@ def busybox_layer() -> Layer:
         applet = applet.strip("/")
         if "/" not in applet or applet == "bin/busybox":
             continue  # e.g. "linuxrc"
-        layer.add_symlink(applet, "/bin/busybox")
+        if hardlinks:
+            layer.add_hardlink(applet, "bin/busybox")
+        else:
+            layer.add_symlink(applet, "/bin/busybox")
     layer.add_file(
         "etc/passwd", b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
     )
@@ -274,7 +291,9 @@ def busybox_layer() -> Layer:
 def input_stamp() -> str:
     """A hash of everything the output depends on."""
     h = hashlib.sha256()
-    sources = [HERE / f"{name}.c" for name in ("pause", "counter", "ticker", "sharer")]
+    sources = [
+        HERE / f"{name}.c" for name in ("pause", "counter", "ticker", "sharer", "webserver", "nonewprivs")
+    ]
     for path in (Path(__file__).resolve(), *sources, BUSYBOX):
         h.update(path.name.encode() + b"\0" + sha256_hex(path.read_bytes()).encode() + b"\n")
     cc = subprocess.run([CC[0], "--version"], capture_output=True, text=True, check=True).stdout
@@ -319,14 +338,167 @@ def build_all(out_dir: Path, force: bool = False) -> list[BuiltImage]:
         return built
 
 
+# ---------------------------------------------------------------------------- critest's images
+
+# The images critest v1.37.0 pulls (sigs.k8s.io/cri-tools pkg/validate, pkg/framework), named by
+# repository path and tag only: the test bed's loopback registry serves them as the mirror of every
+# registry (testbed/registry.py, TestBed(registry_mirror=...)), so no registry host is named here.
+# Stand-ins built from this directory's sources: busybox for busybox, webserver.c for nginx, httpd
+# and hostnet-nginx (the page, the name in the log, nginx's pid file), nonewprivs.c (setuid root).
+# The digest-pinned test image cannot be rebuilt (its digest is of the public image's manifest).
+CRITEST_DEFAULT = "podshim/busybox:1"  # the test-images file's defaultTestContainerImage
+CRITEST_WEBSERVER = "podshim/webserver:1"  # ... and webServerTestImage
+
+
+PGREP = b"""#!/bin/sh
+# pgrep NAME: the pids whose name is NAME (critest's stand-in busybox has no pgrep)
+rc=1
+for d in /proc/[0-9]*; do
+  [ "$(cat "$d/comm" 2>/dev/null)" = "$1" ] && { echo "${d#/proc/}"; rc=0; }
+done
+exit $rc
+"""
+IPCS = b"""#!/bin/sh
+# ipcs -m: this IPC namespace's shared memory segments (critest's stand-in busybox has no ipcs)
+echo "------ Shared Memory Segments --------"
+echo "key        shmid      owner      perms      bytes      nattch"
+tail -n +2 /proc/sysvipc/shm | while read -r key shmid perms size cpid lpid nattch uid rest; do
+  printf "0x%08x %-10s %-10s %-10s %-10s %-10s\\n" "$key" "$shmid" "$uid" "$perms" "$size" "$nattch"
+done
+"""
+
+
+def critest_specs(webserver: bytes, nonewprivs: bytes, pause: bytes) -> list[tuple[str, ImageSpec]]:
+    base = busybox_layer(hardlinks=True)
+
+    def server(path: str, *args: str) -> ImageSpec:
+        layer = Layer()
+        layer.add_file(path.lstrip("/"), webserver, 0o755)
+        layer.add_dir("var/run")
+        return ImageSpec("", "", [base, layer], entrypoint=[path, *args])
+
+    def marked(mark: str, user: str = "", passwd: bytes = b"", group: bytes = b"") -> ImageSpec:
+        layer = Layer()
+        layer.add_file("etc/podshim-test-image", mark.encode() + b"\n")
+        if passwd:
+            layer.add_file("etc/passwd", passwd)
+        if group:
+            layer.add_file("etc/group", group)
+        return ImageSpec("", "", [base, layer], cmd=["sh"], user=user)
+
+    root = b"root:x:0:0:root:/root:/bin/sh\n"
+    www = root + b"www-data:x:33:33:www-data:/var/www:/bin/false\n"
+    www_group = b"root:x:0:\nwww-data:x:33:\n"
+    nnp = Layer()
+    nnp.add_file("usr/local/bin/nonewprivs", nonewprivs, 0o4755)
+    pause_layer = Layer()
+    pause_layer.add_file("pause", pause, 0o755)
+    tags_image = marked("tags")
+    # busybox's applets lack two that critest runs in its default image: stand-ins reading /proc
+    tools = Layer()
+    tools.add_file("usr/bin/pgrep", PGREP, 0o755)
+    tools.add_file("usr/bin/ipcs", IPCS, 0o755)
+    return [
+        (CRITEST_DEFAULT, ImageSpec("", "", [base, tools], cmd=["sh"])),
+        (CRITEST_WEBSERVER, server("/usr/sbin/webserver", "--port", "80", "--name", "nginx")),
+        (
+            "e2e-test-images/nginx:1.14-2",
+            server(
+                "/usr/sbin/nginx",
+                *("--port", "80", "--name", "nginx", "--pidfile", "/var/run/nginx.pid"),
+                *("--title", "nginx: master process nginx -g daemon off;"),  # what critest greps for
+            ),
+        ),
+        (
+            "e2e-test-images/httpd:2.4.39-4",
+            server("/usr/local/apache2/bin/httpd", "--port", "80", "--name", "httpd"),
+        ),
+        (
+            f"k8s-staging-cri-tools/hostnet-nginx-{oci_arch()}:latest",
+            server("/usr/sbin/nginx", "--port", "12003", "--name", "nginx"),
+        ),
+        (
+            "e2e-test-images/nonewprivs:1.3",
+            ImageSpec("", "", [base, nnp], entrypoint=["/usr/local/bin/nonewprivs"]),
+        ),
+        ("k8s-staging-cri-tools/test-image-user-uid:latest", marked("user-uid", "1002")),
+        (
+            "k8s-staging-cri-tools/test-image-user-username:latest",
+            marked("user-username", "www-data", www, www_group),
+        ),
+        ("k8s-staging-cri-tools/test-image-user-uid-group:latest", marked("user-uid-group", "1003:1003")),
+        (
+            "k8s-staging-cri-tools/test-image-user-username-group:latest",
+            marked("user-username-group", "www-data:www-data", www, www_group),
+        ),
+        (
+            "k8s-staging-cri-tools/test-image-predefined-group:latest",
+            marked(
+                "predefined-group",
+                "1000",
+                root + b"default-user:x:1000:1000::/home/default-user:/bin/sh\n",
+                b"root:x:0:\ndefault-user:x:1000:\ngroup-defined-in-image:x:50000:default-user\n",
+            ),
+        ),
+        ("k8s-staging-cri-tools/test-image-latest:latest", marked("latest")),
+        ("k8s-staging-cri-tools/test-image-tag:test", marked("tag")),
+        ("k8s-staging-cri-tools/test-image-tag:all", marked("all")),
+        *((f"k8s-staging-cri-tools/test-image-{i}:latest", marked(f"different-{i}")) for i in (1, 2, 3)),
+        *((f"k8s-staging-cri-tools/test-image-tags:{i}", tags_image) for i in (1, 2, 3)),
+        ("pause:3.9", ImageSpec("", "", [pause_layer], entrypoint=["/pause"])),
+    ]
+
+
+def build_critest(out_dir: Path, force: bool = False) -> list[dict[str, str]]:
+    """critest's images as OCI archives in ``out_dir`` (``critest.json``: ref, file, digest),
+    unless the stamp says they are up to date."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stamp = input_stamp()
+        stamp_file, list_file = out_dir / "stamp-critest", out_dir / "critest.json"
+        if (
+            not force
+            and stamp_file.is_file()
+            and list_file.is_file()
+            and stamp_file.read_text().strip() == stamp
+        ):
+            listed: list[dict[str, str]] = json.loads(list_file.read_text())
+            if all((out_dir / e["file"]).is_file() for e in listed):
+                return listed
+        with tempfile.TemporaryDirectory(prefix="build-", dir=out_dir) as tmp:
+            binaries = [
+                compile_c(HERE / f"{n}.c", Path(tmp) / n) for n in ("webserver", "nonewprivs", "pause")
+            ]
+        listed = []
+        built: dict[int, BuiltImage] = {}  # one image under several tags is built once
+        for ref, spec in critest_specs(*binaries):
+            if id(spec) not in built:
+                spec.name = ref
+                spec.file = "critest-" + ref.replace("/", "_").replace(":", "_") + ".tar"
+                built[id(spec)] = write_oci_archive(spec, out_dir / spec.file)
+            b = built[id(spec)]
+            listed.append({"ref": ref, "file": b.file, "digest": b.manifest_digest})
+        tmp_list = list_file.with_name(list_file.name + ".tmp")
+        tmp_list.write_text(json.dumps(listed, indent=2) + "\n")
+        os.replace(tmp_list, list_file)
+        stamp_file.write_text(stamp + "\n")
+        return listed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    parser.add_argument("--critest", action="store_true", help="critest's images instead (critest.json)")
     args = parser.parse_args(argv)
     if shutil.which(CC[0]) is None:
         print(f"build.py: {CC[0]} not found", file=sys.stderr)
         return 1
+    if args.critest:
+        for e in build_critest(args.out_dir, force=args.force):
+            print(f"{e['ref']}\t{args.out_dir / e['file']}\t{e['digest']}")
+        return 0
     for b in build_all(args.out_dir, force=args.force):
         print(f"{b.name}\t{args.out_dir / b.file}\t{b.manifest_digest}")
     return 0

@@ -24,6 +24,7 @@ TOOLS=(
   "kubelet|kubelet|build|k8s.io/kubernetes/cmd/kubelet|kubelet||-X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37 -X k8s.io/component-base/version.gitTreeState=clean"
   "crictl|cri-tools|build|sigs.k8s.io/cri-tools/cmd/crictl|crictl||-X sigs.k8s.io/cri-tools/pkg/version.Version=1.37.0"
   "critest|cri-tools|test|sigs.k8s.io/cri-tools/cmd/critest|critest||-X sigs.k8s.io/cri-tools/pkg/version.Version=1.37.0"
+  "ginkgo|cri-tools|build|github.com/onsi/ginkgo/v2/ginkgo|ginkgo||"
   "runc-1.3|runc-1.3|build|github.com/opencontainers/runc|runc|seccomp|-X main.version=1.3.7"
   "containerd-2.2|containerd-2.2|build|github.com/containerd/containerd/v2/cmd/containerd|containerd|no_btrfs|-X github.com/containerd/containerd/v2/version.Version=2.2.9"
   "containerd-2.2|containerd-2.2|build|github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2|containerd-shim-runc-v2||-X github.com/containerd/containerd/v2/version.Version=2.2.9"

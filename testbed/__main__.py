@@ -1,13 +1,18 @@
-"""Command line for the test bed.
+"""Command line for the test bed: `make up` / `make down` (docs/architecture.md §20.4 (critest and
+crictl)).
 
-    python -m testbed up [--dir D] [--no-podshim] [--crun-binary PATH] [--runc-binary PATH]
+    python -m testbed up [--name N] [--dir D] [--no-podshim] [--no-mirror] [--crun-binary PATH]
+                         [--runc-binary PATH]
         start a bed that keeps running after this command returns; prints
-        PODSHIM_SOCKET=<path> and CONTAINERD_SOCKET=<path>
-    python -m testbed env     print those two lines again
-    python -m testbed down    stop the bed and remove everything it created
+        PODSHIM_SOCKET=<path>, CONTAINERD_SOCKET=<path>, CHECKPOINT_ROOT=<path> (podshim's allowed
+        root) and, unless --no-mirror, REGISTRY_MIRROR=<127.0.0.1:port>: a loopback registry
+        holding critest's images, from which the bed's containerd pulls every registry's images
+    python -m testbed env [--name N]     print those lines again
+    python -m testbed down [--name N]    stop the bed (and its registry), remove everything
 
-The running bed is recorded in /run/podshim-testbed/current.json ($PODSHIM_TESTBED_STATE_DIR
-instead of /run/podshim-testbed: the tests' own `up`, beside a bed someone brought up).
+Beds are per checkout and per name (default "default"): each is recorded in
+<checkout>/.testbed/up/<name>.json ($PODSHIM_TESTBED_STATE_DIR instead of <checkout>/.testbed/up),
+so two checkouts (or two names) run beds side by side without touching each other.
 """
 
 from __future__ import annotations
@@ -15,95 +20,134 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from testbed import _sys
-from testbed.bed import TestBed, TestBedError
+from testbed.bed import REPO, TestBed, TestBedError
+from testbed.registry import Registry, RegistryError
 
-STATE_DIR = Path(os.environ.get("PODSHIM_TESTBED_STATE_DIR", "/run/podshim-testbed"))
-CURRENT = STATE_DIR / "current.json"
+STATE_DIR = Path(os.environ.get("PODSHIM_TESTBED_STATE_DIR") or REPO / ".testbed" / "up")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
 
-def _load() -> dict[str, Any] | None:
+def state_file(name: str) -> Path:
+    return STATE_DIR / f"{name}.json"
+
+
+def load(name: str) -> dict[str, Any] | None:
+    """The record of bed `name` of this checkout, or None."""
     try:
-        return json.loads(CURRENT.read_text())
+        return dict(json.loads(state_file(name).read_text()))
     except FileNotFoundError:
         return None
 
 
-def _print_env(desc: dict[str, Any]) -> None:
-    print(f"PODSHIM_SOCKET={desc['podshim_socket']}")
-    print(f"CONTAINERD_SOCKET={desc['containerd_socket']}")
+def bed_env(record: dict[str, Any]) -> dict[str, str]:
+    """What `up` and `env` print: the bed's sockets, its checkpoint root, its registry mirror."""
+    bed = record["bed"]
+    env = {
+        "PODSHIM_SOCKET": bed["podshim_socket"],
+        "CONTAINERD_SOCKET": bed["containerd_socket"],
+        "CHECKPOINT_ROOT": str(Path(bed["base_dir"]) / "checkpoints"),
+    }
+    if record.get("registry"):
+        env["REGISTRY_MIRROR"] = record["registry"]["host"]
+    return env
+
+
+def _print_env(record: dict[str, Any]) -> None:
+    for k, v in bed_env(record).items():
+        print(f"{k}={v}")
     sys.stdout.flush()
 
 
-def _forget() -> None:
-    CURRENT.unlink(missing_ok=True)
+def _stop(record: dict[str, Any]) -> None:
+    """Stop a recorded bed and its registry (by their pids), remove their files."""
     try:
-        STATE_DIR.rmdir()
-    except OSError:
-        pass
+        if record.get("registry"):
+            Registry.stop_described(record["registry"])
+    finally:
+        TestBed.attach(record["bed"]).stop()
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    desc = _load()
-    if desc is not None:
-        pid = desc.get("containerd_pid")
+    record = load(args.name)
+    if record is not None:
+        pid = record["bed"].get("containerd_pid")
         if pid and _sys.alive(pid):
-            print(f"testbed: a bed is already up in {desc['base_dir']} (run `down` first)", file=sys.stderr)
+            print(
+                f"testbed: bed {args.name!r} is already up in {record['bed']['base_dir']} (run `down` first)",
+                file=sys.stderr,
+            )
             return 1
-        print("testbed: cleaning up a dead bed first", file=sys.stderr)
+        print(f"testbed: cleaning up the dead bed {args.name!r} first", file=sys.stderr)
         try:
-            TestBed.attach(desc).stop()
-        except TestBedError as e:
+            _stop(record)
+        except (TestBedError, RegistryError) as e:
             print(f"testbed: {e}", file=sys.stderr)
             return 1
-        _forget()
+        state_file(args.name).unlink()
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    registry = None
+    if not args.no_mirror:
+        from conformance.critest import serve_images  # builds and pushes critest's images
+
+        registry = serve_images(STATE_DIR)
     bed = TestBed(
         args.dir,
         start_podshim=not args.no_podshim,
         runc_binary=args.runc_binary,
         crun_binary=args.crun_binary,
         timeout=args.timeout,
+        registry_mirror=registry.host if registry else None,
     )
     try:
         bed.start()
     except TestBedError as e:
+        if registry is not None:
+            registry.stop()
         print(f"testbed: {e}", file=sys.stderr)
         return 1
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    tmp = CURRENT.with_suffix(".tmp")
-    tmp.write_text(json.dumps(bed.describe(), indent=2) + "\n")
-    os.replace(tmp, CURRENT)
-    # containerd and podshim run in their own sessions with their output in log files:
-    # returning leaves them running.
-    _print_env(bed.describe())
+    record = {"name": args.name, "bed": bed.describe(), "registry": registry.describe() if registry else None}
+    tmp = state_file(args.name).with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, state_file(args.name))
+    # containerd, podshim and the registry run in their own sessions with their output in log
+    # files: returning leaves them running.
+    _print_env(record)
     return 0
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    desc = _load()
-    if desc is None:
-        print("testbed: no bed is up", file=sys.stderr)
+    record = load(args.name)
+    if record is None:
+        print(f"testbed: no bed {args.name!r} is up in this checkout", file=sys.stderr)
         return 1
-    _print_env(desc)
+    _print_env(record)
     return 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    desc = _load()
-    if desc is None:
-        print("testbed: no bed is up", file=sys.stderr)
+    record = load(args.name)
+    if record is None:
+        print(f"testbed: no bed {args.name!r} is up in this checkout", file=sys.stderr)
         return 0
     try:
-        TestBed.attach(desc).stop()
-    except TestBedError as e:
+        _stop(record)
+    except (TestBedError, RegistryError) as e:
         print(f"testbed: {e}", file=sys.stderr)
         return 1
-    _forget()
+    state_file(args.name).unlink()
     return 0
+
+
+def _name(value: str) -> str:
+    if not NAME.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"{value!r}: letters, digits, '.', '_', '-' (at most 63)")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,12 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start a bed in the background")
     up.add_argument("--dir", help="base directory (default /run/podshim-testbed-<random>)")
     up.add_argument("--no-podshim", action="store_true", help="containerd only")
+    up.add_argument("--no-mirror", action="store_true", help="no registry mirror (critest cannot run)")
     up.add_argument("--runc-binary", help="BinaryName of the runc handler")
     up.add_argument("--crun-binary", help="BinaryName of a crun handler (default: none)")
     up.add_argument("--timeout", type=float, default=60.0)
     up.set_defaults(func=cmd_up)
     sub.add_parser("env", help="print the sockets of the running bed").set_defaults(func=cmd_env)
     sub.add_parser("down", help="stop the bed and remove everything").set_defaults(func=cmd_down)
+    for p in sub.choices.values():
+        p.add_argument("--name", type=_name, default="default", help="the bed's name in this checkout")
     args = parser.parse_args(argv)
     return int(args.func(args))
 

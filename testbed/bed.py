@@ -157,6 +157,7 @@ class TestBed:
         containerd: str | None = None,
         node_mounts: NodeMounts | None = None,
         stock_checkpoint_roots: bool = False,
+        registry_mirror: str | None = None,
     ) -> None:
         """
         base_dir: where everything lives; must not exist or be empty; removed by ``stop()``.
@@ -190,6 +191,8 @@ class TestBed:
             (testbed/mntns.py), e.g. a kubelet's stock /var/lib/kubelet (testbed/kubelet.py).
         stock_checkpoint_roots: leave ``[checkpoint] allowed_roots`` out of podshim's config, so
             podshim's built-in default applies (else: ``<base>/checkpoints``).
+        registry_mirror: ``host:port`` of a plain-HTTP registry (testbed/registry.py) from which
+            containerd pulls the images of every registry (critest's: conformance/critest.py).
         """
         self.base_dir = Path(base_dir or f"/run/podshim-testbed-{secrets.token_hex(4)}").absolute()
         self.start_podshim = start_podshim
@@ -212,6 +215,7 @@ class TestBed:
         self.containerd_bin_dir = containerd_bin_dir(self.containerd_version)
         self.node_mounts = node_mounts
         self.stock_checkpoint_roots = stock_checkpoint_roots
+        self.registry_mirror = registry_mirror
 
         b = self.base_dir
         self.containerd_socket = b / "containerd.sock"
@@ -562,7 +566,7 @@ oom_score = 0
     snapshotter = "overlayfs"
     [{images}.pinned_images]
       sandbox = {_toml_str(PAUSE_IMAGE)}
-
+{self._mirror_v3(images)}
   [{cri}]
     restrict_oom_score_adj = true
     enable_selinux = false
@@ -597,8 +601,31 @@ oom_score = 0
       bin_dir = {_toml_str(CNI_BIN_DIR)}
       conf_dir = {_toml_str(self.cni_conf_dir)}
       max_conf_num = 1
-"""
+{self._mirror_v2(cri)}"""
         )
+
+    def _mirror_v2(self, cri: str) -> str:
+        """containerd 1.x: every registry ("*") pulls from the mirror first."""
+        if not self.registry_mirror:
+            return ""
+        return f"""
+    [{cri}.registry.mirrors."*"]
+      endpoint = [{_toml_str("http://" + self.registry_mirror)}]
+"""
+
+    def _mirror_v3(self, images: str) -> str:
+        """containerd 2.x: a hosts directory whose _default entry (every registry) is the mirror."""
+        if not self.registry_mirror:
+            return ""
+        hosts = self.base_dir / "certs.d"
+        (hosts / "_default").mkdir(parents=True, exist_ok=True)
+        url = "http://" + self.registry_mirror
+        (hosts / "_default" / "hosts.toml").write_text(
+            f'server = {_toml_str(url)}\n[host.{_toml_str(url)}]\n  capabilities = ["pull", "resolve"]\n'
+        )
+        return f"""    [{images}.registry]
+      config_path = {_toml_str(hosts)}
+"""
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -1,26 +1,35 @@
 """A private OCI registry for the tests (issue 17): Debian's `docker-registry` (distribution 2.8)
-on a loopback port chosen at run time, basic auth (htpasswd -B), storage in a directory of its
-own; stopped by its pid. Nothing of it is written outside that directory.
+on a loopback port chosen at run time, basic auth (htpasswd -B) unless ``auth=False``, storage in
+a directory of its own; stopped by its pid. Nothing of it is written outside that directory.
 
     with Registry(workdir) as reg:
         reg.host            # "127.0.0.1:<port>"
         reg.auth_env()      # {"PODSHIM_REGISTRY_AUTH": "user:password"}
         reg.blob_path(digest)
+        reg.push_archive(oci_tar, "e2e-test-images/busybox:1.29-2")   # an images/build.py archive
+
+Without auth it is the test bed's registry mirror (``TestBed(registry_mirror=...)``): critest's
+images pushed under their repository paths, containerd pulling every registry's images from it.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
+import tarfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 REGISTRY_BINARY = "/usr/bin/docker-registry"
 HTPASSWD = "/usr/bin/htpasswd"
@@ -35,6 +44,18 @@ def registry_available() -> bool:
     return os.access(REGISTRY_BINARY, os.X_OK) and os.access(HTPASSWD, os.X_OK)
 
 
+def _cmdline(pid: int) -> list[str]:
+    """The argv of a live process (not a zombie), else []."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return []
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except (OSError, IndexError):
+        return []
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
@@ -46,13 +67,16 @@ class Registry:
 
     __test__ = False
 
-    def __init__(self, workdir: str | os.PathLike[str], user: str = "podshim", timeout: float = 20.0) -> None:
+    def __init__(
+        self, workdir: str | os.PathLike[str], user: str = "podshim", timeout: float = 20.0, auth: bool = True
+    ) -> None:
         self.dir = Path(workdir) / f"registry-{secrets.token_hex(3)}"
         self.storage = self.dir / "storage"
         self.config = self.dir / "config.yml"
         self.htpasswd = self.dir / "htpasswd"
         self.log = self.dir / "registry.log"
         self.user = user
+        self.auth = auth
         self.password = secrets.token_urlsafe(12)
         self.timeout = timeout
         self.port = 0
@@ -91,7 +115,7 @@ class Registry:
         hashed = subprocess.run(
             [HTPASSWD, "-niB", self.user], input=self.password.encode(), capture_output=True, check=True
         ).stdout
-        self.htpasswd.write_bytes(hashed)
+        self.htpasswd.write_bytes(hashed)  # unused without auth
         for attempt in range(5):  # the port is chosen free, but another process may take it meanwhile
             self.port = _free_port()
             self.config.write_text(self._config_yaml())
@@ -130,11 +154,15 @@ storage:
 http:
   addr: {self.host}
   secret: {secrets.token_hex(16)}
-auth:
+""" + (
+            f"""auth:
   htpasswd:
     realm: podshim-tests
     path: {self.htpasswd}
 """
+            if self.auth
+            else ""
+        )
 
     def _wait_ready(self) -> bool:
         end = time.monotonic() + self.timeout
@@ -170,3 +198,74 @@ auth:
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def describe(self) -> dict[str, Any]:
+        """What stop_described() needs to stop it from another process (`make down`)."""
+        return {"pid": self.pid, "dir": str(self.dir), "config": str(self.config), "host": self.host}
+
+    @staticmethod
+    def stop_described(desc: dict[str, Any]) -> None:
+        """Stop a registry another process started (its pid, if it still runs our config) and
+        remove its files."""
+        pid = desc.get("pid")
+        if pid and any(desc["config"] in a for a in _cmdline(int(pid))):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGTERM)
+            end = time.monotonic() + 10
+            while _cmdline(int(pid)) and time.monotonic() < end:
+                time.sleep(0.05)
+            if _cmdline(int(pid)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        shutil.rmtree(desc["dir"], ignore_errors=True)
+
+    # ------------------------------------------------------------------ push an image archive
+
+    def _request(
+        self, method: str, url: str, data: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> Any:
+        h = dict(headers or {})
+        if self.auth:
+            h["Authorization"] = "Basic " + base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
+        req = urllib.request.Request(url, data=data, method=method, headers=h)
+        return urllib.request.urlopen(req, timeout=60)
+
+    def push_archive(self, archive: str | os.PathLike[str], ref: str) -> str:
+        """Push the one image of an OCI image-layout tarball (images/build.py) as ``repo:tag``;
+        returns its manifest digest. Blobs the registry has are not sent again."""
+        repo, _, tag = ref.rpartition(":")
+        base = f"http://{self.host}/v2/{repo}"
+        with tarfile.open(archive) as tar:
+
+            def member(name: str) -> bytes:
+                f = tar.extractfile(name)
+                if f is None:
+                    raise RegistryError(f"{archive}: no {name}")
+                return f.read()
+
+            index = json.loads(member("index.json"))
+            desc = index["manifests"][0]
+            manifest_bytes = member("blobs/sha256/" + desc["digest"].split(":", 1)[1])
+            manifest = json.loads(manifest_bytes)
+            for blob in [manifest["config"], *manifest["layers"]]:
+                digest = blob["digest"]
+                try:
+                    self._request("HEAD", f"{base}/blobs/{digest}")
+                    continue
+                except urllib.error.HTTPError as e:
+                    if e.code != 404:
+                        raise
+                upload = self._request("POST", f"{base}/blobs/uploads/", b"")
+                location = urllib.parse.urljoin(f"http://{self.host}", upload.headers["Location"])
+                sep = "&" if "?" in location else "?"
+                data = member("blobs/sha256/" + digest.split(":", 1)[1])
+                self._request(
+                    "PUT",
+                    f"{location}{sep}digest={digest}",
+                    data,
+                    {"Content-Type": "application/octet-stream"},
+                )
+            self._request(
+                "PUT", f"{base}/manifests/{tag}", manifest_bytes, {"Content-Type": desc["mediaType"]}
+            )
+        return str(desc["digest"])

@@ -38,6 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "core: the end-to-end core, also run on containerd 1.7 and 2.1 (tests/conftest.py)"
     )
     config.addinivalue_line("markers", "kubelet: runs a real kubelet (testbed/kubelet.py; make test-kubelet)")
+    config.addinivalue_line("markers", "conformance: critest, checkpoint suite, crictl (make conformance)")
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from testbed import _sys
-from testbed._cri import field_bytes, field_str
+from testbed._cri import CriClient, field_bytes, field_str
 from testbed.bed import BUSYBOX_IMAGE, COUNTER_IMAGE, IMAGES, REPO, TestBed
 from testbed.checks import set_freezer
 
@@ -211,40 +211,83 @@ def test_stop_cleans_up_after_containerd_was_killed(private_bed: TestBed) -> Non
     assert not _sys.cgroup_dirs(f"{outside}/{other['cid']}")
 
 
+def _testbed_cli(state_dir: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`python -m testbed ...` with its own record dir: one "checkout" (a bed someone brought up
+    with make up may be running beside it)."""
+    env = {**os.environ, "PODSHIM_TESTBED_STATE_DIR": str(state_dir)}
+    cmd = [sys.executable, "-m", "testbed", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _env_lines(out: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in out.splitlines())
+
+
 @pytest.mark.e2e
 @NEEDS_ROOT
 def test_cli_up_env_down(tmp_path: Path) -> None:
-    # its own record of the running bed: a bed someone brought up (make up) may be running
-    record = {**os.environ, "PODSHIM_TESTBED_STATE_DIR": str(tmp_path / "testbed-state")}
-    state = tmp_path / "testbed-state" / "current.json"
+    state_dir = tmp_path / "testbed-state"
     base = Path(f"/run/podshim-testbed-cli-{uuid.uuid4().hex[:6]}")
-    cmd = [sys.executable, "-m", "testbed"]
-    up = subprocess.run(
-        [*cmd, "up", "--dir", str(base), "--no-podshim"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=record,
-    )
+    up = _testbed_cli(state_dir, "up", "--dir", str(base), "--no-podshim", "--no-mirror")
     try:
         assert up.returncode == 0, up.stderr
         assert up.stdout.splitlines() == [
             f"PODSHIM_SOCKET={base}/podshim.sock",
             f"CONTAINERD_SOCKET={base}/containerd.sock",
+            f"CHECKPOINT_ROOT={base}/checkpoints",
         ]
-        desc = json.loads(state.read_text())
+        desc = json.loads((state_dir / "default.json").read_text())["bed"]
         assert _sys.alive(desc["containerd_pid"]), "containerd keeps running after `up` returned"
-        env = subprocess.run([*cmd, "env"], cwd=REPO, capture_output=True, text=True, timeout=30, env=record)
+        env = _testbed_cli(state_dir, "env")
         assert env.stdout == up.stdout
     finally:
-        down = subprocess.run(
-            [*cmd, "down"], cwd=REPO, capture_output=True, text=True, timeout=120, env=record
-        )
+        down = _testbed_cli(state_dir, "down")
     assert down.returncode == 0, down.stderr
-    assert not base.exists() and not state.exists()
+    assert not base.exists() and not (state_dir / "default.json").exists()
     assert not _sys.alive(desc["containerd_pid"])
     assert not _sys.link_exists(desc["bridge"])
+
+
+@pytest.mark.e2e
+@NEEDS_ROOT
+def test_two_checkouts_beds_side_by_side(tmp_path: Path) -> None:
+    """`make up` in two checkouts (their own record dirs), each with podshim and its registry
+    mirror: both run at once, each `env` names its own, and `down` in one leaves the other
+    running."""
+    checkouts = [tmp_path / "checkout-a", tmp_path / "checkout-b"]
+    envs: list[dict[str, str]] = []
+    try:
+        for c in checkouts:
+            up = _testbed_cli(c, "up")
+            assert up.returncode == 0, up.stderr
+            envs.append(_env_lines(up.stdout))
+        a, b = envs
+        for key in ("PODSHIM_SOCKET", "CONTAINERD_SOCKET", "CHECKPOINT_ROOT", "REGISTRY_MIRROR"):
+            assert a[key] != b[key], key
+        for c, e in zip(checkouts, envs, strict=True):
+            assert _env_lines(_testbed_cli(c, "env").stdout) == e
+            with CriClient(e["PODSHIM_SOCKET"]) as cli:
+                cli.runtime.Version(_api()[0].VersionRequest(), timeout=10)
+                assert (
+                    cli.image_present("podshim/busybox:1") is False
+                )  # the mirror serves, nothing pulled yet
+        down = _testbed_cli(checkouts[0], "down")
+        assert down.returncode == 0, down.stderr
+        assert not Path(a["PODSHIM_SOCKET"]).exists()
+        with CriClient(b["PODSHIM_SOCKET"]) as cli:  # the other checkout's bed is untouched
+            cli.runtime.Version(_api()[0].VersionRequest(), timeout=10)
+            pulled = cli.image.PullImage(
+                _api()[0].PullImageRequest(
+                    image=_api()[0].ImageSpec(image=f"{b['REGISTRY_MIRROR']}/podshim/busybox:1")
+                ),
+                timeout=60,
+            )
+            assert pulled.image_ref.startswith("sha256:")
+    finally:
+        for c in checkouts:
+            _testbed_cli(c, "down")
+    for e in envs:
+        assert not Path(e["PODSHIM_SOCKET"]).parent.exists()
 
 
 # ---------------------------------------------------------------------------- no root needed
