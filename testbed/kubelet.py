@@ -232,7 +232,9 @@ class Kubelet:
                 resp = conn.getresponse()
                 body = resp.read().decode(errors="replace")
                 conn.close()
-                if resp.status == 200 and self.api_ready():
+                # its QoS cgroups (<cgroupRoot>/kubepods) come a moment after /healthz says ok
+                qos = _sys.cgroup_dirs(f"{self.cgroup_root}/kubepods")
+                if resp.status == 200 and self.api_ready() and qos:
                     return
                 last = f"{resp.status} {body.strip()}"
             except OSError as e:
