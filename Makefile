@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 PYTEST := .venv/bin/pytest
 
-.PHONY: setup demo test test-core test-kubelet test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution
+.PHONY: setup demo test test-core test-kubelet test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate
 
 setup:
 	bash scripts/setup.sh
@@ -78,4 +78,8 @@ bench-node: setup
 bench-distribution: setup
 	$(PY) -m bench.distribution
 
-bench: bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution
+# live migration between two nodes: downtime, total, the wire floor, the registry path (issue 27)
+bench-migrate: setup
+	$(PY) -m bench.migrate
+
+bench: bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate

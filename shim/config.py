@@ -71,6 +71,12 @@ class Config:
     irmap_scan_paths: tuple[str, ...] = ()
     # RestorePod's default for its `lazy-pages` option (docs/architecture.md §5.1 (Lazy restore))
     lazy_pages: bool = False
+    # Live migration (docs/architecture.md §21 (Live migration)): where this node listens while a
+    # pod migrates into it (HOST:PORT; "": it accepts none), and its node credentials (PEM files)
+    migration_listen: str = ""
+    migration_cert_file: str = ""
+    migration_key_file: str = ""
+    migration_ca_file: str = ""
     log_format: str = "json"
     log_level: str = "info"
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -133,6 +139,12 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
         "irmap_scan_paths": ("irmap_scan_paths", list),
     },
     "restore": {"lazy_pages": ("lazy_pages", bool)},
+    "migration": {
+        "listen": ("migration_listen", str),
+        "cert_file": ("migration_cert_file", str),
+        "key_file": ("migration_key_file", str),
+        "ca_file": ("migration_ca_file", str),
+    },
     "log": {"format": ("log_format", str), "level": ("log_level", str)},
 }
 _RUNTIME_KEYS: dict[str, type] = {f.name: str for f in fields(RuntimeConfig)}
@@ -287,6 +299,12 @@ def _validate(cfg: Config) -> Config:
         raise ConfigError(
             f"checkpoint.encryption_key_file: must be an absolute path, got {cfg.encryption_key_file!r}"
         )
+    for key in ("cert_file", "key_file", "ca_file"):
+        value = getattr(cfg, f"migration_{key}")
+        if value and not value.startswith("/"):
+            raise ConfigError(f"migration.{key}: must be an absolute path, got {value!r}")
+    if cfg.migration_listen and ":" not in cfg.migration_listen:
+        raise ConfigError(f"migration.listen: expected HOST:PORT, got {cfg.migration_listen!r}")
     if cfg.upstream_timeout <= 0:
         raise ConfigError("upstream.timeout_seconds: must be positive")
     if cfg.metrics_address and ":" not in cfg.metrics_address:

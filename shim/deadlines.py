@@ -35,6 +35,19 @@ LAZY_STARTED_POLL = 0.05
 # §5.1 (Lazy restore))
 LAZY_CHECK_PAUSE_SECONDS = 10.0
 
+# ---------------------------------------------------------------------- live migration (§19)
+MIGRATION_CONNECT = 30.0  # the source retries reaching the destination's listener this long
+MIGRATION_STEP = 30.0  # one exchange of the handshake (offer, archive, page connections)
+MIGRATION_HEARTBEAT = 0.5  # each node sends a ping this often while the link is idle
+# the lease: the destination kills its containers when it has heard nothing from the source this
+# long (after `go`, until `ack`); the source, after losing the link, waits the lease and the
+# margin before it thaws, so the two never run at once
+MIGRATION_LEASE = 3.0
+MIGRATION_FENCE_MARGIN = 1.0
+# the destination's kill of its copy keeps emptying the containers' cgroups this long at most (a
+# fork racing the first SIGKILLs); the kill itself takes milliseconds, well within the margin
+MIGRATION_KILL_WAIT = 5.0
+
 # ---------------------------------------------------------------------- recovery
 # how long recovery lets a crashed run's runc/CRIU finish (CRIU then cures and unseizes the pod's
 # processes) before it kills them

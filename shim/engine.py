@@ -19,6 +19,8 @@ from shim import aio, errors, logs, metrics
 from shim.checks.wiring import RestoredContainers, WiringChecker, confirm_restored
 from shim.config import Config
 from shim.deadlines import KILL_WAIT, RECOVERY_WAIT, RETRY_FIRST, RETRY_MAX
+from shim.migration import destination as migration_in
+from shim.migration import source as migration_out
 from shim.ops import checkpoint_container, checkpoint_pod
 from shim.ops import restore_pod as restore_mod
 from shim.ops.checkpoint_container import ContainerCheckpointer
@@ -114,6 +116,10 @@ class Engine:
         self.restored = RestoredContainers(config.state_dir)
         self.restorer = PodRestorer(config, upstream, self.journal, self.wiring, self.restored)
         self.broker = RestoreBroker(config, self.restorer.page_checks)
+        # live migration (docs/architecture.md §21 (Live migration)): CheckpointPod and RestorePod
+        # with their migration options
+        self.migration_out = migration_out.MigrationSource(config, upstream, self.journal)
+        self.migration_in = migration_in.MigrationDestination(config, upstream, self.journal, self.restorer)
         self._recovering: set[asyncio.Task[None]] = set()  # background recoveries (see recover)
         self._inflight: set[asyncio.Task[object]] = set()  # tasks of the operations running now (stop)
         self._retrying: set[str] = set()  # op ids of records whose recovery is retried (retry_later)
@@ -164,6 +170,11 @@ class Engine:
         # The upstream accepts a unique prefix of an id: lock the full id, so a prefix and the
         # full id (or CheckpointContainer, which locks the full id) exclude each other.
         keys = [f"pod {await self._full_pod_id(req.pod_sandbox_id)}", f"path {req.output_path}"]
+        if migration_out.OPTION in req.options:
+            to = req.options[migration_out.OPTION]
+            with self._operation("migrate_pod", keys, pod=req.pod_sandbox_id, path=req.output_path, to=to):
+                m = await self.migration_out.checkpoint(req, deadline)
+            return cri.CheckpointPodResponse()
         with self._operation("checkpoint_pod", keys, pod=req.pod_sandbox_id, path=req.output_path):
             m = await self.checkpointer.checkpoint(req, deadline)
         metrics.freeze_window.observe(m.timings.get("freeze_window", 0.0))
@@ -187,6 +198,13 @@ class Engine:
         # checkpoint into that path or a recovery's clean-up of it excludes them
         keys, shared = [f"pod {md.namespace}/{md.name}"], [f"path {req.checkpoint_path}"]
         pod = f"{md.namespace}/{md.name}"
+        if migration_in.OPTION in req.options:
+            # the archive arrives into checkpoint_path: held exclusively
+            source = req.options[migration_in.OPTION]
+            keys.append(f"path {req.checkpoint_path}")
+            with self._operation("migrate_pod_in", keys, pod=pod, path=req.checkpoint_path, source=source):
+                with self.restore_lane.enter():
+                    return await self.migration_in.restore(req, deadline)
         with self._operation("restore_pod", keys, shared, pod=pod, path=req.checkpoint_path):
             with self.restore_lane.enter():
                 return await self.restorer.restore(req, deadline)
@@ -298,7 +316,10 @@ class Engine:
         undoing their work (thaw, clear output_path, remove a restore's sandbox, close the
         journal record), then stop the background recoveries (their records stay for the next
         start)."""
-        pending = {t for t in self._inflight | restore_mod.background_tasks() if not t.done()}
+        following = self.migration_in.following  # migrations in whose pages still arrive: they end
+        for t in following:
+            t.cancel()
+        pending = {t for t in self._inflight | restore_mod.background_tasks() | following if not t.done()}
         if pending:
             log.info("stopping: waiting for operations to end", operations=len(pending), timeout=timeout)
             _done, left = await asyncio.wait(pending, timeout=timeout)
@@ -362,6 +383,9 @@ class Engine:
             "checkpoint-container": checkpoint_container.recover,
             "restore": self.restorer.recover,
             "lazy-pages": self.restorer.lazy.recover,  # docs/architecture.md §5.1 (Lazy restore)
+            # docs/architecture.md §21 (Live migration)
+            "migration-source": functools.partial(migration_out.recover, upstream=self.upstream),
+            "migration-destination": functools.partial(migration_in.recover, restorer=self.restorer),
         }[rec.kind]
         try:
             await recover(rec)
@@ -435,6 +459,8 @@ OPERATION_OF_KIND = {
     "restore": "restore_pod",
     "checkpoint-container": "checkpoint_container",
     "lazy-pages": "lazy_restore",
+    "migration-source": "migrate_pod",
+    "migration-destination": "migrate_pod_in",
 }
 
 

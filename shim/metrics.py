@@ -56,6 +56,21 @@ lazy_restore_failures = Counter(
 # podshim is visible here even where Version reports the upstream's runtime_name
 build_info = Gauge("podshim_build_info", "podshim's version (always 1)", ["version"])
 build_info.labels(__version__).set(1)
+migrations = Counter(
+    "podshim_migrations_total",
+    "Live migrations by role (source, destination) and result (OK or the gRPC code name)",
+    ["role", "result"],
+)
+migration_refused_peers = Counter(
+    "podshim_migration_refused_peers_total",
+    "Connections to the migration listener refused: no certificate of the CA, or not the expected source",
+)
+migration_kills = Counter(
+    "podshim_migration_killed_total",
+    "Containers a destination killed after they ran because the source or the link was lost (reason: "
+    "link, lease, abort, deadline)",
+    ["reason"],
+)
 wiring_ok = Gauge(
     "podshim_wiring_ok",
     "Whether the upstream runtime handler runs podshim-runc and passes podshim.* annotations "

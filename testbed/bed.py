@@ -158,6 +158,8 @@ class TestBed:
         node_mounts: NodeMounts | None = None,
         stock_checkpoint_roots: bool = False,
         registry_mirror: str | None = None,
+        netns: str | None = None,
+        podshim_sections: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         """
         base_dir: where everything lives; must not exist or be empty; removed by ``stop()``.
@@ -193,6 +195,9 @@ class TestBed:
             podshim's built-in default applies (else: ``<base>/checkpoints``).
         registry_mirror: ``host:port`` of a plain-HTTP registry (testbed/registry.py) from which
             containerd pulls the images of every registry (critest's: conformance/critest.py).
+        netns: a network namespace (a bind-mounted nsfs file) podshim runs in (testbed/nodes.py:
+            migration between two beds); containerd and the pods stay in the host's.
+        podshim_sections: further sections of podshim.toml, {section: {key: value}}.
         """
         self.base_dir = Path(base_dir or f"/run/podshim-testbed-{secrets.token_hex(4)}").absolute()
         self.start_podshim = start_podshim
@@ -207,6 +212,8 @@ class TestBed:
         self.save_logs_to = Path(save_logs_to) if save_logs_to else Path(logs_env) if logs_env else None
         self.namespace = NAMESPACE
         self.extra_env = dict(extra_env or {})
+        self.netns = netns
+        self.podshim_sections = dict(podshim_sections or {})
         self.containerd_version = containerd or containerd_version_from_env()
         if self.containerd_version not in CONTAINERD_VERSIONS:
             raise TestBedError(
@@ -496,6 +503,8 @@ criu = {_toml_str(CRIU)}
 format = "json"
 level = "info"
 """
+        if self.podshim_sections:
+            podshim += "\n" + _toml_dump(self.podshim_sections) + "\n"
         self.podshim_config.write_text(podshim)
         (b / "bed.json").write_text(json.dumps(self.describe(), indent=2) + "\n")
 
@@ -705,6 +714,8 @@ oom_score = 0
 
     def _start_podshim(self) -> None:
         cmd = [*self.podshim_command, "serve", "--config", str(self.podshim_config)]
+        if self.netns:  # nsenter execs podshim: the same pid
+            cmd = ["nsenter", f"--net={self.netns}", *cmd]
         self._podshim = self._spawn(cmd, self.podshim_log)
         self._podshim_pid = self._podshim.pid
         self._save_description()

@@ -233,6 +233,11 @@ class Daemon:
     # the background checksum pass of its page images (plain archives): "" all match, else why not
     verify: asyncio.Future[str] | None = None
     verify_stop: threading.Event = field(default_factory=threading.Event)
+    # set when the daemon has ended and been cleaned up: True when every page was delivered
+    finished: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    complete: bool = False
+    remote: bool = False  # its pages come from a page server (a migration), not the images
+    source_failed: bool = False  # it stopped itself: its page server (another node) failed
 
 
 class LazyPages:
@@ -245,6 +250,9 @@ class LazyPages:
         self.live: dict[Path, Daemon] = {}
         self._recover_held: dict[str, list[int]] = {}  # op id -> userfaultfds held across retries
         self._by_op: dict[str, list[Daemon]] = {}  # a RestorePod's journal op id -> its daemons
+        # a migration (shim/migration/destination.py): the images dir of a container whose pages
+        # come from another node's page server -> the daemon's arguments naming it
+        self.page_servers: dict[Path, list[str]] = {}
 
     # ------------------------------------------------------------------ start
 
@@ -311,6 +319,8 @@ class LazyPages:
         if op_id:
             self._by_op.setdefault(op_id, []).append(d)
         read_end, write_end = os.pipe()
+        source = self.page_servers.get(images, [])
+        d.remote = bool(source)
         try:
             d.proc = subprocess.Popen(
                 [
@@ -324,6 +334,7 @@ class LazyPages:
                     str(write_end),
                     "-o",
                     LOG_NAME,
+                    *source,
                 ],
                 pass_fds=(write_end,),
                 stdin=subprocess.DEVNULL,
@@ -403,6 +414,14 @@ class LazyPages:
                 self._hold_uffds(d)
                 bad = _failed_check(d)
                 if bad and not d.abandoned and not gone:
+                    break
+                if d.remote and _stopped(d.pid) and not waiter.done():
+                    # its page server failed: it holds the userfaultfds (and so do we) and waits
+                    # to be killed; the container is killed first, by _ended
+                    self._hold_uffds(d)
+                    d.source_failed = True
+                    with contextlib.suppress(ProcessLookupError):
+                        d.proc.kill()
                     break
                 if d.verify is not None and d.verify.done() and not bad and d.rec.data.verifying:
                     self.journal.update(d.rec, d.rec.phase, verifying=0)  # for recovery's reason
@@ -513,6 +532,7 @@ class LazyPages:
     async def _ended(self, d: Daemon, rc: int, gone: str) -> None:
         seconds = round(time.monotonic() - d.started, 3)
         if rc == 0:
+            d.complete = True
             log.info(
                 "lazy restore complete", container=d.container_id, name=d.name, pid=d.pid, seconds=seconds
             )
@@ -530,6 +550,8 @@ class LazyPages:
                 await self._clean(d)
                 return
             how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+            if d.source_failed:
+                how = "lost its page server (the source node of the migration, or the link to it)"
             detail = _error_lines(d.work / LOG_NAME)
             kept = await asyncio.to_thread(
                 _keep_log, d.work / LOG_NAME, self.config.state_dir, d.container_id
@@ -539,7 +561,7 @@ class LazyPages:
                 f"the memory was delivered{' (' + detail + ')' if detail else ''}; the container was "
                 f"killed so that it never runs with missing memory (daemon log: {kept})"
             )
-            label = "killed" if rc < 0 else "exit"
+            label = "source" if d.source_failed else "killed" if rc < 0 else "exit"
             await self.fail(d.container_id, reason, label, d)
             return  # fail() releases and cleans up (or keeps the record for a retry)
         self._release(d)
@@ -614,6 +636,8 @@ class LazyPages:
         await asyncio.to_thread(_remove_dirs, d.work, d.decrypted)
         if d.rec is not None:
             self.journal.finish(d.rec)
+        if not d.finished.done():
+            d.finished.set_result(d.complete)
 
     # ------------------------------------------------------------------ recovery
 
@@ -729,6 +753,16 @@ def _exited(proc: subprocess.Popen[bytes], pidfd: int) -> asyncio.Future[int]:
     loop.add_reader(pidfd, done)
     done()
     return fut
+
+
+def _stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (state T): a daemon whose page server failed stops itself, its
+    userfaultfds kept open, until it is killed (CRIU patch 0005)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
 def _daemon_serving(work: str) -> int:

@@ -25,7 +25,14 @@ from shim.state.records import RECORDS, JournalData
 
 log = logs.get("shim.state.journal")
 
-KINDS = ("checkpoint", "restore", "checkpoint-container", "lazy-pages")
+KINDS = (
+    "checkpoint",
+    "restore",
+    "checkpoint-container",
+    "lazy-pages",
+    "migration-source",
+    "migration-destination",
+)
 RECORD_VERSION = 1
 OPS_DIR = "ops"
 CORRUPT_SUFFIX = ".corrupt"

@@ -147,3 +147,33 @@ class LazyPagesRecord(JournalData):
     start_time: int = -1  # the daemon's, from /proc (pid reuse)
     container_id: str = ""  # "" until its container is created
     verifying: int = 0  # page images whose checksums are not yet known to match
+
+
+@register
+@dataclass
+class MigrationSourceRecord(JournalData):
+    """A pod migrating out (shim/migration/source.py): recovery ends its dumps (their page servers),
+    then, by phase: before `handed-over` thaws `cgroups` at once; at `handed-over` (the destination
+    may run) waits the destination's lease and then thaws; at `committed` (the destination has
+    every page) kills the pod's processes and removes its containers. A partial archive in
+    `output_path` is cleared unless committed."""
+
+    KIND: ClassVar[str] = "migration-source"
+    output_path: str = ""
+    cgroups: list[str] = field(default_factory=list)  # what it froze: the pod cgroup, its containers'
+    work_dir: str = ""  # the dumps' work dirs (CRIU logs), below <state_dir>/migration
+    destination: str = ""
+    container_ids: list[str] = field(default_factory=list)  # removed once committed
+
+
+@register
+@dataclass
+class MigrationDestinationRecord(JournalData):
+    """A pod migrating in (shim/migration/destination.py): until `acked` the source may thaw its
+    pod after the lease, so recovery removes the new sandbox (its containers die with it) and
+    clears the received archive in `checkpoint_path`."""
+
+    KIND: ClassVar[str] = "migration-destination"
+    checkpoint_path: str = ""
+    source: str = ""
+    sandbox_id: str | None = None

@@ -11,13 +11,14 @@ from shim.cli.commands import (
     distribution,
     inspect,
     inspectp,
+    migrate,
     pods,
     ps,
     restorepod,
     serve,
 )
 
-COMMANDS = (serve, inspect, checkpointpod, restorepod, checkpoint, pods, ps, inspectp, distribution)
+COMMANDS = (serve, inspect, checkpointpod, restorepod, migrate, checkpoint, pods, ps, inspectp, distribution)
 
 
 def register_all(sub: Any) -> None:

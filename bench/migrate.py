@@ -1,0 +1,273 @@
+"""bench/migrate: live migration of a pod between two nodes (issue 27; docs/architecture.md §21
+(Live migration)).
+
+Two test nodes (testbed/nodes.py: two beds whose podshims run in network namespaces of their own,
+joined by a veth pair) and, for the registry path, Debian's docker-registry on a loopback port.
+Per size (`--sizes`, MiB; default 256 1024 4096), a counter of that resident memory printing
+every 10 ms runs on node A and migrates to B (RestorePod with `lazy-migration-from` on B,
+CheckpointPod with `lazy-migration` on A, both at once):
+
+* downtime: the counter's last line on A to its first line on B (the `ts=` both print, one clock);
+* total: the CheckpointPod call to its answer (every page on B and A's pod removed);
+* the wire floor: the same bytes (the counter's memory) through the same link with a plain TCP
+  socket (a sender in A's namespace, a receiver in B's, `sendall` of 1 MiB buffers);
+* the registry path (bench/distribution.py's migrate: CheckpointPod, push, pull, RestorePod +
+  StartContainer, the first line on B; `--skip-registry` leaves it out).
+
+Ends with `RESULT migrate_downtime_4g_s=… downtime_slope_s_per_gib=… total_vs_wire_floor=…`
+(the largest size's downtime and total/floor; the slope of downtime over GiB, least squares).
+Targets (reported, not enforced): downtime at 4 GiB ≤ 1 s, slope ≤ 0.05 s/GiB, total ≤ 1.3 × floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from api.runtime.v1 import api_pb2 as cri
+from bench.common import (
+    COUNT_RE,
+    CriLog,
+    counter_config,
+    machine_summary,
+    remove_pod,
+    remove_tree,
+    result_line,
+    runtime_stub,
+    say,
+    start_counter_pod,
+    table,
+)
+from testbed.nodes import Nodes, node_pair
+
+INTERVAL_MS = 10
+TIMEOUT = 1800.0
+
+# the receiver and sender of the wire floor, each run in its node's namespace (nsenter)
+_RECEIVER = textwrap.dedent(
+    """
+    import socket, sys, time
+    s = socket.create_server((sys.argv[1], 0))
+    print(s.getsockname()[1], flush=True)
+    c, _ = s.accept()
+    buf = bytearray(1 << 20)
+    got = 0
+    while True:
+        n = c.recv_into(buf)
+        if not n:
+            break
+        got += n
+    print(got, time.time(), flush=True)
+    """
+)
+_SENDER = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    total = int(sys.argv[3])
+    chunk = os.urandom(1 << 20)
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+    start = time.time()
+    print(start, flush=True)
+    sent = 0
+    while sent < total:
+        c.sendall(chunk)
+        sent += len(chunk)
+    c.close()
+    """
+)
+
+
+def wire_floor(n: Nodes, nbytes: int) -> float:
+    """Seconds to move `nbytes` from A's namespace to B's through the veth with a plain socket."""
+
+    def ns(i: int) -> list[str]:
+        return ["nsenter", f"--net={n.link.netns(i)}", sys.executable, "-c"]
+
+    recv = subprocess.Popen([*ns(1), _RECEIVER, n.link.address(1)], stdout=subprocess.PIPE, text=True)
+    assert recv.stdout is not None
+    port = recv.stdout.readline().strip()
+    send = subprocess.run(
+        [*ns(0), _SENDER, n.link.address(1), port, str(nbytes)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    got, ended = recv.stdout.readline().split()
+    recv.wait(timeout=60)
+    if int(got) < nbytes:
+        raise RuntimeError(f"the wire floor moved {got} of {nbytes} bytes: {send.stderr}")
+    return float(ended) - float(send.stdout.split()[0])
+
+
+def entries(path: Path) -> list[tuple[int, float]]:
+    try:
+        return [(int(c), float(t)) for c, t in COUNT_RE.findall(path.read_bytes())]
+    except FileNotFoundError:
+        return []
+
+
+def live_migrate(n: Nodes, mib: int, tag: str) -> dict[str, float]:
+    """One migration of a fresh counter of `mib` MiB: downtime, total, and the phases A logged."""
+    rt_a, rt_b = runtime_stub(n.a.podshim_socket), runtime_stub(n.b.podshim_socket)
+    cc = counter_config("counter", mib, interval_ms=INTERVAL_MS)
+    pod = start_counter_pod(rt_a, n.a, f"live-{tag}", {"counter": cc}, timeout=TIMEOUT)
+    CriLog(pod.log_path("counter")).wait(COUNT_RE, 60)
+    out = Path(n.a.checkpoint_root) / f"live-{tag}"
+    into = Path(n.b.checkpoint_root) / f"live-{tag}"
+    out.mkdir(mode=0o700)
+    into.mkdir(mode=0o700)
+    from testbed import pods
+
+    config = pods.pod_config(f"live-{tag}", n.b.pod_logs_dir)
+    answers: dict[str, Any] = {}
+
+    def restore() -> None:
+        try:
+            answers["b"] = rt_b.RestorePod(
+                cri.RestorePodRequest(
+                    checkpoint_path=str(into),
+                    config=config,
+                    container_configs=[counter_config("counter", mib, interval_ms=INTERVAL_MS)],
+                    options={"lazy-migration-from": n.link.names[0]},
+                ),
+                timeout=TIMEOUT,
+            )
+        except grpc.RpcError as e:
+            answers["b"] = e
+
+    t = threading.Thread(target=restore)
+    t.start()
+    start = time.time()
+    rt_a.CheckpointPod(
+        cri.CheckpointPodRequest(
+            pod_sandbox_id=pod.id, output_path=str(out), options={"lazy-migration": n.link.listen(1)}
+        ),
+        timeout=TIMEOUT,
+    )
+    total = time.time() - start
+    t.join(TIMEOUT)
+    if isinstance(answers.get("b"), grpc.RpcError):
+        raise RuntimeError(f"RestorePod on B failed: {answers['b']}")
+    b_log = Path(config.log_directory) / "counter" / "0.log"
+    CriLog(b_log).wait(COUNT_RE, 60)
+    a_last, b_first = entries(pod.log_path("counter"))[-1], entries(b_log)[0]
+    phases = {}
+    for line in reversed(Path(n.a.podshim_log).read_text().splitlines()):
+        if '"migration complete"' in line:
+            phases = {k: v for k, v in json.loads(line).items() if isinstance(v, float)}
+            break
+    remove_pod(rt_b, answers["b"].pod_sandbox_id)
+    remove_pod(rt_a, pod.id)
+    remove_tree(out)
+    remove_tree(into)
+    return {
+        "downtime": b_first[1] - a_last[1],
+        "counts_lost": b_first[0] - a_last[0] - 1,
+        "total": total,
+        **{f"phase_{k}": v for k, v in phases.items()},
+    }
+
+
+def registry_path(n: Nodes, mib: int, tag: str) -> float:
+    """bench/distribution's migration (checkpoint, push, pull, restore, first line on B)."""
+    from bench import distribution
+    from testbed.registry import Registry
+
+    rt_a, rt_b = runtime_stub(n.a.podshim_socket), runtime_stub(n.b.podshim_socket)
+    with Registry(Path(n.a.base_dir)) as reg:
+        os.environ.update(reg.auth_env())
+        pod = start_counter_pod(
+            rt_a, n.a, f"reg-{tag}", {"counter": counter_config("counter", mib)}, timeout=TIMEOUT
+        )
+        try:
+            return distribution.migrate(rt_a, rt_b, n.a, n.b, reg, pod, mib, tag)["total"]
+        finally:
+            remove_pod(rt_a, pod.id)
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096], help="MiB")
+    ap.add_argument("--skip-registry", action="store_true", help="leave out the registry path")
+    args = ap.parse_args(argv)
+    print(machine_summary())
+    rows = []
+    downtimes: list[float] = []
+    ratio_last = float("nan")
+    with contextlib.ExitStack() as stack:
+        say("starting nodes A and B (two beds in network namespaces, a veth between them)")
+        n = stack.enter_context(node_pair())
+        say(f"A {n.link.address(0)}, B {n.link.address(1)}")
+        for mib in args.sizes:
+            tag = f"{mib}-{secrets.token_hex(2)}"
+            say(f"{mib} MiB: live migration")
+            live = live_migrate(n, mib, tag)
+            floor = wire_floor(n, mib << 20)
+            reg = float("nan") if args.skip_registry else registry_path(n, mib, tag)
+            say(
+                f"{mib} MiB: downtime {live['downtime']:.3f}s, total {live['total']:.2f}s, "
+                f"wire floor {floor:.2f}s, registry path {reg:.1f}s; phases {live}"
+            )
+            downtimes.append(live["downtime"])
+            ratio_last = live["total"] / floor
+            rows.append(
+                [
+                    f"{mib} MiB",
+                    live["downtime"],
+                    live["counts_lost"],
+                    live.get("phase_go", float("nan")),
+                    live.get("phase_destination_running", float("nan")),
+                    live["total"],
+                    floor,
+                    ratio_last,
+                    reg,
+                ]
+            )
+    print()
+    print(
+        table(
+            [
+                "size",
+                "downtime s",
+                "counts lost",
+                "freeze→go s",
+                "freeze→B runs s",
+                "total s",
+                "wire floor s",
+                "total/floor",
+                "registry path s",
+            ],
+            rows,
+        )
+    )
+    gib = [m / 1024 for m in args.sizes]
+    print(
+        result_line(
+            migrate_downtime_4g_s=downtimes[-1],
+            downtime_slope_s_per_gib=slope(gib, downtimes) if len(gib) > 1 else float("nan"),
+            total_vs_wire_floor=ratio_last,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

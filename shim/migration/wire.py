@@ -1,0 +1,362 @@
+"""The control channel between two nodes during a migration (docs/architecture.md §21 (Live
+migration)): one mutually authenticated TLS connection from the source to the destination's
+one-shot listener, carrying framed JSON messages and the archive's bytes. (The pages travel in
+CRIU's own TLS connections, from the source's page servers to the destination's daemons.)
+
+The connection is driven by a thread of its own that alone reads and writes its TLS socket (an SSL
+object must not be used by two threads at once); it hands the messages to podshim's event loop
+through a queue. Its first frame is a greeting: {"t": "control", "migration": ID}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import selectors
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from shim import errors, logs
+
+log = logs.get("shim.migration.wire")
+
+FRAME = struct.Struct(">IB")  # payload length, kind
+JSON, BYTES = 0, 1
+MAX_FRAME = 16 << 20  # a frame longer than this is a protocol error
+CHUNK = 1 << 20  # one read; one BYTES frame of a file
+MAX_BUFFERED = 8 << 20  # bytes queued for the peer before a sender of file data waits
+
+
+class LinkLost(Exception):
+    """The connection ended (EOF, an error, a stop): `reason` says how."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """HOST:PORT or [IPv6]:PORT -> (host, port); INVALID_ARGUMENT otherwise."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise errors.InvalidArgument(f"{address!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    payload = json.dumps(msg, separators=(",", ":")).encode()
+    return FRAME.pack(len(payload), JSON) + payload
+
+
+def encode_bytes(data: bytes | memoryview) -> bytes:
+    return FRAME.pack(len(data), BYTES) + bytes(data)
+
+
+def _recv(sock: socket.socket, buf: bytearray | memoryview) -> int | None:
+    """recv_into without blocking: None when nothing is there yet, 0 at EOF."""
+    try:
+        return sock.recv_into(buf)
+    except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
+        return None
+    except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+        return 0
+
+
+def _send(sock: socket.socket, data: bytearray | memoryview) -> int:
+    """send without blocking: how much went out (0: none could)."""
+    try:
+        return sock.send(data)
+    except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
+        return 0
+
+
+def read_frame_blocking(sock: ssl.SSLSocket, timeout: float) -> dict[str, Any]:
+    """The first frame of a new connection, which must be JSON (a blocking socket)."""
+    sock.settimeout(timeout)
+    head = _read_exactly(sock, FRAME.size)
+    length, kind = FRAME.unpack(head)
+    if kind != JSON or length > 64 << 10:
+        raise LinkLost("the peer's first frame is not a greeting")
+    return json.loads(_read_exactly(sock, length))
+
+
+def _read_exactly(sock: ssl.SSLSocket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise LinkLost("the peer closed the connection")
+        out += chunk
+    return bytes(out)
+
+
+# ---------------------------------------------------------------------- connections
+
+
+def connect(
+    address: str, ctx: ssl.SSLContext, greeting: dict[str, Any], timeout: float, server_hostname: str = ""
+) -> ssl.SSLSocket:
+    """A TLS connection to the destination's listener at `address` (its certificate must name
+    `server_hostname`, by default the address's host), greeted with `greeting`. Blocking."""
+    host, port = split_address(address)
+    raw = socket.create_connection((host, port), timeout=timeout)
+    try:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tls = ctx.wrap_socket(raw, server_hostname=server_hostname or host)
+    except BaseException:
+        raw.close()
+        raise
+    try:
+        tls.settimeout(timeout)
+        tls.sendall(encode(greeting))
+    except BaseException:
+        tls.close()
+        raise
+    return tls
+
+
+class Listener:
+    """The destination's listening socket, open only while a migration into this node runs
+    (RestorePod with `lazy-migration-from` until the transfer has ended). `accept` hands back
+    connections whose peer completed the TLS handshake with a certificate of the CA and names the
+    expected source; any other peer is refused (logged, counted by the caller's `refused`)."""
+
+    def __init__(self, address: str, ctx: ssl.SSLContext) -> None:
+        host, port = split_address(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+            self.sock.listen(16)
+        except OSError as e:
+            self.sock.close()
+            raise errors.Unavailable(f"cannot listen for the migration on {address}: {e.strerror}") from None
+        self.ctx = ctx
+        self.address = address
+
+    def accept(
+        self, expected_peer: str, timeout: float, refused: Callable[[str], None]
+    ) -> tuple[ssl.SSLSocket, dict[str, Any]]:
+        """The next authenticated connection from `expected_peer` and its greeting (blocking, up
+        to `timeout` seconds in all: TimeoutError). Others are closed and reported to `refused`."""
+        from shim.migration.credentials import check_peer
+
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self.sock.settimeout(left)
+            try:
+                raw, peer = self.sock.accept()
+            except TimeoutError:
+                raise
+            except OSError as e:
+                raise LinkLost(f"the listener on {self.address} closed ({e.strerror})") from None
+            where = f"{peer[0]}:{peer[1]}"
+            try:
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                raw.settimeout(max(0.1, min(left, 10.0)))
+                tls = self.ctx.wrap_socket(raw, server_side=True)
+            except (OSError, ssl.SSLError) as e:
+                raw.close()
+                refused(f"{where}: TLS handshake failed ({e})")
+                continue
+            try:
+                check_peer(tls.getpeercert(), expected_peer)
+                greeting = read_frame_blocking(tls, max(0.1, min(end - time.monotonic(), 10.0)))
+            except (errors.ShimError, LinkLost, OSError, ValueError) as e:
+                tls.close()
+                refused(f"{where}: {getattr(e, 'message', None) or e}")
+                continue
+            return tls, greeting
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+# ---------------------------------------------------------------------- the pump
+
+
+class _Wake:
+    """A pipe a pump thread's selector watches, so another thread can interrupt its wait."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def set(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.w, b"x")
+
+    def clear(self) -> None:
+        with contextlib.suppress(OSError):
+            while os.read(self.r, 4096):
+                pass
+
+    def close(self) -> None:
+        for fd in (self.r, self.w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class Channel:
+    """The control channel: frames to and from the peer over one TLS connection, driven by a
+    thread; received messages go to an asyncio queue (JSON frames as dicts, BYTES frames as
+    bytes); its end puts a LinkLost there. `send` is callable from any thread."""
+
+    def __init__(self, tls: ssl.SSLSocket, loop: asyncio.AbstractEventLoop, name: str = "control") -> None:
+        self.tls = tls
+        self.loop = loop
+        self.inbox: asyncio.Queue[dict[str, Any] | bytes | LinkLost] = asyncio.Queue()
+        self.last_received = time.monotonic()
+        self.ended: str = ""  # how it ended ("" while it runs)
+        self._out: deque[bytes] = deque()
+        self._out_bytes = 0
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._wake = _Wake()
+        self.thread = threading.Thread(target=self._run, name=f"podshim-migration-{name}", daemon=True)
+
+    def start(self) -> Channel:
+        self.thread.start()
+        return self
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self._enqueue(encode(msg))
+
+    async def heartbeat(self, interval: float) -> None:
+        """A ping every `interval` seconds while the channel lives (a task of its own, so that no
+        step of either side, however slow, lets the other's lease run out)."""
+        ping = encode({"t": "ping"})
+        while not self.ended:
+            self._enqueue(ping)
+            await asyncio.sleep(interval)
+
+    def send_bytes_waiting(self, data: bytes | memoryview, timeout: float) -> None:
+        """Queue a BYTES frame once less than MAX_BUFFERED is queued (blocking: from a worker
+        thread). LinkLost if the channel ends or nothing drains within `timeout`."""
+        frame = encode_bytes(data)
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._out_bytes > MAX_BUFFERED and not self.ended:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise LinkLost("the peer node stopped reading")
+                self._cond.wait(left)
+            if self.ended:
+                raise LinkLost(self.ended)
+        self._enqueue(frame)
+
+    def _enqueue(self, frame: bytes) -> None:
+        with self._cond:
+            if self.ended:
+                return
+            self._out.append(frame)
+            self._out_bytes += len(frame)
+        self._wake.set()
+
+    def close(self) -> None:
+        """End the channel (what is queued may not be sent)."""
+        self._stop.set()
+        self._wake.set()
+
+    def flush_and_close(self, timeout: float) -> None:
+        """Send what is queued (up to `timeout`), then end the channel (blocking)."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._out_bytes and not self.ended and time.monotonic() < end:
+                self._cond.wait(max(0.0, min(0.05, end - time.monotonic())))
+        self.close()
+        self.thread.join(timeout=max(0.0, end - time.monotonic()) + 1.0)
+
+    def _deliver(self, item: dict[str, Any] | bytes | LinkLost) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: podshim is exiting
+            self.loop.call_soon_threadsafe(self.inbox.put_nowait, item)
+
+    def _run(self) -> None:
+        reason = "closed"
+        try:
+            reason = self._pump()
+        except (OSError, ssl.SSLError, ValueError) as e:
+            reason = f"connection error: {e}"
+        finally:
+            with contextlib.suppress(OSError):
+                self.tls.close()
+            self._wake.close()
+            with self._cond:
+                self.ended = reason
+                self._cond.notify_all()
+            self._deliver(LinkLost(reason))
+
+    def _pump(self) -> str:
+        tls = self.tls
+        tls.setblocking(False)
+        inbuf = bytearray()
+        buf = bytearray(CHUNK)
+        pending = bytearray()
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake.r, selectors.EVENT_READ)
+        sel.register(tls, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                with self._cond:
+                    while self._out:
+                        pending += self._out.popleft()
+                moved = True
+                while moved:
+                    moved = False
+                    n = _recv(tls, buf)
+                    if n == 0:
+                        return "the peer node closed the connection"
+                    if n:
+                        inbuf += memoryview(buf)[:n]
+                        self.last_received = time.monotonic()
+                        moved = True
+                        self._parse(inbuf)
+                    if pending:
+                        n = _send(tls, pending)
+                        if n:
+                            del pending[:n]
+                            with self._cond:
+                                self._out_bytes -= n
+                                self._cond.notify_all()
+                            moved = True
+                if tls.pending():
+                    continue
+                events = selectors.EVENT_READ | (selectors.EVENT_WRITE if pending else 0)
+                sel.modify(tls, events)
+                sel.select(timeout=1.0)
+                self._wake.clear()
+            return "closed by this node"
+        finally:
+            sel.close()
+
+    def _parse(self, inbuf: bytearray) -> None:
+        while len(inbuf) >= FRAME.size:
+            length, kind = FRAME.unpack_from(inbuf)
+            if length > MAX_FRAME or kind not in (JSON, BYTES):
+                raise ValueError(f"a malformed frame from the peer node (kind {kind}, {length} bytes)")
+            if len(inbuf) < FRAME.size + length:
+                return
+            payload = bytes(inbuf[FRAME.size : FRAME.size + length])
+            del inbuf[: FRAME.size + length]
+            if kind == JSON:
+                msg = json.loads(payload)
+                if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+                    raise ValueError("a control message without a type")
+                if msg["t"] != "ping":  # heartbeats only refresh last_received
+                    self._deliver(msg)
+            else:
+                self._deliver(payload)

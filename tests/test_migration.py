@@ -1,0 +1,476 @@
+"""Live migration between two test nodes (issue 27; docs/architecture.md §21 (Live migration)):
+two beds whose podshims run in network namespaces of their own joined by a veth pair
+(testbed/nodes.py), each with node credentials of one CA.
+
+A counter pod migrates from A to B through CRI (RestorePod with `lazy-migration-from` on B,
+CheckpointPod with `lazy-migration` on A, both at once) and through `podshim migrate`; its memory
+pattern is verified on B. Then the failure matrix: B's podshim killed, A's podshim killed, the
+link cut, and a deadline, each before B's containers run (held there by B's failpoint
+`migration.before-ready`) and after (held before `done` by `migration.before-done`): before, A's
+pod thaws and runs on and B keeps nothing; after, B's containers are killed (reason, metric) and
+A's pod thaws only after B's last output. Never two copies at once, never none at the end, and
+no sandbox, listener, mount or frozen cgroup left on either node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import secrets
+import signal
+import ssl
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from shim.cgroups import FreezerState, default_freezer
+from shim.migration import credentials, wire
+from testbed import pods
+from testbed.bed import VENV_BIN, TestBed
+from testbed.nodes import Nodes, node_pair
+
+pytestmark = pytest.mark.e2e
+
+RPC_TIMEOUT = 300
+SMALL = 64  # MiB: the failure matrix's counter
+ENTRY_RE = re.compile(rb"count=(\d+) ts=(\d+\.\d+)")
+FAILPOINTS = "PODSHIM_FAILPOINTS"
+LEASE_AND_FENCE = 4.0  # MIGRATION_LEASE + MIGRATION_FENCE_MARGIN (shim/deadlines.py)
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[Nodes]:
+    with node_pair() as n:
+        yield n
+
+
+def stub(bed: TestBed) -> Any:
+    return pods.stubs(bed.podshim_socket)[0]
+
+
+def entries(path: Path) -> list[tuple[int, float]]:
+    try:
+        return [(int(c), float(t)) for c, t in ENTRY_RE.findall(path.read_bytes())]
+    except FileNotFoundError:
+        return []
+
+
+def set_failpoints(bed: TestBed, spec: str) -> None:
+    """Restart the bed's podshim with PODSHIM_FAILPOINTS=spec ("" for none)."""
+    if bed.extra_env.get(FAILPOINTS, "") == spec and bed.podshim_running:
+        return
+    if spec:
+        bed.extra_env[FAILPOINTS] = spec
+    else:
+        bed.extra_env.pop(FAILPOINTS, None)
+    if bed.podshim_running:
+        bed.kill_podshim(signal.SIGTERM)
+    bed.start_podshim_again()
+
+
+def restart(bed: TestBed) -> None:
+    """Start a killed podshim again, without failpoints (its recovery runs first)."""
+    bed.extra_env.pop(FAILPOINTS, None)
+    bed.start_podshim_again()
+
+
+@dataclass
+class Migration:
+    nodes: Nodes
+    source: pods.Pod
+    mib: int
+    dest_config: cri.PodSandboxConfig
+    out: Path
+    into: Path
+    answers: dict[str, Any] = field(default_factory=dict)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self, a_timeout: float = RPC_TIMEOUT, b_timeout: float = RPC_TIMEOUT) -> Migration:
+        n = self.nodes
+        restore = cri.RestorePodRequest(
+            checkpoint_path=str(self.into),
+            config=self.dest_config,
+            container_configs=[counter_config(self.mib)],
+            options={"lazy-migration-from": n.link.names[0]},
+        )
+        checkpoint = cri.CheckpointPodRequest(
+            pod_sandbox_id=self.source.id,
+            output_path=str(self.out),
+            options={"lazy-migration": n.link.listen(1)},
+        )
+
+        def call(key: str, method: Any, req: Any, timeout: float) -> None:
+            try:
+                self.answers[key] = method(req, timeout=timeout)
+            except grpc.RpcError as e:
+                self.answers[key] = e
+            self.answers[f"{key}_at"] = time.time()
+
+        self.threads = [
+            threading.Thread(target=call, args=("b", stub(n.b).RestorePod, restore, b_timeout)),
+            threading.Thread(target=call, args=("a", stub(n.a).CheckpointPod, checkpoint, a_timeout)),
+        ]
+        for t in self.threads:
+            t.start()
+        return self
+
+    def wait(self, timeout: float = RPC_TIMEOUT) -> Migration:
+        for t in self.threads:
+            t.join(timeout)
+        return self
+
+    def code(self, side: str) -> grpc.StatusCode:
+        a = self.answers[side]
+        return a.code() if isinstance(a, grpc.RpcError) else grpc.StatusCode.OK
+
+    @property
+    def dest_pod(self) -> pods.Pod:
+        return pods.Pod("", self.dest_config, {})
+
+
+def counter_config(mib: int) -> cri.ContainerConfig:
+    return pods.container_config("counter", args=["--mem-mib", str(mib), "--interval-ms", "50"])
+
+
+def start_source(n: Nodes, mib: int) -> Migration:
+    tag = secrets.token_hex(3)
+    src = pods.run_pod(
+        stub(n.a), f"mig-{tag}", Path(n.a.base_dir) / "pod-logs", {"counter": counter_config(mib)}
+    )
+    pods.wait_count(src.log_path("counter"), 3, timeout=60 + mib / 50)
+    out = Path(n.a.checkpoint_root) / f"out-{tag}"
+    into = Path(n.b.checkpoint_root) / f"in-{tag}"
+    out.mkdir(mode=0o700)
+    into.mkdir(mode=0o700)
+    config = pods.pod_config(f"mig-{tag}", Path(n.b.base_dir) / "pod-logs")
+    return Migration(n, src, mib, config, out, into)
+
+
+def dest_sandboxes(n: Nodes) -> list[str]:
+    return [p.id for p in stub(n.b).ListPodSandbox(cri.ListPodSandboxRequest()).items]
+
+
+def container_pid(rt: Any, cid: str) -> int:
+    st = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=True))
+    return int(json.loads(st.info["info"])["pid"])
+
+
+def frozen_cgroups(bed: TestBed) -> list[str]:
+    f = default_freezer()
+    out = []
+    for d in Path(f.path(bed.cgroup_root)).rglob("*"):
+        if d.is_dir():
+            rel = "/" + str(d.relative_to(f.path("/")))
+            with contextlib.suppress(Exception):
+                if f.state(rel) is not FreezerState.THAWED:
+                    out.append(rel)
+    return out
+
+
+def wait_until(what: str, cond: Any, timeout: float = 60.0) -> Any:
+    return pods.wait_for(cond, timeout=timeout, what=what)
+
+
+def log_has(bed: TestBed, text: str) -> bool:
+    return text in Path(bed.podshim_log).read_text(errors="replace")
+
+
+def assert_clean(n: Nodes, keep_b: frozenset[str] = frozenset()) -> None:
+    """No listener in either node's namespace, no sandbox left on B (but `keep_b`), no frozen
+    cgroup and no CRIU mount left on either node."""
+    assert n.link.listening(0) == [] and n.link.listening(1) == [], (n.link.listening(0), n.link.listening(1))
+    wait_until("B's sandboxes to go", lambda: set(dest_sandboxes(n)) <= keep_b or None, 60)
+    for bed in (n.a, n.b):
+        assert frozen_cgroups(bed) == [], bed.base_dir
+        criu_mounts = [
+            ln
+            for ln in Path("/proc/self/mountinfo").read_text().splitlines()
+            if str(bed.base_dir) in ln and ("criu" in ln or "podshim-restore" in ln)
+        ]
+        assert criu_mounts == [], criu_mounts
+
+
+def assert_runs_on(m: Migration, after: float = 0.0) -> list[tuple[int, float]]:
+    """A's counter runs on (its pod thawed): new lines after `after` (epoch seconds)."""
+    path = m.source.log_path("counter")
+    got = wait_until("A's counter to run on", lambda: [e for e in entries(path) if e[1] > after] or None, 30)
+    return got
+
+
+# ---------------------------------------------------------------------------- success
+
+
+@pytest.mark.parametrize("mib", [256, 1024, 4096])
+def test_migrates_a_counter_with_its_memory(nodes: Nodes, mib: int) -> None:
+    n = nodes
+    set_failpoints(n.a, "")
+    set_failpoints(n.b, "")
+    m = start_source(n, mib).start().wait()
+    assert m.code("b") == grpc.StatusCode.OK, m.answers["b"]
+    assert m.code("a") == grpc.StatusCode.OK, m.answers["a"]
+    resp = m.answers["b"]
+    (restored,) = resp.restored_containers
+    b_log = Path(m.dest_config.log_directory) / "counter" / "0.log"
+    b_entries = wait_until("B's counter", lambda: entries(b_log) or None)
+    a_entries = entries(m.source.log_path("counter"))
+    # B continues where A stopped: no count lost, none repeated, and A printed nothing after
+    assert a_entries[-1][0] < b_entries[0][0] <= a_entries[-1][0] + 2, (a_entries[-3:], b_entries[:3])
+    assert a_entries[-1][1] < b_entries[0][1]
+    os.kill(container_pid(stub(n.b), restored.container_id), signal.SIGUSR1)
+    verdict = wait_until(
+        "the verify line", lambda: [ln for ln in b_log.read_text().splitlines() if "verify" in ln], 120
+    )
+    assert verdict[0].endswith(f"verify ok mem_mib={mib}"), verdict
+    # A's pod: its containers removed, its sandbox stopped
+    rt_a = stub(n.a)
+    assert not rt_a.ListContainers(
+        cri.ListContainersRequest(filter=cri.ContainerFilter(pod_sandbox_id=m.source.id))
+    ).containers
+    assert (
+        rt_a.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=m.source.id)).status.state
+        == cri.SANDBOX_NOTREADY
+    )
+    timings = [
+        json.loads(ln)
+        for ln in Path(n.a.podshim_log).read_text().splitlines()
+        if '"migration complete"' in ln
+    ]
+    print(
+        f"{mib} MiB migration timings (s from the freeze):",
+        {k: v for k, v in timings[-1].items() if isinstance(v, float)},
+    )
+    assert_clean(n, keep_b=frozenset({resp.pod_sandbox_id}))
+    pods.remove_pod(stub(n.b), resp.pod_sandbox_id)
+    pods.remove_pod(rt_a, m.source.id)
+
+
+def test_podshim_migrate_drives_both_nodes(nodes: Nodes) -> None:
+    n = nodes
+    set_failpoints(n.a, "")
+    set_failpoints(n.b, "")
+    m = start_source(n, SMALL)
+    res = subprocess.run(
+        [
+            str(VENV_BIN / "podshim"),
+            "-r",
+            str(n.a.podshim_socket),
+            "-o",
+            "json",
+            "migrate",
+            m.source.id,
+            str(m.out),
+        ]
+        + ["--to", n.link.listen(1), "--to-endpoint", str(n.b.podshim_socket), "--from-name", n.link.names[0]]
+        + ["--to-path", str(m.into), "--log-directory", m.dest_config.log_directory],
+        capture_output=True,
+        text=True,
+        timeout=RPC_TIMEOUT,
+    )
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["destination"] == n.link.listen(1) and [c["name"] for c in out["containers"]] == ["counter"]
+    b_log = Path(m.dest_config.log_directory) / "counter" / "0.log"
+    assert wait_until("B's counter", lambda: entries(b_log) or None)[0][0] > 0
+    pods.remove_pod(stub(n.b), out["destinationPodSandboxId"])
+    pods.remove_pod(stub(n.a), m.source.id)
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def test_refused_by_the_precheck_before_anything_is_frozen(nodes: Nodes) -> None:
+    """B is asked for an image it lacks: B refuses the offer, A answers FAILED_PRECONDITION
+    without having frozen the pod (its counter never paused), B created and kept nothing."""
+    n = nodes
+    set_failpoints(n.a, "")
+    set_failpoints(n.b, "")
+    m = start_source(n, SMALL)
+    cc = counter_config(SMALL)
+    cc.image.image = "localhost/podshim/not-there:1"
+    restore = cri.RestorePodRequest(
+        checkpoint_path=str(m.into),
+        config=m.dest_config,
+        container_configs=[cc],
+        options={"lazy-migration-from": n.link.names[0]},
+    )
+    answers: dict[str, Any] = {}
+
+    def b_call() -> None:
+        try:
+            answers["b"] = stub(n.b).RestorePod(restore, timeout=60)
+        except grpc.RpcError as e:
+            answers["b"] = e
+
+    t = threading.Thread(target=b_call)
+    t.start()
+    with pytest.raises(grpc.RpcError) as err:
+        stub(n.a).CheckpointPod(
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=m.source.id,
+                output_path=str(m.out),
+                options={"lazy-migration": n.link.listen(1)},
+            ),
+            timeout=60,
+        )
+    t.join(60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    assert "not-there" in err.value.details() and "nothing was frozen" in err.value.details()
+    assert answers["b"].code() == grpc.StatusCode.FAILED_PRECONDITION
+    time.sleep(0.5)
+    ts = [t for _, t in entries(m.source.log_path("counter"))]
+    assert max(b - a for a, b in zip(ts, ts[1:], strict=False)) < 0.5, "the source pod paused"
+    assert not list(m.into.iterdir()) and not list(m.out.iterdir())
+    assert_clean(n)
+    pods.remove_pod(stub(n.a), m.source.id)
+
+
+def test_an_unauthenticated_peer_is_refused(nodes: Nodes) -> None:
+    """While B listens for a migration: a client without a certificate, one of another CA and one
+    of the CA naming another node are refused; nothing listens once B's RestorePod has ended."""
+    n = nodes
+    set_failpoints(n.b, "")
+    into = Path(n.b.checkpoint_root) / f"in-{secrets.token_hex(3)}"
+    into.mkdir(mode=0o700)
+    restore = cri.RestorePodRequest(
+        checkpoint_path=str(into),
+        config=pods.pod_config("lonely", Path(n.b.base_dir) / "pod-logs"),
+        container_configs=[counter_config(SMALL)],
+        options={"lazy-migration-from": n.link.names[0]},
+    )
+    answers: dict[str, Any] = {}
+
+    def b_call() -> None:
+        try:
+            answers["b"] = stub(n.b).RestorePod(restore, timeout=12)
+        except grpc.RpcError as e:
+            answers["b"] = e
+
+    t = threading.Thread(target=b_call)
+    t.start()
+    wait_until("B to listen", lambda: n.link.listen(1) in n.link.listening(1) or None, 10)
+    other = credentials.issue(Path(n.b.base_dir) / "other-ca", {n.link.names[0]: [n.link.address(0)]})
+    cert, key = other[n.link.names[0]]
+    impostor = credentials.NodeCredentials(
+        str(cert), str(key), str(Path(n.b.base_dir) / "other-ca" / "ca.pem")
+    )
+    no_cert = ssl.create_default_context(cafile=str(n.pki / "ca.pem"))
+    no_cert.check_hostname = False
+    # node B's own credentials: a certificate of the CA that does not name node A
+    wrong_name = credentials.NodeCredentials(
+        str(n.pki / f"{n.link.names[1]}.pem"),
+        str(n.pki / f"{n.link.names[1]}-key.pem"),
+        str(n.pki / "ca.pem"),
+    )
+
+    def attempt(ctx: ssl.SSLContext) -> None:
+        cmd = _in_netns(n, 0)
+        with cmd:
+            s = wire.connect(n.link.listen(1), ctx, {"t": "control", "migration": "x"}, 5.0)
+            if not s.recv(1):
+                raise wire.LinkLost("closed by B")
+
+    for ctx in (no_cert, impostor.client_context(), wrong_name.client_context()):
+        with pytest.raises((ssl.SSLError, OSError, wire.LinkLost)):
+            attempt(ctx)
+    t.join(30)
+    assert answers["b"].code() == grpc.StatusCode.DEADLINE_EXCEEDED, answers["b"]
+    refusals = Path(n.b.podshim_log).read_text().count("migration listener: peer refused")
+    assert refusals >= 3
+    assert n.link.listening(1) == []
+    assert not list(into.iterdir())
+
+
+@contextlib.contextmanager
+def _in_netns(n: Nodes, i: int) -> Iterator[None]:
+    """This thread in node i's network namespace for the block (a client on node A)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newnet = 0x40000000
+    fd = os.open(str(n.link.netns(i)), os.O_RDONLY)
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), "setns")
+        yield
+    finally:
+        libc.setns(home, clone_newnet)
+        os.close(fd)
+        os.close(home)
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+BEFORE = "migration.before-ready=sleep:60"  # B holds its created pod, before the containers run
+AFTER = "migration.before-done=sleep:60"  # B's containers run; it holds its `done`
+
+
+def _held(n: Nodes, m: Migration, when: str) -> None:
+    """Wait until the migration is held where the failpoint holds it."""
+    if when == "before":
+        wait_until(
+            "B's containers to be created", lambda: log_has(n.b, "migration: containers created") or None, 120
+        )
+    else:
+        wait_until("B's containers to run", lambda: "b" in m.answers or None, 120)
+        assert m.code("b") == grpc.StatusCode.OK, m.answers["b"]
+
+
+def _b_last(m: Migration) -> tuple[int, float] | None:
+    got = entries(Path(m.dest_config.log_directory) / "counter" / "0.log")
+    return got[-1] if got else None
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("failure", ["b-killed", "a-killed", "link-cut", "deadline"])
+def test_failure(nodes: Nodes, failure: str, when: str) -> None:
+    n = nodes
+    set_failpoints(n.a, "")
+    set_failpoints(n.b, BEFORE if when == "before" else AFTER)
+    Path(n.b.podshim_log).write_text("")  # this test's lines only
+    m = start_source(n, SMALL)
+    a_timeout = RPC_TIMEOUT
+    if failure == "deadline":
+        a_timeout = 20 if when == "before" else 25
+    m.start(a_timeout=a_timeout)
+    _held(n, m, when)
+    frozen_at = entries(m.source.log_path("counter"))[-1][1]
+    if failure == "b-killed":
+        n.b.kill_podshim()
+    elif failure == "a-killed":
+        n.a.kill_podshim()
+    elif failure == "link-cut":
+        n.link.cut()
+    m.wait()
+    if failure == "link-cut":
+        n.link.mend()
+    if failure == "a-killed":
+        restart(n.a)  # its recovery thaws the pod (after the lease when B may have run)
+    if failure == "b-killed":
+        restart(n.b)  # its recovery removes the new pod
+    # A's pod runs on, after B's last output
+    b_last = _b_last(m)
+    resumed = assert_runs_on(m, after=frozen_at)
+    if when == "after":
+        # (B may have printed nothing: cut off from A, its first missing page blocks it)
+        if b_last is not None:
+            assert resumed[0][1] > b_last[1], f"A ran again ({resumed[0]}) before B's copy stopped ({b_last})"
+        assert not log_has(n.b, "migration complete")
+        if failure != "b-killed":  # B's podshim killed its containers with the reason (else its guard)
+            wait_until("B's reason", lambda: log_has(n.b, "failed after the containers ran") or None, 30)
+    else:
+        assert b_last is None, "B's containers ran before `go`"
+    if failure != "a-killed":
+        assert m.code("a") != grpc.StatusCode.OK
+    assert_clean(n)
+    pods.remove_pod(stub(n.a), m.source.id)

@@ -1,0 +1,171 @@
+"""The migration link (shim/migration/wire.py, credentials.py): mutual TLS between node
+certificates of one CA, the control channel's frames; an unauthenticated peer,
+a peer of another CA and a peer with the wrong name are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import threading
+from pathlib import Path
+
+import pytest
+
+from shim import errors
+from shim.migration import credentials, wire
+
+ADDR = "127.0.0.1"
+
+
+@pytest.fixture(scope="module")
+def creds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, credentials.NodeCredentials]:
+    d = tmp_path_factory.mktemp("pki")
+    issued = credentials.issue(d, {"node-a": [ADDR], "node-b": [ADDR]})
+    other = credentials.issue(d / "other", {"node-a": [ADDR]})  # same name, another CA
+    ca = str(d / "ca.pem")
+    out = {n: credentials.NodeCredentials(str(c), str(k), ca) for n, (c, k) in issued.items()}
+    c, k = other["node-a"]
+    out["impostor"] = credentials.NodeCredentials(str(c), str(k), str(d / "other" / "ca.pem"))
+    return out
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind((ADDR, 0))
+        return f"{ADDR}:{s.getsockname()[1]}"
+
+
+def accept_in_thread(listener: wire.Listener, expected: str, refused: list[str]) -> dict[str, object]:
+    got: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            got["conn"] = listener.accept(expected, 5.0, refused.append)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            got["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    got["thread"] = t
+    return got
+
+
+def test_authenticated_peer_is_accepted_and_others_refused(creds: dict) -> None:
+    addr = free_address()
+    listener = wire.Listener(addr, creds["node-b"].server_context())
+    refused: list[str] = []
+    try:
+        got = accept_in_thread(listener, "node-a", refused)
+        # no certificate at all
+        plain_ctx = ssl.create_default_context(cafile=creds["node-b"].ca_file)
+        plain_ctx.check_hostname = False
+        with pytest.raises((ssl.SSLError, OSError)):
+            s = wire.connect(addr, plain_ctx, {"t": "control"}, 5.0)
+            s.recv(1)  # TLS 1.3: the server's refusal of the client certificate arrives on read
+        # a certificate of another CA under the expected name
+        with pytest.raises((ssl.SSLError, OSError)):
+            wire.connect(addr, creds["impostor"].client_context(), {"t": "control"}, 5.0).recv(1)
+        # a valid certificate naming another node
+        with pytest.raises((ssl.SSLError, OSError, wire.LinkLost)):
+            s = wire.connect(addr, creds["node-b"].client_context(), {"t": "control"}, 5.0)
+            if not s.recv(1):
+                raise wire.LinkLost("closed")
+        s = wire.connect(addr, creds["node-a"].client_context(), {"t": "control", "migration": "m1"}, 5.0)
+        got["thread"].join(10)  # type: ignore[attr-defined]
+        assert "error" not in got, got
+        tls, greeting = got["conn"]  # type: ignore[misc]
+        assert greeting == {"t": "control", "migration": "m1"}
+        assert credentials.peer_names(tls.getpeercert()) >= {"node-a"}
+        assert len(refused) == 3, refused
+        tls.close()
+        s.close()
+    finally:
+        listener.close()
+
+
+def test_the_source_checks_the_destinations_name(creds: dict) -> None:
+    addr = free_address()
+    listener = wire.Listener(addr, creds["node-b"].server_context())
+    try:
+        accept_in_thread(listener, "node-a", [])
+        with pytest.raises(ssl.SSLCertVerificationError):
+            wire.connect(addr, creds["node-a"].client_context(), {"t": "control"}, 5.0, "node-c")
+    finally:
+        listener.close()
+
+
+def test_credentials_that_do_not_load_are_failed_precondition(tmp_path: Path) -> None:
+    bad = credentials.NodeCredentials(
+        str(tmp_path / "x.pem"), str(tmp_path / "x-key.pem"), str(tmp_path / "ca")
+    )
+    with pytest.raises(errors.FailedPrecondition, match="cert_file"):
+        bad.server_context()
+
+
+async def test_control_channel(creds: dict) -> None:
+    addr = free_address()
+    listener = wire.Listener(addr, creds["node-b"].server_context())
+    loop = asyncio.get_running_loop()
+    try:
+        accepted = loop.run_in_executor(None, listener.accept, "node-a", 5.0, lambda why: None)
+        a_tls = await asyncio.to_thread(
+            wire.connect, addr, creds["node-a"].client_context(), {"t": "control"}, 5.0
+        )
+        b_tls, _ = await accepted
+        a, b = wire.Channel(a_tls, loop).start(), wire.Channel(b_tls, loop).start()
+        a.send({"t": "hello", "n": 1})
+        assert await asyncio.wait_for(b.inbox.get(), 5) == {"t": "hello", "n": 1}
+        blob = os.urandom(3 << 20)
+        await asyncio.to_thread(b.send_bytes_waiting, blob, 5.0)
+        got = await asyncio.wait_for(a.inbox.get(), 5)
+        assert got == blob
+        a.send({"t": "ping"})  # refreshes last_received, not delivered
+        b.send({"t": "bye"})
+        assert await asyncio.wait_for(a.inbox.get(), 5) == {"t": "bye"}
+        a.close()
+        lost = await asyncio.wait_for(b.inbox.get(), 5)
+        assert isinstance(lost, wire.LinkLost)
+
+    finally:
+        listener.close()
+
+
+def test_offer_helpers() -> None:
+    from shim.migration import protocol
+
+    offered = [
+        {"name": "app", "checkpointed": True},
+        {"name": "init", "checkpointed": False},  # recorded only (it had exited)
+    ]
+    assert protocol.container_mismatches(offered, ["app"]) == []
+    assert protocol.container_mismatches(offered, ["app", "init"]) == []  # a kubelet sends the whole spec
+    assert protocol.container_mismatches(offered, ["init"]) == ["the request has no container config for app"]
+    assert protocol.container_mismatches(offered, ["app", "extra"]) == [
+        "the migrating pod has no container extra"
+    ]
+    host = protocol.host_of({"host": {"arch": "x86_64", "kernel": "6.18.1", "future": "x", "cpuinfo": 3}})
+    assert (host.arch, host.kernel, host.cpuinfo) == ("x86_64", "6.18.1", "3")
+    assert "2 mismatches" in protocol.refusal(["a", "b"]) and protocol.refusal([]) == ""
+
+
+async def test_a_malformed_frame_ends_the_channel(creds: dict) -> None:
+    """A frame over MAX_FRAME (or of an unknown kind) from the peer is a protocol error: the
+    channel ends with LinkLost instead of buffering it."""
+    addr = free_address()
+    listener = wire.Listener(addr, creds["node-b"].server_context())
+    loop = asyncio.get_running_loop()
+    try:
+        accepted = loop.run_in_executor(None, listener.accept, "node-a", 5.0, lambda why: None)
+        a_tls = await asyncio.to_thread(
+            wire.connect, addr, creds["node-a"].client_context(), {"t": "control"}, 5.0
+        )
+        b_tls, _ = await accepted
+        b = wire.Channel(b_tls, loop).start()
+        await asyncio.to_thread(a_tls.sendall, wire.FRAME.pack(wire.MAX_FRAME + 1, wire.BYTES))
+        lost = await asyncio.wait_for(b.inbox.get(), 5)
+        assert isinstance(lost, wire.LinkLost) and "malformed frame" in lost.reason
+        a_tls.close()
+    finally:
+        listener.close()
