@@ -1,9 +1,11 @@
-"""Small checks the end-to-end tests share: errors, verbose status, freezer state, journal."""
+"""Small checks the end-to-end tests share: errors, verbose status, freezer state, journal, a
+pod's network lock."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,17 @@ def freezer_state(cgroup: str) -> str:
     if "frozen 1" in (d / "cgroup.events").read_text().splitlines():
         return "FROZEN"
     return "FREEZING" if (d / "cgroup.freeze").read_text().strip() == "1" else "THAWED"
+
+
+def assert_netns_unlocked(rt: api_pb2_grpc.RuntimeServiceStub, pod_id: str) -> None:
+    """The pod's network namespace holds no CRIU network lock (its iptables chain named CRIU),
+    after a tcp-established dump that podshim locked it for."""
+    st = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id, verbose=True))
+    namespaces = json.loads(st.info["info"])["runtimeSpec"]["linux"]["namespaces"]
+    netns = next(n["path"] for n in namespaces if n["type"] == "network")
+    for tool in ("iptables", "ip6tables"):
+        rules = subprocess.run(["nsenter", f"--net={netns}", tool, "-S"], capture_output=True, text=True)
+        assert rules.returncode == 0 and "CRIU" not in rules.stdout, (tool, rules.stdout, rules.stderr)
 
 
 def set_freezer(cgroup: str, state: str) -> None:

@@ -12,6 +12,7 @@ and unfrozen, and no file (tar, staging dir or journal record) left behind.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -35,7 +36,14 @@ from shim import config as configmod
 from shim.server.runtime import RuntimeHandlers
 from testbed import pods
 from testbed.bed import TestBed
-from testbed.checks import container_cgroup, expect_error, freezer_state, journal_files, set_freezer
+from testbed.checks import (
+    assert_netns_unlocked,
+    container_cgroup,
+    expect_error,
+    freezer_state,
+    journal_files,
+    set_freezer,
+)
 
 # podshim's own checkpoint: with "always" on containerd 2.x (tests/conftest.py)
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("own_container_checkpoint")]
@@ -421,6 +429,187 @@ def test_restore_of_a_kubelet_container_needs_its_bind_mounts(
     first = pods.wait_for(lambda: pods.counts(restored_log), what="restored counter output")[0]
     assert 0 < before <= first <= after + 3, (before, first, after)
     pods.wait_count(restored_log, first + 5)
+
+
+def log_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def create_from(rt: Rt, pod_id: str, config: Any, cc: cri.ContainerConfig) -> str:
+    req = cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config)
+    return rt.CreateContainer(req, timeout=CALL_TIMEOUT).container_id
+
+
+def test_what_the_kubelet_sends_is_enough(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
+) -> None:
+    """The kubelet's checkpoint API calls CheckpointContainer with no options. A deleted file held
+    open over CRIU's 1 MiB ghost-file limit and an inotify watch on a file of the container's
+    rootfs (overlayfs: CRIU cannot reopen it by handle) checkpoint as they do with CheckpointPod:
+    the node's defaults, ghost-limit and irmap-scan-path fitted before the freeze
+    (docs/architecture.md §6 (CheckpointContainer)); the tar restores both (the file's content,
+    a watch that still reports a write)."""
+    script = (
+        "dd if=/dev/zero of=/tmp/big bs=1024 count=2048 2>/dev/null && exec 3</tmp/big && rm /tmp/big "
+        "&& mkdir -p /data/deep && exec /sharer watch /data/deep/f"
+    )
+    cc = pods.container_config("app", command=["sh", "-c", script], args=[])
+    src = start_pod(rt, "no-options", log_root, pod_cleanup, {"app": cc}, runtime_handler)
+    pods.wait_for(lambda: b"ready" in log_bytes(src.log_path("app")), what="the file held open and the watch")
+    target = new_dir(bed, "no-options") / "app.tar"
+    checkpoint(rt, src.containers["app"], target)  # as the kubelet: no options
+    options = read_member(target, "podshim-manifest.json")["options"]
+    assert options["ghost-limit"] == str(3 << 20), options  # 2 MiB plus a quarter, whole MiB
+    assert options["irmap-scan-paths"] == "/data/deep", options
+
+    pod_id, config = run_sandbox(rt, "no-options-dst", log_root, pod_cleanup, runtime_handler)
+    cid = create_from(rt, pod_id, config, pods.container_config("app", image=str(target), args=[]))
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=CALL_TIMEOUT)
+    r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["wc", "-c", "/proc/1/fd/3"], timeout=10))
+    assert r.exit_code == 0 and r.stdout.split()[0] == b"2097152", (r.stdout, r.stderr)
+    write = ["sh", "-c", "echo b >> /data/deep/f"]
+    r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=write, timeout=10))
+    assert r.exit_code == 0, r.stderr
+    restored_log = Path(config.log_directory) / "app" / "0.log"
+    pods.wait_for(lambda: b"event " in log_bytes(restored_log), what="the restored watch to report the write")
+
+
+def test_node_default_tcp_established_locks_the_pod_network(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], tmp_path: Path
+) -> None:
+    """A container holding an established (loopback) TCP connection: with the stock node defaults
+    CRIU refuses it; on a node whose [checkpoint] tcp_established is on, CheckpointContainer (no
+    options) dumps it with the pod's network namespace locked by podshim around the dump, as
+    CheckpointPod does (CRIU told to skip its own lock), and unlocked after: no CRIU chain is left."""
+    script = (
+        "while true; do echo tick; sleep 1; done | nc -l -p 7777 & "
+        f"mkfifo /tmp/f; sleep 100000 > /tmp/f & {pods.until_listening(7777)}; nc 127.0.0.1 7777 < /tmp/f"
+    )
+    tcp = pods.container_config("tcp", image=pods.BUSYBOX_IMAGE, command=["sh", "-c", script], args=[])
+    src = start_pod(rt, "tcp", log_root, pod_cleanup, {"tcp": tcp})
+    pods.wait_for(
+        lambda: log_bytes(src.log_path("tcp")).count(b"tick") >= 2, what="the connection to carry data"
+    )
+    cid = src.containers["tcp"]
+    out = new_dir(bed, "tcp")
+    expect_error(grpc.StatusCode.INTERNAL, lambda: checkpoint(rt, cid, out / "stock.tar"), "tcp-established")
+    assert list(out.iterdir()) == []
+    with bed.extra_podshim(tmp_path, checkpoint={"tcp_established": True}) as (socket, _log):
+        checkpoint(pods.stubs(socket)[0], cid, out / "tcp.tar")
+    assert read_member(out / "tcp.tar", "podshim-manifest.json")["options"]["tcp-established"] == "true"
+    import pycriu
+
+    with tarfile.open(out / "tcp.tar") as tar:
+        inventory = tar.extractfile("checkpoint/inventory.img")
+        assert inventory is not None
+        assert pycriu.images.load(inventory)["entries"][0].get("network_lock_method") == 2  # skip
+    assert_netns_unlocked(rt, src.id)
+    ticks = log_bytes(src.log_path("tcp")).count(b"tick")
+    pods.wait_for(
+        lambda: log_bytes(src.log_path("tcp")).count(b"tick") > ticks + 1, what="the connection to go on"
+    )
+
+
+def rewrite_tar(src: Path, dst: Path, member: str, change: Callable[[Any], None]) -> None:
+    """A copy of the container tar `src` whose JSON `member` `change` edited, with
+    podshim-manifest.json agreeing (its checksums are no signature)."""
+    with tarfile.open(src) as tar:
+        entries = [(m, tar.extractfile(m).read() if m.isfile() else b"") for m in tar.getmembers()]  # type: ignore[union-attr]
+    data = dict((m.name, d) for m, d in entries)
+    doc = json.loads(data[member])
+    change(doc)
+    data[member] = json.dumps(doc).encode()
+    m = json.loads(data["podshim-manifest.json"])
+    m["files"][member] = {"size": len(data[member]), "sha256": hashlib.sha256(data[member]).hexdigest()}
+    data["podshim-manifest.json"] = json.dumps(m).encode()
+    with tarfile.open(dst, "w") as out:
+        for ti, _ in entries:
+            if ti.isfile():
+                ti.size = len(data[ti.name])
+                out.addfile(ti, io.BytesIO(data[ti.name]))
+            else:
+                out.addfile(ti)
+
+
+def test_a_kubelet_container_tar_restores_its_image_by_identity(
+    rt: Rt, img: api_pb2_grpc.ImageServiceStub, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    """docs/architecture.md §19 (Image identity): the tar of a container the kubelet made (image by
+    ID, user_specified_image) records the image's ID and name, as a pod checkpoint does. Restored,
+    its container is created with that ID; an image the request names (user_specified_image) may
+    be it by ID, digest reference or name, another image is a config mismatch (INVALID_ARGUMENT);
+    a config.dump naming another image than the manifest is DATA_LOSS. Nothing is created or
+    imported by a refusal."""
+    counter_id, busybox_id = pods.image_id(img, pods.COUNTER_IMAGE), pods.image_id(img, pods.BUSYBOX_IMAGE)
+    kubelet_root = Path(bed.base_dir) / "kubelet"
+    src_config = pods.pod_config(f"kube-img-{secrets.token_hex(3)}", log_root)
+    cc = pods.kubelet_container_config(img, src_config, kubelet_root, "counter", args=["--interval-ms", "50"])
+    src = pods.run_pod(rt, src_config.metadata.name, log_root, {"counter": cc}, config=src_config)
+    pod_cleanup.append(src.id)
+    pods.wait_count(src.log_path("counter"), 10)
+    target = new_dir(bed, "kube-img") / "counter.tar"
+    checkpoint(rt, src.containers["counter"], target)
+    after = pods.counts(src.log_path("counter"))[-1]
+    recorded = read_member(target, "podshim-manifest.json")["container"]
+    assert (recorded["image_id"], recorded["user_specified_image"]) == (counter_id, pods.COUNTER_IMAGE)
+    dump = read_member(target, "config.dump")
+    assert (dump["image_id"], dump["user_specified_image"]) == (counter_id, pods.COUNTER_IMAGE), dump
+
+    pod_id, config = run_sandbox(rt, "kube-img-dst", log_root, pod_cleanup)
+
+    def copy(tar: Path, expect: str = "") -> cri.ContainerConfig:
+        new = pods.container_config(f"copy-{secrets.token_hex(2)}", image=str(tar), args=[])
+        new.image.user_specified_image = expect
+        term = kubelet_root / "new" / secrets.token_hex(3)
+        term.parent.mkdir(parents=True, exist_ok=True)
+        term.touch()
+        new.mounts.append(cri.Mount(host_path=str(term), container_path=pods.TERMINATION_LOG))
+        return new
+
+    def nothing_left() -> None:
+        listed = rt.ListContainers(
+            cri.ListContainersRequest(filter=cri.ContainerFilter(pod_sandbox_id=pod_id))
+        )
+        assert list(listed.containers) == [] and imports(bed) == []
+
+    wrong = copy(target, pods.BUSYBOX_IMAGE)
+    details = expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: create_from(rt, pod_id, config, wrong),
+        busybox_id,
+        counter_id,
+    )
+    assert "nothing was created" in details, details
+    nothing_left()
+    changed = target.with_name("other-image.tar")
+    rewrite_tar(target, changed, "config.dump", lambda d: d["config"]["image"].update(image=busybox_id))
+    expect_error(
+        grpc.StatusCode.DATA_LOSS,
+        lambda: create_from(rt, pod_id, config, copy(changed)),
+        "config.image",
+        busybox_id,
+    )
+    nothing_left()
+
+    with pods.digest_reference(bed, pods.COUNTER_IMAGE) as digest_ref:
+        for expect in (counter_id, digest_ref, pods.COUNTER_IMAGE):
+            cid = create_from(rt, pod_id, config, copy(target, expect))
+            st = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status
+            assert st.state == cri.CONTAINER_CREATED, (expect, st.state)
+            rt.RemoveContainer(cri.RemoveContainerRequest(container_id=cid), timeout=30)
+    resumed = copy(target)  # no image named: the checkpoint's, by its ID
+    cid = create_from(rt, pod_id, config, resumed)
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=CALL_TIMEOUT)
+    restored_log = Path(config.log_directory) / resumed.log_path
+    first = pods.wait_for(lambda: pods.counts(restored_log), what="restored counter output")[0]
+    assert 0 < first <= after + 3, (first, after)
+    info = json.loads(
+        rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=True)).info["info"]
+    )
+    assert info["config"]["image"]["image"] == counter_id, info["config"]["image"]
 
 
 def test_restore_refuses_hostile_and_missing_archives(

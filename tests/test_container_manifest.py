@@ -136,7 +136,7 @@ def test_the_writer_and_the_reader_agree_on_a_tree(tmp_path: Path) -> None:
     assert container_tar_files(tmp_path) == m.files  # the manifest is not listed in itself
     ck = load_imported(tmp_path, tmp_path / "ck.tar", Steps())
     assert ck.manifest == ContainerTarManifest.from_dict(json.loads(m.to_json()), "ck.tar")
-    cc = restore_config(cri.ContainerConfig(), ck, "busybox")
+    cc = restore_config(cri.ContainerConfig(), ck, cri.ImageSpec(image="busybox"))
     assert contract.from_record(cc.annotations[contract.RESTORE_OPTIONS_ANNOTATION]).file_locks
 
 

@@ -32,6 +32,7 @@ from shim.archive import manifest
 from shim.deadlines import RESTORE_CLEANUP_MARGIN
 from testbed import _sys, pods
 from testbed.bed import REAL_RUNC, TestBed
+from testbed.checks import assert_netns_unlocked
 
 pytestmark = pytest.mark.e2e
 
@@ -731,13 +732,7 @@ def test_established_tcp_connection_is_closed_on_restore(
     for name in containers:
         with open(out / "containers" / name / "checkpoint" / "inventory.img", "rb") as f:
             assert pycriu.images.load(f)["entries"][0].get("network_lock_method") == 2  # skip
-    info = json.loads(
-        rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=src.id, verbose=True)).info["info"]
-    )
-    netns = next(n["path"] for n in info["runtimeSpec"]["linux"]["namespaces"] if n["type"] == "network")
-    for tool in ("iptables", "ip6tables"):
-        rules = subprocess.run(["nsenter", f"--net={netns}", tool, "-S"], capture_output=True, text=True)
-        assert rules.returncode == 0 and "CRIU" not in rules.stdout, (tool, rules.stdout, rules.stderr)
+    assert_netns_unlocked(rt, src.id)
     try:
         config = pods.pod_config("tcp-restored", log_root)
         resp = restore(rt, out, config, list(containers.values()), runtime_handler=runtime_handler)

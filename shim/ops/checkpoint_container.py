@@ -36,7 +36,7 @@ from typing import IO, Any, TypeVar
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, contract, errors, faults, logs
+from shim import __version__, errors, faults, logs
 from shim.aio import Steps, run_to_end
 from shim.archive import fsutil, layout, manifest, paths, rootfs_diff
 from shim.archive.container_tar import (
@@ -51,16 +51,19 @@ from shim.checks import space, taskstate
 from shim.checks.sharing import check_shared_state
 from shim.checks.taskstate import TaskStates
 from shim.config import Config
-from shim.criu.runtime import CriuOptions, binary_version, read_dump_stats
+from shim.criu.runtime import CriuOptions, NetnsLock, binary_version, read_dump_stats
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
 from shim.ops import checkpoint_pod
 from shim.ops.checkpoint_pod import (
+    CheckpointOptions,
     PodCheckpointer,
     check_dumpable,
     confirm_thawed,
+    options_record,
     self_frozen,
 )
 from shim.sandbox import ContainerView, PodView, build_pod_view
+from shim.sandbox.images import resolve_container_images
 from shim.state import Journal, OpRecord
 from shim.state.records import ContainerCheckpointRecord
 from shim.upstream import Upstream, is_not_found
@@ -291,11 +294,6 @@ class Result:
     timings: dict[str, float]
 
 
-def _criu_options() -> CriuOptions:
-    # As CRI-O: file locks on; TCP, external unix sockets and terminals refused.
-    return CriuOptions()
-
-
 class ContainerCheckpointer:
     """CheckpointContainer in podshim; the dump, runtime choice and diff capture are the pod
     checkpoint's (PodCheckpointer), applied to one container."""
@@ -367,6 +365,12 @@ class ContainerCheckpointer:
             await run_to_end(self.pods.check_criu_config, c)
             # a file of the pod's /dev/shm in use: the restore could not open it
             await run_to_end(check_shared_state, [c])
+            # the kubelet's checkpoint API sends no options: the node's defaults, with ghost-limit and
+            # irmap-scan-path fitted to what the container holds, as CheckpointPod's
+            # (docs/architecture.md §6 (CheckpointContainer)); its image ID, recorded in the tar
+            # (§19 (Image identity))
+            opts = await self.pods.fit_options(self.pods.parse_options({}), [c])
+            await resolve_container_images(self.upstream, [c])
             # the directory of the tar, held open: from here on it is reached only through that
             # descriptor (dirfd.py), so replacing it cannot make podshim write elsewhere
             where = open_checked(loc.directory, loc.asked or str(loc.directory), "location directory")
@@ -400,7 +404,7 @@ class ContainerCheckpointer:
             try:
                 held = where.adopt(where.mkdir(staging.name))  # closed with `where`
                 async with asyncio.timeout_at(deadline):
-                    size, timings = await self._run(pod, c, held, target, rec, steps, started, where)
+                    size, timings = await self._run(pod, c, opts, held, target, rec, steps, started, where)
                 # The commit point, past the deadline's reach as before (it ran between two awaits):
                 # from here on the checkpoint exists; only the staging dir is left to go.
                 path = await run_to_end(self._publish, held, where, target.name)
@@ -442,6 +446,7 @@ class ContainerCheckpointer:
         self,
         pod: PodView,
         c: ContainerView,
+        opts: CheckpointOptions,
         staging: DirHandle,
         target: Path,
         rec: Any,
@@ -467,7 +472,6 @@ class ContainerCheckpointer:
             tree.write_file, layout.STATUS_DUMP_FILE, layout.json_bytes(json_format.MessageToDict(c.status))
         )
         runtime = self.pods.runtime_for(c)
-        opts = _criu_options()
         timings["prepare"] = time.monotonic() - started
 
         # Freeze, dump (leaving it running) with the rootfs diff alongside, thaw: the pod's cut
@@ -478,26 +482,36 @@ class ContainerCheckpointer:
         # its tasks' states, read before the freeze and checked after the thaw (docs/architecture.md
         # §4.2 (Task states after a checkpoint))
         states = await steps.run(TaskStates, [cgroup])
-        await steps.run(self.journal.update, rec, "frozen")  # fsync: never on the loop
+        # established TCP connections (a node default): the pod's netns locked around the dump as
+        # CheckpointPod locks it, journaled first so that recovery unlocks it after a crash
+        netlock = NetnsLock(pod.netns) if opts.criu.tcp_established and pod.netns else None
+        netns = netlock.netns if netlock is not None else None
+        await steps.run(self.journal.update, rec, "frozen", netns=netns)  # fsync: never on the loop
         checkpointed = rfc3339()
         try:
             await steps.run(cut.freeze)
             checkpointed = rfc3339()
             faults.hit("checkpoint-container.after-freeze")
             log.info("container frozen", container=c.id, name=c.name)
-            tasks = [
-                asyncio.ensure_future(self._dump(runtime, c, opts, timings, tree, images)),
-                asyncio.ensure_future(self._diff(steps, c, upper, cl, timings)),
-            ]
             try:
-                await asyncio.gather(*tasks)
+                if netlock is not None:
+                    await run_to_end(netlock.lock)
+                tasks = [
+                    asyncio.ensure_future(self._dump(runtime, c, opts.criu, timings, tree, images)),
+                    asyncio.ensure_future(self._diff(steps, c, upper, cl, timings)),
+                ]
+                try:
+                    await asyncio.gather(*tasks)
+                finally:
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.wait(tasks)
+                    for t in tasks:  # the first failure propagated; the others are retrieved
+                        if not t.cancelled():
+                            t.exception()
             finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.wait(tasks)
-                for t in tasks:  # the first failure propagated; the others are retrieved
-                    if not t.cancelled():
-                        t.exception()
+                if netlock is not None:
+                    netlock.unlock()  # synchronous on purpose, as the thaw: runs while cancelled
             faults.hit("checkpoint-container.before-thaw")
         finally:
             cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
@@ -617,7 +631,7 @@ class ContainerCheckpointer:
         c: ContainerView,
         host: dict[str, str],
         stats: dict[str, int],
-        opts: CriuOptions,
+        opts: CheckpointOptions,
         timings: dict[str, float],
         files: dict[str, manifest.FileEntry],
     ) -> ContainerTarManifest:
@@ -631,13 +645,15 @@ class ContainerCheckpointer:
                 "name": c.name,
                 "image": c.image,
                 "image_ref": c.status.image_ref,
+                "image_id": c.image_id,
+                "user_specified_image": c.user_specified_image,
                 "restart_count": c.restart_count,
                 "state": cri.ContainerState.Name(c.state),
             },
             pod={"id": pod.id, "name": md.name, "namespace": md.namespace, "uid": md.uid},
             timings={k: round(v, 6) for k, v in timings.items()},
             criu_stats=stats,
-            options=contract.switches_record(opts),
+            options=dict(sorted(options_record(opts).items())),
             files=files,
         )
 
@@ -655,6 +671,9 @@ async def recover(rec: OpRecord) -> None:
     if not (out and fsutil.is_temp_name(Path(out).name)):
         await checkpoint_pod.recover(rec)
         return
+    if data.netns:
+        # a crash between the netns lock and its unlock left the pod's network dropped
+        NetnsLock.unlock_leftover(data.netns)
     thaw_paths(list(data.cgroups))
     staging = Path(out)
     with contextlib.suppress(OSError, errors.ShimError), DirHandle.open(staging.parent) as d:

@@ -253,6 +253,20 @@ class PodCheckpointer:
         rt = self.config.runtime_for_root(c.runtime_root) if c.runtime_root else self.config.runtime
         return OciRuntime(rt.binary, c.runtime_root or rt.root, rt.criu)
 
+    def parse_options(self, options: dict[str, str]) -> CheckpointOptions:
+        """A checkpoint's options: the request's over the node's defaults (`[checkpoint]`; the
+        kubelet sends none, docs/architecture.md §4.3 (What the kubelet sends))."""
+        cap = parse_size(self.config.ghost_limit_max)
+        return CheckpointOptions.parse(options, self.config.option_defaults(), cap)
+
+    async def fit_options(
+        self, opts: CheckpointOptions, containers: list[ContainerView]
+    ) -> CheckpointOptions:
+        """`opts` with CRIU's ghost-limit and irmap-scan-path fitted to the files `containers` hold,
+        read before anything is frozen (shim/checks/openfiles.py): what the kubelet sends is enough."""
+        criu = await run_to_end(openfiles.fitted, opts.criu, containers, opts.ghost_auto_max)
+        return replace(opts, criu=criu)
+
     def check_criu_config(self, c: ContainerView) -> None:
         """The CRIU config file runc would hand this container's dump: a restore's leftover is
         removed, a file overriding podshim's dump options refused (shim/criu/rpc_config.py)."""
@@ -323,8 +337,7 @@ class PodCheckpointer:
         key, pod (ready), the containers to capture (running, dumpable), and that the checkpoint
         fits on output_path's file system. Returns output_path held open (dirfd.py): from here
         on nothing inside it is reached through its path."""
-        cap = parse_size(self.config.ghost_limit_max)
-        opts = CheckpointOptions.parse(dict(req.options), self.config.option_defaults(), cap)
+        opts = self.parse_options(dict(req.options))
         post = req.post_checkpoint_state
         if post not in (cri.POST_CHECKPOINT_STATE_RUNNING, cri.POST_CHECKPOINT_STATE_STOPPED):
             raise errors.InvalidArgument(f"post_checkpoint_state {post} is not RUNNING (0) or STOPPED (1)")
@@ -341,10 +354,7 @@ class PodCheckpointer:
             await run_to_end(check_dumpable, c)
             await run_to_end(self.check_criu_config, c)
         await run_to_end(check_shared_state, selected)  # what the containers share (shim/checks/sharing.py)
-        # what the kubelet sends is enough: CRIU's ghost-limit and irmap-scan-path fitted to the
-        # files the pod holds (docs/architecture.md §4.3 (What the kubelet sends))
-        criu = await run_to_end(openfiles.fitted, opts.criu, selected, opts.ghost_auto_max)
-        opts = replace(opts, criu=criu)
+        opts = await self.fit_options(opts, selected)
         held = open_checked(out, req.output_path, "output path", empty=True)
         try:
             stop = threading.Event()  # set when the deadline cancels the estimate: its walk ends
@@ -661,7 +671,7 @@ class PodCheckpointer:
             ),
             timings=timings,
             criu_stats=stats,
-            options={k: v for k, v in sorted(_options_record(opts).items())},
+            options={k: v for k, v in sorted(options_record(opts).items())},
             post_checkpoint_state="STOPPED" if post == cri.POST_CHECKPOINT_STATE_STOPPED else "RUNNING",
         )
         key = self.node_key()
@@ -693,7 +703,8 @@ def _check_only_ours(archive: layout.ArchiveLayout, containers: list[str]) -> No
         raise _written_meanwhile(archive, f"{extra[0]!r} is not podshim's")
 
 
-def _options_record(opts: CheckpointOptions) -> dict[str, str]:
+def options_record(opts: CheckpointOptions) -> dict[str, str]:
+    """The options a checkpoint was taken with, as its manifest records them."""
     c = opts.criu
     return {
         **contract.switches_record(c),

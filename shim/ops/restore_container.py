@@ -41,6 +41,7 @@ from shim.config import Config
 from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, STALE_IMPORT_SECONDS
 from shim.ops.restore_pod import archived_config
+from shim.sandbox.images import Images, is_image_id
 from shim.sandbox.view import pod_status
 from shim.upstream import Upstream, is_not_found
 
@@ -221,14 +222,39 @@ def _spec_defaults(spec: dict[str, Any]) -> cri.ContainerConfig:
     )
 
 
-def restore_config(req: cri.ContainerConfig, ck: ImportedCheckpoint, image: str) -> cri.ContainerConfig:
+def tar_image_refs(ck: ImportedCheckpoint) -> list[str]:
+    """What a container tar records of its image, the surest first (docs/architecture.md §19 (Image
+    identity)): podshim's manifest (its ID, the reference the upstream reported, its name, the
+    user-specified name), else the checkpointctl keys of config.dump (another runtime's tar)."""
+    if ck.manifest is not None:
+        c = ck.manifest.container
+        refs = [c.get(k) for k in ("image_id", "image_ref", "image", "user_specified_image")]
+    else:
+        r = ck.record
+        refs = [r.get(k) for k in ("image_id", "rootfsImageRef", "rootfsImage", "rootfsImageName", "image")]
+    return list(dict.fromkeys(str(ref) for ref in refs if ref and isinstance(ref, str)))
+
+
+def _user_image(ck: ImportedCheckpoint, recorded: list[str]) -> str:
+    """The name the restored container reports as its user-specified image: the checkpoint's."""
+    c = ck.manifest.container if ck.manifest is not None else {}
+    r = ck.record
+    for named in (c.get("user_specified_image"), r.get("user_specified_image"), r.get("rootfsImageName")):
+        if isinstance(named, str) and named:
+            return named
+    return next((ref for ref in recorded if not is_image_id(ref)), "")
+
+
+def restore_config(
+    req: cri.ContainerConfig, ck: ImportedCheckpoint, image: cri.ImageSpec
+) -> cri.ContainerConfig:
     """The request's config (metadata, log path, mounts, labels, resources...) with the
     checkpoint's image, its command/args/env/working dir where the request leaves them empty,
     and podshim's restore annotations."""
     archived = archived_config(ck.record) if ck.record.get("config") else _spec_defaults(ck.spec)
     cc = cri.ContainerConfig()
     cc.CopyFrom(req)
-    cc.image.CopyFrom(cri.ImageSpec(image=image))
+    cc.image.CopyFrom(image)
     if not cc.command:
         cc.command.extend(archived.command)
     if not cc.args:
@@ -301,7 +327,7 @@ class ArchiveImporter:
                 # every bind mount of the checkpoint given a source (shim/checks/mounts.py)
                 missing = mounts.missing_mounts(ck.spec, req.config)
                 mounts.refuse_missing({req.config.metadata.name: missing}, str(tar_path))
-                image = await self._image(ck, tar_path)
+                image = await self._image(ck, req.config, tar_path)
                 cc = restore_config(req.config, ck, image)
                 cid = await self.upstream.create_container(
                     cri.CreateContainerRequest(
@@ -330,23 +356,56 @@ class ArchiveImporter:
         """The runtime handler the sandbox's containers run with, as the upstream reports it."""
         return (await pod_status(self.upstream, pod_id)).status.runtime_handler
 
-    async def _image(self, ck: ImportedCheckpoint, tar_path: Path) -> str:
-        """The checkpoint's image as the upstream knows it: its name, else its id."""
-        r = ck.record
-        candidates = [
-            str(v)
-            for v in (r.get("rootfsImageName"), r.get("image"), r.get("rootfsImage"), r.get("rootfsImageRef"))
-            if v
+    async def _image(self, ck: ImportedCheckpoint, req: cri.ContainerConfig, tar_path: Path) -> cri.ImageSpec:
+        """The checkpoint's image, by identity (docs/architecture.md §19 (Image identity)), as
+        RestorePod checks it: what the tar records of its image must name one image (DATA_LOSS
+        otherwise: the archive changed); an image the request names (`user_specified_image`, when
+        it is not the tar) must be that image by its ID, a digest reference or a name
+        (INVALID_ARGUMENT otherwise: a config mismatch); and this node must have it with the ID the
+        checkpoint ran (FAILED_PRECONDITION otherwise). The container is created with that ID, as
+        the kubelet creates containers, so a name moved to another image meanwhile cannot swap the
+        image under the restored process."""
+        images = Images(self.upstream)
+        recorded = tar_image_refs(ck)
+        if ck.manifest is not None:
+            r = ck.record
+            refs = {
+                k: r.get(k) for k in ("image", "image_id", "rootfsImage", "rootfsImageRef", "rootfsImageName")
+            }
+            refs["config.image"] = archived_config(r).image.image if r.get("config") else ""
+            found = await images.disagreeing(refs, recorded)
+            if found is not None:
+                where, ref, recorded_id = found
+                raise errors.DataLoss(
+                    f"checkpoint {tar_path} is inconsistent: its config.dump has {where} {ref!r}, "
+                    f"{MANIFEST_FILE} says {recorded[0] if recorded else '?'} ({recorded_id}), another "
+                    "image; the archive cannot be trusted, take a new checkpoint"
+                )
+        name = req.metadata.name
+        want = req.image.user_specified_image
+        if want and want != req.image.image:
+            mismatch = await images.mismatch(want, recorded)
+            if mismatch is not None:
+                checkpoint_id, here = mismatch
+                what = f"is {here} on this node" if here else "is not on this node"
+                raise errors.InvalidArgument(
+                    f"container {name!r}: image {want!r} differs from the image of checkpoint {tar_path} "
+                    f"({checkpoint_id}): it {what}; nothing was created"
+                )
+        checkpoint_id = await images.first_id(recorded)
+        if checkpoint_id is not None and (await self.upstream.image_status(checkpoint_id)).HasField("image"):
+            named = want if want and want != req.image.image else _user_image(ck, recorded)
+            return cri.ImageSpec(image=checkpoint_id, user_specified_image=named)
+        elsewhere = [
+            f"{ref} is {here} here"
+            for ref in recorded
+            if not is_image_id(ref) and (here := await images.id_of(ref)) and here != checkpoint_id
         ]
-        if r.get("image_ref"):
-            candidates.append(str(r["image_ref"]))
-        for image in dict.fromkeys(candidates):
-            st = await self.upstream.image_status(image)
-            if st.HasField("image"):
-                return image
+        recorded_as = checkpoint_id or ", ".join(recorded) or "unnamed"
         raise errors.FailedPrecondition(
-            f"the image of checkpoint {tar_path} ({', '.join(candidates) or 'unnamed'}) is not on this node: "
-            "pull it first"
+            f"the image of checkpoint {tar_path} ({recorded_as}) is not on this node"
+            f"{' (' + '; '.join(elsewhere) + ', another image)' if elsewhere else ''}: "
+            "pull it first; nothing was created"
         )
 
     def _imports(self) -> list[tuple[Path, str | None]]:

@@ -230,22 +230,19 @@ async def check_record(
     by its ID, a digest reference or a name (§19 (Image identity)): only a reference this node
     resolves to another image than the manifest's is refused; one it cannot resolve is left to
     the check that the image is on this node (_missing_images)."""
-    named = recorded_images(entry)
-    recorded_id = await images.first_id(named)
     refs = {
         "image": record.get("image"),
         "image_id": record.get("image_id"),
         "config.image": archived_config(record).image.image,
     }
-    for where, image in refs.items():
-        if not image or not isinstance(image, str) or image in named:
-            continue
-        if await images.differs(image, recorded_id):
-            raise errors.DataLoss(
-                f"checkpoint {root} is inconsistent: container {entry.name!r}'s config.dump has {where} "
-                f"{image!r}, manifest.json says {entry.image!r} ({recorded_id}), another image; the "
-                "archive cannot be trusted, take a new checkpoint"
-            )
+    found = await images.disagreeing(refs, recorded_images(entry))
+    if found is not None:
+        where, image, recorded_id = found
+        raise errors.DataLoss(
+            f"checkpoint {root} is inconsistent: container {entry.name!r}'s config.dump has {where} "
+            f"{image!r}, manifest.json says {entry.image!r} ({recorded_id}), another image; the "
+            "archive cannot be trusted, take a new checkpoint"
+        )
 
 
 def upstream_handlers(info: Any) -> set[str] | None:
@@ -653,16 +650,12 @@ class PodRestorer:
         different image is a config mismatch (INVALID_ARGUMENT). When the checkpoint's image is
         not on this node, _missing_images says so."""
         want = requested.image.image
-        named = recorded_images(entry)
-        if want in (*named, record.get("image_ref"), record.get("image_id")):
+        recorded = [*recorded_images(entry), *(str(record.get(k) or "") for k in ("image_ref", "image_id"))]
+        found = await images.mismatch(want, [r for r in recorded if r])
+        if found is None:
             return None
-        checkpoint_id = await images.first_id([*named, str(record.get("image_ref") or "")])
-        if checkpoint_id is None:
-            return None
-        found = await images.id_of(want)
-        if found == checkpoint_id:
-            return None
-        what = f"is {found} on this node" if found else "is not on this node"
+        checkpoint_id, here = found
+        what = f"is {here} on this node" if here else "is not on this node"
         return (
             f"container {entry.name!r}: image {want!r} differs from the checkpoint's "
             f"{entry.image!r} ({checkpoint_id}): it {what}"

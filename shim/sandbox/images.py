@@ -11,7 +11,7 @@ undecided, never "different".
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -67,6 +67,36 @@ class Images:
             return False
         found = await self.id_of(ref)
         return found is not None and found != image_id
+
+    async def disagreeing(
+        self, refs: Mapping[str, object], recorded: Sequence[str]
+    ) -> tuple[str, str, str | None] | None:
+        """The first of `refs` (where it is written -> reference) this node resolves to another
+        image than the checkpoint's, which `recorded` names (the first of them the node resolves):
+        (where, reference, the checkpoint's ID); None when every one names that image or is
+        undecided. A reference among `recorded` is taken as it. What a checkpoint's own records say
+        of its image: one that disagrees means the archive changed (DATA_LOSS)."""
+        recorded_id = await self.first_id(recorded)
+        for where, ref in refs.items():
+            if not ref or not isinstance(ref, str) or ref in recorded:
+                continue
+            if await self.differs(ref, recorded_id):
+                return where, ref, recorded_id
+        return None
+
+    async def mismatch(self, want: str, recorded: Sequence[str]) -> tuple[str, str | None] | None:
+        """Whether the reference a restore request gives, `want`, names another image than the
+        checkpoint's (named by `recorded`, the first the node resolves): None when it is one of
+        them, resolves to the same ID, or the node resolves none of `recorded` (undecided: the check
+        that the image is on the node speaks); else (the checkpoint's ID, `want`'s here or None).
+        A different image is a config mismatch (INVALID_ARGUMENT)."""
+        if want in recorded:
+            return None
+        checkpoint_id = await self.first_id(recorded)
+        if checkpoint_id is None:
+            return None
+        found = await self.id_of(want)
+        return None if found == checkpoint_id else (checkpoint_id, found)
 
 
 async def resolve_container_images(upstream: ImageSource, containers: Iterable[ContainerView]) -> None:
