@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 PYTEST := .venv/bin/pytest
 
-.PHONY: setup demo test test-core test-kubelet test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate
+.PHONY: setup demo test test-core test-kubelet test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet
 
 setup:
 	bash scripts/setup.sh
@@ -81,5 +81,10 @@ bench-distribution: setup
 # live migration between two nodes: downtime, total, the wire floor, the registry path (issue 27)
 bench-migrate: setup
 	$(PY) -m bench.migrate
+
+# A full node under a real kubelet (100 static pods), pointed at podshim and straight at containerd
+# (bench/kubelet.py, issue 22 item 11).
+bench-kubelet: setup
+	$(PY) -m bench.kubelet --rounds 2
 
 bench: bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate
