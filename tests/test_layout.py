@@ -1,5 +1,6 @@
 """The layout holds (docs/architecture.md §2 (Shape)): no import circle in shim/, bench/ or testbed/,
-gRPC only at its seams, the upstream client only in the daemon's top (server, engine, operations),
+gRPC only at its seams, the upstream client only in the daemon's top (server, engine, operations,
+live migration),
 the podshim-runc hook process free of the daemon, and the protocols the mechanisms declare satisfied
 by the upstream client (issue 26).
 
@@ -171,9 +172,10 @@ def test_grpc_only_at_its_seams() -> None:
 
 
 def test_the_upstream_client_only_in_the_daemons_top() -> None:
-    """The server, the engine and the operations hold the upstream client; the mechanisms below
-    them (the pod view, the checks, ...) declare the calls they make as a protocol."""
-    holders = ("shim/server/", "shim/upstream/", "shim/ops/", "shim/engine.py")
+    """The server, the engine and the operations (shim/ops, and the live migration's source and
+    destination) hold the upstream client; the mechanisms below them (the pod view, the checks, ...)
+    declare the calls they make as a protocol."""
+    holders = ("shim/server/", "shim/upstream/", "shim/ops/", "shim/migration/", "shim/engine.py")
     found = _paths_importing("shim.upstream")
     bad = {str(p): names for p, names in found.items() if not str(p).startswith(holders)}
     assert not bad, bad
@@ -192,7 +194,15 @@ def _reached(start: str) -> set[str]:
 def test_the_hook_process_never_loads_the_daemon() -> None:
     """podshim-runc-hook (shim/wrapper/) runs apart from podshim: nothing it imports, however
     deep, is the daemon's (docs/architecture.md §7 (The runtime wrapper))."""
-    daemon = ("shim.ops", "shim.engine", "shim.server", "shim.upstream", "shim.cli", "shim.checks")
+    daemon = (
+        "shim.ops",
+        "shim.migration",
+        "shim.engine",
+        "shim.server",
+        "shim.upstream",
+        "shim.cli",
+        "shim.checks",
+    )
     bad = sorted(m for m in _reached("shim.wrapper.main") if m.startswith(daemon))
     assert not bad, f"podshim-runc-hook loads the daemon's {bad}"
 
