@@ -24,7 +24,7 @@ from shim.archive.manifest import (
     read_manifest,
     write_manifest,
 )
-from shim.ops.restore_pod import _read_member
+from shim.ops.restore_checks import read_member
 
 CHUNK = crypto.CHUNK_SIZE
 BLOCK = CHUNK + crypto.TAG_SIZE
@@ -232,7 +232,7 @@ def test_encrypted_archive_verifies_and_decrypts(tmp_path: Path, key: crypto.Nod
             assert stat.S_IMODE(out.stat().st_mode) == 0o600
     assert not (dest / "sandbox").exists()
     assert stat.S_IMODE((dest / "checkpoint").stat().st_mode) == 0o700
-    cfg = json.loads(_read_member(d, d / "containers/app/config.dump", m, key))
+    cfg = json.loads(read_member(d, d / "containers/app/config.dump", m, key))
     assert cfg["config"]["envs"][0]["value"] == "s3"
 
 
@@ -244,7 +244,7 @@ def test_plain_archive_unchanged(tmp_path: Path, key: crypto.NodeKey) -> None:
     # a node with a key still restores plain archives, without one too
     assert load_and_verify(d, [str(tmp_path)], key=key).encryption is None
     m = load_and_verify(d, [str(tmp_path)])
-    assert _read_member(d, d / "containers/app/spec.dump", m, key) == b"{}"
+    assert read_member(d, d / "containers/app/spec.dump", m, key) == b"{}"
 
 
 def test_encrypted_archive_without_key_is_failed_precondition(tmp_path: Path, key: crypto.NodeKey) -> None:
@@ -315,7 +315,7 @@ def test_stripped_encryption_is_data_loss(tmp_path: Path, key: crypto.NodeKey) -
     (d / "manifest.json").write_text(json.dumps(doc))
     m = load_and_verify(d, [str(tmp_path)], key=key)
     with pytest.raises(errors.DataLoss, match="encrypted but manifest.json records no encryption"):
-        _read_member(d, d / "containers/app/config.dump", m, key)
+        read_member(d, d / "containers/app/config.dump", m, key)
 
 
 def test_unknown_scheme_is_failed_precondition(tmp_path: Path, key: crypto.NodeKey) -> None:

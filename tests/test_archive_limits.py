@@ -291,7 +291,8 @@ def test_ordinary_configs_pass() -> None:
 
 
 def test_handler_the_upstream_lacks() -> None:
-    from shim.ops.restore_pod import unknown_handler, upstream_handlers
+    from shim.ops.restore_checks import upstream_handlers
+    from shim.ops.restore_pod import unknown_handler
 
     cfg = {"containerd": {"runtimes": {"runc": {}, "crun": {}}}}
     assert upstream_handlers({"config": json.dumps(cfg)}) == {"runc", "crun"}

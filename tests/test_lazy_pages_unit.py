@@ -21,7 +21,7 @@ from shim import config, contract, errors, metrics
 from shim.config import Config
 from shim.criu.runtime import CriuOptions, OciRuntime
 from shim.ops import lazy_pages
-from shim.ops.restore_pod import RestoreOptions
+from shim.ops.restore_checks import RestoreOptions
 from shim.state import Journal
 from shim.wrapper import restore as wrapper_restore
 from tests.fakes import FakeUpstream

@@ -15,7 +15,8 @@ from shim import errors
 from shim.archive import manifest
 from shim.config import Config
 from shim.ops.checkpoint_pod import PodCheckpointer
-from shim.ops.restore_pod import PodRestorer, RestoreOptions, _Checked, _Planned
+from shim.ops.restore_checks import Checked, Planned, RestoreOptions
+from shim.ops.restore_pod import PodRestorer
 from shim.state import Journal
 from tests.fakes import ENDPOINT, FakeUpstream, rpc_error, unreachable
 
@@ -39,7 +40,7 @@ def _restorer(cfg: Config, up: FakeUpstream, start: bool = False) -> tuple[PodRe
     r.on_kept = kept.append
     root = Path(cfg.allowed_roots[0])
     plan = [
-        _Planned(
+        Planned(
             entry=manifest.ContainerEntry(
                 name=n,
                 id=f"old-{n}",
@@ -55,14 +56,14 @@ def _restorer(cfg: Config, up: FakeUpstream, start: bool = False) -> tuple[PodRe
         for n in NAMES
     ]
     m = manifest.Manifest(sandbox=manifest.SandboxInfo(id="old", metadata={}, config={}))
-    checked = _Checked(
+    checked = Checked(
         opts=RestoreOptions(start=start), root=root, key=None, manifest=m, plan=plan, network={}
     )
 
-    async def check(req: cri.RestorePodRequest) -> _Checked:
+    async def check(req: cri.RestorePodRequest) -> Checked:
         return checked
 
-    r._check = check  # type: ignore[method-assign]  # the archive's checks have their own tests
+    r.checks.check = check  # type: ignore[method-assign]  # the archive's checks have their own tests
     return r, kept
 
 
@@ -255,14 +256,14 @@ async def test_deadline_while_a_decrypted_dir_is_made_still_removes_it(
 
     monkeypatch.setattr(crypto, "new_decrypted_dir", slow_new_decrypted_dir)
     r, _ = _restorer(cfg, up)
-    plain_check = r._check
+    plain_check = r.checks.check
 
-    async def encrypted_check(req: cri.RestorePodRequest) -> _Checked:
+    async def encrypted_check(req: cri.RestorePodRequest) -> Checked:
         checked = await plain_check(req)
         checked.manifest.encryption = manifest.Encryption(scheme="test", key_id="k", mac="")
         return dataclasses.replace(checked, key=object())  # type: ignore[arg-type]  # never read here
 
-    r._check = encrypted_check  # type: ignore[method-assign]
+    r.checks.check = encrypted_check  # type: ignore[method-assign]
     task = asyncio.ensure_future(r.restore(_request(), deadline=30))
     assert await asyncio.to_thread(made.wait, 10), "the decrypted dir was never made"
     task.cancel()
@@ -285,9 +286,9 @@ def _with_member(r: PodRestorer, rel: str, data: bytes, recorded: bytes) -> None
     `recorded` (a different one: a corrupt member), left to the checksums beside the sandbox."""
     import hashlib
 
-    plain_check = r._check
+    plain_check = r.checks.check
 
-    async def check(req: cri.RestorePodRequest) -> _Checked:
+    async def check(req: cri.RestorePodRequest) -> Checked:
         checked = await plain_check(req)
         path = checked.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -296,7 +297,7 @@ def _with_member(r: PodRestorer, rel: str, data: bytes, recorded: bytes) -> None
         checked.unverified = [rel]
         return checked
 
-    r._check = check  # type: ignore[method-assign]
+    r.checks.check = check  # type: ignore[method-assign]
 
 
 async def test_a_corrupt_member_found_beside_the_sandbox_removes_it(cfg: Config, up: FakeUpstream) -> None:
@@ -348,14 +349,14 @@ async def test_undo_runs_last_in_first_out(
         journal_finish(rec)
 
     r.journal.finish = finish  # type: ignore[method-assign]
-    plain_check = r._check
+    plain_check = r.checks.check
 
-    async def encrypted_check(req: cri.RestorePodRequest) -> _Checked:
+    async def encrypted_check(req: cri.RestorePodRequest) -> Checked:
         checked = await plain_check(req)
         checked.manifest.encryption = manifest.Encryption(scheme="test", key_id="k", mac="")
         return dataclasses.replace(checked, key=object())  # type: ignore[arg-type]  # never read here
 
-    r._check = encrypted_check  # type: ignore[method-assign]
+    r.checks.check = encrypted_check  # type: ignore[method-assign]
     up.fail["CreateContainer"] = [None, rpc_error("INVALID_ARGUMENT", "bad mount")]
     with pytest.raises(errors.InvalidArgument, match="creating container 'b'"):
         await r.restore(_request(), 30.0)

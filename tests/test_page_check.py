@@ -103,14 +103,14 @@ async def test_deferred_page_image_is_not_checked_up_front(cfg: Config, up: Fake
     RestorePod; its recorded sha256 goes to podshim-runc in the annotation instead."""
     r, _kept = _restorer(cfg, up)
     _with_member(r, "containers/a/checkpoint/pages-1.img", b"x" * 4096, b"y" * 4096)
-    plain_check = r._check
+    plain_check = r.checks.check
 
     async def check(req: cri.RestorePodRequest) -> Any:
         checked = await plain_check(req)
         checked.defer_pages = True
         return checked
 
-    r._check = check  # type: ignore[method-assign]
+    r.checks.check = check  # type: ignore[method-assign]
     configs = _capture_configs(up)
     await r.restore(_request(), 30.0)
     got = contract.parse_page_digests(configs["a"].annotations[contract.PAGE_DIGESTS_ANNOTATION])
@@ -126,14 +126,14 @@ async def test_other_images_stay_checked_up_front_when_pages_are_deferred(
     container is created, the sandbox removed."""
     r, _kept = _restorer(cfg, up)
     _with_member(r, "containers/a/checkpoint/core-1.img", b"x" * 4096, b"y" * 4096)
-    plain_check = r._check
+    plain_check = r.checks.check
 
     async def check(req: cri.RestorePodRequest) -> Any:
         checked = await plain_check(req)
         checked.defer_pages = True
         return checked
 
-    r._check = check  # type: ignore[method-assign]
+    r.checks.check = check  # type: ignore[method-assign]
     with pytest.raises(errors.DataLoss, match="core-1.img has sha256"):
         await r.restore(_request(), 30.0)
     assert "CreateContainer" not in up.names() and not up.sandboxes

@@ -11,7 +11,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim.archive.manifest import HostInfo, Manifest, SandboxInfo
 from shim.checks.mounts import missing_mounts, refuse_missing
 from shim.errors import FailedPrecondition
-from shim.ops.restore_pod import check_host
+from shim.ops.restore_checks import check_host
 
 HERE = platform.machine()
 OTHER_ARCH = "riscv64" if HERE != "riscv64" else "x86_64"

@@ -108,8 +108,8 @@ async def test_the_handler_check_reads_the_wiring_checks_cached_status(tmp_path:
     wiring = WiringChecker(up)  # type: ignore[arg-type]
     r = PodRestorer(cfg, up, Journal(cfg.state_dir), wiring)  # type: ignore[arg-type]
     with pytest.raises(errors.InvalidArgument, match="runtime_handler 'ghost'"):
-        await r._check_upstream_handler("ghost")
-    await r._check_upstream_handler("runc")
+        await r.checks._check_upstream_handler("ghost")
+    await r.checks._check_upstream_handler("runc")
     await wiring.check("runc")
     assert up.names().count("Status") == 1
 

@@ -40,7 +40,7 @@ from shim.checks.wiring import RestoredContainers, WiringChecker
 from shim.config import Config
 from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, STALE_IMPORT_SECONDS
-from shim.ops.restore_pod import archived_config
+from shim.ops.restore_checks import archived_config
 from shim.sandbox.images import Images, is_image_id
 from shim.sandbox.view import pod_status
 from shim.upstream import Upstream, is_not_found

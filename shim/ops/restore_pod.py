@@ -1,9 +1,9 @@
 """RestorePod (KEP-5823): a new, fully managed pod from a checkpoint (docs/architecture.md
 §5 (RestorePod)).
 
-Validate the archive and the request before touching anything; then RunPodSandbox and one
-CreateContainer per checkpointed container (in checkpoint order) through the upstream, each
-carrying RESTORE_ANNOTATION. The process state comes back at StartContainer, through
+Validate the archive and the request before touching anything (shim/ops/restore_checks.py); then
+RunPodSandbox and one CreateContainer per checkpointed container (in checkpoint order) through the
+upstream, each carrying RESTORE_ANNOTATION. The process state comes back at StartContainer, through
 podshim-runc. Any failure removes the sandbox (and its containers) this call created.
 """
 
@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from datetime import datetime
@@ -28,12 +26,10 @@ from google.protobuf import json_format
 from api.runtime.v1 import api_pb2 as cri
 from shim import cni, contract, errors, faults, logs
 from shim.aio import Steps, run_to_end
-from shim.archive import compat, config_dump, crypto, layout, manifest, paths, rootfs_diff
-from shim.checks import cri_strings, mounts
-from shim.checks.wiring import RestoredContainers, Verdict, WiringChecker, confirm_restored
+from shim.archive import crypto, layout, manifest, rootfs_diff
+from shim.checks.wiring import RestoredContainers, WiringChecker, confirm_restored
 from shim.config import Config
 from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
-from shim.criu.runtime import binary_version
 from shim.deadlines import (
     CHECK_MARGIN,
     DEFAULT_DEADLINE,
@@ -41,98 +37,19 @@ from shim.deadlines import (
     SANDBOX_SETTLE,
     STALE_DECRYPTED_SECONDS,
 )
-from shim.ops.lazy_pages import Daemon, LazyPages, PageCheck, check_runtime, page_images
+from shim.ops.lazy_pages import Daemon, LazyPages, PageCheck, page_images
 from shim.ops.restore_broker import PageChecks
+from shim.ops.restore_checks import Checked, Phases, Planned, RestoreChecks
 from shim.sandbox import build_pod_view
-from shim.sandbox.images import Images
 from shim.state import Journal, OpRecord
 from shim.state.records import RestoreRecord
 from shim.upstream import Upstream, is_not_found
 
 log = logs.get("shim.ops.restore_pod")
 
-INVENTORY = "inventory.img"  # every CRIU image set has one (the node e2e check relies on it)
 # The kubelet's record of a container's restart count: what it reads back (pod status, `kubectl get
 # pods`), and count + 1 is the attempt of the container it creates next.
 RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
-
-
-@dataclass(frozen=True)
-class RestoreOptions:
-    start: bool = False  # start the containers (the KEP text's older walkthrough)
-    lazy_pages: bool = False  # memory through userfaultfd (docs/architecture.md §5.1 (Lazy restore))
-
-    KEYS = {
-        "start": "true: start the restored containers before returning (default false)",
-        "lazy-pages": "true: restore memory lazily (default: the node's [restore] lazy_pages)",
-    }
-
-    @classmethod
-    def parse(cls, options: dict[str, str], lazy_default: bool = False) -> RestoreOptions:
-        unknown = sorted(set(options) - set(cls.KEYS))
-        if unknown:
-            raise errors.InvalidArgument(
-                f"unknown restore option(s) {', '.join(unknown)}; known: {', '.join(sorted(cls.KEYS))}"
-            )
-
-        def switch(key: str, default: bool) -> bool:
-            value = options.get(key, str(default)).strip().lower()
-            if value not in ("true", "false", "1", "0", "yes", "no"):
-                raise errors.InvalidArgument(f"option {key}={options[key]!r}: expected true or false")
-            return value in ("true", "1", "yes")
-
-        return cls(start=switch("start", False), lazy_pages=switch("lazy-pages", lazy_default))
-
-
-def check_host(m: manifest.Manifest, criu_version: str, runtime_name: str, runtime_version: str) -> None:
-    """The archive must come from a host this one can restore (FAILED_PRECONDITION naming each
-    mismatch otherwise): shim/archive/compat.py (architecture, kernel, CRIU and OCI runtime, cgroup
-    version; the CPU features with check_this_host, which has CRIU's binary)."""
-    compat.check(m, compat.Node.here(criu_version, runtime_name, runtime_version))
-
-
-def check_this_host(m: manifest.Manifest, criu_binary: str, runtime_binary: str) -> None:
-    """check_host with this node's CRIU and OCI runtime binaries (their versions, the CPU check)."""
-    compat.refuse(this_host_mismatches(m, criu_binary, runtime_binary))
-
-
-def this_host_mismatches(m: manifest.Manifest, criu_binary: str, runtime_binary: str) -> list[str]:
-    name = os.path.basename(runtime_binary)
-    criu, runtime = (compat.per_binary(binary_version, b) for b in (criu_binary, runtime_binary))
-    node = compat.Node.here(criu, name, runtime, criu_binary)
-    return compat.host_mismatches(m.host, node)
-
-
-def archived_config(record: dict[str, Any]) -> cri.ContainerConfig:
-    return config_dump.container_config(record.get("config") or {})
-
-
-def _credentials(c: cri.ContainerConfig) -> dict[str, Any]:
-    sc = c.linux.security_context
-    return {
-        "run_as_user": sc.run_as_user.value if sc.HasField("run_as_user") else None,
-        "run_as_group": sc.run_as_group.value if sc.HasField("run_as_group") else None,
-        "run_as_username": sc.run_as_username,
-        "supplemental_groups": list(sc.supplemental_groups),
-    }
-
-
-def config_mismatch(name: str, requested: cri.ContainerConfig, archived: cri.ContainerConfig) -> str | None:
-    """The first field in which `requested` disagrees with the checkpoint (image is checked apart)."""
-    checks = {
-        "command": (list(requested.command), list(archived.command)),
-        "args": (list(requested.args), list(archived.args)),
-        "working_dir": (requested.working_dir, archived.working_dir),
-        "env": ([(e.key, e.value) for e in requested.envs], [(e.key, e.value) for e in archived.envs]),
-        "credentials": (_credentials(requested), _credentials(archived)),
-    }
-    for field, (want, have) in checks.items():
-        if want != have:
-            return (
-                f"container {name!r}: {field} differs from the checkpoint "
-                f"(request {want!r}, checkpoint {have!r})"
-            )
-    return None
 
 
 _BACKGROUND: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
@@ -170,91 +87,6 @@ def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     return task
 
 
-def _read_member(root: Path, path: Path, m: manifest.Manifest, key: crypto.NodeKey | None) -> bytes:
-    """A (small) archive member's bytes, read once and checked against the manifest's size and
-    sha256 (manifest.read_verified: RestorePod's checksum pass skips it), decrypted when the
-    archive is encrypted."""
-    rel = path.relative_to(root).as_posix()
-    data = manifest.read_verified(root, m, rel)
-    if m.encryption is not None and key is not None:
-        return crypto.decrypt_buffer(data, rel, key)
-    if crypto.is_encrypted_bytes(data):
-        raise errors.DataLoss(
-            f"checkpoint {root}: {rel} is encrypted but manifest.json records no encryption: "
-            "the manifest was modified; take a new checkpoint"
-        )
-    return data
-
-
-def _container_record(
-    root: Path, cl: layout.ContainerLayout, m: manifest.Manifest, key: crypto.NodeKey | None
-) -> dict[str, Any]:
-    """A checkpointed container's config.dump; absent or unreadable is DATA_LOSS (the manifest's
-    checksums only cover the files it lists)."""
-    rel = f"{cl.rel}/{layout.CONFIG_DUMP_FILE}"
-    if rel not in m.files or f"{cl.rel}/{layout.CHECKPOINT_DIR}/{INVENTORY}" not in m.files:
-        raise errors.DataLoss(
-            f"checkpoint {root}: container {cl.root.name!r} is marked checkpointed but the manifest "
-            f"lists no {rel} or CRIU images for it: the archive is incomplete; take a new checkpoint"
-        )
-    return _json_member(root, cl.config_dump, m, key)
-
-
-def _json_member(root: Path, path: Path, m: manifest.Manifest, key: crypto.NodeKey | None) -> dict[str, Any]:
-    """A JSON object member (config.dump, spec.dump) read once, checked against the manifest
-    (_read_member); unreadable or not an object is DATA_LOSS."""
-    rel = path.relative_to(root).as_posix()
-    try:
-        doc = json.loads(_read_member(root, path, m, key))
-    except (ValueError, OSError) as e:
-        raise errors.DataLoss(
-            f"checkpoint {root}: {rel} is unreadable ({e}): take a new checkpoint"
-        ) from None
-    if not isinstance(doc, dict):
-        raise errors.DataLoss(f"checkpoint {root}: {rel} is not a JSON object: take a new checkpoint")
-    return doc
-
-
-def recorded_images(entry: manifest.ContainerEntry) -> list[str]:
-    """The references manifest.json records for a container's image (docs/architecture.md §19
-    (Image identity)): its ID and user-specified name (since issue 22), the name the upstream
-    reported."""
-    return [r for r in (entry.image_id, entry.image, entry.user_specified_image) if r]
-
-
-async def check_record(
-    root: Path, entry: manifest.ContainerEntry, record: dict[str, Any], images: Images
-) -> None:
-    """config.dump must name the image manifest.json names (DATA_LOSS: an inconsistent archive,
-    refused here rather than when StartContainer restores the container). The same image may go
-    by its ID, a digest reference or a name (§19 (Image identity)): only a reference this node
-    resolves to another image than the manifest's is refused; one it cannot resolve is left to
-    the check that the image is on this node (_missing_images)."""
-    refs = {
-        "image": record.get("image"),
-        "image_id": record.get("image_id"),
-        "config.image": archived_config(record).image.image,
-    }
-    found = await images.disagreeing(refs, recorded_images(entry))
-    if found is not None:
-        where, image, recorded_id = found
-        raise errors.DataLoss(
-            f"checkpoint {root} is inconsistent: container {entry.name!r}'s config.dump has {where} "
-            f"{image!r}, manifest.json says {entry.image!r} ({recorded_id}), another image; the "
-            "archive cannot be trusted, take a new checkpoint"
-        )
-
-
-def upstream_handlers(info: Any) -> set[str] | None:
-    """The runtime handlers containerd's verbose Status reports (info["config"]: its CRI config,
-    containerd.runtimes), or None when it reports none in that shape (another upstream)."""
-    try:
-        runtimes = json.loads(info.get("config") or "")["containerd"]["runtimes"]
-    except (ValueError, TypeError, KeyError):
-        return None
-    return set(runtimes) if isinstance(runtimes, dict) else None
-
-
 def unknown_handler(details: str, handler: str) -> errors.InvalidArgument | None:
     """containerd's answer to RunPodSandbox with a handler it lacks ("no runtime for "ghost" is
     configured", code UNKNOWN) as the INVALID_ARGUMENT it is; None for any other error."""
@@ -264,27 +96,6 @@ def unknown_handler(details: str, handler: str) -> errors.InvalidArgument | None
             f"({details}): add it to the upstream's config, or restore with another runtime_handler"
         )
     return None
-
-
-@dataclass
-class _Planned:
-    entry: manifest.ContainerEntry
-    config: cri.ContainerConfig
-    dir: Path
-    image_ref: str = ""  # the image the checkpointed container ran: its ID, or config.dump's image_ref
-
-
-def _recorded_network(root: Path, m: manifest.Manifest, key: crypto.NodeKey | None) -> dict[str, Any]:
-    """The pod network facts the checkpoint recorded (sandbox/network.json "netns"), or {}."""
-    path = layout.ArchiveLayout(root).sandbox_network
-    if path.relative_to(root).as_posix() not in m.files:
-        return {}
-    try:
-        doc = json.loads(_read_member(root, path, m, key))
-    except (OSError, ValueError) as e:
-        raise errors.DataLoss(f"checkpoint {root}: sandbox/network.json is unreadable ({e})") from None
-    facts = doc.get("netns") if isinstance(doc, dict) else None
-    return facts if isinstance(facts, dict) else {}
 
 
 def deferred_pages(m: manifest.Manifest, container_rel: str) -> dict[str, str]:
@@ -297,7 +108,7 @@ def deferred_pages(m: manifest.Manifest, container_rel: str) -> dict[str, str]:
     return {r: m.files[prefix + r].sha256 for r in rels if re.fullmatch(contract.PAGE_IMAGE_RE, r)}
 
 
-def check_rootfs_diffs(plan: list[_Planned], stop: threading.Event | None = None) -> None:
+def check_rootfs_diffs(plan: list[Planned], stop: threading.Event | None = None) -> None:
     """Refuse a rootfs diff podshim-runc would refuse, before any sandbox exists (`stop`: the
     caller was cancelled, see rootfs_diff.check_rootfs_diff)."""
     for p in plan:
@@ -310,40 +121,6 @@ def check_rootfs_diffs(plan: list[_Planned], stop: threading.Event | None = None
             )
         except errors.ShimError as e:
             raise type(e)(f"container {p.entry.name!r}: {e.message}") from None
-
-
-class Phases:
-    """Wall seconds of each step of one RestorePod, logged with its "restore done" line
-    (`phases`), so an operator sees where a slow restore spent its time. Steps that run side by
-    side each count their own time; a step met twice adds up."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.monotonic()
-        try:
-            yield
-        finally:
-            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.monotonic() - start, 4)
-
-
-@dataclass
-class _Checked:
-    """What RestorePod verified before creating anything."""
-
-    opts: RestoreOptions
-    root: Path
-    key: crypto.NodeKey | None
-    manifest: manifest.Manifest
-    plan: list[_Planned]
-    network: dict[str, Any]  # the pod network facts the checkpoint recorded
-    phases: Phases = dc_field(default_factory=Phases)  # the time each check took
-    unverified: list[str] = dc_field(default_factory=list)  # members whose sha256 _verify_rest checks
-    # eager restore of a plain archive on a handler known to pass podshim's annotations: the page
-    # images are checksummed by podshim-runc while CRIU restores (§5 step 4), not by _verify_rest
-    defer_pages: bool = False
 
 
 @dataclass
@@ -400,19 +177,14 @@ class PodRestorer:
         self.journal = journal
         # called with the journal record of a rollback that failed (Engine retries it)
         self.on_kept: Callable[[Any], None] | None = None
-        # docs/architecture.md §8 (Wiring check): refuse a node wired wrong; remember what to confirm
-        self.wiring = wiring
+        self.checks = RestoreChecks(config, upstream, wiring)  # before anything is created
+        # docs/architecture.md §8 (Wiring check): what StartContainer confirms was restored
         self.restored = restored
         self._decrypting: set[Path] = set()  # decrypted dirs of restores in flight
         self.lazy = LazyPages(config, upstream, journal)  # docs/architecture.md §5.1 (Lazy restore)
         # page images hashed from here on, taken by podshim-runc's restore (docs/architecture.md §7
         # (The runtime wrapper))
         self.page_checks = PageChecks()
-
-    def node_key(self) -> crypto.NodeKey | None:
-        """The node key (`[checkpoint] encryption_key_file`), None when none is configured."""
-        path = self.config.encryption_key_file
-        return crypto.load_key(path) if path else None
 
     async def restore(self, req: cri.RestorePodRequest, deadline: float | None) -> cri.RestorePodResponse:
         """Run RestorePod; `deadline` is the caller's remaining seconds (None: none set), counted
@@ -421,7 +193,7 @@ class PodRestorer:
         caller_end = loop.time() + (deadline if deadline is not None else DEFAULT_DEADLINE)
         try:
             async with asyncio.timeout_at(caller_end - CHECK_MARGIN):
-                checked = await self._check(req)
+                checked = await self.checks.check(req)
         except TimeoutError:
             raise errors.DeadlineExceeded(
                 f"the caller's deadline passed while verifying {req.checkpoint_path}; nothing was "
@@ -476,192 +248,7 @@ class PodRestorer:
             ],
         )
 
-    async def _check(self, req: cri.RestorePodRequest) -> _Checked:
-        """Everything checked before anything is created: the request, the archive's manifest,
-        file set, sizes and the members podshim reads itself (config.dump, network.json: read
-        once, checksum checked), this host, the container configs against the checkpoint. The
-        checksums of the other members (the memory images) are checked beside the new sandbox
-        (_verify_rest, docs/architecture.md §5 (RestorePod) step 1)."""
-        opts = RestoreOptions.parse(dict(req.options), self.config.lazy_pages)
-        if not req.HasField("config") or not req.config.metadata.name:
-            raise errors.InvalidArgument("config (the new PodSandboxConfig with metadata) is required")
-        cri_strings.check_sandbox_config(req.config)  # what the upstream could not undo
-        for i, cc in enumerate(req.container_configs):
-            cri_strings.check_container_config(cc, f"container_configs[{i}]")
-        runtime = self.config.runtime_for_handler(req.runtime_handler)
-        if runtime is None:
-            raise errors.InvalidArgument(
-                f"runtime_handler {req.runtime_handler!r} is not configured in podshim "
-                f"(known: runc{''.join(', ' + h for h in self.config.runtimes)})"
-            )
-        if opts.lazy_pages:  # FAILED_PRECONDITION naming a runtime without lazy restore
-            await run_to_end(check_runtime, runtime.binary, req.runtime_handler)
-        phases = Phases()
-        with phases("handler"):
-            await self._check_upstream_handler(req.runtime_handler)
-        wired = None
-        with phases("wiring"):
-            if self.wiring is not None:
-                doing = "RestorePod refused, nothing was created"
-                wired = await self.wiring.require(req.runtime_handler, doing)
-        root = await run_to_end(paths.validate_archive_dir, req.checkpoint_path, self.config.allowed_roots)
-        key = await run_to_end(self.node_key)
-        stop = threading.Event()  # set at the deadline: the sparse-file check stops at its next step
-        with phases("manifest"):
-            m = await run_to_end(
-                manifest.load_and_check, root, self.config.allowed_roots, key, stop, stop=stop
-            )
-        # docs/architecture.md §5 (RestorePod) step 1: every way this node differs, in one refusal;
-        # CRIU's CPU check (a subprocess) runs while the configs are matched
-        host = asyncio.ensure_future(
-            run_to_end(this_host_mismatches, m, self.config.runtime.criu, runtime.binary)
-        )
-        try:
-            with phases("plan"):
-                archive = layout.ArchiveLayout(root)
-                plan = await self._plan(req, m, archive, key)
-                missing = await self._missing_images(plan)
-                network = await run_to_end(_recorded_network, root, m, key)
-        except BaseException:
-            host.cancel()
-            await asyncio.gather(host, return_exceptions=True)
-            raise
-        with phases("host"):
-            compat.refuse(await host + missing)
-        read = {
-            f"{archive.container(p.entry.name).rel}/{name}"
-            for p in plan
-            for name in (layout.CONFIG_DUMP_FILE, layout.SPEC_DUMP_FILE)
-        }
-        read.add(archive.sandbox_network.relative_to(root).as_posix())
-        unverified = sorted(set(m.files) - read)
-        # deferred only when the annotation is known to reach podshim-runc (dropped, the restore
-        # would run on memory nobody checked)
-        wired_ok = wired is not None and wired.verdict is Verdict.OK
-        defer = m.encryption is None and not opts.lazy_pages and wired_ok
-        return _Checked(opts, root, key, m, plan, network, phases, unverified, defer_pages=defer)
-
-    async def _plan(
-        self,
-        req: cri.RestorePodRequest,
-        m: manifest.Manifest,
-        archive: layout.ArchiveLayout,
-        key: crypto.NodeKey | None = None,
-    ) -> list[_Planned]:
-        """Match the request's container configs to the checkpoint, exactly, before acting."""
-        dumped = [c for c in m.containers if c.checkpointed]
-        recorded_only = {c.name for c in m.containers if not c.checkpointed}
-        by_name: dict[str, cri.ContainerConfig] = {}
-        for cc in req.container_configs:
-            name = cc.metadata.name
-            if not name:
-                raise errors.InvalidArgument("a container config has no metadata.name")
-            if name in by_name:
-                raise errors.InvalidArgument(f"container config {name!r} appears twice")
-            by_name[name] = cc
-        missing = [c.name for c in dumped if c.name not in by_name]
-        # a container that had exited at the checkpoint (a completed init container) is recorded,
-        # not checkpointed: the answer could give it no CREATED container to start, which the
-        # merged API wants for every config (docs/architecture.md §5 (RestorePod) step 1)
-        exited = [n for n in by_name if n in recorded_only]
-        extra = [n for n in by_name if n not in {c.name for c in dumped} and n not in recorded_only]
-        if missing or extra or exited:
-            raise errors.InvalidArgument(
-                "container_configs must name exactly the checkpointed containers "
-                f"({', '.join(c.name for c in dumped)}): "
-                + "; ".join(
-                    part
-                    for part in (
-                        f"missing {', '.join(missing)}" if missing else "",
-                        f"not in the checkpoint {', '.join(extra)}" if extra else "",
-                        f"{', '.join(exited)} had exited when the pod was checkpointed (recorded, not "
-                        "checkpointed: it is not run again and has no container to start; leave its "
-                        "config out)"
-                        if exited
-                        else "",
-                    )
-                    if part
-                )
-            )
-        plan = []
-        images = Images(self.upstream)
-        unmounted: dict[str, list[str]] = {}
-        for entry in dumped:
-            cl = archive.container(entry.name)
-            manifest.check_container_members(archive.root, m, entry)
-            record = await run_to_end(_container_record, archive.root, cl, m, key)  # off the loop
-            await check_record(archive.root, entry, record, images)
-            requested = by_name[entry.name]
-            problem = config_mismatch(entry.name, requested, archived_config(record))
-            if problem is None:
-                problem = await self._image_mismatch(entry, requested, record, images)
-            if problem:
-                raise errors.InvalidArgument(problem)
-            spec = await run_to_end(_json_member, archive.root, cl.spec_dump, m, key)
-            unmounted[entry.name] = mounts.missing_mounts(spec, requested)
-            ran = entry.image_id or str(record.get("image_ref") or "")  # the ID, else what 1.x reported
-            plan.append(_Planned(entry, requested, cl.root, ran))
-        # every bind mount of each checkpointed container given a source, or CRIU fails at
-        # StartContainer (shim/checks/mounts.py, as for a container tar)
-        mounts.refuse_missing(unmounted, str(archive.root))
-        return plan
-
-    async def _check_upstream_handler(self, handler: str) -> None:
-        """A runtime_handler podshim knows but the upstream does not: INVALID_ARGUMENT before
-        anything is created (containerd's verbose Status lists its runtimes). When the upstream
-        does not say, RunPodSandbox's own answer is mapped instead (unknown_handler)."""
-        if not handler:
-            return
-        if self.wiring is not None:
-            info = await self.wiring.status_info()  # the wiring check's cached answer, read next
-        else:
-            try:
-                info = (await self.upstream.status(verbose=True)).info
-            except errors.ShimError:
-                return
-        if info is None:
-            return
-        known = upstream_handlers(info)
-        if known is not None and handler not in known:
-            raise errors.InvalidArgument(
-                f"runtime_handler {handler!r} is configured in podshim but not in the upstream "
-                f"(it has: {', '.join(sorted(known)) or 'none'}): add it to the upstream's config, "
-                "or restore with another runtime_handler; nothing was created"
-            )
-
-    async def _missing_images(self, plan: list[_Planned]) -> list[str]:
-        """Each planned container's image must be on this node with the id the checkpoint ran."""
-        out = []
-        for p in plan:
-            want = p.config.image.image
-            st = await self.upstream.image_status(want)
-            present = [st.image.id, *st.image.repo_digests] if st.HasField("image") else None
-            problem = compat.image_mismatch(p.entry.name, want, present, p.image_ref)
-            if problem:
-                out.append(problem)
-        return out
-
-    @staticmethod
-    async def _image_mismatch(
-        entry: manifest.ContainerEntry, requested: cri.ContainerConfig, record: dict, images: Images
-    ) -> str | None:
-        """The request's image must be the checkpoint's: the same reference, or one this node
-        resolves to the checkpoint's image ID (docs/architecture.md §19 (Image identity)); a
-        different image is a config mismatch (INVALID_ARGUMENT). When the checkpoint's image is
-        not on this node, _missing_images says so."""
-        want = requested.image.image
-        recorded = [*recorded_images(entry), *(str(record.get(k) or "") for k in ("image_ref", "image_id"))]
-        found = await images.mismatch(want, [r for r in recorded if r])
-        if found is None:
-            return None
-        checkpoint_id, here = found
-        what = f"is {here} on this node" if here else "is not on this node"
-        return (
-            f"container {entry.name!r}: image {want!r} differs from the checkpoint's "
-            f"{entry.image!r} ({checkpoint_id}): it {what}"
-        )
-
-    async def _verify_rest(self, checked: _Checked, run: _Run) -> None:
+    async def _verify_rest(self, checked: Checked, run: _Run) -> None:
         """What reads the whole archive, in a task beside RunPodSandbox (docs/architecture.md §5
         (RestorePod) step 1): the sha256 of every member _check did not read, then (encrypted
         archives) the decryption, then the rootfs diffs' checks, then (lazy-pages=true) the start of
@@ -691,7 +278,7 @@ class PodRestorer:
                     pages = PageCheck(checked.root, m, page_images(m, p.entry.dir)) if plain else None
                     await self.lazy.start_for(p.dir, p.entry.name, run.rec, not plain, pages)
 
-    async def _decrypt(self, checked: _Checked, run: _Run) -> None:
+    async def _decrypt(self, checked: Checked, run: _Run) -> None:
         """Decrypt each planned container's files into a private dir of its own
         (`<state_dir>/decrypted/<random>/`) and point its restore there: CRIU reads plaintext and
         the archive is never modified. The dirs go with podshim-runc's restore, a failed
@@ -740,7 +327,7 @@ class PodRestorer:
             log.exception("sweeping decrypted checkpoints failed")
 
     def _container_config(
-        self, p: _Planned, criu_flags: str, lazy: Daemon | None = None, page_digests: str = ""
+        self, p: Planned, criu_flags: str, lazy: Daemon | None = None, page_digests: str = ""
     ) -> cri.ContainerConfig:
         cc = cri.ContainerConfig()
         cc.CopyFrom(p.config)
@@ -761,7 +348,7 @@ class PodRestorer:
         cc.annotations.setdefault(RESTART_COUNT_ANNOTATION, str(cc.metadata.attempt))
         return cc
 
-    async def _create(self, req: cri.RestorePodRequest, checked: _Checked, run: _Run) -> None:
+    async def _create(self, req: cri.RestorePodRequest, checked: Checked, run: _Run) -> None:
         """RunPodSandbox beside the rest of the verification, then one CreateContainer per
         checkpointed container; the undo of each step is registered in `run` right after it."""
         m, plan, opts, rec, phases = checked.manifest, checked.plan, checked.opts, run.rec, run.phases
