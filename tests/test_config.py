@@ -142,7 +142,7 @@ async def test_upstream_timeout_bounds_podshims_own_calls(tmp_path: Path) -> Non
 def test_checkpoint_option_defaults() -> None:
     """Every CheckpointPod option has a node default ([checkpoint]), in the options' vocabulary,
     overridable from the file and the environment; a request's own keys win (CheckpointOptions)."""
-    from shim.ops.checkpoint_pod import CheckpointOptions
+    from shim.ops.checkpoint_checks import CheckpointOptions
 
     assert config.load(None, env={}).option_defaults() == {
         "file-locks": "true",

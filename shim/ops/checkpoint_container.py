@@ -54,10 +54,9 @@ from shim.config import Config
 from shim.criu.runtime import CriuOptions, NetnsLock, binary_version, read_dump_stats
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
 from shim.ops import checkpoint_pod
+from shim.ops.checkpoint_checks import CheckpointOptions, check_dumpable
 from shim.ops.checkpoint_pod import (
-    CheckpointOptions,
     PodCheckpointer,
-    check_dumpable,
     confirm_thawed,
     options_record,
     self_frozen,

@@ -1,10 +1,11 @@
 """CheckpointPod (KEP-5823): a consistent pod-wide checkpoint with the shortest freeze window.
 
-Order of work (docs/architecture.md §4 (CheckpointPod)): validate -> pod view -> journal -> write what
-needs no frozen state -> freeze in one cut -> dump every container in parallel + capture rootfs
-diffs -> thaw (or kill for STOPPED) -> stats, encryption (with a node key: shim/archive/crypto.py),
-checksums, manifest (the completion marker). Any failure or the deadline thaws the pod, removes what
-was written inside output_path and returns a typed error.
+Order of work (docs/architecture.md §4 (CheckpointPod)): validate (the options and the containers:
+shim/ops/checkpoint_checks.py) -> pod view -> journal -> write what needs no frozen state -> freeze
+in one cut -> dump every container in parallel + capture rootfs diffs -> thaw (or kill for STOPPED)
+-> stats, encryption (with a node key: shim/archive/crypto.py), checksums, manifest (the completion
+marker). Any failure or the deadline thaws the pod, removes what was written inside output_path and
+returns a typed error.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, cni, contract, deadlines, errors, faults, logs
+from shim import __version__, cni, contract, errors, faults, logs
 from shim.aio import run_to_end
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff, writeback
 from shim.archive.dirfd import DirHandle, clear_dir_contents, open_checked
@@ -31,10 +32,16 @@ from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.checks import openfiles, space, taskstate
 from shim.checks.sharing import check_shared_state
 from shim.checks.taskstate import TaskStates
-from shim.config import GHOST_LIMIT_AUTO, ROOTFS_COMPRESSIONS, Config, parse_size
+from shim.config import Config, parse_size
 from shim.criu import rpc_config
-from shim.criu.runtime import CriuOptions, NetnsLock, OciRuntime, binary_version, read_dump_stats
+from shim.criu.runtime import NetnsLock, OciRuntime, binary_version, read_dump_stats
 from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
+from shim.ops.checkpoint_checks import (
+    CheckpointOptions,
+    check_dumpable,
+    recorded_containers,
+    select_containers,
+)
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sandbox.images import resolve_container_images
 from shim.state import Journal, OpRecord
@@ -46,132 +53,6 @@ log = logs.get("shim.ops.checkpoint_pod")
 # Hash threads of the archive phase: half the cores. The phase is bound by the disk flush that
 # runs beside them, so more would not shorten it, only starve the proxy's event loop.
 HASH_WORKERS = max(1, (os.cpu_count() or 2) // 2)
-
-
-@dataclass(frozen=True)
-class CheckpointOptions:
-    """The `options` map of CheckpointPodRequest, parsed over the node's defaults (`[checkpoint]`,
-    Config.option_defaults: the kubelet sends none). Unknown keys are rejected."""
-
-    criu: CriuOptions = field(default_factory=CriuOptions)
-    compress: bool = False  # gzip the rootfs diff
-    # ghost-limit=auto: sized before the freeze from the deleted files the pod holds open, up to
-    # this cap (docs/architecture.md §4.3 (What the kubelet sends)); 0: no sizing
-    ghost_auto_max: int = 0
-
-    KEYS = {
-        contract.FILE_LOCKS: "handle file locks (default true)",
-        contract.TCP_ESTABLISHED: "dump established TCP connections (default false)",
-        contract.EXT_UNIX_SK: "allow external unix sockets (default false)",
-        contract.SHELL_JOB: "allow a container attached to a terminal (default false)",
-        "rootfs-compression": "none (default) or gzip for rootfs-diff.tar",
-        "ghost-limit": "bytes (K/M/G suffix allowed) of a deleted but open file CRIU keeps, or auto "
-        "(default: sized before the freeze, up to the node's cap)",
-        "irmap-scan-paths": "comma-separated directories (container paths) where CRIU looks for the paths "
-        "of files watched with inotify/fanotify (default: none; the watched files' directories are added)",
-    }
-
-    @classmethod
-    def parse(
-        cls, options: dict[str, str], defaults: dict[str, str] | None = None, ghost_cap: int = 0
-    ) -> CheckpointOptions:
-        """`options` over `defaults` (the same vocabulary); `ghost_cap` bounds ghost-limit=auto."""
-        unknown = sorted(set(options) - set(cls.KEYS))
-        if unknown:
-            known = ", ".join(sorted(cls.KEYS))
-            raise errors.InvalidArgument(f"unknown checkpoint option(s) {', '.join(unknown)}; known: {known}")
-        values = {**(defaults or {}), **options}
-
-        def flag(key: str, default: bool) -> bool:
-            if key not in values:
-                return default
-            value = values[key].strip().lower()
-            if value in ("true", "1", "yes"):
-                return True
-            if value in ("false", "0", "no"):
-                return False
-            raise errors.InvalidArgument(f"option {key}={values[key]!r}: expected true or false")
-
-        compression = values.get("rootfs-compression", "none")
-        if compression not in ROOTFS_COMPRESSIONS:
-            raise errors.InvalidArgument(f"option rootfs-compression={compression!r}: expected none or gzip")
-        ghost = values.get("ghost-limit", "").strip()
-        auto = ghost.lower() == GHOST_LIMIT_AUTO
-        return cls(
-            criu=CriuOptions(
-                file_locks=flag(contract.FILE_LOCKS, True),
-                tcp_established=flag(contract.TCP_ESTABLISHED, False),
-                ext_unix_sk=flag(contract.EXT_UNIX_SK, False),
-                shell_job=flag(contract.SHELL_JOB, False),
-                ghost_limit=0 if auto else _size(ghost),
-                irmap_scan_paths=_scan_paths(values.get("irmap-scan-paths", "")),
-            ),
-            compress=compression == "gzip",
-            ghost_auto_max=ghost_cap if auto else 0,
-        )
-
-
-def _size(value: str) -> int:
-    """`ghost-limit`: bytes, optionally with a K, M or G suffix (binary, as CRIU reads it); "" is
-    0, CRIU's default (1 MiB)."""
-    if not value.strip():
-        return 0
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise errors.InvalidArgument(f"option ghost-limit={value!r}: {e} (or auto)") from None
-
-
-def _scan_paths(value: str) -> tuple[str, ...]:
-    """`irmap-scan-paths`: absolute directories as the containers see them, comma-separated."""
-    paths = tuple(p.strip() for p in value.split(",") if p.strip())
-    for p in paths:
-        if not p.startswith("/") or ".." in p.split("/") or any(c in p for c in "\n\0"):
-            raise errors.InvalidArgument(
-                f"option irmap-scan-paths: {p!r} is not an absolute path inside the container (no '..')"
-            )
-    return paths
-
-
-def select_containers(pod: PodView, container_ids: list[str]) -> list[ContainerView]:
-    """The running containers to capture: all running ones when `container_ids` is empty."""
-    if not container_ids:
-        selected = [c for c in pod.containers if c.running]
-        if not selected:
-            raise errors.FailedPrecondition(
-                f"pod {pod.name} ({pod.id[:13]}) has no running container to checkpoint"
-            )
-        return selected
-    if len(set(container_ids)) != len(container_ids):
-        dup = sorted({c for c in container_ids if container_ids.count(c) > 1})
-        raise errors.InvalidArgument(f"container_ids lists {', '.join(dup)} more than once")
-    selected = []
-    for cid in container_ids:
-        if not cid:
-            raise errors.InvalidArgument("container_ids contains an empty id")
-        c = pod.by_id(cid)
-        if c is None:
-            raise errors.NotFound(f"container {cid!r} is not a container of pod {pod.name} ({pod.id[:13]})")
-        if not c.running:
-            raise errors.FailedPrecondition(
-                f"container {c.name!r} ({cid[:13]}) is {cri.ContainerState.Name(c.state)}, not running: "
-                "only running containers can be checkpointed"
-            )
-        selected.append(c)
-    return selected
-
-
-def recorded_containers(pod: PodView, selected: list[ContainerView]) -> list[ContainerView]:
-    """What the archive records: the selected containers, plus exited ones (completed init
-    containers, finished jobs) whose name no running container has — their status is kept,
-    they are not dumped. Of several exited attempts of one name the latest wins."""
-    running_names = {c.name for c in pod.containers if c.running}
-    exited: dict[str, ContainerView] = {}
-    for c in pod.containers:  # ordered by creation
-        if not c.running and c.name not in running_names:
-            exited[c.name] = c
-    keep = {c.id for c in selected} | {c.id for c in exited.values()}
-    return [c for c in pod.containers if c.id in keep]
 
 
 def network_record(pod: PodView) -> dict[str, Any]:
@@ -194,30 +75,6 @@ def confirm_thawed(cgroups: list[str], pod_id: str) -> None:
     again = thaw_paths(cgroups)
     if again:
         log.warning("cgroups frozen again after the thaw; thawed them again", pod=pod_id, cgroups=again)
-
-
-def check_dumpable(c: ContainerView, exec_wait: float = deadlines.EXEC_SESSION_WAIT) -> None:
-    """Refuse what CRIU cannot dump, before anything is frozen: processes in the container's
-    cgroup outside its process tree (exec sessions, detached daemons) would fail the dump. Exec
-    sessions alone are waited for up to `exec_wait` seconds: the kubelet's exec probes are such
-    sessions, a few every second, each over in milliseconds."""
-    import psutil
-
-    from shim.checks import strays
-
-    give_up = time.monotonic() + exec_wait
-    while True:
-        try:
-            tree = {c.pid, *(p.pid for p in psutil.Process(c.pid).children(recursive=True))}
-        except psutil.Error:
-            raise errors.FailedPrecondition(f"container {c.name!r}: its process {c.pid} is gone") from None
-        extra = sorted(set(cgroup_procs(c.cgroups_path)) - tree)
-        if not extra:
-            return
-        only_exec = all(s.exec_session for s in strays.classify(extra))
-        if not only_exec or time.monotonic() >= give_up:
-            raise strays.refusal(c.name, extra)  # what each is (exec session or not) and what to do
-        time.sleep(deadlines.EXEC_SESSION_POLL)
 
 
 @dataclass
