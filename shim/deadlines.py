@@ -15,6 +15,13 @@ RESTORE_CLEANUP_MARGIN = 1.0  # RestorePod's: removing the new sandbox takes lon
 # ---------------------------------------------------------------------- freeze, runc and CRIU
 FREEZE_TIMEOUT = 5.0  # to confirm a cgroup froze or thawed
 KILL_WAIT = 10.0  # for SIGKILLed runc/CRIU processes to disappear
+# A dump podshim gives up on (the caller's deadline, another container's failure, a service stop,
+# runc gone) is never killed while its CRIU holds the container's processes (ptrace): CRIU is let
+# finish, and then detaches them, for at most DUMP_FINISH_WAIT; past it, it is taken for hung and
+# killed. DUMP_STOP_CONFIRM: for the dump's processes to stop (SIGSTOP) before podshim looks
+# whether they hold any (docs/architecture.md §11 (Cancellation)).
+DUMP_FINISH_WAIT = 60.0
+DUMP_STOP_CONFIRM = 2.0
 VERSION_TIMEOUT = 10.0  # for `runc/crun/criu --version` (and `restore --help`)
 CPUINFO_TIMEOUT = 20.0  # for `criu cpuinfo dump/check`
 NETLOCK_TIMEOUT = 10.0  # for one iptables-restore of the pod's netns lock (tcp-established)
@@ -64,9 +71,10 @@ STALE_DECRYPTED_SECONDS = 900.0  # a decrypted dir without a container after thi
 
 # ---------------------------------------------------------------------- the service (SIGTERM)
 # calls in flight get STOP_GRACE to finish, then cancelled operations STOP_CLEANUP to undo their
-# work; together within the unit's TimeoutStopSec (30 s), after which systemd SIGKILLs
+# work, a dump in flight let finish (DUMP_FINISH_WAIT) included; together within the unit's
+# TimeoutStopSec (90 s), after which systemd SIGKILLs
 STOP_GRACE = 15.0
-STOP_CLEANUP = 10.0
+STOP_CLEANUP = DUMP_FINISH_WAIT + 10.0
 PASSTHROUGH_STOP_GRACE = 1.0  # passed-through calls and streams are cancelled within this
 
 # ---------------------------------------------------------------------- the upstream

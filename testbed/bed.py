@@ -749,13 +749,17 @@ oom_score = 0
 
     @contextlib.contextmanager
     def extra_podshim(
-        self, workdir: str | os.PathLike[str], failpoints: str = "", **overrides: dict[str, Any]
+        self,
+        workdir: str | os.PathLike[str],
+        failpoints: str = "",
+        env: dict[str, str] | None = None,
+        **overrides: dict[str, Any],
     ) -> Iterator[tuple[Path, Path]]:
         """A second podshim in front of this bed's containerd, configured like the bed's own but
         with its own socket and state dir under `workdir`, and `overrides` merged per TOML section
         (e.g. `checkpoint={"encryption_key_file": ...}`), `failpoints` its PODSHIM_FAILPOINTS
-        (shim/faults.py). Yields (socket, log path) once it answers Version; stopped (SIGTERM) on
-        exit."""
+        (shim/faults.py), `env` added to its environment. Yields (socket, log path) once it answers
+        Version; stopped (SIGTERM) on exit."""
         workdir = Path(workdir)
         with open(self.podshim_config, "rb") as f:
             config = tomllib.load(f)
@@ -765,16 +769,17 @@ oom_score = 0
         path = workdir / "podshim.toml"
         path.write_text(_toml_dump(config))
         log = workdir / "podshim.log"
-        env = {k: v for k, v in self._env().items() if k not in ("PODSHIM_CONFIG", "PODSHIM_FAILPOINTS")}
+        environ = {k: v for k, v in self._env().items() if k not in ("PODSHIM_CONFIG", "PODSHIM_FAILPOINTS")}
         if failpoints:
-            env["PODSHIM_FAILPOINTS"] = failpoints
+            environ["PODSHIM_FAILPOINTS"] = failpoints
+        environ.update(env or {})
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 self._in_node([*self.podshim_command, "serve", "--config", str(path)]),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env=environ,
                 start_new_session=True,
             )
         try:

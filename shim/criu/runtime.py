@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shim import contract, errors, faults
-from shim.deadlines import KILL_WAIT, NETLOCK_TIMEOUT, VERSION_TIMEOUT
+from shim.deadlines import DUMP_FINISH_WAIT, DUMP_STOP_CONFIRM, KILL_WAIT, NETLOCK_TIMEOUT, VERSION_TIMEOUT
 
 CRIU_LOG_TAIL = 6
 # Error lines CRIU prints on every run of this kind of host without failing because of them
@@ -267,12 +267,8 @@ def _dump_processes(pgid: int, image_dir: Path) -> list[int]:
 
 
 def end_dump(pgid: int, image_dir: Path, timeout: float = KILL_WAIT) -> None:
-    """SIGKILL every process of a dump (see _dump_processes) and wait until none is left.
-
-    Called on every abnormal end of `runc/crun checkpoint` (failure, signal, cancellation) before
-    the caller thaws: runc killed mid-dump (a service stop signals it) leaves its CRIU running,
-    and CRIU, when it ends, puts back the freezer state it found (FROZEN: podshim's cut), after
-    the thaw. A CRIU killed instead leaves the freezer alone and ptrace lets the tasks go."""
+    """SIGKILL every process of a dump (see _dump_processes) and wait until none is left. Only
+    for a dump that holds no task of the container, or one taken for hung (see stop_dump)."""
     end = time.monotonic() + timeout
     while True:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -291,6 +287,114 @@ def end_dump(pgid: int, image_dir: Path, timeout: float = KILL_WAIT) -> None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    """The scheduler state letter of `pid` (R, S, D, T...), "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rfind(b")") + 2 :].split(maxsplit=1)[0].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+def _stop_all(pgid: int, image_dir: Path, timeout: float) -> tuple[list[int], bool]:
+    """SIGSTOP every process of a dump until a listing finds them all stopped (a CRIU stopped
+    can no longer seize a task nor inject code into one). Returns the processes and whether
+    they all stopped within `timeout` (one in uninterruptible sleep stops only when it wakes)."""
+    end = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGSTOP)  # the group at once: a fork under way is restarted
+        procs = _dump_processes(pgid, image_dir)
+        for pid in procs:  # a CRIU outside runc's group too
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGSTOP)
+        if all(_state(pid) in ("T", "t", "") for pid in procs) and _dump_processes(pgid, image_dir) == procs:
+            return procs, True
+        if time.monotonic() > end:
+            return procs, False
+        time.sleep(0.005)
+
+
+def _tracees(tracers: set[int]) -> list[int]:
+    """Every thread on the node that one of `tracers` holds with ptrace (TracerPid)."""
+    found = []
+    for proc in os.scandir("/proc"):
+        if not proc.name.isdigit():
+            continue
+        try:
+            tids = os.listdir(f"/proc/{proc.name}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{proc.name}/task/{tid}/status", "rb") as f:
+                    for line in f:
+                        if line.startswith(b"TracerPid:"):
+                            if int(line.split()[1]) in tracers:
+                                found.append(int(tid))
+                            break
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
+
+
+def stop_dump(
+    pgid: int, image_dir: Path, finish_wait: float = DUMP_FINISH_WAIT, confirm: float = DUMP_STOP_CONFIRM
+) -> None:
+    """End a dump podshim no longer wants (its caller's deadline, another container's failure, a
+    service stop, runc gone) without killing what it dumps, and return once none of its
+    processes is left (docs/architecture.md §11 (Cancellation)).
+
+    CRIU holds the container's tasks with ptrace from the seize to the end of the dump, and for
+    parts of it runs code in them: a system call it injected (compel: `syscall; int3` swapped
+    into the task's text, its registers set to the call) while it infects and cures each task,
+    its parasite while it dumps threads. CRIU killed then (SIGKILL, and SIGTERM or SIGINT alike:
+    CRIU has no handler for them) leaves the task, no longer traced, to run into the int3: it
+    dies of SIGTRAP. CRIU's own SIGALRM timeout is no safe stop either: it makes the call under
+    way fail with EINTR, wherever that is. So: every process of the dump is stopped (SIGSTOP);
+    if none holds a task, they are killed, as nothing of the container is touched (runc and
+    CRIU starting, or CRIU done with the tasks). Otherwise they are continued (one that someone
+    else stopped too: a stopped CRIU never lets the tasks go) and CRIU finishes the dump,
+    detaches the tasks and ends; its images are discarded by the caller. One still running
+    after `finish_wait` is taken for hung and killed, logged as such.
+
+    Before the caller thaws either way: CRIU, when it ends, puts back the freezer state it
+    found (FROZEN: podshim's cut), which must not land after the thaw."""
+    procs, stopped = _stop_all(pgid, image_dir, confirm)
+    if not procs:
+        return
+    held = _tracees(set(procs)) if stopped else None
+    if held == []:
+        end_dump(pgid, image_dir)  # holds no task: killing it touches nothing of the container
+        return
+    from shim import logs
+
+    log = logs.get("shim.criu.runtime")
+    log.warning(
+        "a dump given up on holds the container's tasks: letting CRIU finish it",
+        pids=procs,
+        tasks=held,
+        image_dir=str(image_dir),
+    )
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGCONT)
+    for pid in procs:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGCONT)
+    end = time.monotonic() + finish_wait
+    while _dump_processes(pgid, image_dir):
+        if time.monotonic() > end:
+            log.error(
+                f"a dump given up on still runs after {finish_wait:.0f}s: taken for hung, killed",
+                pids=_dump_processes(pgid, image_dir),
+                image_dir=str(image_dir),
+            )
+            end_dump(pgid, image_dir)
+            return
+        time.sleep(0.02)
 
 
 class OciRuntime:
@@ -339,8 +443,9 @@ class OciRuntime:
     ) -> float:
         """Dump one container; returns the seconds it took. A failure names the container and
         the CRIU log, with its last error lines, and the option that would help, if one would.
-        Cancellation kills runc and CRIU. `pass_fds`: descriptors runc/crun inherit (podshim
-        names its held directories `/proc/self/fd/<fd>`, docs/architecture.md §13 (Path confinement))."""
+        Cancellation ends runc and CRIU without killing the container (stop_dump). `pass_fds`:
+        descriptors runc/crun inherit (podshim names its held directories `/proc/self/fd/<fd>`,
+        docs/architecture.md §13 (Path confinement))."""
         with _criu_config(opts) as env:  # the file lives as long as the dump
             return await self._checkpoint(
                 name, container_id, image_dir, work_dir, opts, leave_running, env, pass_fds
@@ -368,25 +473,28 @@ class OciRuntime:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # so a cancel can kill runc and the CRIU it started
+            start_new_session=True,  # so a cancel finds runc and the CRIU it started (stop_dump)
             env=env,
             pass_fds=pass_fds,
         )
         try:
-            # runc and CRIU are running: a `sleep` here outlasts any deadline by construction
-            # (tests/test_checkpoint_pod.py), an `error` stops them as any failure does
+            # runc and CRIU are running: a `kill` here leaves them orphaned, an `error` gives them
+            # up as any failure does (tests/faults/test_checkpoint_crash.py)
             await faults.hit_async("checkpoint.mid-dump")
             out, _ = await proc.communicate()
+            # runc and CRIU have ended: a `sleep` here outlasts any deadline by construction, with
+            # no dump left to let finish (tests/test_checkpoint_pod.py)
+            await faults.hit_async("checkpoint.dump-ended")
         except BaseException:
-            # cancelled: runc and its CRIU must be gone before the caller thaws (see end_dump)
-            await run_to_end(end_dump, proc.pid, image_dir)
+            # cancelled: runc and its CRIU must be gone before the caller thaws (see stop_dump)
+            await run_to_end(stop_dump, proc.pid, image_dir)
             with contextlib.suppress(Exception):
                 await asyncio.shield(proc.wait())
             raise
         if proc.returncode != 0 or _group_alive(proc.pid):
             # runc killed or failed: a CRIU it leaves behind would put back the FROZEN state it
             # found after the caller's thaw and freeze the container for good
-            await run_to_end(end_dump, proc.pid, image_dir)
+            await run_to_end(stop_dump, proc.pid, image_dir)
         if proc.returncode != 0:
             log_path = work_dir / "dump.log"
             detail = "; ".join(criu_error_lines(log_path)) or out.decode(errors="replace").strip()[-500:]

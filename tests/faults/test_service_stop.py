@@ -172,7 +172,9 @@ def test_podshim_terminated_mid_checkpoint(
     descendants (runc and CRIU too). podshim stops taking calls and exits by itself; the pod is
     thawed, alive and counting; the journal is closed. mixed-finishes: the dump (held with
     SIGSTOP past the 5 s podshim used to give) ends within the grace: the checkpoint completes.
-    mixed-aborts: held past the grace: podshim cancels it, thaws and clears output_path."""
+    mixed-aborts: held past the grace: podshim gives it up, continues the held CRIU (which holds
+    the counter: killing it could kill the counter) and lets it finish, discards it, thaws and
+    clears output_path."""
     cp = start_counter_pod(rt, bed, f"stop-{mode}", pod_cleanup, mem_mib=512)
     out = new_output_dir(bed, f"stop-{mode}")
     archives.append(out)
@@ -182,7 +184,10 @@ def test_podshim_terminated_mid_checkpoint(
     podshim = bed.podshim_pid
     assert podshim is not None
     if mode == "control-group":
-        for pid in {podshim, *_sys.descendants({podshim}), *processes_under(out)}:
+        # the unit's cgroup: podshim, runc and CRIU; never the pod's own tasks, although the one
+        # CRIU's parasite runs in holds CRIU's log (under `out`) open during the dump
+        pod_tasks = set().union(*(_sys.cgroup_pids(cg) for cg in cp.cgroups))
+        for pid in {podshim, *_sys.descendants({podshim}), *processes_under(out)} - pod_tasks:
             _sys.kill(pid, signal.SIGTERM)
     else:
         hold = 6.0 if mode == "mixed-finishes" else STOP_GRACE + 5.0
@@ -202,8 +207,6 @@ def test_podshim_terminated_mid_checkpoint(
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
                 assert "stopping" in (err.value.details() or "")
             time.sleep(max(0.0, hold - (time.monotonic() - start)))
-            if mode == "mixed-aborts":
-                assert processes_under(out) == [], "podshim did not end the dump after its grace"
     assert not _sys.wait_gone({podshim}, STOP_GRACE + 30), "podshim did not stop on SIGTERM"
     call.join(60)
     print(f"podshim SIGTERMed ({mode}) mid-dump: {call.error.code() if call.error else 'OK'}")
