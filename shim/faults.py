@@ -2,8 +2,9 @@
 
 Inactive unless PODSHIM_FAILPOINTS is set, e.g.
 `PODSHIM_FAILPOINTS=checkpoint.after-freeze=kill,restore.after-sandbox=error`.
-Actions: `kill` (SIGKILL this process: a crash), `error` (raise Internal), `sleep:<seconds>`;
-`<action>@<n>` acts on the n-th hit only (e.g. `write-file.manifest.json=kill@2`: during the
+Actions: `kill` (SIGKILL this process: a crash), `error` (raise Internal), `sleep:<seconds>`,
+`wait:<path>` (until `path` exists: a test's step done at that instant, whatever the machine's
+speed); `<action>@<n>` acts on the n-th hit only (e.g. `write-file.manifest.json=kill@2`: during the
 second write of a manifest). A failpoint on the event loop is `await hit_async(name)`: its sleep
 leaves the loop and the deadlines running (a caller's deadline cancels it), as a slow step would.
 """
@@ -57,20 +58,28 @@ class Failpoints:
 
     def hit(self, name: str) -> None:
         """Act on failpoint `name` if it is armed (a dict lookup otherwise)."""
-        seconds = self._act(name)
-        if seconds:
-            time.sleep(seconds)
+        pause = self._act(name)
+        if isinstance(pause, str):
+            while not os.path.exists(pause):
+                time.sleep(0.01)
+        elif pause:
+            time.sleep(pause)
 
     async def hit_async(self, name: str) -> None:
-        """hit() on the event loop: a `sleep` awaits, so it can be cancelled."""
-        seconds = self._act(name)
-        if seconds:
+        """hit() on the event loop: a `sleep` or `wait` awaits, so it can be cancelled."""
+        pause = self._act(name)
+        if pause:
             import asyncio  # here: podshim-runc's hook imports this module and no asyncio
 
-            await asyncio.sleep(seconds)
+            if isinstance(pause, str):
+                while not os.path.exists(pause):
+                    await asyncio.sleep(0.01)
+            else:
+                await asyncio.sleep(pause)
 
-    def _act(self, name: str) -> float:
-        """Kill or raise if `name` is armed so; the seconds it is to sleep (0: none)."""
+    def _act(self, name: str) -> float | str:
+        """Kill or raise if `name` is armed so; the seconds it is to sleep (0: none), or the path
+        whose creation it is to wait for."""
         if not self.points:
             return 0.0
         action = self.points.get(name)
@@ -87,6 +96,8 @@ class Failpoints:
             raise self.error(name)
         elif action.startswith("sleep:"):
             return float(action.split(":", 1)[1])
+        elif action.startswith("wait:"):
+            return action.split(":", 1)[1]
         return 0.0
 
 

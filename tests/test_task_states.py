@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,20 +79,35 @@ def test_settle_reports_in_the_answer_and_the_metric(sleepers: list[int]) -> Non
     assert taskstate.settle(None, "checkpoint_pod", "pod p") is None
 
 
-def test_reading_costs_little() -> None:
-    """The reads lie outside the freeze window; what one costs, for the record (-s)."""
+def test_reading_costs_one_file_per_thread() -> None:
+    """The reads lie outside the freeze window; what one costs is printed for the record (-s), not
+    asserted (a time bound here would only measure this machine's load: non-negotiable 4). What
+    keeps it cheap is asserted instead: one read of a process's threads finds each thread of it,
+    and opens nothing but their stat and status files (and the task directory)."""
     pids = [os.getpid()]
+    tids = {int(t) for t in os.listdir("/proc/self/task")}
     taskstate_cgroup = taskstate.cgroup_procs
+    opened: list[str] = []
+    active = [True]  # an audit hook stays for the process's life: it records this read only
+
+    def audit(event: str, args: tuple) -> None:
+        if active[0] and event == "open" and isinstance(args[0], str) and args[0].startswith("/proc/"):
+            opened.append(args[0])
+
     try:
         taskstate.cgroup_procs = lambda cg: pids  # type: ignore[assignment]
+        sys.addaudithook(audit)
         t0 = time.perf_counter()
-        for _ in range(100):
-            taskstate.read_tasks(["cg"])
-        per = (time.perf_counter() - t0) / 100
+        found = taskstate.read_tasks(["cg"])
+        per = time.perf_counter() - t0
     finally:
+        active[0] = False
         taskstate.cgroup_procs = taskstate_cgroup  # type: ignore[assignment]
-    print(f"\nread_tasks of one process ({len(os.listdir('/proc/self/task'))} threads): {per * 1e6:.0f} µs")
-    assert per < 0.05
+    assert {t.tid for t in found.values()} >= tids
+    reading = opened.copy()
+    per_thread = [p for p in reading if "/task/" in p and p.rsplit("/", 1)[1] in ("stat", "status")]
+    assert len(reading) - len(per_thread) <= 1 and len(per_thread) <= 2 * len(found)
+    print(f"\nread_tasks of one process ({len(tids)} threads): {per * 1e6:.0f} µs, {len(reading)} files")
 
 
 # ---------------------------------------------------------------------------- rpc_config

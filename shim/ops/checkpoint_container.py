@@ -511,7 +511,7 @@ class ContainerCheckpointer:
             finally:
                 if netlock is not None:
                     netlock.unlock()  # synchronous on purpose, as the thaw: runs while cancelled
-            faults.hit("checkpoint-container.before-thaw")
+            await faults.hit_async("checkpoint-container.before-thaw")
         finally:
             cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
             if cut.timings.started_monotonic is not None and not cut.preexisting:

@@ -299,7 +299,7 @@ class PodCheckpointer:
             timings["dump"] = time.monotonic() - dump_start
             if ahead is not None:
                 log.info("images written back during the dumps", pod=pod.id, mib=ahead.started_bytes >> 20)
-            faults.hit("checkpoint.before-thaw")
+            await faults.hit_async("checkpoint.before-thaw")
             # runc/CRIU wrote through the directory podshim holds (/proc/self/fd/N), never
             # through output_path: if someone replaced output_path meanwhile, fail instead of
             # answering OK for a checkpoint the caller's path does not hold

@@ -4,8 +4,10 @@ answer, the log and the metric say so, on success and on the deadline's error al
 
 The leftover stop is injected the way a stray `leave-stopped` or a signal landing inside the freeze
 window leaves it: a failpoint holds the pod frozen after the dumps (`checkpoint.before-thaw`,
-`checkpoint-container.before-thaw`: sleep), and the test SIGSTOPs the counter then; at the thaw the
-kernel stops it, with its cgroup THAWED, exactly the state of the bug.
+`checkpoint-container.before-thaw`: `wait:<file>`, until the test created the file), and the test
+SIGSTOPs the counter then, and only then lets it go (or lets the deadline pass); at the thaw the
+kernel stops it, with its cgroup THAWED, exactly the state of the bug. No step depends on how fast
+this machine is: the hold lasts until the test's stop landed.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from .helpers import (
 
 pytestmark = pytest.mark.e2e
 
-HOLD = "sleep:1.5"  # the pod held frozen after the dumps: time to stop the counter
+# the deadline of a call whose pod is held frozen after the dumps until the deadline: ample for
+# the checks, the freeze and the dump of the 8 MiB counter (0.2-0.5 s here)
+HELD_DEADLINE = 10.0
 
 
 def counter_pid(rt: Rt, cid: str) -> int:
@@ -49,13 +53,17 @@ def proc_state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-def stop_when_dumped(fp: FailpointPodshim, pid: int, line: str, seen: int = 0) -> threading.Thread:
+def stop_when_dumped(
+    fp: FailpointPodshim, pid: int, line: str, seen: int = 0, release: Path | None = None
+) -> threading.Thread:
     """SIGSTOP `pid` once the failpoint podshim logged `line` more than `seen` times (its dump is
-    over, the pod held frozen)."""
+    over, the pod held frozen), then create `release` (the failpoint's `wait:` file: the thaw)."""
 
     def run() -> None:
         pods.wait_for(lambda: fp.log_text().count(line) > seen, timeout=60, interval=0.01, what=line)
         os.kill(pid, signal.SIGSTOP)
+        if release is not None:
+            release.touch()
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -73,15 +81,16 @@ def call_with_trailer(call: Callable[..., Any], request: Any, timeout: float) ->
 
 
 def test_a_task_left_stopped_is_resumed(
-    bed: TestBed, rt: Rt, pod_cleanup: list[str], own_container_checkpoint: None
+    bed: TestBed, rt: Rt, pod_cleanup: list[str], own_container_checkpoint: None, tmp_path: Path
 ) -> None:
     cp = start_counter_pod(rt, bed, "stopped-left", pod_cleanup)
     cid = cp.pod.containers["counter"]
     pid = counter_pid(rt, cid)
-    spec = f"checkpoint.before-thaw={HOLD},checkpoint-container.before-thaw={HOLD}"
+    pod_go, ctr_go = tmp_path / "thaw-pod", tmp_path / "thaw-container"
+    spec = f"checkpoint.before-thaw=wait:{pod_go},checkpoint-container.before-thaw=wait:{ctr_go}"
     with FailpointPodshim(bed, spec) as fp:
         # CheckpointPod answers OK, with a notice; the counter was resumed
-        stopper = stop_when_dumped(fp, pid, '"container dumped"')
+        stopper = stop_when_dumped(fp, pid, '"container dumped"', release=pod_go)
         out = new_output_dir(bed, "stopped-left")
         trailer = call_with_trailer(
             fp.rt.CheckpointPod,
@@ -96,7 +105,7 @@ def test_a_task_left_stopped_is_resumed(
 
         # CheckpointContainer alike
         dumped = fp.log_text().count('"container dumped"')
-        stopper = stop_when_dumped(fp, pid, '"container dumped"', dumped)
+        stopper = stop_when_dumped(fp, pid, '"container dumped"', dumped, release=ctr_go)
         target = new_output_dir(bed, "stopped-left-ctr") / "counter.tar"
         trailer = call_with_trailer(
             fp.rt.CheckpointContainer,
@@ -110,17 +119,20 @@ def test_a_task_left_stopped_is_resumed(
     wait_journal_empty(bed)
 
 
-def test_a_task_left_stopped_at_the_deadline_is_resumed(bed: TestBed, rt: Rt, pod_cleanup: list[str]) -> None:
-    """The deadline passes while the pod is held frozen: DEADLINE_EXCEEDED, whose message says the
-    counter was resumed, and the pod runs on."""
+def test_a_task_left_stopped_at_the_deadline_is_resumed(
+    bed: TestBed, rt: Rt, pod_cleanup: list[str], tmp_path: Path
+) -> None:
+    """The deadline passes while the pod is held frozen (until a file nobody creates: the deadline
+    cancels the hold): DEADLINE_EXCEEDED, whose message says the counter was resumed, and the pod
+    runs on."""
     cp = start_counter_pod(rt, bed, "stopped-deadline", pod_cleanup)
     pid = counter_pid(rt, cp.pod.containers["counter"])
-    with FailpointPodshim(bed, "checkpoint.before-thaw=sleep:4") as fp:
+    with FailpointPodshim(bed, f"checkpoint.before-thaw=wait:{tmp_path / 'never'}") as fp:
         stopper = stop_when_dumped(fp, pid, '"container dumped"')
         out = new_output_dir(bed, "stopped-deadline")
         with pytest.raises(grpc.RpcError) as err:
             fp.rt.CheckpointPod(
-                cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(out)), timeout=3.5
+                cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(out)), timeout=HELD_DEADLINE
             )
         stopper.join()
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
