@@ -19,9 +19,11 @@ KILL_WAIT = 10.0  # for SIGKILLed runc/CRIU processes to disappear
 # runc gone) is never killed while its CRIU holds the container's processes (ptrace): CRIU is let
 # finish, and then detaches them, for at most DUMP_FINISH_WAIT; past it, it is taken for hung and
 # killed. DUMP_STOP_CONFIRM: for the dump's processes to stop (SIGSTOP) before podshim looks
-# whether they hold any (docs/architecture.md §11 (Cancellation)).
+# whether CRIU's code runs in any task; DUMP_LOOK_INTERVAL: between two such looks while it is let
+# go on (docs/architecture.md §11 (Cancellation)).
 DUMP_FINISH_WAIT = 60.0
 DUMP_STOP_CONFIRM = 2.0
+DUMP_LOOK_INTERVAL = 0.25
 VERSION_TIMEOUT = 10.0  # for `runc/crun/criu --version` (and `restore --help`)
 CPUINFO_TIMEOUT = 20.0  # for `criu cpuinfo dump/check`
 NETLOCK_TIMEOUT = 10.0  # for one iptables-restore of the pod's netns lock (tcp-established)

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shim import contract, errors, faults
-from shim.deadlines import DUMP_FINISH_WAIT, DUMP_STOP_CONFIRM, KILL_WAIT, NETLOCK_TIMEOUT, VERSION_TIMEOUT
+from shim.deadlines import (
+    DUMP_FINISH_WAIT,
+    DUMP_LOOK_INTERVAL,
+    DUMP_STOP_CONFIRM,
+    KILL_WAIT,
+    NETLOCK_TIMEOUT,
+    VERSION_TIMEOUT,
+)
 
 CRIU_LOG_TAIL = 6
 # Error lines CRIU prints on every run of this kind of host without failing because of them
@@ -318,9 +325,9 @@ def _stop_all(pgid: int, image_dir: Path, timeout: float) -> tuple[list[int], bo
         time.sleep(0.005)
 
 
-def _tracees(tracers: set[int]) -> list[int]:
-    """Every thread on the node that one of `tracers` holds with ptrace (TracerPid)."""
-    found = []
+def _tracees(tracers: set[int]) -> dict[int, list[int]]:
+    """Every thread on the node that one of `tracers` holds with ptrace (TracerPid), by process."""
+    found: dict[int, list[int]] = {}
     for proc in os.scandir("/proc"):
         if not proc.name.isdigit():
             continue
@@ -334,15 +341,85 @@ def _tracees(tracers: set[int]) -> list[int]:
                     for line in f:
                         if line.startswith(b"TracerPid:"):
                             if int(line.split()[1]) in tracers:
-                                found.append(int(tid))
+                                found.setdefault(int(proc.name), []).append(int(tid))
                             break
             except (OSError, ValueError, IndexError):
                 continue
     return found
 
 
+# compel's injected system call (compel/arch/x86/src/lib/infect.c, code_syscall: syscall; int3...)
+# and the name of the memfd that holds CRIU's parasite in a task (compel/include/infect-priv.h)
+_INJECTED_CALL = {"x86_64": bytes((0x0F, 0x05, 0xCC, 0xCC, 0xCC, 0xCC, 0xCC, 0xCC))}
+_PARASITE_MEMFD = b"CRIUMFD"
+_USER_SPACE_END = 1 << 47
+
+
+def _untouched(pid: int, tids: list[int]) -> bool:
+    """Whether CRIU holds task `pid` (its traced threads `tids`) without anything of CRIU's in it:
+    each thread stopped by ptrace at a PC in the task's own code (a file or the vDSO), no parasite
+    mapped, no injected call (nor the parasite memfd's name) at the start of any of its code
+    mappings. A CRIU killed then leaves the task as it was: ptrace lets it go. Anything unknown
+    (another architecture, a file that cannot be read) says no."""
+    call = _INJECTED_CALL.get(os.uname().machine)
+    if call is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            maps = f.read().splitlines()
+        code: list[tuple[int, int]] = []  # executable mappings
+        own: list[tuple[int, int]] = []  # of them, the task's own code
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split(b"-"))
+            path = fields[5] if len(fields) > 5 else b""
+            if _PARASITE_MEMFD in path:
+                return False
+            if b"x" in fields[1] and lo < _USER_SPACE_END:
+                code.append((lo, hi))
+                if path.startswith(b"/") or path == b"[vdso]":
+                    own.append((lo, hi))
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            for lo, _hi in code:
+                mem.seek(lo)
+                head = mem.read(len(call) + len(_PARASITE_MEMFD))
+                if head.startswith(call) or head[len(call) :].startswith(_PARASITE_MEMFD):
+                    return False
+        for tid in tids:
+            if _state(tid) != "t":
+                return False
+            with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+                regs = f.read().split()
+            if not regs or regs[0] == "running":
+                return False
+            pc = int(regs[-1], 16)
+            if not any(lo <= pc < hi for lo, hi in own):
+                return False
+    except (OSError, ValueError, IndexError):
+        return False
+    return True
+
+
+def _releasable(procs: list[int]) -> bool:
+    """Whether the dump's processes (stopped) can be killed without harm to what they dump: they
+    hold no task, or only tasks with nothing of CRIU's in them (_untouched)."""
+    return all(_untouched(pid, tids) for pid, tids in _tracees(set(procs)).items())
+
+
+def _continue(pgid: int, procs: list[int]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGCONT)
+    for pid in procs:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGCONT)
+
+
 def stop_dump(
-    pgid: int, image_dir: Path, finish_wait: float = DUMP_FINISH_WAIT, confirm: float = DUMP_STOP_CONFIRM
+    pgid: int,
+    image_dir: Path,
+    finish_wait: float = DUMP_FINISH_WAIT,
+    confirm: float = DUMP_STOP_CONFIRM,
+    interval: float = DUMP_LOOK_INTERVAL,
 ) -> None:
     """End a dump podshim no longer wants (its caller's deadline, another container's failure, a
     service stop, runc gone) without killing what it dumps, and return once none of its
@@ -351,50 +428,52 @@ def stop_dump(
     CRIU holds the container's tasks with ptrace from the seize to the end of the dump, and for
     parts of it runs code in them: a system call it injected (compel: `syscall; int3` swapped
     into the task's text, its registers set to the call) while it infects and cures each task,
-    its parasite while it dumps threads. CRIU killed then (SIGKILL, and SIGTERM or SIGINT alike:
-    CRIU has no handler for them) leaves the task, no longer traced, to run into the int3: it
-    dies of SIGTRAP. CRIU's own SIGALRM timeout is no safe stop either: it makes the call under
-    way fail with EINTR, wherever that is. So: every process of the dump is stopped (SIGSTOP);
-    if none holds a task, they are killed, as nothing of the container is touched (runc and
-    CRIU starting, or CRIU done with the tasks). Otherwise they are continued (one that someone
-    else stopped too: a stopped CRIU never lets the tasks go) and CRIU finishes the dump,
-    detaches the tasks and ends; its images are discarded by the caller. One still running
-    after `finish_wait` is taken for hung and killed, logged as such.
+    its parasite in between. CRIU killed then (SIGKILL, and SIGTERM or SIGINT alike: CRIU has no
+    handler for them) leaves the task, no longer traced, to run into the int3: it dies of
+    SIGTRAP. CRIU's own SIGALRM timeout is no safe stop either: it makes the call under way fail
+    with EINTR, wherever that is. So every process of the dump is stopped (SIGSTOP: a stopped
+    CRIU can neither seize nor inject) and looked at: if the tasks it holds have nothing of
+    CRIU's in them (_releasable: none held yet, or all cured), the dump is killed, which touches
+    nothing of the container. Otherwise it is continued (one that someone else stopped too: a
+    stopped CRIU never lets the tasks go) and looked at again every `interval`, until it ends by
+    itself or the tasks are released; one still holding them after `finish_wait` is taken for
+    hung and killed, logged as such.
 
     Before the caller thaws either way: CRIU, when it ends, puts back the freezer state it
     found (FROZEN: podshim's cut), which must not land after the thaw."""
     procs, stopped = _stop_all(pgid, image_dir, confirm)
     if not procs:
         return
-    held = _tracees(set(procs)) if stopped else None
-    if held == []:
-        end_dump(pgid, image_dir)  # holds no task: killing it touches nothing of the container
+    if stopped and _releasable(procs):
+        end_dump(pgid, image_dir)  # nothing of CRIU's runs in the tasks: the kill touches none
         return
     from shim import logs
 
     log = logs.get("shim.criu.runtime")
     log.warning(
-        "a dump given up on holds the container's tasks: letting CRIU finish it",
+        "a dump given up on runs CRIU's code in the container's tasks: letting CRIU go on",
         pids=procs,
-        tasks=held,
         image_dir=str(image_dir),
     )
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGCONT)
-    for pid in procs:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGCONT)
+    _continue(pgid, procs)
     end = time.monotonic() + finish_wait
-    while _dump_processes(pgid, image_dir):
+    while True:
+        time.sleep(interval)
+        procs, stopped = _stop_all(pgid, image_dir, confirm)
+        if not procs:
+            return
+        if stopped and _releasable(procs):
+            end_dump(pgid, image_dir)
+            return
         if time.monotonic() > end:
             log.error(
-                f"a dump given up on still runs after {finish_wait:.0f}s: taken for hung, killed",
-                pids=_dump_processes(pgid, image_dir),
+                f"a dump given up on still holds the tasks after {finish_wait:.0f}s: taken for hung, killed",
+                pids=procs,
                 image_dir=str(image_dir),
             )
             end_dump(pgid, image_dir)
             return
-        time.sleep(0.02)
+        _continue(pgid, procs)
 
 
 class OciRuntime:

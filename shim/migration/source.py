@@ -42,7 +42,7 @@ from shim.aio import run_to_end
 from shim.archive import compat, fsutil, layout, manifest
 from shim.cgroups import PodCut, cgroup_procs, thaw_paths
 from shim.config import Config
-from shim.criu.runtime import binary_version, criu_error_lines, end_dump
+from shim.criu.runtime import binary_version, criu_error_lines, stop_dump
 from shim.deadlines import (
     CHECK_MARGIN,
     CLEANUP_MARGIN,
@@ -114,10 +114,12 @@ class _LazyDump:
         return self.work.view.name
 
     def end(self) -> None:
-        """Kill runc and its CRIU (their process group, and a CRIU found by its image dir), wait
-        until none is left; then the pod's tasks are released (ptrace) but stay frozen (the cut)."""
+        """End runc and its CRIU (their process group, and a CRIU found by its image dir) once
+        nothing of CRIU's runs in the tasks (at once when serving pages: every task is cured; let
+        finish its dump otherwise: docs/architecture.md §11 (Cancellation)), wait until none is
+        left; then the pod's tasks are released (ptrace) but stay frozen (the cut)."""
         if self.proc is not None:
-            end_dump(self.proc.pid, Path(self.work.images.proc))
+            stop_dump(self.proc.pid, Path(self.work.images.proc))
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=KILL_WAIT)
 
