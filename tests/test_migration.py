@@ -157,6 +157,23 @@ def start_source(n: Nodes, mib: int) -> Migration:
     return Migration(n, src, mib, config, out, into)
 
 
+def restore_in_thread(
+    n: Nodes, req: cri.RestorePodRequest, timeout: float
+) -> tuple[dict[str, Any], threading.Thread]:
+    """B's RestorePod in a thread; its answer (or RpcError) lands in the dict under "b"."""
+    answers: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            answers["b"] = stub(n.b).RestorePod(req, timeout=timeout)
+        except grpc.RpcError as e:
+            answers["b"] = e
+
+    t = threading.Thread(target=call)
+    t.start()
+    return answers, t
+
+
 def dest_sandboxes(n: Nodes) -> list[str]:
     return [p.id for p in stub(n.b).ListPodSandbox(cri.ListPodSandboxRequest()).items]
 
@@ -304,16 +321,7 @@ def test_refused_by_the_precheck_before_anything_is_frozen(nodes: Nodes) -> None
         container_configs=[cc],
         options={"lazy-migration-from": n.link.names[0]},
     )
-    answers: dict[str, Any] = {}
-
-    def b_call() -> None:
-        try:
-            answers["b"] = stub(n.b).RestorePod(restore, timeout=60)
-        except grpc.RpcError as e:
-            answers["b"] = e
-
-    t = threading.Thread(target=b_call)
-    t.start()
+    answers, t = restore_in_thread(n, restore, 60)
     with pytest.raises(grpc.RpcError) as err:
         stub(n.a).CheckpointPod(
             cri.CheckpointPodRequest(
@@ -348,16 +356,7 @@ def test_an_unauthenticated_peer_is_refused(nodes: Nodes) -> None:
         container_configs=[counter_config(SMALL)],
         options={"lazy-migration-from": n.link.names[0]},
     )
-    answers: dict[str, Any] = {}
-
-    def b_call() -> None:
-        try:
-            answers["b"] = stub(n.b).RestorePod(restore, timeout=12)
-        except grpc.RpcError as e:
-            answers["b"] = e
-
-    t = threading.Thread(target=b_call)
-    t.start()
+    answers, t = restore_in_thread(n, restore, 12)
     wait_until("B to listen", lambda: n.link.listen(1) in n.link.listening(1) or None, 10)
     other = credentials.issue(Path(n.b.base_dir) / "other-ca", {n.link.names[0]: [n.link.address(0)]})
     cert, key = other[n.link.names[0]]
@@ -445,6 +444,7 @@ def test_failure(nodes: Nodes, failure: str, when: str) -> None:
     m.start(a_timeout=a_timeout)
     _held(n, m, when)
     frozen_at = entries(m.source.log_path("counter"))[-1][1]
+    failed_at = time.time()
     if failure == "b-killed":
         n.b.kill_podshim()
     elif failure == "a-killed":
@@ -465,6 +465,8 @@ def test_failure(nodes: Nodes, failure: str, when: str) -> None:
         # (B may have printed nothing: cut off from A, its first missing page blocks it)
         if b_last is not None:
             assert resumed[0][1] > b_last[1], f"A ran again ({resumed[0]}) before B's copy stopped ({b_last})"
+        if failure != "deadline":  # A waits out B's lease after the failure, whatever B did
+            assert resumed[0][1] - failed_at >= LEASE_AND_FENCE - 0.5, (resumed[0], failed_at)
         assert not log_has(n.b, "migration complete")
         if failure != "b-killed":  # B's podshim killed its containers with the reason (else its guard)
             wait_until("B's reason", lambda: log_has(n.b, "failed after the containers ran") or None, 30)

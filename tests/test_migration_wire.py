@@ -37,6 +37,19 @@ def free_address() -> str:
         return f"{ADDR}:{s.getsockname()[1]}"
 
 
+async def connected_pair(creds: dict) -> tuple[wire.Listener, ssl.SSLSocket, ssl.SSLSocket]:
+    """A listener of node-b and one authenticated connection from node-a: (listener, a's, b's)."""
+    addr = free_address()
+    listener = wire.Listener(addr, creds["node-b"].server_context())
+    loop = asyncio.get_running_loop()
+    accepted = loop.run_in_executor(None, listener.accept, "node-a", 5.0, lambda why: None)
+    a_tls = await asyncio.to_thread(
+        wire.connect, addr, creds["node-a"].client_context(), {"t": "control"}, 5.0
+    )
+    b_tls, _ = await accepted
+    return listener, a_tls, b_tls
+
+
 def accept_in_thread(listener: wire.Listener, expected: str, refused: list[str]) -> dict[str, object]:
     got: dict[str, object] = {}
 
@@ -105,15 +118,9 @@ def test_credentials_that_do_not_load_are_failed_precondition(tmp_path: Path) ->
 
 
 async def test_control_channel(creds: dict) -> None:
-    addr = free_address()
-    listener = wire.Listener(addr, creds["node-b"].server_context())
+    listener, a_tls, b_tls = await connected_pair(creds)
     loop = asyncio.get_running_loop()
     try:
-        accepted = loop.run_in_executor(None, listener.accept, "node-a", 5.0, lambda why: None)
-        a_tls = await asyncio.to_thread(
-            wire.connect, addr, creds["node-a"].client_context(), {"t": "control"}, 5.0
-        )
-        b_tls, _ = await accepted
         a, b = wire.Channel(a_tls, loop).start(), wire.Channel(b_tls, loop).start()
         a.send({"t": "hello", "n": 1})
         assert await asyncio.wait_for(b.inbox.get(), 5) == {"t": "hello", "n": 1}
@@ -153,15 +160,9 @@ def test_offer_helpers() -> None:
 async def test_a_malformed_frame_ends_the_channel(creds: dict) -> None:
     """A frame over MAX_FRAME (or of an unknown kind) from the peer is a protocol error: the
     channel ends with LinkLost instead of buffering it."""
-    addr = free_address()
-    listener = wire.Listener(addr, creds["node-b"].server_context())
+    listener, a_tls, b_tls = await connected_pair(creds)
     loop = asyncio.get_running_loop()
     try:
-        accepted = loop.run_in_executor(None, listener.accept, "node-a", 5.0, lambda why: None)
-        a_tls = await asyncio.to_thread(
-            wire.connect, addr, creds["node-a"].client_context(), {"t": "control"}, 5.0
-        )
-        b_tls, _ = await accepted
         b = wire.Channel(b_tls, loop).start()
         await asyncio.to_thread(a_tls.sendall, wire.FRAME.pack(wire.MAX_FRAME + 1, wire.BYTES))
         lost = await asyncio.wait_for(b.inbox.get(), 5)

@@ -40,7 +40,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, errors, faults, logs, metrics
 from shim.aio import run_to_end
 from shim.archive import compat, fsutil, layout, manifest
-from shim.cgroups import PodCut, cgroup_procs, thaw_paths
+from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
 from shim.criu.runtime import binary_version, criu_error_lines, stop_dump
 from shim.deadlines import (
@@ -59,6 +59,7 @@ from shim.deadlines import (
 from shim.migration import protocol, wire
 from shim.migration.credentials import NodeCredentials
 from shim.ops.checkpoint_pod import CheckpointOptions, PodCheckpointer, _Work, recorded_containers
+from shim.ops.lazy_pages import wait_status
 from shim.sandbox import PodView
 from shim.state import Journal, OpRecord
 from shim.state.records import MigrationSourceRecord
@@ -257,6 +258,11 @@ class MigrationSource:
             await asyncio.gather(*dumps, *diffs, return_exceptions=True)
             raise
         s.timings["dump"] = time.monotonic() - freeze_start
+        # CRIU thaws a cgroup it found frozen once it holds the tasks by ptrace, and freezes it
+        # again only when it ends: while it serves the pages the pod is held by CRIU alone, and a
+        # CRIU that dies (killed at a failure, a crash) would let it run beside the destination's
+        # copy. Frozen again here, the pod stays frozen whatever becomes of the dumps.
+        await run_to_end(_freeze_again, s.cut)
         archive.dir.check_in_place("output path", "the migration")
         stop = threading.Event()
         m = await run_to_end(
@@ -377,13 +383,7 @@ class MigrationSource:
                 )
         finally:
             os.close(write_end)
-        try:
-            ready = await asyncio.wait_for(_read_status(read_end), LAZY_READY_TIMEOUT)
-        except TimeoutError:
-            ready = b""
-        finally:
-            asyncio.get_running_loop().remove_reader(read_end)
-            os.close(read_end)
+        ready = await wait_status(read_end, LAZY_READY_TIMEOUT)
         if ready != b"\0":
             detail = "; ".join(criu_error_lines(d.work_dir / "dump.log")) or _tail(d.work_dir / "runc.log")
             raise MigrationFailed(
@@ -599,22 +599,6 @@ def _tail(path: Path) -> str:
         return ""
 
 
-def _read_status(fd: int) -> asyncio.Future[bytes]:
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[bytes] = loop.create_future()
-
-    def readable() -> None:
-        loop.remove_reader(fd)
-        if not fut.done():
-            try:
-                fut.set_result(os.read(fd, 1))
-            except OSError:
-                fut.set_result(b"")
-
-    loop.add_reader(fd, readable)
-    return fut
-
-
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -649,6 +633,18 @@ def _established_peers(port: int) -> list[str]:
     except OSError:
         pass
     return out
+
+
+def _freeze_again(cut: PodCut) -> None:
+    for cg in cut.frozen:
+        cut.freezer.freeze(cg, timeout=FREEZE_TIMEOUT)
+
+
+def _freeze_paths(cgroups: list[str]) -> None:
+    freezer = default_freezer()
+    for cg in cgroups:
+        with contextlib.suppress(errors.ShimError):
+            freezer.freeze(cg, timeout=FREEZE_TIMEOUT)
 
 
 def _wait_dumps(dumps: list[_LazyDump], timeout: float) -> None:
@@ -714,6 +710,8 @@ async def recover(rec: OpRecord, upstream: Upstream) -> None:
     earlier -> thawed at once. Not committed: the partial archive is cleared."""
     data: MigrationSourceRecord = rec.data
     work = data.work_dir
+    if rec.phase in ("handed-over", "committed"):  # held by podshim's freeze, not CRIU's ptrace alone
+        await run_to_end(_freeze_paths, data.cgroups[1:])
     await run_to_end(_end_leftovers, [p for p in (work, data.output_path) if p])
     if rec.phase == "committed":
         await run_to_end(_kill_frozen, data.cgroups[1:])

@@ -353,13 +353,7 @@ class LazyPages:
         with contextlib.suppress(OSError):
             d.pidfd = os.pidfd_open(d.pid)
         self.journal.update(d.rec, "serving", pid=d.pid, start_time=d.start_time, verifying=verifying)
-        try:  # woken by the status fd itself (its `\0`, or EOF when the daemon died), no thread
-            ready = await asyncio.wait_for(_read_status(read_end), LAZY_READY_TIMEOUT)
-        except TimeoutError:
-            ready = b""
-        finally:
-            asyncio.get_running_loop().remove_reader(read_end)
-            os.close(read_end)
+        ready = await wait_status(read_end, LAZY_READY_TIMEOUT)
         if ready != b"\0":
             detail = _error_lines(work / LOG_NAME)
             await self.abandon([d])
@@ -704,6 +698,18 @@ def _in_thread(fn: Any, check: PageCheck, stop: threading.Event, name: str) -> a
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return asyncio.wrap_future(cf)
+
+
+async def wait_status(fd: int, timeout: float) -> bytes:
+    """The first byte a CRIU writes to its status fd (`\0`: ready), b"" at EOF (it died) or after
+    `timeout`; woken by the event loop (no thread). `fd` is closed."""
+    try:
+        return await asyncio.wait_for(_read_status(fd), timeout)
+    except TimeoutError:
+        return b""
+    finally:
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
 
 
 def _read_status(fd: int) -> asyncio.Future[bytes]:
