@@ -28,8 +28,10 @@ TOOLS=(
   "runc-1.3|runc-1.3|build|github.com/opencontainers/runc|runc|seccomp|-X main.version=1.3.7"
   "containerd-2.2|containerd-2.2|build|github.com/containerd/containerd/v2/cmd/containerd|containerd|no_btrfs|-X github.com/containerd/containerd/v2/version.Version=2.2.9"
   "containerd-2.2|containerd-2.2|build|github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2|containerd-shim-runc-v2||-X github.com/containerd/containerd/v2/version.Version=2.2.9"
+  "containerd-2.2|containerd-2.2|build|github.com/containerd/containerd/v2/cmd/ctr|ctr||-X github.com/containerd/containerd/v2/version.Version=2.2.9"
   "containerd-2.4|containerd-2.4|build|github.com/containerd/containerd/v2/cmd/containerd|containerd|no_btrfs|-X github.com/containerd/containerd/v2/version.Version=2.4.2"
   "containerd-2.4|containerd-2.4|build|github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2|containerd-shim-runc-v2||-X github.com/containerd/containerd/v2/version.Version=2.4.2"
+  "containerd-2.4|containerd-2.4|build|github.com/containerd/containerd/v2/cmd/ctr|ctr||-X github.com/containerd/containerd/v2/version.Version=2.4.2"
   "cri-client|cri-client|build|podshim.local/tools/cri-client|cri-client||"
 )
 

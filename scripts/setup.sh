@@ -12,13 +12,20 @@
 #      /usr/local/lib/<multiarch>. Debian 12's CRIU 3.17 fails `criu check` on new kernels.
 #      podshim's patches (scripts/patches/criu) are applied first; an installed CRIU without
 #      the current patch set is rebuilt.
+#   2b. CRIU 4.2 from sid's source package (the private apt tree below, deb-src sid), with the
+#      patches for 4.2, into /var/cache/podshim/criu/4.2 (sbin/criu): the tests' PODSHIM_TEST_CRIU=4.2
+#      and the package's /opt/podshim/sbin/criu. /usr/local/sbin/criu stays as it is.
+#      Patch layout: scripts/patches/criu/*.patch apply to every CRIU built, and
+#      scripts/patches/criu/<major.minor>/*.patch to that series only; sorted by file name together.
 #   3. crun with CRIU support from the trixie source package: /usr/local/bin/crun.
 #      (Debian 12's crun 1.8 has no CRIU.) A failure here is a warning, not an error; the
 #      test suite's crun variants then fail (PODSHIM_TESTS_WITHOUT_CRUN=1 skips them).
 #   3b. containerd 1.7 (trixie) and 2.1 (sid) binary packages unpacked (not installed) into
 #      /var/cache/podshim/containerd/<minor>/bin for the test bed (PODSHIM_TEST_CONTAINERD).
 #   3c. the Go programs the tests drive, built from pinned Go modules (tools/go/, scripts/gotools.sh)
-#      into /var/cache/podshim/go/bin: kubelet, crictl, critest, containerd 2.2 and 2.4, runc 1.3.
+#      into /var/cache/podshim/go/bin: kubelet, crictl, critest, containerd 2.2 and 2.4 (with ctr), runc 1.3.
+#   3d. pristine Debian roots (debootstrap, bookworm; PODSHIM_DEBROOTS="bookworm trixie" adds 13)
+#      in /var/cache/podshim/debroot/<release> for the package's install test.
 #   4. Python: .venv, `pip install -e '.[dev]'` when pyproject.toml changed, and pycriu
 #      (from CRIU's source, *_pb2 regenerated with the venv's grpc_tools) into the venv;
 #      the compiled runtime wrapper native/podshim-runc.c as .venv/bin/podshim-runc (its
@@ -34,6 +41,8 @@ set -euo pipefail
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO_ROOT"
+# shellcheck source=scripts/pycriu.sh
+. "$REPO_ROOT/scripts/pycriu.sh"
 
 BUILD_DIR=${PODSHIM_BUILD_DIR:-/var/cache/podshim/build}
 FORCE_BUILD=${PODSHIM_FORCE_BUILD:-0}
@@ -64,6 +73,8 @@ APT_PACKAGES=(
   libseccomp-dev libyajl-dev libsystemd-dev gperf automake autoconf libtool
   # checkpoints through an OCI registry (issue 17): the tests' registry and htpasswd -B for its basic auth
   docker-registry apache2-utils
+  # the package's install test (tests/test_package.py): a fresh Debian root per run
+  debootstrap
 )
 
 T0=$(date +%s)
@@ -173,14 +184,24 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg"
 # unpack it. We build upstream's source as released, not Debian's packaging, so only the
 # orig tarball is needed (the mirror proxy here serves it, but not always the .dsc).
 # ---------------------------------------------------------------------------------------
-# src_version PKG: newest version of source package PKG that apt knows.
+# Which apt the source functions ask: the system's (its deb-src entry for $NEW_SUITE), or, with
+# SRC_APT=private_apt set by fetch_private_source, the private tree's (deb-src sid) and only
+# versions of the upstream series SRC_SERIES ("4.2": 4.2.x).
+SRC_APT=""
+SRC_SERIES=""
+src_apt() { if [ -n "$SRC_APT" ]; then "$SRC_APT" "$@"; else "$@"; fi; }
+src_apt_update() { if [ -n "$SRC_APT" ]; then private_apt_update force; else apt_update; fi; }
+
+# src_version PKG: newest version of source package PKG that apt knows (of SRC_SERIES, if set).
 src_version() {
-  apt-cache showsrc --only-source "$1" 2>/dev/null | awk '/^Version:/ { print $2 }' | sort -V | tail -n1
+  src_apt apt-cache showsrc --only-source "$1" 2>/dev/null | awk -v s="$SRC_SERIES" '
+    /^Version:/ { v = $2; u = v; sub(/^[0-9]+:/, "", u); if (s == "" || index(u, s ".") == 1) print v }' |
+    sort -V | tail -n1
 }
 
 # orig_sha256 PKG VERSION FILE: the SHA256 of FILE listed in PKG's Sources stanza.
 orig_sha256() {
-  apt-cache showsrc --only-source "$1" 2>/dev/null | awk -v v="$2" -v f="$3" '
+  src_apt apt-cache showsrc --only-source "$1" 2>/dev/null | awk -v v="$2" -v f="$3" '
     BEGIN { RS = ""; FS = "\n" }
     { ok = 0; for (i = 1; i <= NF; i++) if ($i == "Version: " v) ok = 1
       if (!ok) next
@@ -207,10 +228,10 @@ fetch_source() {
   local pkg=$1 min=$2 ver upver dl orig sum want top tmp
   ver=$(src_version "$pkg")
   if [ -z "$ver" ] || ! version_ge "${ver#*:}" "$min"; then
-    apt_update >&2
+    src_apt_update >&2
     ver=$(src_version "$pkg")
   fi
-  [ -n "$ver" ] || { warn "apt knows no source package '$pkg' (is the $NEW_SUITE deb-src entry working?)"; return 1; }
+  [ -n "$ver" ] || { warn "apt knows no source package '$pkg'${SRC_SERIES:+ $SRC_SERIES.x} (is the ${SRC_APT:+private }deb-src entry working?)"; return 1; }
   upver=${ver#*:}; upver=${upver%-*}
   version_ge "$upver" "$min" || { warn "$pkg source $ver is older than $min"; return 1; }
 
@@ -224,12 +245,12 @@ fetch_source() {
   if [ -z "$orig" ]; then
     info "apt-get source --download-only $pkg=$ver" >&2
     # Non-fatal: only the orig tarball matters (see above); checked just below.
-    (cd "$dl" && apt-get source -qq --download-only -o APT::Sandbox::User=root "$pkg=$ver") \
+    (cd "$dl" && src_apt apt-get source -qq --download-only -o APT::Sandbox::User=root "$pkg=$ver") \
       >>"$BUILD_DIR/logs/fetch-$pkg.log" 2>&1 || true
     orig=$(find_orig "$dl" "$pkg" "$upver")
     if [ -z "$orig" ]; then
-      apt_update >&2
-      (cd "$dl" && apt-get source -qq --download-only -o APT::Sandbox::User=root "$pkg=$ver") \
+      src_apt_update >&2
+      (cd "$dl" && src_apt apt-get source -qq --download-only -o APT::Sandbox::User=root "$pkg=$ver") \
         >>"$BUILD_DIR/logs/fetch-$pkg.log" 2>&1 || true
       orig=$(find_orig "$dl" "$pkg" "$upver")
     fi
@@ -260,15 +281,52 @@ fetch_source() {
 # ---------------------------------------------------------------------------------------
 criu_version() { "$1" --version 2>/dev/null | awk '/^Version:/ { print $2 }'; }
 
-# criu_patch_id: one hash of podshim's CRIU patches (scripts/patches/criu/*.patch).
-criu_patch_id() { cat "$CRIU_PATCH_DIR"/*.patch 2>/dev/null | sha256sum | cut -d' ' -f1; }
+# criu_patches VERSION: podshim's CRIU patches for CRIU VERSION, in the order they apply: the
+# shared ones (scripts/patches/criu/*.patch) and those of VERSION's minor only
+# (scripts/patches/criu/<major.minor>/*.patch, e.g. 4.1/ holds a fix 4.2 has upstream), sorted by
+# file name together.
+criu_patches() {
+  local minor p
+  minor=$(printf '%s\n' "$1" | cut -d. -f1,2)
+  for p in "$CRIU_PATCH_DIR"/*.patch "$CRIU_PATCH_DIR/$minor"/*.patch; do
+    if [ -f "$p" ]; then printf '%s\t%s\n' "$(basename "$p")" "$p"; fi
+  done | sort | cut -f2
+}
 
-# apply_patches SRC: apply each of podshim's CRIU patches to SRC once (an applied one is
-# recognised by its reverse applying cleanly).
+# criu_patch_id VERSION: one hash of the patches CRIU VERSION gets.
+criu_patch_id() {
+  local ps
+  mapfile -t ps < <(criu_patches "$1")
+  cat "${ps[@]}" /dev/null | sha256sum | cut -d' ' -f1
+}
+
+# unpack_again SRC: SRC ($BUILD_DIR/<pkg>-<upver>, made by fetch_source) unpacked afresh from its
+# orig tarball in $BUILD_DIR/downloads.
+unpack_again() {
+  local src=$1 name ver orig tmp top
+  name=${src##*/}
+  ver=$(cat "$src/.podshim-unpacked")
+  orig=$(find_orig "$BUILD_DIR/downloads" "${name%-*}" "${name##*-}")
+  [ -n "$orig" ] || return 1
+  tmp=$(mktemp -d "$BUILD_DIR/unpack.XXXXXX") || return 1
+  tar -xf "$orig" -C "$tmp" && top=$(ls "$tmp") && [ -d "$tmp/$top" ] &&
+    rm -rf "$src" && mv "$tmp/$top" "$src" && rmdir "$tmp" && printf '%s\n' "$ver" >"$src/.podshim-unpacked"
+}
+
+# apply_patches SRC VERSION: apply each of podshim's patches for CRIU VERSION to SRC once (an
+# applied one is recognised by its reverse applying cleanly). A tree patched with another set (a
+# patch changed or dropped since) is unpacked again from the orig tarball first: a changed patch
+# neither applies nor reverses on it.
 apply_patches() {
-  local src=$1 p
-  for p in "$CRIU_PATCH_DIR"/*.patch; do
-    [ -f "$p" ] || continue
+  local src=$1 p ps id
+  id=$(criu_patch_id "$2")
+  if [ -f "$src/.podshim-patches" ] && [ "$(cat "$src/.podshim-patches")" != "$id" ] ||
+    { [ ! -f "$src/.podshim-patches" ] && [ -f "$src/criu/criu" ]; }; then
+    info "CRIU's tree in $src carries another patch set: unpacking it again"
+    unpack_again "$src" || die "cannot unpack CRIU's source again into $src"
+  fi
+  mapfile -t ps < <(criu_patches "$2")
+  for p in "${ps[@]}"; do
     if patch -d "$src" -p1 -R -s -f --dry-run <"$p" >/dev/null 2>&1; then
       info "patch $(basename "$p"): already applied"
     else
@@ -276,6 +334,7 @@ apply_patches() {
       info "patch $(basename "$p"): applied"
     fi
   done
+  printf '%s\n' "$id" >"$src/.podshim-patches"
 }
 
 # criu_state: prints "ok VERSION" or the reason it is not ok.
@@ -290,7 +349,7 @@ criu_state() {
   [ "$pcv" = "$v" ] || { echo "criu.pc says '${pcv:-none}', binary says $v"; return; }
   { [ -f "$PYCRIU_SRC_DIR/VERSION" ] && [ "$(cat "$PYCRIU_SRC_DIR/VERSION")" = "$v" ]; } ||
     { echo "pycriu sources for $v missing in $PYCRIU_SRC_DIR"; return; }
-  [ "$(cat "$CRIU_PATCH_STAMP" 2>/dev/null)" = "$(criu_patch_id)" ] ||
+  [ "$(cat "$CRIU_PATCH_STAMP" 2>/dev/null)" = "$(criu_patch_id "$v")" ] ||
     { echo "the installed CRIU lacks podshim's patches (scripts/patches/criu)"; return; }
   out=$("$bin" check 2>&1 || true)
   [[ "$out" == *"Looks good"* ]] || { echo "'criu check' fails: ${out##*$'\n'}"; return; }
@@ -309,7 +368,7 @@ step_criu() {
     t=$(date +%s)
     mkdir -p "$BUILD_DIR/logs"
     src=$(fetch_source criu "$CRIU_MIN") || die "cannot get CRIU's source"
-    apply_patches "$src"
+    apply_patches "$src" "${src##*/criu-}"
     log=$BUILD_DIR/logs/criu-build.log
     : >"$log"
     info "make -j2 criu lib in $src (log: $log)"
@@ -322,16 +381,8 @@ step_criu() {
     ldconfig
 
     # Keep what the venv's pycriu is made from (python sources, image .proto files).
-    rm -rf "$PYCRIU_SRC_DIR"
-    mkdir -p "$PYCRIU_SRC_DIR/pycriu/images" "$PYCRIU_SRC_DIR/proto"
-    cp "$src"/lib/pycriu/__init__.py "$src"/lib/pycriu/criu.py "$src"/lib/pycriu/version.py \
-      "$PYCRIU_SRC_DIR/pycriu/"
-    cp "$src"/lib/pycriu/images/__init__.py "$src"/lib/pycriu/images/images.py \
-      "$src"/lib/pycriu/images/pb2dict.py "$src"/lib/pycriu/images/magic.py \
-      "$PYCRIU_SRC_DIR/pycriu/images/"
-    cp "$src"/images/*.proto "$PYCRIU_SRC_DIR/proto/"
-    criu_version "$src/criu/criu" >"$PYCRIU_SRC_DIR/VERSION"
-    criu_patch_id >"$CRIU_PATCH_STAMP"
+    pycriu_save_src "$src" "$PYCRIU_SRC_DIR" || die "cannot keep pycriu's sources in $PYCRIU_SRC_DIR"
+    criu_patch_id "$(criu_version "$src/criu/criu")" >"$CRIU_PATCH_STAMP"
     info "installed in $(( $(date +%s) - t ))s"
 
     state=$(criu_state)
@@ -344,6 +395,79 @@ step_criu() {
   if [ "$(command -v criu)" != "$PREFIX/sbin/criu" ]; then
     warn "'criu' on PATH is $(command -v criu || echo nothing), not $PREFIX/sbin/criu: put $PREFIX/sbin first in PATH or pass --criu/CriuPath"
   fi
+}
+
+# ---------------------------------------------------------------------------------------
+# 2b. Newer CRIU series in private prefixes, for the tests (PODSHIM_TEST_CRIU=4.2, testbed/bed.py)
+# and the package (`make deb` ships it as /opt/podshim/sbin/criu): built from sid's source
+# package (the private apt tree's deb-src entry) with podshim's patches for that series, into
+# $CRIU_PRIVATE_DIR/<series>: sbin/criu and, for the package, pycriu's sources (share/pycriu-src);
+# no libcriu (crun links /usr/local's).
+# /usr/local/sbin/criu is never touched.
+# ---------------------------------------------------------------------------------------
+CRIU_PRIVATE_DIR=/var/cache/podshim/criu
+CRIU_PRIVATE_SERIES=("4.2")
+
+# fetch_private_source PKG SERIES: fetch_source from the private tree, newest SERIES.x.
+fetch_private_source() {
+  local SRC_APT=private_apt SRC_SERIES=$2
+  fetch_source "$1" "$2"
+}
+
+# criu_private_state SERIES: "ok VERSION" or why $CRIU_PRIVATE_DIR/SERIES is not usable.
+criu_private_state() {
+  local dir=$CRIU_PRIVATE_DIR/$1 v out
+  [ -x "$dir/sbin/criu" ] || { echo "$dir/sbin/criu missing"; return; }
+  v=$(criu_version "$dir/sbin/criu")
+  [[ "$v" == "$1".* ]] || { echo "$dir/sbin/criu is version '${v:-?}', not $1.x"; return; }
+  [ "$(cat "$dir/share/podshim/criu-patches" 2>/dev/null)" = "$(criu_patch_id "$v")" ] ||
+    { echo "it lacks podshim's patches for $v (scripts/patches/criu)"; return; }
+  [ "$(cat "$dir/share/pycriu-src/VERSION" 2>/dev/null)" = "$v" ] ||
+    { echo "pycriu sources for $v missing in $dir/share/pycriu-src (the package's pycriu)"; return; }
+  out=$("$dir/sbin/criu" check 2>&1 || true)
+  [[ "$out" == *"Looks good"* ]] || { echo "'criu check' fails: ${out##*$'\n'}"; return; }
+  echo "ok $v"
+}
+
+build_criu_private() {
+  local series=$1 dir=$CRIU_PRIVATE_DIR/$1 src log v tmp
+  src=$(fetch_private_source criu "$series") || return 1
+  v=${src##*/criu-}
+  apply_patches "$src" "$v"
+  log=$BUILD_DIR/logs/criu-$series-build.log
+  : >"$log"
+  info "make -j2 criu lib in $src (log: $log)"
+  # lib: also generates pycriu's version.py and magic.py (the package's pycriu)
+  run_logged "$log" make -C "$src" -j2 PREFIX="$dir" SKIP_PIP_INSTALL=1 criu lib || return 1
+  # installed beside, then renamed into place: a bed using the old one keeps a whole binary
+  tmp=$(mktemp -d "$CRIU_PRIVATE_DIR/.install.XXXXXX") || return 1
+  install -D -m 0755 "$src/criu/criu" "$tmp/sbin/criu" &&
+    pycriu_save_src "$src" "$tmp/share/pycriu-src" &&
+    mkdir -p "$tmp/share/podshim" &&
+    criu_patch_id "$v" >"$tmp/share/podshim/criu-patches" &&
+    criu_patches "$v" | xargs -r -n1 basename >"$tmp/share/podshim/criu-patches.list" || { rm -rf "$tmp"; return 1; }
+  rm -rf "$dir.old"
+  [ ! -e "$dir" ] || mv "$dir" "$dir.old"
+  mv "$tmp" "$dir" && rm -rf "$dir.old"
+}
+
+step_criu_private() {
+  local series state t
+  for series in "${CRIU_PRIVATE_SERIES[@]}"; do
+    step "CRIU $series.x (sid, podshim's patches) in $CRIU_PRIVATE_DIR/$series"
+    mkdir -p "$CRIU_PRIVATE_DIR"
+    state=$(criu_private_state "$series")
+    if [ "$FORCE_BUILD" != 1 ] && [ "${state%% *}" = ok ]; then
+      info "criu ${state#ok }, 'criu check': Looks good"
+      continue
+    fi
+    info "building CRIU $series: $state"
+    t=$(date +%s)
+    build_criu_private "$series" || die "building CRIU $series failed"
+    state=$(criu_private_state "$series")
+    [ "${state%% *}" = ok ] || die "CRIU $series not usable after the build: $state"
+    info "criu ${state#ok } built in $(( $(date +%s) - t ))s"
+  done
 }
 
 # ---------------------------------------------------------------------------------------
@@ -505,62 +629,8 @@ EOF
     return 0
   fi
   info "installing pycriu $criu_v (${have% *})"
-  local stage=$VENV/.podshim-build/pycriu wkt protos=() p
-  rm -rf "$stage"
-  mkdir -p "$stage"
-  cp -r "$PYCRIU_SRC_DIR/pycriu" "$stage/"
-  wkt=$("$VENV/bin/python" -c 'import grpc_tools, os; print(os.path.join(os.path.dirname(grpc_tools.__file__), "_proto"))')
-  for p in "$PYCRIU_SRC_DIR"/proto/*.proto; do
-    [ "$(basename "$p")" = rpc.proto ] || protos+=("$p")
-  done
-  "$VENV/bin/python" -m grpc_tools.protoc -I "$PYCRIU_SRC_DIR/proto" -I "$wkt" \
-    --python_out="$stage/pycriu/images" "${protos[@]}"
-  "$VENV/bin/python" -m grpc_tools.protoc -I "$PYCRIU_SRC_DIR/proto" -I "$wkt" \
-    --python_out="$stage/pycriu" "$PYCRIU_SRC_DIR/proto/rpc.proto"
-  # protobuf >= 7 dropped FieldDescriptor.label, which CRIU 4.1's pb2dict.py still uses.
-  "$VENV/bin/python" - "$stage/pycriu/images/pb2dict.py" <<'EOF'
-import re, sys
-path = sys.argv[1]
-src = open(path).read()
-helper = """
-
-def _is_repeated(field):
-    # Added by podshim's setup.sh: protobuf >= 7 has no FieldDescriptor.label.
-    if hasattr(field, "is_repeated"):
-        return field.is_repeated
-    return field.label == FD.LABEL_REPEATED
-"""
-anchor = "from google.protobuf.descriptor import FieldDescriptor as FD\n"
-assert anchor in src, "pb2dict.py: FD import not found"
-src = src.replace("field.label == FD.LABEL_REPEATED", "_is_repeated(field)")
-assert not re.search(r"\.label\b", src), "pb2dict.py: unpatched .label use"
-src = src.replace(anchor, anchor + helper, 1)
-open(path, "w").write(src)
-EOF
-  # pb.py re-exports every image message, as CRIU's lib/pycriu/images/Makefile does.
-  {
-    echo "# Autogenerated by podshim scripts/setup.sh. Do not edit!"
-    for p in "$stage"/pycriu/images/*_pb2.py; do
-      p=$(basename "$p" .py)
-      [ "$p" = opts_pb2 ] || echo "from .$p import *"
-    done
-  } >"$stage/pycriu/images/pb.py"
-  cat >"$stage/pyproject.toml" <<EOF
-[build-system]
-requires = ["setuptools"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "pycriu"
-version = "$criu_v"
-description = "CRIU's Python bindings, built by podshim's setup.sh from CRIU $criu_v's source"
-license = { text = "GPL-2.0-only" }
-requires-python = ">=3.6"
-dependencies = ["protobuf"]
-
-[tool.setuptools]
-packages = ["pycriu", "pycriu.images"]
-EOF
+  local stage=$VENV/.podshim-build/pycriu
+  pycriu_stage "$PYCRIU_SRC_DIR" "$VENV/bin/python" "$stage" || die "generating pycriu failed"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
     --no-build-isolation --force-reinstall "$stage"
   rm -rf "$VENV/.podshim-build"
@@ -645,18 +715,31 @@ containerd_state() {
   echo "ok $v"
 }
 
-fetch_containerd() {
-  local minor=$1 suite=$2 uri a=$CONTAINERD_CACHE/apt ver dl dir tmp deb b
+# private_apt_update [force]: the private tree's sources (binary packages of trixie and sid for
+# containerd, sid's source packages for CRIU 4.2) and its lists, updated when older than an hour,
+# when the sources changed, or when forced.
+private_apt_update() {
+  local a=$CONTAINERD_CACHE/apt uri want s
   uri=$(mirror_uri)
   mkdir -p "$a/lists/partial" "$a/cache/archives/partial" || return 1
-  printf '%s\n' "# Managed by podshim scripts/setup.sh: used only by apt-get download of containerd" \
-    "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $uri trixie main" \
-    "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $uri sid main" >"$a/sources.list"
-  if [ ! -f "$a/.updated" ] || [ -n "$(find "$a/.updated" -mmin +60)" ]; then
-    info "apt-get update (private list: trixie, sid)"
-    run_logged "$BUILD_DIR/logs/containerd-fetch.log" private_apt apt-get update || return 1
+  want="# Managed by podshim scripts/setup.sh: used only by apt-get download of containerd and apt-get source of CRIU"
+  for s in "deb trixie" "deb sid" "deb-src sid"; do
+    want+=$'\n'"${s% *} [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $uri ${s#* } main"
+  done
+  if [ "$(cat "$a/sources.list" 2>/dev/null)" != "$want" ]; then
+    printf '%s\n' "$want" >"$a/sources.list"
+    rm -f "$a/.updated"
+  fi
+  if [ "${1:-}" = force ] || [ ! -f "$a/.updated" ] || [ -n "$(find "$a/.updated" -mmin +60)" ]; then
+    info "apt-get update (private list: trixie, sid, sid sources)"
+    run_logged "$BUILD_DIR/logs/private-apt.log" private_apt apt-get update || return 1
     touch "$a/.updated"
   fi
+}
+
+fetch_containerd() {
+  local minor=$1 suite=$2 ver dl dir tmp deb b
+  private_apt_update || return 1
   # newest version of $suite's containerd whose upstream version is $minor.x
   ver=$(private_apt apt-cache madison containerd 2>/dev/null |
     awk -F'|' -v s="$suite" -v m="$minor" '{ gsub(/ /, "", $2); split($3, p, " ") }
@@ -734,14 +817,48 @@ step_gotools() {
 }
 
 # ---------------------------------------------------------------------------------------
+# 3d. Pristine Debian roots for the package's install test (tests/test_package.py, which lays a
+# fresh overlay on one per run): debootstrap --variant=minbase with a node's container stack
+# (Debian's containerd, runc, CNI plugins, iptables, iproute2, procps), from the machine's own mirror, into
+# $DEBROOT_DIR/<release>. PODSHIM_DEBROOTS lists the releases (default bookworm; the matrix adds
+# trixie). Built once; again when the package list changes.
+# ---------------------------------------------------------------------------------------
+DEBROOT_DIR=/var/cache/podshim/debroot
+DEBROOT_PACKAGES=containerd,runc,iptables,iproute2,containernetworking-plugins,ca-certificates,procps
+
+step_debroots() {
+  local release dir t
+  for release in ${PODSHIM_DEBROOTS:-bookworm}; do
+    dir=$DEBROOT_DIR/$release
+    step "Debian $release root for the package test in $dir"
+    if [ "$(cat "$DEBROOT_DIR/.$release.packages" 2>/dev/null)" = "$DEBROOT_PACKAGES" ] && [ -d "$dir" ]; then
+      info "present"
+      continue
+    fi
+    t=$(date +%s)
+    mkdir -p "$DEBROOT_DIR"
+    rm -rf "$dir.tmp"
+    info "debootstrap --variant=minbase $release (log: $BUILD_DIR/logs/debootstrap-$release.log)"
+    run_logged "$BUILD_DIR/logs/debootstrap-$release.log" debootstrap --variant=minbase \
+      --include="$DEBROOT_PACKAGES" "$release" "$dir.tmp" "$(mirror_uri)" || die "debootstrap $release failed"
+    rm -rf "$dir.tmp/var/cache/apt/archives/"*.deb
+    rm -rf "$dir" && mv "$dir.tmp" "$dir"
+    printf '%s\n' "$DEBROOT_PACKAGES" >"$DEBROOT_DIR/.$release.packages"
+    info "built in $(( $(date +%s) - t ))s"
+  done
+}
+
+# ---------------------------------------------------------------------------------------
 system_steps() {
   mkdir -p "$BUILD_DIR/logs"
   step_apt
   step_cgroups
   step_criu
+  step_criu_private
   step_crun
   step_containerd
   step_gotools
+  step_debroots
 }
 
 if [ "${1:-}" = "--system-only" ]; then
@@ -755,7 +872,7 @@ elif [ "${PODSHIM_SKIP_SYSTEM:-0}" = 1 ]; then
   step "system steps skipped (PODSHIM_SKIP_SYSTEM=1)"
 else
   command -v sudo >/dev/null || die "steps 1-3 need root: run as root or install sudo"
-  sudo env PODSHIM_BUILD_DIR="$BUILD_DIR" PODSHIM_FORCE_BUILD="$FORCE_BUILD" \
+  sudo env PODSHIM_BUILD_DIR="$BUILD_DIR" PODSHIM_FORCE_BUILD="$FORCE_BUILD" PODSHIM_DEBROOTS="${PODSHIM_DEBROOTS:-}" \
     bash "$REPO_ROOT/scripts/setup.sh" --system-only
 fi
 step_python
