@@ -25,10 +25,16 @@ test: setup
 	done; \
 	exit $$rc
 
-# The end-to-end core on one upstream: make test-core CONTAINERD=2.1 (1.6, 1.7 or 2.1).
+# The end-to-end core on one combination (testbed/bed.py): make test-core CONTAINERD=2.4 RUNC=1.3
+# CRIU=4.2 (containerd 1.6 1.7 2.1 2.2 2.4; runc 1.1 1.3; CRIU 4.1 4.2). On another CRIU than the
+# default, the tests of podshim's CRIU patches (`-m criu`, tests/conftest.py) run too.
 CONTAINERD ?= 1.6
+RUNC ?= 1.1
+CRIU ?= 4.1
 test-core: setup
-	PODSHIM_TEST_CONTAINERD=$(CONTAINERD) $(PYTEST) -ra -m core
+	PODSHIM_TEST_CONTAINERD=$(CONTAINERD) PODSHIM_TEST_RUNC=$(RUNC) PODSHIM_TEST_CRIU=$(CRIU) \
+		$(PYTEST) -ra -m "$(if $(filter 4.1,$(CRIU)),core,core or criu)"
+
 
 # A real kubelet (v1.37, standalone, static pods) on podshim: tests/test_kubelet.py (also in `make test`).
 test-kubelet: setup

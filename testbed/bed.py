@@ -42,8 +42,6 @@ BUSYBOX_IMAGE = "localhost/podshim/busybox:1"
 COUNTER_IMAGE = "localhost/podshim/counter:1"
 IMAGES = (PAUSE_IMAGE, BUSYBOX_IMAGE, COUNTER_IMAGE)
 
-REAL_RUNC = "/usr/sbin/runc"
-CRIU = "/usr/local/sbin/criu"
 CNI_BIN_DIR = "/usr/lib/cni"
 CNI_CACHE_DIR = Path("/var/lib/cni")  # libcni's cache; containerd 1.6 does not let us move it
 NETNS_DIRS = ("/run/netns", "/var/run/netns")  # containerd 1.6 CRI creates pod netns here
@@ -51,27 +49,64 @@ SHIM_SOCKET_DIR = Path("/run/containerd/s")  # containerd 1.6 shims put their so
 UNIX_PATH_MAX = 107
 
 # The upstream containerd the bed runs (PODSHIM_TEST_CONTAINERD): 1.6 is the system's (Debian 12),
-# 1.7 and 2.1 are unpacked by scripts/setup.sh from Debian's newer releases into a private prefix.
-CONTAINERD_VERSIONS = ("1.6", "1.7", "2.1")
+# 1.7 and 2.1 are unpacked by scripts/setup.sh from Debian's newer releases into a private prefix,
+# 2.2 and 2.4 built from pinned Go modules (tools/go/containerd-<minor>, scripts/gotools.sh).
+CONTAINERD_VERSIONS = ("1.6", "1.7", "2.1", "2.2", "2.4")
 DEFAULT_CONTAINERD = "1.6"
 CONTAINERD_PREFIX = Path("/var/cache/podshim/containerd")
+GO_BIN = Path("/var/cache/podshim/go/bin")  # scripts/gotools.sh: <name>/<binary>
+# The OCI runtime behind podshim-runc (PODSHIM_TEST_RUNC): Debian 12's runc 1.1.5, or runc 1.3 from
+# its pinned Go module. crun stays the set-up's.
+RUNC_BINARIES = {"1.1": Path("/usr/sbin/runc"), "1.3": GO_BIN / "runc-1.3" / "runc"}
+DEFAULT_RUNC = "1.1"
+# The CRIU podshim and the runtimes use (PODSHIM_TEST_CRIU): the set-up's /usr/local one (4.1), or
+# 4.2 from its private prefix (scripts/setup.sh step 2b); both carry podshim's patches.
+CRIU_BINARIES = {"4.1": Path("/usr/local/sbin/criu"), "4.2": Path("/var/cache/podshim/criu/4.2/sbin/criu")}
+DEFAULT_CRIU = "4.1"
+REAL_RUNC = RUNC_BINARIES[DEFAULT_RUNC]  # the defaults (the benches use them)
+CRIU = CRIU_BINARIES[DEFAULT_CRIU]
+
+
+def _choice_from_env(variable: str, choices: tuple[str, ...] | dict[str, Path], default: str) -> str:
+    v = os.environ.get(variable, "") or default
+    if v not in choices:
+        raise TestBedError(f"{variable}={v!r}: must be one of {', '.join(choices)}")
+    return v
 
 
 def containerd_version_from_env() -> str:
     """The upstream version tests run against: ``PODSHIM_TEST_CONTAINERD`` (default 1.6)."""
-    v = os.environ.get("PODSHIM_TEST_CONTAINERD", "") or DEFAULT_CONTAINERD
-    if v not in CONTAINERD_VERSIONS:
-        raise TestBedError(f"PODSHIM_TEST_CONTAINERD={v!r}: must be one of {', '.join(CONTAINERD_VERSIONS)}")
-    return v
+    return _choice_from_env("PODSHIM_TEST_CONTAINERD", CONTAINERD_VERSIONS, DEFAULT_CONTAINERD)
+
+
+def runc_version_from_env() -> str:
+    """The runc tests run with: ``PODSHIM_TEST_RUNC`` (default 1.1, the system's)."""
+    return _choice_from_env("PODSHIM_TEST_RUNC", RUNC_BINARIES, DEFAULT_RUNC)
+
+
+def real_runc() -> Path:
+    """The runc binary tests run with (``PODSHIM_TEST_RUNC``)."""
+    return RUNC_BINARIES[runc_version_from_env()]
+
+
+def criu_version_from_env() -> str:
+    """The CRIU tests run with: ``PODSHIM_TEST_CRIU`` (default 4.1, /usr/local's)."""
+    return _choice_from_env("PODSHIM_TEST_CRIU", CRIU_BINARIES, DEFAULT_CRIU)
+
+
+def _built(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise TestBedError(f"{what} is not at {path}: run the set-up (scripts/setup.sh)")
+    return path
 
 
 def containerd_bin_dir(version: str) -> Path | None:
     """Where containerd ``version``'s containerd, shim and ctr are: None for the system's (on PATH)."""
     if version == DEFAULT_CONTAINERD:
         return None
-    d = CONTAINERD_PREFIX / version / "bin"
-    if not (d / "containerd").is_file() or not (d / "containerd-shim-runc-v2").is_file():
-        raise TestBedError(f"containerd {version} is not in {d}: run the set-up (scripts/setup.sh)")
+    d = GO_BIN / f"containerd-{version}" if version in ("2.2", "2.4") else CONTAINERD_PREFIX / version / "bin"
+    for binary in ("containerd", "containerd-shim-runc-v2", "ctr"):
+        _built(d / binary, f"containerd {version}'s {binary}")
     return d
 
 
@@ -160,6 +195,9 @@ class TestBed:
         registry_mirror: str | None = None,
         netns: str | None = None,
         podshim_sections: dict[str, dict[str, Any]] | None = None,
+        runc: str | None = None,
+        criu: str | None = None,
+        container_annotations: list[str] | None = None,
     ) -> None:
         """
         base_dir: where everything lives; must not exist or be empty; removed by ``stop()``.
@@ -167,7 +205,7 @@ class TestBed:
         start_podshim: also start ``podshim serve`` in front of containerd.
         runc_binary: ``BinaryName`` of the ``runc`` runtime handler.  Default: the repo's
             ``.venv/bin/podshim-runc`` when its module exists, else a generated script in the
-            base dir that execs ``/usr/sbin/runc``.
+            base dir that execs the real runc (``runc``).
         crun_binary: ``BinaryName`` of a second runtime handler ``crun`` (Root ``<base>/crun``);
             None: no such handler.  It may be the real crun or ``.venv/bin/podshim-runc``.
         crun_runtime: the real crun, written to podshim.toml as ``[runtimes.crun] binary`` when
@@ -198,6 +236,13 @@ class TestBed:
         netns: a network namespace (a bind-mounted nsfs file) podshim runs in (testbed/nodes.py:
             migration between two beds); containerd and the pods stay in the host's.
         podshim_sections: further sections of podshim.toml, {section: {key: value}}.
+        runc: the real runc, one of ``RUNC_BINARIES`` (default: ``PODSHIM_TEST_RUNC``, else 1.1):
+            podshim's ``[runtime] binary`` and what the plain wrapper script execs.
+        criu: the CRIU, one of ``CRIU_BINARIES`` (default: ``PODSHIM_TEST_CRIU``, else 4.1):
+            podshim's ``[runtime] criu`` (and crun's) and containerd 1.x's ``CriuPath``; containerd's
+            PATH keeps /usr/local/sbin's (podshim puts its own first for the runtimes it runs).
+        container_annotations: the runtime handlers' ``container_annotations`` (default
+            ``["podshim.*"]``; a bed wired wrong lets other ones through).
         """
         self.base_dir = Path(base_dir or f"/run/podshim-testbed-{secrets.token_hex(4)}").absolute()
         self.start_podshim = start_podshim
@@ -223,6 +268,12 @@ class TestBed:
         self.node_mounts = node_mounts
         self.stock_checkpoint_roots = stock_checkpoint_roots
         self.registry_mirror = registry_mirror
+        self.runc_version = runc or runc_version_from_env()
+        self.criu_version = criu or criu_version_from_env()
+        if self.runc_version not in RUNC_BINARIES or self.criu_version not in CRIU_BINARIES:
+            raise TestBedError(f"runc {self.runc_version!r} / CRIU {self.criu_version!r}: unknown")
+        self.real_runc = _built(RUNC_BINARIES[self.runc_version], f"runc {self.runc_version}")
+        self.criu = _built(CRIU_BINARIES[self.criu_version], f"CRIU {self.criu_version}")
 
         b = self.base_dir
         self.containerd_socket = b / "containerd.sock"
@@ -244,6 +295,7 @@ class TestBed:
         self.cni_conf_dir = b / "cni" / "net.d"
         self.cni_ipam_dir = b / "cni" / "ipam"
         self.runc_binary = Path(runc_binary) if runc_binary else None
+        self.container_annotations = ["podshim.*"] if container_annotations is None else container_annotations
 
         # network and cgroup identity, chosen at start
         self.bed_id = ""
@@ -438,7 +490,7 @@ class TestBed:
                 self.runc_binary = VENV_BIN / "podshim-runc"
             else:
                 script = self.base_dir / "runc-wrapper"
-                script.write_text(f'#!/bin/sh\nexec {REAL_RUNC} "$@"\n')
+                script.write_text(f'#!/bin/sh\nexec {self.real_runc} "$@"\n')
                 script.chmod(0o755)
                 self.runc_binary = script
         return self.runc_binary
@@ -478,7 +530,7 @@ class TestBed:
 [runtimes.crun]
 binary = {_toml_str(self.crun_runtime)}
 root = {_toml_str(self.crun_root)}
-criu = {_toml_str(CRIU)}
+criu = {_toml_str(self.criu)}
 """
         checkpoint_section = ""
         if not self.stock_checkpoint_roots:
@@ -493,9 +545,9 @@ metrics_address = ""
 endpoint = {_toml_str("unix://" + str(self.containerd_socket))}
 
 [runtime]
-binary = {_toml_str(REAL_RUNC)}
+binary = {_toml_str(self.real_runc)}
 root = {_toml_str(self.runc_root)}
-criu = {_toml_str(CRIU)}
+criu = {_toml_str(self.criu)}
 
 {crun_section}
 {checkpoint_section}
@@ -509,11 +561,11 @@ level = "info"
         (b / "bed.json").write_text(json.dumps(self.describe(), indent=2) + "\n")
 
     def _containerd_toml(self) -> str:
-        """containerd's config: version 2 for 1.6 and 1.7; version 3 for 2.x, whose CRI is split
-        into the plugins io.containerd.cri.v1.runtime (runtimes, CNI, OOM, SELinux/AppArmor) and
-        io.containerd.cri.v1.images (snapshotter, the pause image as pinned_images.sandbox), the
-        streaming server staying in io.containerd.grpc.v1.cri (docs/architecture.md §17 (containerd
-        1.6, 1.7 and 2.1))."""
+        """containerd's config: version 2 for 1.6 and 1.7; version 3 for 2.x (2.4 migrates it to its
+        4), whose CRI is split into the plugins io.containerd.cri.v1.runtime (runtimes, CNI, OOM,
+        SELinux/AppArmor) and io.containerd.cri.v1.images (snapshotter, the pause image as
+        pinned_images.sandbox), the streaming server staying in io.containerd.grpc.v1.cri
+        (docs/architecture.md §17 (containerd, runc and CRIU versions))."""
         v3 = self.containerd_version.startswith("2.")
         cri = 'plugins."io.containerd.cri.v1.runtime"' if v3 else 'plugins."io.containerd.grpc.v1.cri"'
         runtimes = [("runc", self._runc_binary(), self.runc_root_base)]
@@ -521,16 +573,16 @@ level = "info"
             runtimes.append(("crun", self.crun_binary, self.crun_root_base))
         runtime_blocks = []
         for name, binary, root in runtimes:
-            # the shim passes CriuPath as a global `--criu PATH`, which crun rejects (exit 64);
-            # containerd 2.x has no CriuPath (runc finds criu on PATH, where /usr/local/sbin is first)
+            # the shim passes CriuPath as a global `--criu PATH`, which crun rejects (exit 64) and
+            # runc >= 1.2 ignores with a warning; containerd 2.x has no CriuPath
             criu = ""
-            if name == "runc" and Path(CRIU).exists() and not v3:
-                criu = f"\n          CriuPath = {_toml_str(CRIU)}"
+            if name == "runc" and not v3 and self.runc_version == "1.1":  # as `podshim node setup`
+                criu = f"\n          CriuPath = {_toml_str(self.criu)}"
             runtime_blocks.append(
                 f"""
       [{cri}.containerd.runtimes.{name}]
         runtime_type = "io.containerd.runc.v2"
-        container_annotations = ["podshim.*"]
+        container_annotations = {json.dumps(self.container_annotations)}
         pod_annotations = ["podshim.*"]
         [{cri}.containerd.runtimes.{name}.options]
           BinaryName = {_toml_str(binary)}
@@ -643,9 +695,10 @@ oom_score = 0
         for p in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
             if p not in path.split(":"):
                 path = f"{path}:{p}" if path else p
+        # not the bed's CRIU first on PATH: podshim names its own to runc and crun (as on a node where
+        # the distribution's criu comes first); containerd 2.x's own CheckpointContainer takes PATH's
         if self.containerd_bin_dir is not None:
-            # containerd finds its runc shim on PATH; runc finds criu there (2.x has no CriuPath)
-            path = f"{self.containerd_bin_dir}:{os.path.dirname(CRIU)}:{path}"
+            path = f"{self.containerd_bin_dir}:{path}"  # containerd finds its runc shim on PATH
         env["PATH"] = path
         # podshim and podshim-runc-hook (started by containerd for every restore) keep their
         # compiled modules in the bed, as an installed podshim has them (pip compiles them): with
@@ -813,6 +866,8 @@ oom_score = 0
             "crun_binary": str(self.crun_binary) if self.crun_binary else None,
             "crun_runtime": str(self.crun_runtime),
             "containerd_version": self.containerd_version,
+            "runc_version": self.runc_version,
+            "criu_version": self.criu_version,
         }
 
     def _save_description(self) -> None:
@@ -829,6 +884,8 @@ oom_score = 0
             crun_binary=description.get("crun_binary"),
             crun_runtime=description.get("crun_runtime"),
             containerd=description.get("containerd_version") or DEFAULT_CONTAINERD,
+            runc=description.get("runc_version") or DEFAULT_RUNC,
+            criu=description.get("criu_version") or DEFAULT_CRIU,
         )
         bed.bed_id = description.get("bed_id", "")
         bed.bridge = description.get("bridge", "")

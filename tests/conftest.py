@@ -30,6 +30,9 @@ CORE_MODULES = (
     "test_distribution.py",
     "faults/",
 )
+# The tests of podshim's CRIU patches (scripts/patches/criu): also run on another CRIU than the
+# default (`make test-core CRIU=4.2`)
+CRIU_MODULES = ("test_restore_identity.py",)
 TESTS_DIR = Path(__file__).resolve().parent
 
 
@@ -39,12 +42,15 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line("markers", "kubelet: runs a real kubelet (testbed/kubelet.py; make test-kubelet)")
     config.addinivalue_line("markers", "conformance: critest, checkpoint suite, crictl (make conformance)")
+    config.addinivalue_line("markers", "criu: the tests of podshim's CRIU patches (tests/conftest.py)")
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     rel = Path(str(item.path)).resolve().relative_to(TESTS_DIR).as_posix()
     if any(rel == m or (m.endswith("/") and rel.startswith(m)) for m in CORE_MODULES):
         item.add_marker(pytest.mark.core)
+    if rel in CRIU_MODULES:
+        item.add_marker(pytest.mark.criu)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shim import errors
-from shim.criu.runtime import CriuOptions, NetnsLock, option_hint
+from shim.criu.runtime import CriuOptions, NetnsLock, OciRuntime, criu_path_env, option_hint
 from shim.ops.checkpoint_pod import CheckpointOptions
 
 
@@ -116,3 +116,28 @@ def test_a_failed_dump_on_a_full_filesystem_says_so(tmp_path: Path, monkeypatch:
     assert runtime._full_fs(tmp_path) == ""
     monkeypatch.undo()
     assert runtime._full_fs(tmp_path / "gone") == ""
+
+
+def test_the_configured_criu_goes_first_on_the_runtimes_path() -> None:
+    """runc >= 1.2 ignores --criu and crun's libcriu runs `criu` from PATH; containerd 2.x passes no
+    CriuPath: podshim puts its CRIU's directory first on the PATH of every runtime it runs."""
+    assert criu_path_env("/opt/podshim/sbin/criu", "/usr/sbin:/usr/bin") == {
+        "PATH": "/opt/podshim/sbin:/usr/sbin:/usr/bin"
+    }
+    assert criu_path_env("criu", "/usr/bin") == {}  # on PATH already: nothing to name
+    assert criu_path_env("/opt/x/criu-4.2", "/usr/bin") == {}  # not reachable as `criu`
+
+
+def test_runc_gets_no_criu_flag_when_path_names_the_criu() -> None:
+    """runc >= 1.2 ignores --criu with a warning on stderr (which kills it by SIGPIPE once podshim
+    is gone mid-dump): podshim passes it only for a CRIU PATH cannot name."""
+    assert "--criu" not in OciRuntime("/usr/sbin/runc", "/r", "/opt/podshim/sbin/criu").global_args()
+    assert OciRuntime("/usr/sbin/runc", "/r", "/x/criu-4.2").global_args()[-2:] == ["--criu", "/x/criu-4.2"]
+    assert "--criu" not in OciRuntime("/usr/local/bin/crun", "/r", "/x/criu-4.2").global_args()
+
+
+def test_the_upstreams_criu_flag_leaves_the_restore() -> None:
+    from shim.wrapper.restore import _without_flag
+
+    argv = ["--root", "/r", "--criu", "/usr/sbin/criu", "--log", "l", "--criu=/x"]
+    assert _without_flag(argv, "--criu") == ["--root", "/r", "--log", "l"]

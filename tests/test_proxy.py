@@ -128,13 +128,21 @@ def test_upstream_errors_keep_code_and_message(
         lambda s: s.ContainerStatus(cri.ContainerStatusRequest(container_id="no-such-container")),
         lambda s: s.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id="no-such-pod")),
         lambda s: s.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id="no-such-pod")),
-        lambda s: s.ListMetricDescriptors(cri.ListMetricDescriptorsRequest()),  # 1.6 to 2.1 lack it
     ]
     runtime_config = lambda s: s.RuntimeConfig(cri.RuntimeConfigRequest())  # noqa: E731
     if bed.containerd_at_least("2.0"):  # 2.x implements RuntimeConfig: passed through unchanged
         assert runtime_config(rt) == runtime_config(direct_rt)
     else:
         calls.append(runtime_config)  # 1.6 and 1.7 answer UNIMPLEMENTED
+    metric_descriptors = lambda s: s.ListMetricDescriptors(cri.ListMetricDescriptorsRequest())  # noqa: E731
+    if bed.containerd_at_least("2.2"):  # 2.2 implements it: passed through unchanged (in any order)
+
+        def descriptors(s: api_pb2_grpc.RuntimeServiceStub) -> list[bytes]:
+            return sorted(d.SerializeToString() for d in metric_descriptors(s).descriptors)
+
+        assert descriptors(rt) == descriptors(direct_rt) and descriptors(rt)
+    else:
+        calls.append(metric_descriptors)  # 1.6 to 2.1 answer UNIMPLEMENTED
     for call in calls:
         with pytest.raises(grpc.RpcError) as direct:
             call(direct_rt)

@@ -29,9 +29,10 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.archive import manifest
+from shim.criu.runtime import binary_version
 from shim.deadlines import RESTORE_CLEANUP_MARGIN
 from testbed import _sys, pods
-from testbed.bed import REAL_RUNC, TestBed
+from testbed.bed import TestBed
 from testbed.checks import assert_netns_unlocked
 
 pytestmark = pytest.mark.e2e
@@ -419,6 +420,14 @@ def test_warm_start_resumes_from_checkpoint(
     lines = bed.podshim_log.read_text().splitlines()
     served = [json.loads(line) for line in lines if "restore served" in line and cid in line]
     assert served and served[-1]["ok"], served
+    # podshim's CRIU ([runtime] criu: the bed's PODSHIM_TEST_CRIU) dumped and restored it, not the
+    # one on containerd's PATH: runc >= 1.2 and crun run PATH's `criu`, containerd 2.x passes no
+    # CriuPath, so podshim puts its own first (shim/criu/runtime.py criu_path_env)
+    want = binary_version(str(bed.criu))
+    dump_log = good.path / "containers" / "counter" / "dump.log"
+    for log in (dump_log, task_dir(bed, cid) / "podshim-restore" / "restore.log"):
+        ran = re.search(r"\) Version: (\S+) ", log.read_text())
+        assert ran and ran.group(1) == want, (log, want, ran)
 
     # The source pod keeps running, independently.
     src_log = good.source.log_path("counter")
@@ -1363,7 +1372,8 @@ def test_deadline_during_a_hung_criu_restore(
             _sys.umount_lazy(mount)
         for cid in now.runc_state - before.runc_state:
             subprocess.run(
-                [REAL_RUNC, "--root", str(bed.runc_root), "delete", "--force", cid], capture_output=True
+                [str(bed.real_runc), "--root", str(bed.runc_root), "delete", "--force", cid],
+                capture_output=True,
             )
         remove_pod_cgroup(config)
 

@@ -28,7 +28,7 @@ from api.runtime.v1 import api_pb2_grpc
 from shim.checks import wiring
 from shim.contract import RESTORE_ANNOTATION, RESTORED_MARKER
 from testbed import _sys, pods
-from testbed.bed import REAL_RUNC, TestBed
+from testbed.bed import TestBed, real_runc
 
 Stub = api_pb2_grpc.RuntimeServiceStub
 RPC_TIMEOUT = 120
@@ -185,27 +185,6 @@ def test_restored_containers_persist(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- end to end
 
 
-class WiredBed(TestBed):
-    """A bed whose runc handler's `container_annotations` can be set (None: the bed's default)."""
-
-    __test__ = False
-
-    def __init__(self, *, container_annotations: list[str] | None = None, **kw: object) -> None:
-        super().__init__(**kw)  # type: ignore[arg-type]
-        self.container_annotations = container_annotations
-
-    def _write_files(self) -> None:
-        super()._write_files()
-        if self.container_annotations is None:
-            return
-        text = self.containerd_config.read_text()
-        line = 'container_annotations = ["podshim.*"]'
-        assert line in text, "the bed's containerd.toml changed: adapt WiredBed"
-        self.containerd_config.write_text(
-            text.replace(line, f"container_annotations = {json.dumps(self.container_annotations)}")
-        )
-
-
 @dataclass
 class Archives:
     pod: Path  # a CheckpointPod archive of one counter
@@ -251,31 +230,31 @@ def copy_into(bed: TestBed, a: Archives) -> Archives:
     return Archives(pod, Path(bed.checkpoint_root) / a.tar.name, a.containers)
 
 
-def wrong_bed(**kw: object) -> Iterator[WiredBed]:
-    with WiredBed(**kw) as b:  # type: ignore[arg-type]
+def wrong_bed(**kw: object) -> Iterator[TestBed]:
+    with TestBed(**kw) as b:  # type: ignore[arg-type]
         yield b
 
 
 @pytest.fixture(scope="module")
-def plain_runc_bed() -> Iterator[WiredBed]:
+def plain_runc_bed() -> Iterator[TestBed]:
     """The runc handler's BinaryName is the plain runc: restores cannot restore."""
-    yield from wrong_bed(runc_binary=REAL_RUNC)
+    yield from wrong_bed(runc_binary=real_runc())
 
 
 @pytest.fixture(scope="module")
-def no_annotations_bed() -> Iterator[WiredBed]:
+def no_annotations_bed() -> Iterator[TestBed]:
     """podshim-runc as BinaryName, but containerd does not pass podshim's annotations to it."""
     yield from wrong_bed(container_annotations=["io.kubernetes.cri.*"])
 
 
 @pytest.fixture(scope="module")
-def skipping_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WiredBed]:
+def skipping_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestBed]:
     """A BinaryName named like podshim-runc that execs the plain runc (it never restores): the
     wiring check passes, only the marker check after StartContainer can tell."""
     d = tmp_path_factory.mktemp("skipping")
     os.chmod(d, 0o755)
     script = d / "podshim-runc-skips-restores"
-    script.write_text(f'#!/bin/sh\nexec {REAL_RUNC} "$@"\n')
+    script.write_text(f'#!/bin/sh\nexec {real_runc()} "$@"\n')
     script.chmod(0o755)
     yield from wrong_bed(runc_binary=script)
 
@@ -327,7 +306,7 @@ def from_tar_request(sandbox: pods.Pod, tar: Path, name: str = "imported") -> cr
     return cri.CreateContainerRequest(pod_sandbox_id=sandbox.id, config=cc, sandbox_config=sandbox.config)
 
 
-def assert_refuses_restores(b: WiredBed, src: Archives, *needles: str) -> None:
+def assert_refuses_restores(b: TestBed, src: Archives, *needles: str) -> None:
     """RestorePod and CreateContainer from a tar both answer FAILED_PRECONDITION with every
     needle in the message, and nothing is left behind."""
     rt = stub(b)
@@ -379,10 +358,10 @@ def startup_warning(b: TestBed) -> dict[str, str]:
 
 
 @pytest.mark.e2e
-def test_plain_runc_binary_refuses_restores(plain_runc_bed: WiredBed, archives_src: Archives) -> None:
+def test_plain_runc_binary_refuses_restores(plain_runc_bed: TestBed, archives_src: Archives) -> None:
     key = f"[{section(plain_runc_bed)}.containerd.runtimes.runc.options] BinaryName"
     assert_refuses_restores(
-        plain_runc_bed, archives_src, "'runc'", f"runs {REAL_RUNC}, not podshim-runc", key
+        plain_runc_bed, archives_src, "'runc'", f"runs {real_runc()}, not podshim-runc", key
     )
     rec = startup_warning(plain_runc_bed)
     assert rec["level"] == "warning" and "refused" in rec["event"], rec
@@ -390,9 +369,7 @@ def test_plain_runc_binary_refuses_restores(plain_runc_bed: WiredBed, archives_s
 
 
 @pytest.mark.e2e
-def test_annotations_not_passed_refuses_restores(
-    no_annotations_bed: WiredBed, archives_src: Archives
-) -> None:
+def test_annotations_not_passed_refuses_restores(no_annotations_bed: TestBed, archives_src: Archives) -> None:
     key = f'[{section(no_annotations_bed)}.containerd.runtimes.runc] container_annotations = ["podshim.*"]'
     assert_refuses_restores(
         no_annotations_bed, archives_src, "'runc'", "does not pass podshim's annotations", key
@@ -440,7 +417,7 @@ def test_wiring_gauge_at_startup(
 
 @pytest.mark.e2e
 def test_start_of_an_unrestored_container_fails_and_removes_it(
-    skipping_bed: WiredBed, archives_src: Archives
+    skipping_bed: TestBed, archives_src: Archives
 ) -> None:
     """The wiring looks right (a BinaryName named podshim-runc…), the restore does not run: the
     StartContainer of each restored container fails FAILED_PRECONDITION saying the process was

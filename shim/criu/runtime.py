@@ -68,13 +68,26 @@ class CriuOptions:
         return [f"--{name}" for name, attr in contract.CRIU_SWITCHES.items() if getattr(self, attr)]
 
 
+def criu_path_env(criu: str, path: str | None = None) -> dict[str, str]:
+    """`PATH` with the configured CRIU's directory first ({} when it cannot name it): runc >= 1.2
+    ignores `--criu` and runs the `criu` on its PATH, crun's libcriu runs `criu` from PATH, and
+    containerd 2.x passes no CriuPath, so a CRIU outside PATH (the package's /opt/podshim/sbin/criu,
+    a private build) is reached only so. It must be named `criu` (docs/architecture.md §17
+    (containerd, runc and CRIU versions))."""
+    if not os.path.isabs(criu) or os.path.basename(criu) != "criu":
+        return {}
+    rest = os.environ.get("PATH", os.defpath) if path is None else path
+    return {"PATH": f"{os.path.dirname(criu)}:{rest}"}
+
+
 @contextlib.contextmanager
-def _criu_config(opts: CriuOptions) -> Iterator[dict[str, str] | None]:
+def _criu_config(opts: CriuOptions, criu: str) -> Iterator[dict[str, str]]:
     """The environment of a dump: CRIU_CONFIG_FILE naming a private file with the options
-    runc/crun have no flag for (removed after the dump); None (inherit) when there are none."""
+    runc/crun have no flag for (removed after the dump), and the configured CRIU first on PATH."""
+    env = {**os.environ, **criu_path_env(criu)}
     lines = opts.dump_config_lines()
     if not lines:
-        yield None
+        yield env
         return
     import tempfile  # here: it imports `random`, which podshim-runc's restore never needs
 
@@ -82,7 +95,7 @@ def _criu_config(opts: CriuOptions) -> Iterator[dict[str, str] | None]:
     try:
         with os.fdopen(fd, "w") as f:
             f.write("\n".join(lines) + "\n")
-        yield {**os.environ, "CRIU_CONFIG_FILE": path}
+        yield {**env, "CRIU_CONFIG_FILE": path}
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -490,8 +503,11 @@ class OciRuntime:
 
     def global_args(self) -> list[str]:
         argv = [self.binary, "--root", self.root]
-        # crun links libcriu and has no --criu flag; runc execs the binary named here.
-        if self.is_runc and self.criu and os.path.isabs(self.criu):
+        # The CRIU goes first on PATH (criu_path_env, which every runc and crun read); --criu only
+        # for a binary not named criu: crun has no such flag, and runc >= 1.2 ignores it with a
+        # warning on stderr, which kills it once podshim is gone (SIGPIPE) and lands in the log of
+        # a container it restores
+        if self.is_runc and self.criu and os.path.isabs(self.criu) and not criu_path_env(self.criu):
             argv += ["--criu", self.criu]
         return argv
 
@@ -525,7 +541,7 @@ class OciRuntime:
         Cancellation ends runc and CRIU without killing the container (stop_dump). `pass_fds`:
         descriptors runc/crun inherit (podshim names its held directories `/proc/self/fd/<fd>`,
         docs/architecture.md §13 (Path confinement))."""
-        with _criu_config(opts) as env:  # the file lives as long as the dump
+        with _criu_config(opts, self.criu) as env:  # the file lives as long as the dump
             return await self._checkpoint(
                 name, container_id, image_dir, work_dir, opts, leave_running, env, pass_fds
             )
@@ -538,7 +554,7 @@ class OciRuntime:
         work_dir: Path,
         opts: CriuOptions,
         leave_running: bool,
-        env: dict[str, str] | None,
+        env: dict[str, str],
         pass_fds: tuple[int, ...] = (),
     ) -> float:
         import asyncio

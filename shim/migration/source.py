@@ -42,7 +42,7 @@ from shim.aio import run_to_end
 from shim.archive import compat, fsutil, layout, manifest
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
-from shim.criu.runtime import binary_version, criu_error_lines, stop_dump
+from shim.criu.runtime import binary_version, criu_error_lines, criu_path_env, stop_dump
 from shim.deadlines import (
     CHECK_MARGIN,
     CLEANUP_MARGIN,
@@ -378,7 +378,8 @@ class MigrationSource:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # so that end() kills runc and the CRIU it started
-                    env={**os.environ, "CRIU_CONFIG_FILE": str(conf)},
+                    # the configured CRIU first on runc's PATH: runc >= 1.2 takes it from there
+                    env={**os.environ, **criu_path_env(w.runtime.criu), "CRIU_CONFIG_FILE": str(conf)},
                     pass_fds=(w.images.fd, write_end),
                 )
         finally:

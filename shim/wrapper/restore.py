@@ -147,7 +147,7 @@ def prepare(
     is gone): errors.Stopped from the rootfs diff, the page check stopped."""
     from shim import config
     from shim.archive import layout, paths, rootfs_diff
-    from shim.criu.runtime import OciRuntime
+    from shim.criu.runtime import OciRuntime, criu_path_env
     from shim.errors import ShimError, Stopped
 
     container_id = rest[-1] if rest else ""
@@ -214,7 +214,15 @@ def prepare(
     (bundle / "config.json").write_text(json.dumps(spec))
 
     criu_opts = contract.from_record(annotations.get(RESTORE_OPTIONS_ANNOTATION, ""))
-    # Keep the upstream's global flags (--root, --log, --log-format, --criu ...) as they were.
+    handler = cfg.runtime_for_root(flags.get("--root", ""))
+    # the handler's CRIU: runc >= 1.2 and crun run the `criu` on PATH, and containerd 2.x passes
+    # no --criu (CriuPath) at all; a --criu of containerd 1.x's goes (runc >= 1.2 would print its
+    # warning into the restored container's log)
+    path_env = criu_path_env(handler.criu)
+    global_args = argv[: len(argv) - len(rest) - 1]
+    if path_env:
+        global_args = _without_flag(global_args, "--criu")
+    # Keep the upstream's other global flags (--root, --log, --log-format, ...) as they were.
     pid_file = _arg(rest, "--pid-file")
     cmd = OciRuntime(binary, flags.get("--root", "")).restore_argv(
         container_id,
@@ -224,7 +232,7 @@ def prepare(
         criu_opts,
         pid_file=pid_file,
         console_socket=_arg(rest, "--console-socket"),
-        global_args=argv[: len(argv) - len(rest) - 1],
+        global_args=global_args,
         lazy_pages=lazy is not None,
     )
     return Prepared(
@@ -236,11 +244,24 @@ def prepare(
         cgroups_path=spec.get("linux", {}).get("cgroupsPath", ""),
         pid_file=pid_file,
         cmd=cmd,
-        env={"CRIU_CONFIG_FILE": str(criu_conf)},
+        env={"CRIU_CONFIG_FILE": str(criu_conf), **path_env},
         delete=_runtime_delete(binary, flags, container_id),
         pages=pages,
         cfg_state_dir=cfg.state_dir,
     )
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """`argv` (global flags) without `flag VALUE` and `flag=VALUE`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
 
 
 def _runtime_state_dir(flags: dict[str, str], container_id: str) -> Path:

@@ -27,7 +27,7 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from testbed import pods
-from testbed.bed import REAL_RUNC
+from testbed.bed import real_runc
 
 from .corpus import DATA_LOSS, INVALID, Case, Ctx, counter, edit_manifest, first_pages, rehash, rewrite
 from .test_requests import check
@@ -189,7 +189,7 @@ def test_handler_podshim_knows_but_containerd_does_not(ctx: Ctx, tmp_path: Path)
     """A podshim configured with [runtimes.ghost], in front of the bed's containerd (which has no
     such handler): INVALID_ARGUMENT naming it, before any sandbox exists (was: INTERNAL "no
     runtime for ghost")."""
-    ghost = {"binary": str(REAL_RUNC), "root": str(tmp_path / "ghost-root")}
+    ghost = {"binary": str(real_runc()), "root": str(tmp_path / "ghost-root")}
     with ctx.bed.extra_podshim(tmp_path, runtimes={"ghost": ghost}) as (socket, _log):
         rt = pods.stubs(socket)[0]
         config = pods.pod_config(f"hostile-{secrets.token_hex(3)}", ctx.bed.pod_logs_dir)
