@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 PYTEST := .venv/bin/pytest
 
-.PHONY: setup demo test test-core test-kubelet test-fast lint proto up down conformance bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet
+.PHONY: setup demo test test-core test-kubelet test-fast lint proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet
 
 setup:
 	bash scripts/setup.sh
@@ -43,6 +43,10 @@ test-kubelet: setup
 # Unit tests only (no containerd, no root needed for most).
 test-fast:
 	$(PYTEST) -ra -m "not e2e"
+
+# The node's package: dist/podshim_<version>_amd64.deb (scripts/build-deb.sh; README, Installing a node).
+deb: setup
+	bash scripts/build-deb.sh dist
 
 lint:
 	.venv/bin/ruff check .

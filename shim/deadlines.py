@@ -91,3 +91,7 @@ REGISTRY_READ_TIMEOUT = 60.0  # without a byte from it
 # ---------------------------------------------------------------------- the CLI's calls
 CLI_LONG_TIMEOUT = 120.0  # checkpointpod, restorepod, checkpoint
 CLI_SHORT_TIMEOUT = 10.0  # everything else
+
+# `podshim doctor` (shim/node/doctor.py)
+DOCTOR_CRIU_TIMEOUT = 30.0  # each CRIU run of its checks (criu check, the dump and restore)
+DOCTOR_RPC_TIMEOUT = 5.0  # each call to containerd or podshim

@@ -27,6 +27,8 @@ CORE_MODULES = (
     "test_checkpoint_container.py",
     "test_upstreams.py",
     "test_wiring.py",
+    "test_node_setup.py",
+    "test_doctor.py",
     "test_distribution.py",
     "faults/",
 )
@@ -42,6 +44,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line("markers", "kubelet: runs a real kubelet (testbed/kubelet.py; make test-kubelet)")
     config.addinivalue_line("markers", "conformance: critest, checkpoint suite, crictl (make conformance)")
+    config.addinivalue_line(
+        "markers", "package: the package installed in a fresh Debian root (tests/test_package.py)"
+    )
     config.addinivalue_line("markers", "criu: the tests of podshim's CRIU patches (tests/conftest.py)")
 
 

@@ -69,7 +69,7 @@ def test_service_runs_the_console_script() -> None:
     assert set(u.sections()) == {"Unit", "Service", "Install"}
     svc = u["Service"]
     argv = shlex.split(svc["ExecStart"])
-    assert argv[0] == "/usr/local/bin/podshim"
+    assert argv[0] == "/opt/podshim/bin/podshim"  # the package's (scripts/build-deb.sh)
     assert console_scripts()[os.path.basename(argv[0])] == "shim.cli:main"
     assert argv[1:] == ["serve", "--config", "/etc/podshim/config.toml"]
     args = cli.build_parser().parse_args(argv[1:])  # the flags exist
@@ -134,7 +134,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     """The unit as installed, with ExecStart pointing at this checkout's console script (the
     verifier checks that the program exists)."""
     assert VENV_PODSHIM.exists(), "run `make setup` first"
-    text = UNIT.read_text().replace("/usr/local/bin/podshim", str(VENV_PODSHIM))
+    text = UNIT.read_text().replace("/opt/podshim/bin/podshim", str(VENV_PODSHIM))
     copy = tmp_path / "podshim.service"
     copy.write_text(text)
     code, problems = _verify(copy)
@@ -182,7 +182,7 @@ def test_containerd_reads_the_dropin(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr
     runc = tomllib.loads(res.stdout)["plugins"][CRI]["containerd"]["runtimes"]["runc"]
-    assert runc["options"]["BinaryName"] == "/usr/local/bin/podshim-runc"
+    assert runc["options"]["BinaryName"] == "/opt/podshim/bin/podshim-runc"
     assert runc["container_annotations"] == ["podshim.*"]
     assert not (tmp_path / "root").exists()  # nothing was started
 

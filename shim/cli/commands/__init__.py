@@ -9,16 +9,31 @@ from shim.cli.commands import (
     checkpoint,
     checkpointpod,
     distribution,
+    doctor,
     inspect,
     inspectp,
     migrate,
+    node,
     pods,
     ps,
     restorepod,
     serve,
 )
 
-COMMANDS = (serve, inspect, checkpointpod, restorepod, migrate, checkpoint, pods, ps, inspectp, distribution)
+COMMANDS = (
+    serve,
+    inspect,
+    checkpointpod,
+    restorepod,
+    migrate,
+    checkpoint,
+    pods,
+    ps,
+    inspectp,
+    distribution,
+    node,
+    doctor,
+)
 
 
 def register_all(sub: Any) -> None:
