@@ -61,9 +61,10 @@ class FailpointPodshim:
     runs again, whatever happened in between.
     """
 
-    def __init__(self, bed: TestBed, spec: str) -> None:
+    def __init__(self, bed: TestBed, spec: str, env: dict[str, str] | None = None) -> None:
         self.bed = bed
         self.spec = spec
+        self.extra_env = env or {}  # e.g. criu_hold's preload for the runc/CRIU it starts
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = bed.log_dir / f"podshim-failpoint-{secrets.token_hex(3)}.log"
 
@@ -71,6 +72,7 @@ class FailpointPodshim:
         self.bed.kill_podshim()
         env = self.bed._env()
         env[FAILPOINTS_ENV] = self.spec
+        env.update(self.extra_env)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [str(VENV_BIN / "podshim"), "serve", "--config", str(self.bed.podshim_config)],

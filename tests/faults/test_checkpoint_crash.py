@@ -8,9 +8,8 @@ container or mount appeared, the journal is empty, and the next CheckpointPod su
 
 from __future__ import annotations
 
-import signal
+import os
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -18,9 +17,9 @@ import grpc
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
-from testbed import _sys
+from testbed import _sys, criu_hold
 from testbed.bed import TestBed
-from testbed.checks import FREEZER, set_freezer
+from testbed.checks import FREEZER, set_freezer, verbose_info
 
 from .helpers import (
     CounterPod,
@@ -38,7 +37,6 @@ from .helpers import (
     restart_podshim,
     sandbox_ids,
     start_counter_pod,
-    stopped_processes,
     tree_listing,
     wait_journal_empty,
     wait_serving,
@@ -128,60 +126,27 @@ def test_kill_mid_dump_criu_finishes_before_restart(
     archives.append(assert_checkpoint_works(rt, bed, cp))
 
 
-def _children(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            found.update(int(c) for c in task.read_text().split())
-        except OSError:
-            pass
-    return found
-
-
-def _hold_orphans(out: Path, held: list[int], timeout: float = 60.0) -> None:
-    """SIGSTOP runc and its CRIU (the orphan dump of `out`) the moment CRIU is there.
-
-    Runs beside the crash, not after it: a fast machine dumps a whole pod in less time than
-    one scan of every process takes, so the watch starts before podshim spawns runc and, once
-    runc is known, follows only its children."""
-    deadline = time.monotonic() + timeout
-    runc: list[int] = []
-    while not runc and time.monotonic() < deadline:
-        runc = processes_under(out)
-        time.sleep(0.002)
-    tree = set(runc)
-    while tree and time.monotonic() < deadline:
-        tree = {p for p in tree if _sys.alive(p)}
-        for p in list(tree):
-            tree |= _children(p)
-        if any("criu" in (_sys.read_cmdline(p)[:1] or [""])[0] for p in tree):
-            for p in tree:
-                _sys.kill(p, signal.SIGSTOP)
-            held.extend(sorted(tree))
-            return
-        time.sleep(0.001)
-
-
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="criu_hold reads x86-64 registers")
 def test_kill_mid_dump_criu_outlives_restart(
-    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path]
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path], tmp_path: Path
 ) -> None:
-    """The orphan runc/CRIU are still dumping when podshim comes back (held with SIGSTOP here
-    from the moment CRIU starts).
+    """The orphan runc/CRIU are still dumping when podshim comes back: CRIU holds itself
+    (testbed/criu_hold.c) at its first system call injected into the counter, by construction,
+    whatever the machine's speed.
     A thaw and clean-up at start would not last (CRIU re-freezes and keeps writing): the replay
     holds the pod (ABORTED) until they end, then thaws and clears."""
     cp = start_counter_pod(rt, bed, "crash-orphan", pod_cleanup, mem_mib=256)
+    task = int(verbose_info(rt, cp.pod.containers["counter"])["pid"])
     before = (sandbox_ids(rt), container_ids(rt))
     mark = bed.podshim_log.stat().st_size
     out = new_output_dir(bed, "crash-orphan")
     archives.append(out)
-    orphans: list[int] = []
-    watch = threading.Thread(target=_hold_orphans, args=(out, orphans), daemon=True)
-    watch.start()
-    with FailpointPodshim(bed, "checkpoint.mid-dump=kill") as fp:
-        _crash(fp, cp.id, out)
-        watch.join(60)
-        assert orphans, "the orphan dump ended before the test could hold it mid-dump"
-        with stopped_processes(orphans):  # already stopped; SIGCONT at the end
+    with criu_hold.CriuHold(tmp_path / "hold", criu_hold.build(Path(bed.base_dir))) as hold:
+        hold.arm(criu_hold.FIRST_INJECTED, [task])
+        with FailpointPodshim(bed, "checkpoint.mid-dump=kill", env=hold.env()) as fp:
+            _crash(fp, cp.id, out)
+            criu = hold.wait_held([task], 60)[task]
+            orphans = [criu, *processes_under(out)]
             fp.kill()
             restart_podshim(bed)
             wait_serving(rt)
@@ -192,7 +157,8 @@ def test_kill_mid_dump_criu_outlives_restart(
                 checkpoint(rt, cp.id, busy, timeout=30)
             assert err.value.code() == grpc.StatusCode.ABORTED, err.value.details()
             assert "recovery" in (err.value.details() or "")
-        _sys.wait_gone(set(orphans), 60)
+        # the held CRIU goes on (hold's exit) and the orphan dump ends
+    _sys.wait_gone(set(orphans), 60)
     _recovered(rt, bed, cp, out, before, mark)
     archives.append(assert_checkpoint_works(rt, bed, cp))
 
