@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 PYTEST := .venv/bin/pytest
 
-.PHONY: setup demo test test-core test-kubelet test-fast lint proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet
+.PHONY: setup demo test test-core test-matrix test-kubelet test-fast lint proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet
 
 setup:
 	bash scripts/setup.sh
@@ -12,17 +12,19 @@ setup:
 demo: setup
 	$(PY) -m testbed.demo
 
-# The whole suite on the default upstream (containerd 1.6, the system's), then the end-to-end core
-# (`-m core`, tests/conftest.py) on containerd 1.7 and 2.1 (the set-up's private prefix). All three
-# run even when one fails; the target fails if any did.
+# What CI runs (README, Compatibility): the whole suite on the default upstream (containerd 1.6, the
+# system's; the package's install test included), then the end-to-end core on containerd 2.2, and
+# on the newest runtimes a node runs, containerd 2.4 with runc 1.3 and CRIU 4.2 (with the CRIU
+# patches' tests). The other combinations: `make test-matrix`. All run even when one fails; the
+# target fails if any did.
 test: setup
 	@rc=0; \
 	echo "==> the whole suite on containerd 1.6"; \
 	PODSHIM_TEST_CONTAINERD=1.6 $(PYTEST) -ra || rc=1; \
-	for v in 1.7 2.1; do \
-		echo "==> the end-to-end core on containerd $$v"; \
-		PODSHIM_TEST_CONTAINERD=$$v $(PYTEST) -ra -m core || rc=1; \
-	done; \
+	echo "==> the end-to-end core on containerd 2.2"; \
+	PODSHIM_TEST_CONTAINERD=2.2 $(PYTEST) -ra -m core || rc=1; \
+	echo "==> the end-to-end core on containerd 2.4, runc 1.3, CRIU 4.2"; \
+	PODSHIM_TEST_CONTAINERD=2.4 PODSHIM_TEST_RUNC=1.3 PODSHIM_TEST_CRIU=4.2 $(PYTEST) -ra -m "core or criu" || rc=1; \
 	exit $$rc
 
 # The end-to-end core on one combination (testbed/bed.py): make test-core CONTAINERD=2.4 RUNC=1.3
@@ -35,6 +37,22 @@ test-core: setup
 	PODSHIM_TEST_CONTAINERD=$(CONTAINERD) PODSHIM_TEST_RUNC=$(RUNC) PODSHIM_TEST_CRIU=$(CRIU) \
 		$(PYTEST) -ra -m "$(if $(filter 4.1,$(CRIU)),core,core or criu)"
 
+# What CI leaves to a weekly run (README, Compatibility): the core on the other combinations, one
+# runtime changed at a time, and the package installed on Debian 13 (trixie). All run even when one
+# fails; the target fails if any did.
+MATRIX := 1.7:1.1:4.1 2.1:1.1:4.1 2.4:1.1:4.1 1.6:1.3:4.1 1.6:1.1:4.2
+test-matrix:
+	PODSHIM_DEBROOTS="bookworm trixie" bash scripts/setup.sh
+	@rc=0; \
+	for combo in $(MATRIX); do \
+		c=$${combo%%:*}; r=$${combo#*:}; r=$${r%%:*}; k=$${combo##*:}; \
+		echo "==> the end-to-end core on containerd $$c, runc $$r, CRIU $$k"; \
+		m=core; [ "$$k" = 4.1 ] || m="core or criu"; \
+		PODSHIM_TEST_CONTAINERD=$$c PODSHIM_TEST_RUNC=$$r PODSHIM_TEST_CRIU=$$k $(PYTEST) -ra -m "$$m" || rc=1; \
+	done; \
+	echo "==> the package installed on Debian 13"; \
+	PODSHIM_TEST_DEBIAN=trixie $(PYTEST) -ra tests/test_package.py || rc=1; \
+	exit $$rc
 
 # A real kubelet (v1.37, standalone, static pods) on podshim: tests/test_kubelet.py (also in `make test`).
 test-kubelet: setup

@@ -16,9 +16,10 @@ from testbed import pods
 from testbed.bed import TestBed
 
 # The end-to-end core: `make test` runs the whole suite on the default upstream (containerd 1.6)
-# and then `pytest -m core` on containerd 1.7 and 2.1 (PODSHIM_TEST_CONTAINERD, testbed/bed.py):
-# the demo flow, the proxy, CheckpointPod, RestorePod, container checkpoint and restore, crash
-# recovery (tests/faults) and the node's wiring.
+# and then `pytest -m core` on containerd 2.2 and on 2.4 with runc 1.3 and CRIU 4.2, `make
+# test-matrix` on the other combinations (PODSHIM_TEST_CONTAINERD/RUNC/CRIU, testbed/bed.py): the
+# demo flow, the proxy, CheckpointPod, RestorePod, container checkpoint and restore, crash recovery
+# (tests/faults), the node's wiring, node setup and doctor.
 CORE_MODULES = (
     "test_demo.py",
     "test_proxy.py",
@@ -40,7 +41,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "core: the end-to-end core, also run on containerd 1.7 and 2.1 (tests/conftest.py)"
+        "markers", "core: the end-to-end core, also run on other runtimes (tests/conftest.py, make test-core)"
     )
     config.addinivalue_line("markers", "kubelet: runs a real kubelet (testbed/kubelet.py; make test-kubelet)")
     config.addinivalue_line("markers", "conformance: critest, checkpoint suite, crictl (make conformance)")
