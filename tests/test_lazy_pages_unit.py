@@ -19,6 +19,7 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from shim import config, contract, errors, metrics
 from shim.config import Config
+from shim.criu import lazy as criu_lazy
 from shim.criu.runtime import CriuOptions, OciRuntime
 from shim.ops import lazy_pages
 from shim.ops.restore_checks import RestoreOptions
@@ -76,12 +77,12 @@ def _fake_runtime(tmp_path: Path, help_text: str) -> str:
 def test_runtime_without_lazy_restore_is_failed_precondition(tmp_path: Path) -> None:
     without = _fake_runtime(tmp_path, "  --work-path=DIR  path for saving work files")
     with_it = _fake_runtime(tmp_path, "   --lazy-pages   use userfaultfd to lazily restore memory pages")
-    assert lazy_pages.runtime_supports(with_it)
-    assert not lazy_pages.runtime_supports(without)
-    assert not lazy_pages.runtime_supports(str(tmp_path / "missing"))
+    assert criu_lazy.runtime_supports(with_it)
+    assert not criu_lazy.runtime_supports(without)
+    assert not criu_lazy.runtime_supports(str(tmp_path / "missing"))
     with pytest.raises(errors.FailedPrecondition, match=r"handler 'crun'.*no lazy restore"):
-        lazy_pages.check_runtime(without, "crun")
-    lazy_pages.check_runtime(with_it, "")
+        criu_lazy.check_runtime(without, "crun")
+    criu_lazy.check_runtime(with_it, "")
 
 
 def test_restore_argv_lazy_pages() -> None:
@@ -143,15 +144,15 @@ def test_podshim_holds_a_duplicate_of_a_daemons_userfaultfd() -> None:
     try:
         fd = int(os.read(r, 16))
         assert fd >= 0, "userfaultfd(2) failed in the child"
-        assert lazy_pages.daemon_uffds(pid) == [fd]
+        assert criu_lazy.daemon_uffds(pid) == [fd]
         pidfd = os.pidfd_open(pid)
-        dup = lazy_pages._pidfd_getfd(pidfd, fd)
+        dup = criu_lazy.pidfd_getfd(pidfd, fd)
         os.close(pidfd)
-        assert os.readlink(f"/proc/self/fd/{dup}") == lazy_pages.UFFD_LINK
+        assert os.readlink(f"/proc/self/fd/{dup}") == criu_lazy.UFFD_LINK
         assert os.stat(f"/proc/self/fd/{dup}").st_ino == os.stat(f"/proc/{pid}/fd/{fd}").st_ino
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        assert os.readlink(f"/proc/self/fd/{dup}") == lazy_pages.UFFD_LINK  # still open
+        assert os.readlink(f"/proc/self/fd/{dup}") == criu_lazy.UFFD_LINK  # still open
         os.close(dup)
     finally:
         os.close(r)
@@ -164,8 +165,8 @@ def test_podshim_holds_a_duplicate_of_a_daemons_userfaultfd() -> None:
 
 
 def test_process_start_time() -> None:
-    assert lazy_pages.process_start_time(os.getpid()) > 0
-    assert lazy_pages.process_start_time(2**22 + 12345) == 0
+    assert criu_lazy.process_start_time(os.getpid()) > 0
+    assert criu_lazy.process_start_time(2**22 + 12345) == 0
 
 
 # ---------------------------------------------------------------------------- recovery
@@ -247,7 +248,7 @@ async def test_recover_finds_a_daemon_by_its_work_dir(tmp_path: Path) -> None:
     rec = journal.begin("lazy-pages", "ns/pod", {"container": "counter", "work_dir": str(work)})
     fake = subprocess.Popen(["sh", "-c", "sleep 60", "lazy-pages", "--work-dir", str(work)])
     try:
-        assert lazy_pages._daemon_serving(str(work)) == fake.pid
+        assert criu_lazy.daemon_serving(str(work)) == fake.pid
         lp = lazy_pages.LazyPages(Config(state_dir=str(tmp_path / "state")), up, journal)
         await lp.recover(journal.pending()[0])
         assert fake.wait(timeout=10) == -signal.SIGKILL
@@ -341,7 +342,7 @@ def _archive_with_pages(tmp_path: Path) -> tuple[Path, Any]:
 
 def test_page_images_are_one_containers_pages_files(tmp_path: Path) -> None:
     _root, m = _archive_with_pages(tmp_path)
-    assert lazy_pages.page_images(m, "containers/app") == [
+    assert criu_lazy.page_images(m, "containers/app") == [
         "containers/app/checkpoint/pages-1.img",
         "containers/app/checkpoint/pages-2.img",
     ]
@@ -351,22 +352,22 @@ def test_check_pages_names_the_file_that_differs_or_cannot_be_read(tmp_path: Pat
     import threading
 
     root, m = _archive_with_pages(tmp_path)
-    rels = lazy_pages.page_images(m, "containers/app")
-    check = lazy_pages.PageCheck(root, m, rels)
-    assert lazy_pages.check_pages(check, threading.Event()) == ""
+    rels = criu_lazy.page_images(m, "containers/app")
+    check = criu_lazy.PageCheck(root, m, rels)
+    assert criu_lazy.check_pages(check, threading.Event()) == ""
     big = root / rels[0]
     with open(big, "r+b") as f:  # one byte in the middle: same size, another sha256
         f.seek(1 << 20)
         b = f.read(1)
         f.seek(1 << 20)
         f.write(bytes([b[0] ^ 1]))
-    why = lazy_pages.check_pages(check, threading.Event())
+    why = criu_lazy.check_pages(check, threading.Event())
     assert why.startswith(f"checksum mismatch in {rels[0]}"), why
     stop = threading.Event()
     stop.set()  # stopped (the daemon ended): no verdict
-    assert lazy_pages.check_pages(check, stop) == ""
+    assert criu_lazy.check_pages(check, stop) == ""
     big.unlink()
-    assert lazy_pages.check_pages(check, threading.Event()).startswith(f"cannot read {rels[0]}")
+    assert criu_lazy.check_pages(check, threading.Event()).startswith(f"cannot read {rels[0]}")
 
 
 def test_wrapper_reports_the_reason_podshim_left_for_an_ended_daemon(tmp_path: Path) -> None:
@@ -390,27 +391,27 @@ def test_check_pages_reads_nothing_until_the_container_is_restored(
 
     work = tmp_path / "w"
     work.mkdir()
-    assert lazy_pages.restore_pending(work)
+    assert criu_lazy.restore_pending(work)
     (work / "criu.conf").write_text("tcp-close\n")  # podshim-runc's start: still pending
-    assert lazy_pages.restore_pending(work)
+    assert criu_lazy.restore_pending(work)
     root, m = _archive_with_pages(tmp_path)
-    check = lazy_pages.PageCheck(root, m, lazy_pages.page_images(m, "containers/app"))
+    check = criu_lazy.PageCheck(root, m, criu_lazy.page_images(m, "containers/app"))
     looks: list[float] = []
     reads: list[int] = []
     readv = os.readv
 
     def counted_readv(fd: int, buffers: Any) -> int:
-        assert not lazy_pages.restore_pending(work), "a page image was read before the restore ended"
+        assert not criu_lazy.restore_pending(work), "a page image was read before the restore ended"
         reads.append(fd)
         return readv(fd, buffers)
 
-    monkeypatch.setattr(lazy_pages.os, "readv", counted_readv)
+    monkeypatch.setattr(criu_lazy.os, "readv", counted_readv)
 
     def paused() -> bool:
         looks.append(time.monotonic())
         if len(looks) == 3:
             (work / "stats-restore").write_bytes(b"")  # CRIU's restore ended
-        return lazy_pages.restore_pending(work)
+        return criu_lazy.restore_pending(work)
 
-    assert lazy_pages.check_pages(check, threading.Event(), paused) == ""
-    assert len(looks) >= 3 and reads and not lazy_pages.restore_pending(work)
+    assert criu_lazy.check_pages(check, threading.Event(), paused) == ""
+    assert len(looks) >= 3 and reads and not criu_lazy.restore_pending(work)

@@ -40,6 +40,7 @@ from shim.archive import compat, fsutil, layout, paths
 from shim.archive.dirfd import DirHandle, open_checked
 from shim.checks.wiring import confirm_restored
 from shim.config import Config
+from shim.criu.lazy import check_runtime
 from shim.criu.runtime import binary_version
 from shim.deadlines import (
     DEFAULT_DEADLINE,
@@ -50,7 +51,6 @@ from shim.deadlines import (
 )
 from shim.migration import guard, protocol, wire
 from shim.migration.source import credentials
-from shim.ops.lazy_pages import check_runtime
 from shim.ops.restore_pod import PodRestorer
 from shim.sandbox import build_pod_view
 from shim.state import Journal, OpRecord

@@ -42,6 +42,7 @@ from shim.aio import run_to_end
 from shim.archive import compat, fsutil, layout, manifest
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
+from shim.criu.lazy import wait_status
 from shim.criu.runtime import binary_version, criu_error_lines, criu_path_env, stop_dump
 from shim.deadlines import (
     CHECK_MARGIN,
@@ -59,7 +60,6 @@ from shim.deadlines import (
 from shim.migration import protocol, wire
 from shim.migration.credentials import NodeCredentials
 from shim.ops.checkpoint_pod import CheckpointOptions, PodCheckpointer, _Work, recorded_containers
-from shim.ops.lazy_pages import wait_status
 from shim.sandbox import PodView
 from shim.state import Journal, OpRecord
 from shim.state.records import MigrationSourceRecord

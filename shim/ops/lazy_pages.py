@@ -16,20 +16,16 @@ pages, until podshim has killed the container. The journal records every live da
 podshim restart `recover` kills the container of a daemon it can no longer supervise.
 
 The page images of a plain archive (pages-*.img, nearly all of its bytes) are not checksummed
-before the restore: a thread hashes them while the daemon serves (check_pages), so the time to the
-first output does not grow with the memory size; a mismatch (or an unreadable image) kills the
-container like a failed daemon (reason `checksum`).
+before the restore: a thread hashes them while the daemon serves (shim/criu/lazy.py check_pages),
+so the time to the first output does not grow with the memory size; a mismatch (or an unreadable
+image) kills the container like a failed daemon (reason `checksum`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import ctypes
-import fnmatch
 import functools
-import hashlib
 import os
 import secrets
 import shutil
@@ -43,16 +39,28 @@ from typing import Any
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import contract, errors, logs, metrics
-from shim.archive import crypto, layout, manifest
+from shim.archive import crypto, layout
 from shim.config import Config
+from shim.criu.lazy import (
+    PageCheck,
+    check_pages,
+    daemon_serving,
+    daemon_uffds,
+    error_lines,
+    exited,
+    in_thread,
+    pidfd_getfd,
+    process_start_time,
+    restore_pending,
+    stopped,
+    wait_status,
+)
 from shim.deadlines import (
-    LAZY_CHECK_PAUSE_SECONDS,
     LAZY_CONTAINER_CHECK,
     LAZY_POLL,
     LAZY_READY_TIMEOUT,
     LAZY_STARTED_POLL,
     RETRY_MAX,
-    VERSION_TIMEOUT,
 )
 from shim.state import Journal
 from shim.state.records import LazyPagesRecord
@@ -62,152 +70,6 @@ log = logs.get("shim.ops.lazy_pages")
 
 KIND = "lazy-pages"  # the journal kind of a live daemon
 LOG_NAME = "lazy-pages.log"  # the daemon's CRIU log, in its work dir
-_SYS_PIDFD_GETFD = 438  # the same number on x86_64 and arm64 (the generic table)
-UFFD_LINK = "anon_inode:[userfaultfd]"
-PAGE_IMAGES = "pages-*.img"  # CRIU's memory contents: what is checksummed while the daemon serves
-CHECK_READ = 8 << 20  # the background checksum pass's read size
-# its thread's nice value: on a busy node the restore path (containerd, runc, CRIU, the process's
-# first faults) goes first; the pass takes the CPU they leave (docs/architecture.md §5.1)
-CHECK_NICE = 10
-
-
-@functools.lru_cache(maxsize=8)
-def runtime_supports(binary: str) -> bool:
-    """Whether the OCI runtime's `restore` has `--lazy-pages` (runc has; crun 1.21 has not)."""
-    try:
-        out = subprocess.run(
-            [binary, "restore", "--help"],
-            capture_output=True,
-            text=True,
-            timeout=VERSION_TIMEOUT,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "--lazy-pages" in out.stdout + out.stderr
-
-
-def check_runtime(binary: str, handler: str) -> None:
-    """FAILED_PRECONDITION unless the handler's runtime can restore lazily."""
-    if not runtime_supports(binary):
-        raise errors.FailedPrecondition(
-            f"option lazy-pages=true: the runtime of handler {handler or 'runc'!r} ({binary}) has no "
-            "lazy restore (its `restore` lacks --lazy-pages); restore without lazy-pages, or with runc"
-        )
-
-
-def process_start_time(pid: int) -> int:
-    """The start time (clock ticks since boot) of `pid`, 0 if it is gone: with the pid, it names a
-    process across pid reuse."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def _pidfd_getfd(pidfd: int, fd: int) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    got = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
-    if got < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return int(got)
-
-
-def daemon_uffds(pid: int) -> list[int]:
-    """The descriptor numbers of the userfaultfds `pid` holds."""
-    out = []
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return out
-    for n in names:
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/fd/{n}") == UFFD_LINK:
-                out.append(int(n))
-    return out
-
-
-def page_images(m: manifest.Manifest, container_rel: str) -> list[str]:
-    """The archive members holding one container's memory contents (CRIU's pages-*.img in its
-    checkpoint/ dir): what a lazy restore checksums in the background instead of before."""
-    prefix = f"{container_rel}/{layout.CHECKPOINT_DIR}/"
-    return sorted(
-        rel
-        for rel in m.files
-        if rel.startswith(prefix) and fnmatch.fnmatchcase(rel[len(prefix) :], PAGE_IMAGES)
-    )
-
-
-@dataclass(frozen=True)
-class PageCheck:
-    """What a daemon's background checksum pass reads: `rels` under `root`, against the manifest."""
-
-    root: Path
-    manifest: manifest.Manifest
-    rels: list[str]
-
-
-def restore_pending(work: Path) -> bool:
-    """Whether the container served from `work` has not been restored yet: CRIU has not written its
-    stats-restore there (at its end, once the process runs). Until then the restore path (the new
-    sandbox, CreateContainer, podshim-runc's start, CRIU) runs, and the checksum pass waits."""
-    return not (work / "stats-restore").exists()
-
-
-def check_pages(check: PageCheck, stop: threading.Event, paused: Any = None) -> str:
-    """Hash each page image (largest first, CHECK_READ reads, one descriptor, no symlink followed)
-    and compare it with the manifest: "" when all match (or `stop` was set), else why not, naming
-    the file. Runs in a thread of its own beside the daemon; while `paused()` (the container is not
-    restored yet: its restore path goes first) it reads nothing, up to LAZY_CHECK_PAUSE_SECONDS in all."""
-    expected = check.manifest.files
-    buf = bytearray(CHECK_READ)
-    view = memoryview(buf)
-    pause_end = 0.0
-    for rel in sorted(check.rels, key=lambda r: (-expected[r].size, r)):
-        h = hashlib.sha256()
-        size = 0
-        try:
-            fd = os.open(check.root / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                while True:
-                    while paused is not None and paused() and not stop.is_set():
-                        now = time.monotonic()
-                        pause_end = pause_end or now + LAZY_CHECK_PAUSE_SECONDS
-                        if now >= pause_end:
-                            break
-                        time.sleep(0.01)
-                    if stop.is_set():
-                        return ""
-                    n = os.readv(fd, [buf])
-                    if not n:
-                        break
-                    h.update(view[:n])  # hashlib releases the GIL for large buffers
-                    size += n
-            finally:
-                os.close(fd)
-        except OSError as e:
-            return f"cannot read {rel} to verify its checksum ({e.strerror or e})"
-        digest = h.hexdigest()
-        if size != expected[rel].size or digest != expected[rel].sha256:
-            return (
-                f"checksum mismatch in {rel} of {check.root} ({size} bytes with sha256 {digest}, the "
-                f"manifest says {expected[rel].size} bytes with sha256 {expected[rel].sha256})"
-            )
-    return ""
-
-
-def _error_lines(path: Path, limit: int = 3) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    bad = [ln.strip() for ln in lines if "Error" in ln or "error" in ln]
-    return "; ".join(bad[-limit:])
 
 
 @dataclass
@@ -274,7 +136,7 @@ class LazyPages:
         )
         if pages is not None and rels:
             paused = functools.partial(restore_pending, d.work)
-            d.verify = _in_thread(
+            d.verify = in_thread(
                 functools.partial(check_pages, paused=paused),
                 pages,
                 d.verify_stop,
@@ -355,7 +217,7 @@ class LazyPages:
         self.journal.update(d.rec, "serving", pid=d.pid, start_time=d.start_time, verifying=verifying)
         ready = await wait_status(read_end, LAZY_READY_TIMEOUT)
         if ready != b"\0":
-            detail = _error_lines(work / LOG_NAME)
+            detail = error_lines(work / LOG_NAME)
             await self.abandon([d])
             raise errors.Internal(
                 f"the lazy-pages daemon of container {name!r} did not start serving {images}"
@@ -395,7 +257,7 @@ class LazyPages:
 
     async def _supervise(self, d: Daemon) -> None:
         assert d.proc is not None
-        waiter = _exited(d.proc, d.pidfd)
+        waiter = exited(d.proc, d.pidfd)
         next_check = time.monotonic() + LAZY_CONTAINER_CHECK
         gone = bad = ""
         try:
@@ -409,7 +271,7 @@ class LazyPages:
                 bad = _failed_check(d)
                 if bad and not d.abandoned and not gone:
                     break
-                if d.remote and _stopped(d.pid) and not waiter.done():
+                if d.remote and stopped(d.pid) and not waiter.done():
                     # its page server failed: it holds the userfaultfds (and so do we) and waits
                     # to be killed; the container is killed first, by _ended
                     self._hold_uffds(d)
@@ -453,7 +315,7 @@ class LazyPages:
             if key in d.held:
                 continue
             try:
-                d.held[key] = _pidfd_getfd(d.pidfd, fd)
+                d.held[key] = pidfd_getfd(d.pidfd, fd)
             except OSError as e:
                 log.warning("cannot hold a userfaultfd of the lazy-pages daemon", pid=d.pid, error=str(e))
 
@@ -546,7 +408,7 @@ class LazyPages:
             how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
             if d.source_failed:
                 how = "lost its page server (the source node of the migration, or the link to it)"
-            detail = _error_lines(d.work / LOG_NAME)
+            detail = error_lines(d.work / LOG_NAME)
             kept = await asyncio.to_thread(
                 _keep_log, d.work / LOG_NAME, self.config.state_dir, d.container_id
             )
@@ -646,8 +508,8 @@ class LazyPages:
         alive = pid > 0 and process_start_time(pid) == data.start_time
         work = data.work_dir
         if not alive and work:  # a crash before its pid was journaled: found by its work dir
-            pid = _daemon_serving(work) or pid
-            alive = pid > 0 and process_start_time(pid) > 0 and _daemon_serving(work) == pid
+            pid = daemon_serving(work) or pid
+            alive = pid > 0 and process_start_time(pid) > 0 and daemon_serving(work) == pid
         held = self._recover_held.setdefault(rec.op_id, [])
         pidfd = -1
         if alive:
@@ -655,7 +517,7 @@ class LazyPages:
                 pidfd = os.pidfd_open(pid)
                 for fd in daemon_uffds(pid):
                     with contextlib.suppress(OSError):
-                        held.append(_pidfd_getfd(pidfd, fd))
+                        held.append(pidfd_getfd(pidfd, fd))
         cid = data.container_id
         try:
             if cid and not await self._container_gone(cid):
@@ -683,53 +545,6 @@ class LazyPages:
         log.warning("lazy-pages daemon of a previous podshim handled", container=cid, pid=pid, alive=alive)
 
 
-def _in_thread(fn: Any, check: PageCheck, stop: threading.Event, name: str) -> asyncio.Future[str]:
-    """`fn(check, stop)` in a thread of its own (the default executor is not held for seconds);
-    a future of its answer, an unexpected error turned into a reason."""
-    cf: concurrent.futures.Future[str] = concurrent.futures.Future()
-
-    def run() -> None:
-        with contextlib.suppress(OSError):  # Linux: a thread's own nice value
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CHECK_NICE)
-        try:
-            cf.set_result(fn(check, stop))
-        except Exception as e:  # noqa: BLE001 - a check that cannot finish is a failed one
-            cf.set_result(f"checking the page images failed: {e}")
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return asyncio.wrap_future(cf)
-
-
-async def wait_status(fd: int, timeout: float) -> bytes:
-    """The first byte a CRIU writes to its status fd (`\0`: ready), b"" at EOF (it died) or after
-    `timeout`; woken by the event loop (no thread). `fd` is closed."""
-    try:
-        return await asyncio.wait_for(_read_status(fd), timeout)
-    except TimeoutError:
-        return b""
-    finally:
-        asyncio.get_running_loop().remove_reader(fd)
-        os.close(fd)
-
-
-def _read_status(fd: int) -> asyncio.Future[bytes]:
-    """A future of the first byte the daemon writes to its status fd (b"" at EOF: it died), set by
-    the event loop when `fd` turns readable; the caller removes the reader."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[bytes] = loop.create_future()
-
-    def readable() -> None:
-        loop.remove_reader(fd)
-        if not fut.done():
-            try:
-                fut.set_result(os.read(fd, 1))
-            except OSError:
-                fut.set_result(b"")
-
-    loop.add_reader(fd, readable)
-    return fut
-
-
 def _pending(fut: asyncio.Future[str] | None) -> set[asyncio.Future[str]]:
     return {fut} if fut is not None and not fut.done() else set()
 
@@ -739,50 +554,6 @@ def _failed_check(d: Daemon) -> str:
     if d.verify is None or not d.verify.done() or d.verify.cancelled():
         return ""
     return d.verify.result()
-
-
-def _exited(proc: subprocess.Popen[bytes], pidfd: int) -> asyncio.Future[int]:
-    """A future of `proc`'s exit status (negative: the signal), set when its pidfd turns readable."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[int] = loop.create_future()
-
-    def done() -> None:
-        rc = proc.poll()
-        if rc is None:
-            return  # not yet reaped (a spurious wake-up)
-        loop.remove_reader(pidfd)
-        if not fut.done():
-            fut.set_result(rc)
-
-    if pidfd < 0:  # no pidfd: a thread waits instead
-        return asyncio.ensure_future(asyncio.to_thread(proc.wait))
-    loop.add_reader(pidfd, done)
-    done()
-    return fut
-
-
-def _stopped(pid: int) -> bool:
-    """Whether `pid` is stopped (state T): a daemon whose page server failed stops itself, its
-    userfaultfds kept open, until it is killed (CRIU patch 0005)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
-
-
-def _daemon_serving(work: str) -> int:
-    """The pid of a `criu lazy-pages` serving from the work dir `work`, 0 if none."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"lazy-pages" in argv and os.fsencode(work) in argv:
-            return int(entry)
-    return 0
 
 
 def _keep_log(log_path: Path, state_dir: str, container_id: str) -> str:

@@ -27,8 +27,8 @@ from shim.archive import compat, config_dump, crypto, layout, manifest, paths
 from shim.checks import cri_strings, mounts
 from shim.checks.wiring import Verdict, WiringChecker
 from shim.config import Config
+from shim.criu.lazy import check_runtime
 from shim.criu.runtime import binary_version
-from shim.ops.lazy_pages import check_runtime
 from shim.sandbox.images import Images
 from shim.upstream import Upstream
 

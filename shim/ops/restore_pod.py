@@ -30,6 +30,7 @@ from shim.archive import crypto, layout, manifest, rootfs_diff
 from shim.checks.wiring import RestoredContainers, WiringChecker, confirm_restored
 from shim.config import Config
 from shim.contract import RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
+from shim.criu.lazy import PageCheck, page_images
 from shim.deadlines import (
     CHECK_MARGIN,
     DEFAULT_DEADLINE,
@@ -37,7 +38,7 @@ from shim.deadlines import (
     SANDBOX_SETTLE,
     STALE_DECRYPTED_SECONDS,
 )
-from shim.ops.lazy_pages import Daemon, LazyPages, PageCheck, page_images
+from shim.ops.lazy_pages import Daemon, LazyPages
 from shim.ops.restore_broker import PageChecks
 from shim.ops.restore_checks import Checked, Phases, Planned, RestoreChecks
 from shim.sandbox import build_pod_view
