@@ -248,6 +248,10 @@ async def test_recover_finds_a_daemon_by_its_work_dir(tmp_path: Path) -> None:
     rec = journal.begin("lazy-pages", "ns/pod", {"container": "counter", "work_dir": str(work)})
     fake = subprocess.Popen(["sh", "-c", "sleep 60", "lazy-pages", "--work-dir", str(work)])
     try:
+        # /proc/<pid>/cmdline can read empty for a moment after the spawn: wait until it shows
+        until = time.monotonic() + 5
+        while criu_lazy.daemon_serving(str(work)) != fake.pid and time.monotonic() < until:
+            time.sleep(0.01)
         assert criu_lazy.daemon_serving(str(work)) == fake.pid
         lp = lazy_pages.LazyPages(Config(state_dir=str(tmp_path / "state")), up, journal)
         await lp.recover(journal.pending()[0])
