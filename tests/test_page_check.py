@@ -21,6 +21,7 @@ from shim import contract, errors
 from shim.archive import manifest
 from shim.config import Config
 from shim.ops.restore_pod import deferred_pages
+from shim.wrapper import cleanup, page_check
 from shim.wrapper import restore as hook
 from tests.fakes import FakeUpstream
 from tests.test_orchestration import _open_records, _request, _restorer, _with_member
@@ -179,7 +180,7 @@ def test_page_images_match(tmp_path: Path) -> None:
             "checkpoint/pages-3.img": b"z",
         },
     )
-    check = hook.PageImages(tmp_path, digests)
+    check = page_check.PageImages(tmp_path, digests)
     check.start()
     assert check.wait() == ""
     assert check.bytes == (9 << 20) + 1 and check.seconds > 0
@@ -192,7 +193,7 @@ def test_page_image_mismatch_names_the_member(tmp_path: Path) -> None:
     data = bytearray((tmp_path / "checkpoint/pages-1.img").read_bytes())
     data[len(data) // 2] ^= 1
     (tmp_path / "checkpoint/pages-1.img").write_bytes(bytes(data))
-    check = hook.PageImages(tmp_path, digests)
+    check = page_check.PageImages(tmp_path, digests)
     check.start()
     problem = check.wait()
     assert problem.startswith("checksum mismatch of checkpoint/pages-1.img"), problem
@@ -202,19 +203,19 @@ def test_page_image_mismatch_names_the_member(tmp_path: Path) -> None:
 def test_missing_or_symlinked_page_image_is_unreadable(tmp_path: Path) -> None:
     digests = _images(tmp_path, {"checkpoint/pages-1.img": b"a"})
     (tmp_path / "checkpoint/pages-1.img").unlink()
-    check = hook.PageImages(tmp_path, digests)
+    check = page_check.PageImages(tmp_path, digests)
     check.start()
     assert check.wait().startswith("cannot read checkpoint/pages-1.img")
     (tmp_path / "target").write_bytes(b"a")
     (tmp_path / "checkpoint/pages-1.img").symlink_to(tmp_path / "target")  # same bytes, not followed
-    check = hook.PageImages(tmp_path, digests)
+    check = page_check.PageImages(tmp_path, digests)
     check.start()
     assert check.wait().startswith("cannot read checkpoint/pages-1.img")
 
 
 def test_stopped_check_reports_nothing(tmp_path: Path) -> None:
     digests = _images(tmp_path, {"checkpoint/pages-1.img": os.urandom(64 << 20)})
-    check = hook.PageImages(tmp_path, {**digests, "checkpoint/pages-1.img": DIGEST})
+    check = page_check.PageImages(tmp_path, {**digests, "checkpoint/pages-1.img": DIGEST})
     check.stop.set()  # the restore failed: its own error is reported
     check.start()
     assert check.wait() == ""
@@ -278,22 +279,22 @@ def held(tmp_path: Path) -> Any:
 def test_matching_pages_continue_every_process(tmp_path: Path, held: Any) -> None:
     proc, pids, pid_file = held
     digests = _images(tmp_path / "c", {"checkpoint/pages-1.img": b"a"})
-    check = hook.PageImages(tmp_path / "c", digests)
+    check = page_check.PageImages(tmp_path / "c", digests)
     check.start()
-    hook._settler(check, "", pid_file, tmp_path)(0)
+    page_check.settler(check, "", pid_file, tmp_path)(0)
     assert check.problem == ""
-    assert hook.container_pids("", pid_file) == set(pids)
+    assert cleanup.container_pids("", pid_file) == set(pids)
     assert all(_state(p) in ("S", "R") for p in pids), f"a process left stopped: {[_state(p) for p in pids]}"
-    logged = json.loads((tmp_path / hook.PAGE_CHECK_LOG).read_text())
+    logged = json.loads((tmp_path / page_check.PAGE_CHECK_LOG).read_text())
     assert logged["ok"] and logged["files"] == 1 and logged["bytes"] == 1
 
 
 def test_a_mismatch_kills_every_process_before_it_ran(tmp_path: Path, held: Any) -> None:
     proc, pids, pid_file = held
     digests = _images(tmp_path / "c", {"checkpoint/pages-1.img": b"a"})
-    check = hook.PageImages(tmp_path / "c", {"checkpoint/pages-1.img": DIGEST})
+    check = page_check.PageImages(tmp_path / "c", {"checkpoint/pages-1.img": DIGEST})
     check.start()
-    hook._settler(check, "", pid_file, tmp_path)(0)
+    page_check.settler(check, "", pid_file, tmp_path)(0)
     assert check.problem.startswith("checksum mismatch of checkpoint/pages-1.img")
     assert proc.wait(timeout=10) == -signal.SIGKILL
     for pid in pids:  # SIGKILLed: dying (no cgroup here for kill_tasks to wait on)
@@ -302,16 +303,16 @@ def test_a_mismatch_kills_every_process_before_it_ran(tmp_path: Path, held: Any)
             time.sleep(0.01)
         assert _state(pid) in ("gone", "Z"), f"{pid} survived the mismatch"
     assert digests  # (the image itself was fine: the recorded digest differs)
-    assert not json.loads((tmp_path / hook.PAGE_CHECK_LOG).read_text())["ok"]
+    assert not json.loads((tmp_path / page_check.PAGE_CHECK_LOG).read_text())["ok"]
 
 
 def test_a_failed_restore_stops_the_check(tmp_path: Path, held: Any) -> None:
     """runc restore failed: CRIU killed its tasks itself; the check stops and decides nothing."""
     proc, pids, pid_file = held
     _images(tmp_path / "c", {"checkpoint/pages-1.img": os.urandom(32 << 20)})
-    check = hook.PageImages(tmp_path / "c", {"checkpoint/pages-1.img": DIGEST})
+    check = page_check.PageImages(tmp_path / "c", {"checkpoint/pages-1.img": DIGEST})
     check.start()
-    hook._settler(check, "", pid_file, tmp_path)(1)
+    page_check.settler(check, "", pid_file, tmp_path)(1)
     assert check.problem in ("",) or check.problem.startswith("checksum mismatch")  # a race: either
     assert [_state(p) for p in pids] == ["T", "T"]  # the failure path of the restore handles them
 

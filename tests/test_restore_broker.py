@@ -18,7 +18,7 @@ import pytest
 from shim import contract
 from shim.config import Config
 from shim.ops import restore_broker as broker
-from shim.wrapper import restore
+from shim.wrapper import page_check, restore
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def _archive(tmp_path: Path, pages: bytes) -> tuple[Path, dict[str, str]]:
 
 def _started_eager_restore(
     b: broker.RestoreBroker, tmp_path: Path, ckpt: Path, digests: dict[str, str]
-) -> tuple[restore.PageImages, Path]:
+) -> tuple[page_check.PageImages, Path]:
     """RestorePod's part: the page check started, and the bundle of an eager restore of `ckpt`."""
     b.checks.start(ckpt, digests)
     annotations = {
@@ -135,7 +135,7 @@ def test_exec_started_exited_then_the_verdict(
     b, tmp_path = served
     ckpt, digests = _archive(tmp_path, b"\1" * 4096)
     started, bundle = _started_eager_restore(b, tmp_path, ckpt, digests)
-    taken: list[restore.PageImages] = []
+    taken: list[page_check.PageImages] = []
     real_settle = restore.Prepared.settle
 
     def settle(self: restore.Prepared, returncode: int, hit: object = None) -> None:

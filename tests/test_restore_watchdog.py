@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shim import contract
-from shim.wrapper import restore as restore_hook
+from shim.wrapper import cleanup
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts)")
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mounts)")
 def _mounts_below(d: Path) -> list[str]:
     prefix = str(d) + "/"
     with open("/proc/self/mountinfo") as f:
-        return [m for m in (restore_hook._unescape(line.split()[4]) for line in f) if m.startswith(prefix)]
+        return [m for m in (cleanup._unescape(line.split()[4]) for line in f) if m.startswith(prefix)]
 
 
 def test_mounts_detached_after_the_bundle_was_renamed(tmp_path: Path) -> None:
@@ -33,11 +33,11 @@ def test_mounts_detached_after_the_bundle_was_renamed(tmp_path: Path) -> None:
         subprocess.run(["mount", "-t", "tmpfs", f"m{i}", str(yard / f"m{i}")], check=True)
     renamed = tmp_path / ".abc"
     try:
-        held = restore_hook._hold_dirs([work, tmp_path / "missing"])
+        held = cleanup.hold_dirs([work, tmp_path / "missing"])
         assert list(held) == [work]
         bundle.rename(renamed)  # what containerd does while it deletes the bundle
         assert len(_mounts_below(renamed)) == 14
-        restore_hook._detach_mounts_below([work, tmp_path / "state"], held)
+        cleanup.detach_mounts_below([work, tmp_path / "state"], held)
         assert _mounts_below(renamed) == []
         for fd in held.values():
             os.close(fd)

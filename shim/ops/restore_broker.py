@@ -40,7 +40,7 @@ from shim import faults, logs
 from shim.config import Config
 from shim.contract import BROKER_SOCKET
 from shim.errors import Stopped
-from shim.wrapper import restore
+from shim.wrapper import cleanup, page_check, restore
 from shim.wrapper.main import split_global
 
 log = logs.get("shim.ops.restore_broker")
@@ -60,7 +60,7 @@ class PageChecks:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._checks: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[restore.PageImages, float]] = {}
+        self._checks: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[page_check.PageImages, float]] = {}
 
     @staticmethod
     def _key(ckpt: Path, digests: Mapping[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -77,11 +77,11 @@ class PageChecks:
                     del self._checks[k]
             if key in self._checks:
                 return
-            pages = restore.PageImages(Path(key[0]), dict(digests), nice=EARLY_NICE)
+            pages = page_check.PageImages(Path(key[0]), dict(digests), nice=EARLY_NICE)
             pages.start()
             self._checks[key] = (pages, now)
 
-    def take(self, ckpt: Path, digests: Mapping[str, str]) -> restore.PageImages | None:
+    def take(self, ckpt: Path, digests: Mapping[str, str]) -> page_check.PageImages | None:
         """The running (or finished) check of exactly these images, removed from here; None if none."""
         with self._lock:
             found = self._checks.pop(self._key(ckpt, digests), None)
@@ -245,7 +245,7 @@ class RestoreBroker:
         self, conn: socket.socket, p: restore.Prepared, client_faults: faults.Failpoints, begun: float
     ) -> None:
         """From `exec` to the verdict, with the watchdog's role: whatever ends this early undoes."""
-        held = restore._hold_dirs([p.work])  # the upstream renames the bundle while it deletes it
+        held = cleanup.hold_dirs([p.work])  # the upstream renames the bundle while it deletes it
         started: int | None = None
         concluded = False
         t0 = time.monotonic()

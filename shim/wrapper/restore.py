@@ -11,14 +11,11 @@ The following `start` is a no-op. Everything else is an exec of the real runtime
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +34,8 @@ from shim.contract import (
     RESTORED_MARKER,
     WORK_DIR,
 )
+from shim.wrapper.cleanup import hold_dirs, kill_restore, kill_tasks, remove_cgroups
+from shim.wrapper.page_check import PageImages, settler
 
 
 def _arg(rest: list[str], *names: str) -> str | None:
@@ -124,9 +123,9 @@ class Prepared:
     cfg_state_dir: str
 
     def settle(self, returncode: int, hit: Callable[[str], None] | None = None) -> None:
-        """Once the restore ended, before the watchdog lets go: the page check's verdict (_settler)."""
+        """Once the restore ended, before the watchdog lets go: the page check's verdict (settler)."""
         if self.pages is not None:
-            _settler(self.pages, self.cgroups_path, self.pid_file, self.work, self.delete, hit)(returncode)
+            settler(self.pages, self.cgroups_path, self.pid_file, self.work, self.delete, hit)(returncode)
 
 
 def prepare(
@@ -328,9 +327,9 @@ def _remove_decrypted(ckpt: str | None, state_dir: str) -> None:
 def undo(p: Prepared, pgid: int | None, held: dict[Path, int] | None = None) -> None:
     """The watchdog's work once whoever ran the restore died before it concluded: kill the
     restore (`pgid`) and the container's processes, detach the mounts CRIU left, delete the
-    runtime's state, remove the cgroups (_kill_restore). (The page check's threads are left
+    runtime's state, remove the cgroups (kill_restore). (The page check's threads are left
     alone: in the hook's forked watchdog they do not exist.)"""
-    _kill_restore(pgid, p.cgroups_path, [p.work, p.state_dir], held, p.delete)
+    kill_restore(pgid, p.cgroups_path, [p.work, p.state_dir], held, p.delete)
 
 
 def abort(binary: str, flags: dict[str, str], rest: list[str], reason: str) -> None:
@@ -348,8 +347,8 @@ def abort(binary: str, flags: dict[str, str], rest: list[str], reason: str) -> N
     cgroups_path = spec.get("linux", {}).get("cgroupsPath", "")
     kill_tasks(cgroups_path, _arg(rest, "--pid-file"))
     delete = _runtime_delete(binary, flags, container_id)
-    _kill_restore(
-        None, cgroups_path, [work, _runtime_state_dir(flags, container_id)], _hold_dirs([work]), delete
+    kill_restore(
+        None, cgroups_path, [work, _runtime_state_dir(flags, container_id)], hold_dirs([work]), delete
     )
     cfg = _hook_config()
     if not value:  # decrypted images no CRIU reads any more (a lazy daemon's: podshim's business)
@@ -396,101 +395,6 @@ def _lazy_dir(spec: dict, cfg: Any, container_id: str) -> Path | None:
             "remove the pod and restore again"
         )
     return real
-
-
-HASH_READ = 4 << 20  # the page check's read size (hashlib releases the GIL on buffers this large)
-PAGE_CHECK_LOG = "page-check.json"  # in the work dir: the page check's timing beside CRIU's stats
-
-
-class PageImages:
-    """The sha256 check of a container's page images (PAGE_DIGESTS_ANNOTATION) in threads of its own,
-    beside CRIU's restore: largest first, up to `workers` files at a time (one file is one thread:
-    sha256 is sequential), HASH_READ reads, no symlink followed. `problem` is "" when every image
-    matched, else what failed, naming the member."""
-
-    def __init__(self, root: Path, digests: dict[str, str], workers: int = 2, nice: int = 0) -> None:
-        self.root = root
-        self.digests = digests
-        self.workers = max(1, min(workers, len(digests)))
-        # RestorePod's early check yields the CPU to the new sandbox's containerd, runc and CNI
-        # (nice is per thread on Linux); boost() puts it back once the restore waits for it
-        self.nice = nice
-        self._tids: list[int] = []
-        self.stop = threading.Event()
-        self.problem = ""
-        self.bytes = 0
-        self.started = 0.0
-        self.seconds = 0.0  # the hashing's wall time (until its last thread ended)
-        self._fsutil: Any = None
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-
-    def _size(self, rel: str) -> int:
-        try:
-            return os.lstat(self.root / rel).st_size
-        except OSError:
-            return 0
-
-    def start(self) -> None:
-        from shim.archive import fsutil  # imported here, not by each thread
-
-        self._fsutil = fsutil
-        hashlib.sha256()  # OpenSSL's set-up in this thread, before any other thread (the watchdog forks)
-        todo = sorted(self.digests, key=lambda r: (-self._size(r), r))
-        self.started = time.monotonic()
-
-        def work() -> None:
-            if self.nice:
-                with self._lock:
-                    self._tids.append(threading.get_native_id())
-                    with contextlib.suppress(OSError):
-                        os.setpriority(os.PRIO_PROCESS, self._tids[-1], self.nice)
-            while not self.stop.is_set():
-                with self._lock:
-                    if not todo:
-                        break
-                    rel = todo.pop(0)
-                problem = self._check(rel)
-                with self._lock:
-                    if problem and not self.problem:
-                        self.problem = problem
-                        self.stop.set()  # one failure decides: the others need not finish
-            with self._lock:
-                self.seconds = max(self.seconds, time.monotonic() - self.started)
-
-        for i in range(self.workers):
-            t = threading.Thread(target=work, name=f"podshim-page-check-{i}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def boost(self) -> None:
-        """Back to podshim's own priority: a restore now waits for this check."""
-        with self._lock:
-            self.nice = 0
-            for tid in self._tids:
-                with contextlib.suppress(OSError):  # ended already
-                    os.setpriority(os.PRIO_PROCESS, tid, 0)
-
-    def _check(self, rel: str) -> str:
-        try:
-            size, digest = self._fsutil.hash_file(self.root / rel, HASH_READ, self.stop)
-        except self._fsutil.Stopped:
-            return ""
-        except OSError as e:
-            return f"cannot read {rel} to verify its checksum ({e.strerror or e})"
-        with self._lock:
-            self.bytes += size
-        if digest != self.digests[rel]:
-            return (
-                f"{contract.PAGE_MISMATCH}{rel} ({size} bytes with sha256 {digest}, RestorePod recorded "
-                f"sha256 {self.digests[rel]} from the archive's manifest)"
-            )
-        return ""
-
-    def wait(self) -> str:
-        for t in self._threads:
-            t.join()
-        return self.problem
 
 
 def _page_check(
@@ -540,160 +444,6 @@ def _page_check(
     return pages
 
 
-def _settler(
-    pages: PageImages,
-    cgroups_path: str,
-    pid_file: str | None,
-    work: Path,
-    delete: list[str] | None = None,
-    hit: Callable[[str], None] | None = None,
-) -> Callable[[int], None]:
-    """What runs once `runc restore` ended, still under the watchdog: wait for the page check;
-    every image matched → continue every task of the container (SIGCONT); else kill them all, run
-    `delete` (the runtime's `delete --force`) and remove the container's cgroups (pages.problem
-    says why, podshim-runc then fails the create).
-    A restore that failed stops the check and kills whatever its cgroup holds: a runc killed after
-    CRIU restored the tasks (stopped) must not leave them there for good."""
-
-    def settle(returncode: int) -> None:
-        restored = time.monotonic()
-        if returncode != 0:
-            pages.stop.set()
-            kill_tasks(cgroups_path, None)  # not the pid file: a failed restore may leave a stale one
-            pages.wait()
-            return
-        problem = pages.wait()
-        if not problem:
-            # tests/faults: a death while the tasks are held (the broker's `hit` acts on podshim-runc)
-            (hit or _hit)("runc-wrapper.held-stopped")
-            problem = continue_tasks(cgroups_path, pid_file)
-        if problem:
-            pages.problem = problem
-            kill_tasks(cgroups_path, pid_file)
-            if delete:
-                _delete_state(delete)
-            remove_cgroups(cgroups_path)
-        _log_page_check(work, pages, restored)
-
-    return settle
-
-
-def _hit(name: str) -> None:
-    from shim import faults
-
-    faults.hit(name)
-
-
-def _log_page_check(work: Path, pages: PageImages, restored: float) -> None:
-    """The overlap of the page check with CRIU's restore, for the operator and bench/restore."""
-    doc = {
-        "files": len(pages.digests),
-        "bytes": pages.bytes,
-        "hash_s": round(pages.seconds, 4),
-        "restore_s": round(restored - pages.started, 4),  # from the check's start (RestorePod, or prepare)
-        "wait_s": round(max(0.0, pages.started + pages.seconds - restored), 4),  # after the restore
-        "ok": not pages.problem,
-    }
-    with contextlib.suppress(OSError):
-        (work / PAGE_CHECK_LOG).write_text(json.dumps(doc) + "\n")
-
-
-def container_pids(cgroups_path: str, pid_file: str | None = None) -> set[int]:
-    """Every process of the container: those in its cgroup and the cgroups below it (freezer
-    hierarchy on v1, the unified one on v2), and the runtime's pid-file process with its
-    descendants (/proc/<pid>/task/*/children), in case a cgroup cannot be read."""
-    pids: set[int] = set()
-    if cgroups_path:
-        with contextlib.suppress(Exception):
-            from shim.cgroups.freezer import default_freezer
-
-            top = default_freezer().path(cgroups_path)
-            for d, _dirs, _files in os.walk(top):
-                with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
-                    pids.update(int(x) for x in f.read().split())
-    if pid_file:
-        with contextlib.suppress(OSError, ValueError):
-            with open(pid_file) as f:
-                todo = [int(f.read().strip())]
-            seen: set[int] = set()
-            while todo:
-                pid = todo.pop()
-                if pid <= 0 or pid in seen:
-                    continue
-                seen.add(pid)
-                with contextlib.suppress(OSError):
-                    for tid in os.listdir(f"/proc/{pid}/task"):
-                        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as c:
-                            todo.extend(int(x) for x in c.read().split())
-            pids |= {p for p in seen if os.path.exists(f"/proc/{p}")}
-    return pids
-
-
-def continue_tasks(cgroups_path: str, pid_file: str | None) -> str:
-    """SIGCONT every process of the container (CRIU left them stopped): "" when done, else why
-    not. A pidfd is taken of each first, while they are all stopped, so no signal reaches a pid
-    reused meanwhile."""
-    pids = container_pids(cgroups_path, pid_file)
-    if not pids:
-        where = f"cgroup {cgroups_path!r}, pid file {pid_file!r}"
-        return f"cannot find the restored processes to continue them ({where})"
-    fds = []
-    try:
-        for pid in sorted(pids):
-            try:
-                fds.append(os.pidfd_open(pid))
-            except ProcessLookupError:
-                continue  # gone already (killed by someone else): nothing to continue
-        for fd in fds:
-            try:
-                signal.pidfd_send_signal(fd, signal.SIGCONT)
-            except ProcessLookupError:
-                continue
-    except OSError as e:
-        return f"cannot continue the restored processes: {e.strerror or e}"
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return ""
-
-
-def kill_tasks(cgroups_path: str, pid_file: str | None) -> None:
-    """SIGKILL every process of the container (a stopped one dies too): first all it has (through
-    pidfds: the pid file's pid may be reused once the container's init is reaped), then what its
-    cgroup still holds, until nothing alive is left (at most ~2 s)."""
-    for pid in container_pids(cgroups_path, pid_file):
-        with contextlib.suppress(OSError):
-            fd = os.pidfd_open(pid)
-            try:
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-            finally:
-                os.close(fd)
-    for _ in range(40):
-        alive = [p for p in container_pids(cgroups_path) if _alive(p)]
-        if not alive:
-            return
-        for pid in alive:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
-
-
-def _delete_state(delete: list[str]) -> None:
-    """Run the runtime's `delete --force` of a restored container that is then killed (its stdio
-    is not the container's; a failure leaves it to the upstream's own delete)."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(delete, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` exists and is not a zombie (a killed task waiting for its parent's wait)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _run_guarded(p: Prepared) -> int:
     """Run the restore with a watchdog: the upstream kills podshim-runc (SIGKILL) when
     StartContainer is cancelled, and runc's CRIU and the half-restored tasks must not go on
@@ -708,7 +458,7 @@ def _run_guarded(p: Prepared) -> int:
     # The work dir, held by an O_PATH descriptor (close-on-exec: runc does not get it): the
     # upstream renames the bundle (<id> -> .<id>) while it deletes it, so the watchdog finds CRIU's
     # mounts below through the descriptor, never through a path that may be gone.
-    held = _hold_dirs([p.work])
+    held = hold_dirs([p.work])
     # stdio and every other descriptor the upstream gave us go to the restored process.
     child = subprocess.Popen(p.cmd, close_fds=False, start_new_session=True, env={**os.environ, **p.env})
     read_end, write_end = os.pipe()
@@ -737,113 +487,6 @@ def _run_guarded(p: Prepared) -> int:
     os.write(write_end, b"d")  # done: the watchdog leaves everything alone
     os.close(write_end)
     return returncode
-
-
-def _hold_dirs(dirs: list[Path]) -> dict[Path, int]:
-    """O_PATH descriptors of the existing `dirs` (a renamed directory stays reachable by them)."""
-    held = {}
-    for d in dirs:
-        try:
-            held[d] = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            continue
-    return held
-
-
-def _unescape(field: str) -> str:
-    """A mountinfo path: space, tab, newline and backslash are octal escapes there."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
-
-
-def _detach_mounts_below(dirs: list[Path], held: dict[Path, int], rounds: int = 20) -> None:
-    """Detach (umount2 MNT_DETACH, no subprocess) every mount below `dirs`: shortest first (a
-    detached mount takes its subtree along), then look again until none is left. A held
-    directory is named through /proc/self/fd (its current place, wherever it was renamed to)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    mnt_detach = 2
-    for _ in range(rounds):
-        roots = []  # (how to name the directory now, its path as mountinfo shows it)
-        for d in dirs:
-            if d in held:
-                via = f"/proc/self/fd/{held[d]}"
-                try:
-                    roots.append((via, os.readlink(via)))
-                except OSError:
-                    continue
-            else:
-                roots.append((str(d), str(d)))
-        try:
-            with open("/proc/self/mountinfo") as f:
-                mounts = [_unescape(line.split()[4]) for line in f]
-        except OSError:
-            return
-        targets = set()
-        for via, real in roots:
-            prefix = real.rstrip("/") + "/"
-            targets.update(via + m[len(real.rstrip("/")) :] for m in mounts if m.startswith(prefix))
-        if not targets:
-            return
-        for target in sorted(targets, key=len):
-            libc.umount2(os.fsencode(target), mnt_detach)  # EINVAL: gone with its parent already
-
-
-def _kill_restore(
-    pgid: int | None,
-    cgroups_path: str,
-    dirs: list[Path],
-    held: dict[Path, int] | None = None,
-    delete: list[str] | None = None,
-) -> None:
-    if pgid is not None:
-        with contextlib.suppress(OSError):
-            os.killpg(pgid, signal.SIGKILL)
-    if cgroups_path:  # every process of the container's cgroup and the cgroups below it
-        kill_tasks(cgroups_path, None)
-    _detach_mounts_below(dirs, held or {})
-    state_dir = dirs[-1]
-    if delete and (state_dir / "state.json").exists():  # a restore that completed (tasks held stopped)
-        _delete_state(delete)
-    remove_cgroups(cgroups_path)
-    if state_dir.is_dir() and not (state_dir / "state.json").exists():
-        import shutil
-
-        shutil.rmtree(state_dir, ignore_errors=True)
-
-
-def remove_cgroups(cgroups_path: str, attempts: int = 20) -> None:
-    """After a failed or killed restore: remove the container's cgroup in every hierarchy, with
-    what the runtime made below it (crun restores on cgroup v1 through a `.proxy-crun` child it
-    leaves behind when the restore fails, and the container's cgroup then cannot be removed by
-    anyone). Only empty cgroups go (rmdir); a few retries let the killed tasks leave."""
-    import time
-
-    from shim.cgroups import resolve_cgroups_path
-
-    try:
-        rel = resolve_cgroups_path(cgroups_path).strip("/")
-        mounts = [line.split(" - ", 1) for line in open("/proc/self/mountinfo")]
-    except Exception:  # noqa: BLE001 - nothing to clean up we can name
-        return
-    tops = [Path(a.split()[4]) / rel for a, b in mounts if b.split()[0] in ("cgroup", "cgroup2")]
-    for _ in range(attempts):
-        left = False
-        for top in tops:
-            if not top.is_dir():
-                continue
-            for d, _dirs, _files in sorted(os.walk(top), key=lambda w: len(w[0]), reverse=True):
-                try:
-                    os.rmdir(d)
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    left = True
-        if not left:
-            return
-        time.sleep(0.05)
 
 
 def _keep_log(log_path: Path, state_dir: str, container_id: str) -> str:
