@@ -4,8 +4,15 @@
 
 A kubelet v1.37 (testbed/kubelet.py: standalone, static pods) gets N static pods at once, each a
 pause sandbox plus one small busybox container (``sleep``), an exec liveness and readiness probe
-every 10 s on the given fraction of them. The same batch runs with the kubelet pointed at podshim
-and, alternating (the order swaps each round), straight at containerd, each in a fresh bed.
+every 10 s on the given fraction of them. The same batch runs, each in a fresh bed, the order
+rotating each round, with the kubelet pointed at
+
+* ``podshim``: podshim as on a node, podshim-front serving its socket (docs/architecture.md §3
+  (The proxy)); its CPU and RSS are the daemon's and the front's together;
+* ``direct``: containerd;
+* ``python`` (``--modes``): podshim with ``[server] front = false``, the daemon serving the socket;
+* ``gofloor`` (``--modes``): podshim-front alone, every call forwarded to containerd, no daemon:
+  the floor of a proxy on this gRPC stack.
 
 Measured per run:
 
@@ -17,17 +24,20 @@ Measured per run:
   and the probes' mean latency (the kubelet's ``prober_probe_duration_seconds``, sum / count over
   the window; it includes the exec through the runtime).
 
-Ends with ``RESULT podshim_cpu_vs_containerd=… podshim_rss_mib=… pod_start_ratio=…``: podshim's
-CPU over containerd's in the podshim runs (medians over rounds), podshim's largest RSS, and the
-pod start p50 through podshim over the p50 straight at containerd.
-Targets: ≤ 0.10, ≤ 100 MiB, ≤ 1.05. On a quiet machine: ``make bench-kubelet`` (N=100, 2 rounds).
+Ends with ``RESULT podshim_cpu_vs_containerd=… podshim_rss_mib=… pod_start_ratio=…`` and, for each
+further mode run, ``<mode>_cpu_vs_containerd=…``: podshim's CPU over containerd's in the podshim
+runs (medians over rounds), podshim's largest RSS, and the pod start p50 through podshim over the
+p50 straight at containerd. Targets: ≤ 0.10, ≤ 100 MiB, ≤ 1.05. On a quiet machine:
+``make bench-kubelet`` (N=100, 2 rounds).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,10 +47,11 @@ import psutil
 
 from api.runtime.v1 import api_pb2 as cri
 from bench.common import machine_summary, median, percentile, ratio, result_line, say, table
-from testbed.bed import BUSYBOX_IMAGE
-from testbed.kubelet import KubeletBed, pod_manifest
+from testbed.bed import BUSYBOX_IMAGE, VENV_BIN
+from testbed.kubelet import Kubelet, KubeletBed, pod_manifest
 
 MIB = 1 << 20
+MODES = ("podshim", "direct", "python", "gofloor")
 PROBE_RE = re.compile(r"^prober_probe_duration_seconds_(sum|count)\{([^}]*)\} ([0-9.e+-]+)$", re.M)
 
 
@@ -72,9 +83,49 @@ def manifests(n: int, probed: float, period: int) -> list[dict[str, Any]]:
     return out
 
 
-def cpu_seconds(p: psutil.Process) -> float:
-    t = p.cpu_times()
-    return float(t.user + t.system)
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def rss_mib(procs: list[psutil.Process]) -> float:
+    return sum(p.memory_info().rss for p in procs) / MIB
+
+
+def podshim_processes(pid: int) -> list[psutil.Process]:
+    """podshim's daemon and its podshim-front."""
+    daemon = psutil.Process(pid)
+    return [daemon, *(c for c in daemon.children() if c.name() == "podshim-front")]
+
+
+def start_gofloor(
+    kb: KubeletBed, config: dict[str, Any], stack: contextlib.ExitStack
+) -> subprocess.Popen[bytes]:
+    """The bed without podshim, podshim-front alone in front of containerd, the kubelet on it;
+    each stopped by ``stack``."""
+    kb.bed.start_podshim = False
+    stack.callback(kb.stop)
+    kb.bed.start()
+    sock = kb.bed.base_dir / "go-floor.sock"
+    front = subprocess.Popen(
+        [
+            str(VENV_BIN / "podshim-front"),
+            f"--listen={sock}",
+            f"--upstream=unix://{kb.bed.containerd_socket}",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    stack.callback(front.wait, 10)
+    stack.callback(front.terminate)
+    assert front.stdout is not None
+    if front.stdout.readline().strip() != b"ready":
+        raise RuntimeError("podshim-front did not start")
+    kb.kubelet = Kubelet(kb.bed, endpoint=sock, config=config)
+    kb.kubelet.start()
+    return front
 
 
 def shims(containerd_pid: int) -> list[psutil.Process]:
@@ -108,7 +159,14 @@ def one_run(mode: str, specs: list[dict[str, Any]], window: float, timeout: floa
     say(f"{mode}: a fresh bed and kubelet")
     # the kubelet's defaults but for the pod count (the test bed's kubelet syncs every 10 s)
     config = {"maxPods": len(specs) + 20, "syncFrequency": "1m"}
-    with KubeletBed(via_podshim=mode == "podshim", config=config) as kb:
+    kb = KubeletBed(via_podshim=mode in ("podshim", "python"), config=config)
+    if mode == "python":
+        kb.bed.extra_env["PODSHIM_SERVER_FRONT"] = "false"
+    with contextlib.ExitStack() as stack:
+        if mode == "gofloor":
+            floor = start_gofloor(kb, config, stack)
+        else:
+            stack.enter_context(kb)
         direct = kb.bed.runtime_stub(kb.bed.containerd_socket)
         written: dict[str, float] = {}
         for spec in specs:
@@ -129,26 +187,33 @@ def one_run(mode: str, specs: list[dict[str, Any]], window: float, timeout: floa
         run.starts = [seen[p] - written[p] for p in written]
         say(f"{mode}: {len(specs)} pods running; p50 start {percentile(run.starts, 50):.2f} s; settling 15 s")
         time.sleep(15)
+        assert kb.bed.containerd_pid is not None and kb.kubelet.pid is not None
         procs = {
-            "podshim": psutil.Process(kb.bed.podshim_pid),
-            "containerd": psutil.Process(kb.bed.containerd_pid),
-            "kubelet": psutil.Process(kb.kubelet.pid),
+            "podshim": (
+                [psutil.Process(floor.pid)]
+                if mode == "gofloor"
+                else podshim_processes(kb.bed.podshim_pid or 0)
+            )
+            if mode != "direct"
+            else [],
+            "containerd": [psutil.Process(kb.bed.containerd_pid)],
+            "kubelet": [psutil.Process(kb.kubelet.pid)],
         }
         shim_procs = shims(str(kb.bed.containerd_socket))
         before = {k: cpu_seconds(p) for k, p in procs.items()}
-        shims_before = sum(cpu_seconds(p) for p in shim_procs)
+        shims_before = cpu_seconds(shim_procs)
         probes_before = probe_totals(kb)
         t0 = time.monotonic()
         peak = {k: 0.0 for k in procs}
         while time.monotonic() - t0 < window:
             for k, p in procs.items():
-                peak[k] = max(peak[k], p.memory_info().rss / MIB)
+                peak[k] = max(peak[k], rss_mib(p))
             time.sleep(1)
         elapsed = time.monotonic() - t0
         for k, p in procs.items():
             run.cpu_per_min[k] = (cpu_seconds(p) - before[k]) * 60 / elapsed
             run.rss_mib[k] = peak[k]
-        run.cpu_per_min["shims"] = (sum(cpu_seconds(p) for p in shim_procs) - shims_before) * 60 / elapsed
+        run.cpu_per_min["shims"] = (cpu_seconds(shim_procs) - shims_before) * 60 / elapsed
         probes_after = probe_totals(kb)
         run.probes = int(probes_after[1] - probes_before[1])
         if run.probes:
@@ -165,13 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--modes",
+        default="podshim,direct",
+        help="what the kubelet is pointed at, each round, rotating: podshim, direct, python, gofloor",
+    )
     args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not {"podshim", "direct"} <= set(modes) or not set(modes) <= set(MODES):
+        p.error(f"--modes: podshim and direct, and any of {', '.join(MODES[2:])}")
     print(machine_summary())
     specs = manifests(args.pods, args.probed, args.probe_period)
     runs: list[Run] = []
     for r in range(args.rounds):
-        order = ["podshim", "direct"] if r % 2 == 0 else ["direct", "podshim"]
-        for mode in order:
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
             runs.append(one_run(mode, specs, args.window, args.start_timeout))
 
     rows = []
@@ -181,11 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                 run.mode,
                 percentile(run.starts, 50),
                 percentile(run.starts, 99),
-                run.cpu_per_min["podshim"] if run.mode == "podshim" else math.nan,
+                run.cpu_per_min["podshim"] if run.mode != "direct" else math.nan,
                 run.cpu_per_min["containerd"],
                 run.cpu_per_min["shims"],
                 run.cpu_per_min["kubelet"],
-                run.rss_mib["podshim"] if run.mode == "podshim" else math.nan,
+                run.rss_mib["podshim"] if run.mode != "direct" else math.nan,
                 run.rss_mib["containerd"],
                 run.probe_ms,
                 run.probes,
@@ -199,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 "kubelet on",
                 "start p50 s",
                 "start p99 s",
-                "podshim cpu s/min",
+                "podshim (or floor) cpu s/min",
                 "containerd cpu s/min",
                 "shims cpu s/min",
                 "kubelet cpu s/min",
@@ -211,17 +283,23 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
     )
+
+    def cpu_ratio(mode: str) -> float:
+        return median(
+            [ratio(r.cpu_per_min["podshim"], r.cpu_per_min["containerd"]) for r in runs if r.mode == mode]
+        )
+
+    def start_p50(mode: str) -> float:
+        return median([percentile(r.starts, 50) for r in runs if r.mode == mode])
+
     ours = [r for r in runs if r.mode == "podshim"]
-    theirs = [r for r in runs if r.mode == "direct"]
-    cpu_ratio = median([ratio(r.cpu_per_min["podshim"], r.cpu_per_min["containerd"]) for r in ours])
-    start_ratio = ratio(
-        median([percentile(r.starts, 50) for r in ours]), median([percentile(r.starts, 50) for r in theirs])
-    )
+    others = {f"{m}_cpu_vs_containerd": cpu_ratio(m) for m in modes if m not in ("podshim", "direct")}
     print(
         result_line(
-            podshim_cpu_vs_containerd=cpu_ratio,
+            podshim_cpu_vs_containerd=cpu_ratio("podshim"),
             podshim_rss_mib=max((r.rss_mib["podshim"] for r in ours), default=math.nan),
-            pod_start_ratio=start_ratio,
+            pod_start_ratio=ratio(start_p50("podshim"), start_p50("direct")),
+            **others,
         )
     )
     return 0

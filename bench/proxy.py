@@ -9,17 +9,27 @@
   each client is its own process with its own channel (so the client GIL does not cap both
   sides alike), all released by one barrier; trials alternate the target order.
 
-A third target, ``floor``, is the smallest Python gRPC passthrough (bench/grpc_floor.py: bytes
-forwarded, nothing else), measured in the same rounds: what grpcio itself costs on this machine,
-so podshim's own overhead is the difference between podshim and floor.
+``podshim`` is podshim as it runs on a node: podshim-front (native/front/) serves the socket,
+ListPodSandbox and ContainerStatus go from it straight to containerd, Version through the
+daemon. Measured in the same rounds beside it:
 
-Ends with ``RESULT p50_added_ms=… p99_added_ms=… throughput_ratio_16=… floor_p50_added_ms=…
-floor_throughput_ratio_16=…``: the latency figures are the worst (largest) over the three methods.
+* ``python``: a second podshim with ``[server] front = false``, the daemon serving the socket
+  itself (every call through Python gRPC, as before the front);
+* ``gofloor``: podshim-front alone, forwarding every method to containerd (no daemon, no routing
+  to it): what the front's gRPC stack costs on this machine;
+* ``floor``: the smallest Python gRPC passthrough (bench/grpc_floor.py: bytes forwarded, nothing
+  else): what grpcio itself costs.
+
+Ends with ``RESULT p50_added_ms=… p99_added_ms=… throughput_ratio_16=… python_p50_added_ms=…
+python_throughput_ratio_16=… gofloor_p50_added_ms=… gofloor_throughput_ratio_16=…
+floor_p50_added_ms=… floor_throughput_ratio_16=…``: the latency figures are the worst (largest)
+over the three methods (Version, which podshim answers in the daemon, included).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -48,9 +58,11 @@ from bench.common import (
     worst,
 )
 from testbed._cri import target
+from testbed.bed import VENV_BIN
 
 SERVICE = "/runtime.v1.RuntimeService/"
-TARGETS = ("podshim", "direct", "floor")
+TARGETS = ("podshim", "direct", "python", "gofloor", "floor")
+FLOORS = ("python", "gofloor", "floor")  # measured beside podshim, each against direct
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -207,86 +219,96 @@ def main(argv: list[str] | None = None) -> int:
             pod_ids.append(pod.id)
             cid = cid or pod.containers["counter"]
         floor_socket = str(bed.base_dir / "grpc-floor.sock")
-        floor = subprocess.Popen(
+        gofloor_socket = str(bed.base_dir / "go-floor.sock")
+        floors = [
             [sys.executable, "-m", "bench.grpc_floor", floor_socket, str(bed.containerd_socket)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert floor.stdout is not None
-        floor.stdout.readline()  # "ready"
-        targets = {
-            "podshim": target(bed.podshim_socket),
-            "direct": target(bed.containerd_socket),
-            "floor": target(floor_socket),
-        }
-        requests = {
-            "ListPodSandbox": cri.ListPodSandboxRequest().SerializeToString(),
-            "ContainerStatus": cri.ContainerStatusRequest(container_id=cid).SerializeToString(),
-            "Version": cri.VersionRequest(version="v1").SerializeToString(),
-        }
-        lat = measure_latency(targets, requests, args)
-        rates: dict[int, dict[str, list[float]]] = {}
-        for c in levels:
-            say(f"throughput: ListPodSandbox, {c} client process(es), {args.trials} x {args.duration}s")
-            rates[c] = measure_throughput(targets, requests["ListPodSandbox"], c, args)
-        floor.terminate()
-        floor.wait(timeout=10)
+            [
+                str(VENV_BIN / "podshim-front"),
+                f"--listen={gofloor_socket}",
+                f"--upstream=unix://{bed.containerd_socket}",
+            ],
+        ]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for cmd in floors]
+        python_dir = bed.base_dir / "python-podshim"
+        python_dir.mkdir()
+        with contextlib.ExitStack() as stack:
+            for proc in procs:
+                stack.callback(proc.wait, 10)
+                stack.callback(proc.terminate)
+                assert proc.stdout is not None
+                said = proc.stdout.readline().strip()
+                if said != "ready":
+                    raise RuntimeError(f"{proc.args[0]}: {said or 'exited'}")
+            python_socket, _log = stack.enter_context(bed.extra_podshim(python_dir, server={"front": False}))
+            targets = {
+                "podshim": target(bed.podshim_socket),
+                "direct": target(bed.containerd_socket),
+                "python": target(python_socket),
+                "gofloor": target(gofloor_socket),
+                "floor": target(floor_socket),
+            }
+            requests = {
+                "ListPodSandbox": cri.ListPodSandboxRequest().SerializeToString(),
+                "ContainerStatus": cri.ContainerStatusRequest(container_id=cid).SerializeToString(),
+                "Version": cri.VersionRequest(version="v1").SerializeToString(),
+            }
+            lat = measure_latency(targets, requests, args)
+            rates: dict[int, dict[str, list[float]]] = {}
+            for c in levels:
+                say(f"throughput: ListPodSandbox, {c} client process(es), {args.trials} x {args.duration}s")
+                rates[c] = measure_throughput(targets, requests["ListPodSandbox"], c, args)
         for pid in pod_ids:
             remove_pod(rt, pid)
 
     rows = []
     p50_added: list[float] = []
     p99_added: list[float] = []
-    floor_added: list[float] = []
+    floor_added: dict[str, list[float]] = {f: [] for f in FLOORS}
     for m in requests:
-        d, s, f = lat[(m, "direct")], lat[(m, "podshim")], lat[(m, "floor")]
+        d, s = lat[(m, "direct")], lat[(m, "podshim")]
         d50, d99 = percentile(d, 50) * 1e3, percentile(d, 99) * 1e3
         s50, s99 = percentile(s, 50) * 1e3, percentile(s, 99) * 1e3
-        f50 = percentile(f, 50) * 1e3
         p50_added.append(s50 - d50)
         p99_added.append(s99 - d99)
-        floor_added.append(f50 - d50)
-        rows.append([m, len(s), d50, s50, s50 - d50, d99, s99, s99 - d99, f50, f50 - d50])
+        row = [m, len(s), d50, s50, s50 - d50, d99, s99, s99 - d99]
+        for f in FLOORS:
+            f50 = percentile(lat[(m, f)], 50) * 1e3
+            floor_added[f].append(f50 - d50)
+            row.append(f50 - d50)
+        rows.append(row)
     print()
     print(f"Latency per call, ms ({args.rounds} interleaved rounds x {args.block} calls, after warm-up)")
-    print(
-        table(
-            [
-                "method",
-                "n",
-                "direct p50",
-                "shim p50",
-                "added p50",
-                "direct p99",
-                "shim p99",
-                "added p99",
-                "floor p50",
-                "floor added p50",
-            ],
-            rows,
-        )
-    )
+    heads = ["method", "n", "direct p50", "shim p50", "added p50", "direct p99", "shim p99", "added p99"]
+    print(table(heads + [f"{f} added p50" for f in FLOORS], rows))
     rows = []
-    ratios: dict[int, float] = {}
-    floor_ratios: dict[int, float] = {}
+    ratios: dict[str, dict[int, float]] = {name: {} for name in ("podshim", *FLOORS)}
     for c in levels:
-        d, s, f = (median(rates[c][name]) for name in ("direct", "podshim", "floor"))
-        ratios[c] = ratio(s, d)
-        floor_ratios[c] = ratio(f, d)
-        rows.append([f"ListPodSandbox x{c}", d, s, ratios[c], f, floor_ratios[c]])
+        d = median(rates[c]["direct"])
+        row = [f"ListPodSandbox x{c}", d]
+        for name in ratios:
+            ratios[name][c] = ratio(median(rates[c][name]), d)
+            row += [median(rates[c][name]), ratios[name][c]]
+        rows.append(row)
     print()
     print(f"Throughput, calls/s (median of {args.trials} trials of {args.duration}s; client processes)")
-    print(table(["workload", "direct", "podshim", "podshim/direct", "floor", "floor/direct"], rows))
-    print("floor: the smallest Python gRPC passthrough (bench/grpc_floor.py) on the same machine, same run")
+    heads = ["workload", "direct"] + [h for name in ratios for h in (name, f"{name}/direct")]
+    print(table(heads, rows))
+    print(
+        "python: podshim with [server] front = false; gofloor: podshim-front alone, every method to "
+        "containerd; floor: the smallest Python gRPC passthrough (bench/grpc_floor.py); same run"
+    )
     print()
     print("targets (issue 2): p50 added <= 0.3 ms, p99 added <= 2 ms, throughput >= 0.70 of direct at 16")
+    beside: dict[str, float] = {}
+    for f in FLOORS:
+        beside[f"{f}_p50_added_ms"] = worst(floor_added[f])
+        beside[f"{f}_throughput_ratio_16"] = ratios[f].get(16, float("nan"))
     print(
         result_line(
             p50_added_ms=worst(p50_added),
             p99_added_ms=worst(p99_added),
-            throughput_ratio_16=ratios.get(16, float("nan")),
-            floor_p50_added_ms=worst(floor_added),
-            floor_throughput_ratio_16=floor_ratios.get(16, float("nan")),
+            throughput_ratio_16=ratios["podshim"].get(16, float("nan")),
+            **beside,
         ),
         flush=True,
     )

@@ -12,6 +12,8 @@
 #   /opt/podshim/lib/python3.13/site-packages         binary wheels of each Python (pip --python-version);
 #                                                     bytecode is compiled by postinst for the one present
 #   /opt/podshim/bin/podshim-runc                     the compiled wrapper (static)
+#   /opt/podshim/bin/podshim-front                    the server of podshim's socket (Go, static), found
+#                                                     beside the interpreter by `podshim serve`
 #   /opt/podshim/sbin/criu                            CRIU 4.2 with podshim's patches (never /usr/sbin/criu)
 #   /opt/podshim/share/podshim/                       examples (containerd drop-in, kubelet flags), CRIU's
 #                                                     patches (GPL: with Debian's criu source they are its source)
@@ -29,6 +31,7 @@ OUT=$(realpath -m "${1:-$REPO/dist}")
 PYTHONS=(3.11 3.13)  # Debian 12, Debian 13
 CRIU_DIR=/var/cache/podshim/criu/4.2
 WRAPPER=$REPO/native/build/podshim-runc
+FRONT=$REPO/native/build/podshim-front
 DEV_PY=$REPO/.venv/bin/python  # has pip, setuptools and grpc_tools (pycriu's *_pb2)
 VERSION=$("$DEV_PY" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
 ARCH=$(dpkg --print-architecture)
@@ -38,6 +41,7 @@ die() { printf 'build-deb: %s\n' "$*" >&2; exit 1; }
 info() { printf '    %s\n' "$*"; }
 cd "$REPO"
 [ -x "$WRAPPER" ] || die "$WRAPPER missing: run make setup"
+[ -x "$FRONT" ] || die "$FRONT missing: run make setup"
 [ -x "$CRIU_DIR/sbin/criu" ] && [ -f "$CRIU_DIR/share/pycriu-src/VERSION" ] ||
   die "CRIU 4.2 is not built in $CRIU_DIR: run make setup"
 
@@ -77,6 +81,7 @@ entry() {  # NAME MODULE FUNCTION: a console script as pip writes it
 entry podshim shim.cli main
 entry podshim-runc-hook shim.wrapper.main main
 install -m 0755 "$WRAPPER" "$OPT/bin/podshim-runc"
+install -m 0755 "$FRONT" "$OPT/bin/podshim-front"
 install -m 0755 "$CRIU_DIR/sbin/criu" "$OPT/sbin/criu"
 cp "$CRIU_DIR/share/podshim/criu-patches.list" "$OPT/share/podshim/criu-patches/series"
 while IFS= read -r p; do

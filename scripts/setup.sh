@@ -23,13 +23,15 @@
 #   3b. containerd 1.7 (trixie) and 2.1 (sid) binary packages unpacked (not installed) into
 #      /var/cache/podshim/containerd/<minor>/bin for the test bed (PODSHIM_TEST_CONTAINERD).
 #   3c. the Go programs the tests drive, built from pinned Go modules (tools/go/, scripts/gotools.sh)
-#      into /var/cache/podshim/go/bin: kubelet, crictl, critest, containerd 2.2 and 2.4 (with ctr), runc 1.3.
+#      into /var/cache/podshim/go/bin: kubelet, crictl, critest, containerd 2.2 and 2.4 (with ctr), runc 1.3;
+#      and the modules of podshim-front (native/front/) fetched into the same module cache.
 #   3d. pristine Debian roots (debootstrap, bookworm; PODSHIM_DEBROOTS="bookworm trixie" adds 13)
 #      in /var/cache/podshim/debroot/<release> for the package's install test.
 #   4. Python: .venv, `pip install -e '.[dev]'` when pyproject.toml changed, and pycriu
 #      (from CRIU's source, *_pb2 regenerated with the venv's grpc_tools) into the venv;
 #      the compiled runtime wrapper native/podshim-runc.c as .venv/bin/podshim-runc (its
-#      Python hook is the console script .venv/bin/podshim-runc-hook).
+#      Python hook is the console script .venv/bin/podshim-runc-hook), and podshim-front (the
+#      compiled server of podshim's socket, Go: native/front/) as .venv/bin/podshim-front.
 #
 # Environment:
 #   PODSHIM_BUILD_DIR   where sources are fetched and built (default /var/cache/podshim/build)
@@ -540,24 +542,37 @@ step_crun() {
 # place, so the name works at every moment for a containerd that is using it.
 # ---------------------------------------------------------------------------------------
 WRAPPER_BUILT=$REPO_ROOT/native/build/podshim-runc
+FRONT_BUILT=$REPO_ROOT/native/build/podshim-front
 
 build_wrapper() {
-  step "podshim-runc: native/podshim-runc.c"
-  make -s -C "$REPO_ROOT/native" >/dev/null || die "building native/podshim-runc.c failed"
+  step "podshim-runc and podshim-front: native/podshim-runc.c, native/front/"
+  make -s -C "$REPO_ROOT/native" >/dev/null || die "building native/ (podshim-runc, podshim-front) failed"
   local out
   out=$(PODSHIM_CONFIG=/dev/null PODSHIM_RUNTIME_BINARY=/bin/echo "$WRAPPER_BUILT" --root /x state id 2>&1) || true
   [ "$out" = "--root /x state id" ] || die "$WRAPPER_BUILT does not exec the runtime: ${out:-no output}"
+  out=$("$FRONT_BUILT" 2>/dev/null) || true
+  [ "$out" = "error: --listen, --upstream and --daemon are required" ] || die "$FRONT_BUILT does not run: ${out:-no output}"
 }
 
-# install_wrapper: $VENV/bin/podshim-runc becomes the built wrapper (a rename; no-op if the same).
-install_wrapper() {
-  local dest=$VENV/bin/podshim-runc
-  if cmp -s "$WRAPPER_BUILT" "$dest"; then
-    info "$dest is the compiled wrapper, up to date"
+# install_built BUILT NAME WHAT: $VENV/bin/NAME becomes BUILT by a rename (a no-op if the same),
+# so a containerd or podshim running it finds a whole file at every moment.
+install_built() {
+  local built=$1 dest=$VENV/bin/$2
+  if cmp -s "$built" "$dest"; then
+    info "$dest is the built $2, up to date"
     return 0
   fi
-  install -m 0755 "$WRAPPER_BUILT" "$dest.new" && mv -f "$dest.new" "$dest"
-  info "installed $dest (compiled; hands restores to $VENV/bin/podshim-runc-hook)"
+  install -m 0755 "$built" "$dest.new" && mv -f "$dest.new" "$dest"
+  info "installed $dest ($3)"
+}
+
+# podshim-runc: the compiled wrapper; podshim-front: where `podshim serve` looks for it, beside
+# its interpreter.
+install_wrapper() {
+  install_built "$WRAPPER_BUILT" podshim-runc "compiled; hands restores to $VENV/bin/podshim-runc-hook"
+}
+install_front() {
+  install_built "$FRONT_BUILT" podshim-front "the compiled server of podshim's socket"
 }
 
 # A venv from before the compiled wrapper has podshim-runc as pip's console script. The wrapper
@@ -605,6 +620,7 @@ step_python() {
   fi
   [ -x "$VENV/bin/podshim-runc-hook" ] || die "pip did not install $VENV/bin/podshim-runc-hook"
   install_wrapper
+  install_front
 
   step "pycriu in the venv"
   [ -f "$PYCRIU_SRC_DIR/VERSION" ] || die "no pycriu sources in $PYCRIU_SRC_DIR (CRIU step not done?)"
@@ -814,6 +830,20 @@ step_cgroups() {
 step_gotools() {
   step "Go programs for the tests (tools/go/) in ${PODSHIM_GO_CACHE:-/var/cache/podshim/go}"
   bash "$REPO_ROOT/scripts/gotools.sh"
+  step_front_modules
+}
+
+# The modules podshim-front needs (native/front/go.sum pins each), fetched into the same module
+# cache here, as root; step 4 builds it from that cache alone (native/Makefile: GOPROXY=off).
+step_front_modules() {
+  local cache=${PODSHIM_GO_CACHE:-/var/cache/podshim/go} src=$REPO_ROOT/native/front key
+  key=$(cat "$src/go.mod" "$src/go.sum" | sha256sum | cut -c1-16)
+  local stamp=$cache/mod/.podshim-front.$key
+  [ -f "$stamp" ] && return 0
+  step "podshim-front's Go modules (native/front/go.sum) into $cache/mod"
+  (cd "$src" && GOMODCACHE=$cache/mod GOCACHE=$cache/build GOPATH=$cache/path GOTOOLCHAIN=local \
+    GOFLAGS=-mod=readonly go mod download) || die "fetching native/front's Go modules failed"
+  touch "$stamp"
 }
 
 # ---------------------------------------------------------------------------------------

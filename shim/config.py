@@ -42,6 +42,13 @@ class Config:
     # containerd://<id> and node agents keyed on it keep working; podshim is in runtime_version)
     # or "podshim" (runtime_name podshim, runtime_version <podshim>+<upstream>-<version>)
     runtime_name: str = "upstream"
+    # podshim-front, the compiled program that serves `socket` (docs/architecture.md §3 (The
+    # proxy)): every call podshim does not own goes from it straight to the upstream, the rest to
+    # this daemon over <state_dir>/daemon.sock. false: the daemon serves `socket` itself (pure
+    # Python: slower, for debugging and comparison). front_binary "": podshim-front beside the
+    # interpreter podshim runs on (the venv's or the package's bin/).
+    front: bool = True
+    front_binary: str = ""
     upstream_endpoint: str = "unix:///run/containerd/containerd.sock"
     # Timeout for upstream calls made by podshim itself when the caller set no deadline.
     upstream_timeout: float = 120.0
@@ -119,6 +126,8 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
         "state_dir": ("state_dir", str),
         "metrics_address": ("metrics_address", str),
         "runtime_name": ("runtime_name", str),
+        "front": ("front", bool),
+        "front_binary": ("front_binary", str),
     },
     "upstream": {
         "endpoint": ("upstream_endpoint", str),
@@ -261,6 +270,8 @@ def _validate(cfg: Config) -> Config:
         )
     if not cfg.socket.startswith("/"):
         raise ConfigError(f"server.socket: must be an absolute path, got {cfg.socket!r}")
+    if cfg.front_binary and not cfg.front_binary.startswith("/"):
+        raise ConfigError(f"server.front_binary: must be an absolute path, got {cfg.front_binary!r}")
     if not cfg.upstream_endpoint.startswith(("unix://", "unix:")):
         raise ConfigError(
             f"upstream.endpoint: must be a unix socket URL (unix:///path), got {cfg.upstream_endpoint!r}"

@@ -79,6 +79,16 @@ STOP_GRACE = 15.0
 STOP_CLEANUP = DUMP_FINISH_WAIT + 10.0
 PASSTHROUGH_STOP_GRACE = 1.0  # passed-through calls and streams are cancelled within this
 
+# ---------------------------------------------------------------------- podshim-front (§3)
+FRONT_READY_TIMEOUT = 10.0  # for the front to say it listens
+FRONT_EXIT_MARGIN = 2.0  # after its grace, the front is killed if it has not exited
+# a front that died is started again after FRONT_RESTART_FIRST, doubling up to FRONT_RESTART_MAX
+# while it keeps dying; one that ran FRONT_STEADY is started again after FRONT_RESTART_FIRST
+FRONT_RESTART_FIRST = 0.2
+FRONT_RESTART_MAX = 10.0
+FRONT_STEADY = 60.0
+FRONT_METRICS_TIMEOUT = 2.0  # reading the front's metrics at a scrape of podshim's /metrics
+
 # ---------------------------------------------------------------------- the upstream
 WIRING_CACHE_SECONDS = 5.0  # one verbose Status answers the wiring check of every handler this long
 WIRING_RETRY_SECONDS = 2.0  # the upstream is not up yet at start-up: ask again this often

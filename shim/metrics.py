@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from collections.abc import Callable, Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from shim import __version__
 
@@ -10,15 +17,71 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 _OP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _SIZE_BUCKETS = tuple(float(2**i) for i in range(20, 38, 2))  # 1 MiB .. 64 GiB
 
+# The calls the daemon passes to the upstream itself; podshim-front's are added at each scrape
+# (ProxyCalls below), so these two are not registered on their own.
 proxy_requests = Counter(
-    "podshim_proxy_requests_total", "CRI calls passed to the upstream runtime", ["method", "code"]
+    "podshim_proxy_requests_total",
+    "CRI calls passed to the upstream runtime",
+    ["method", "code"],
+    registry=None,
 )
 proxy_latency = Histogram(
     "podshim_proxy_request_duration_seconds",
     "Latency of CRI calls passed to the upstream runtime",
     ["method"],
     buckets=_LATENCY_BUCKETS,
+    registry=None,
 )
+
+
+class ProxyCalls(Collector):
+    """podshim_proxy_*: the daemon's own samples plus podshim-front's (native/front/metrics.go:
+    the same names, labels and buckets), read from the front when /metrics is scraped and added
+    sample by sample (docs/architecture.md §3 (The proxy))."""
+
+    def __init__(self) -> None:
+        self.front: Callable[[], str] | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        yield from proxy_requests.describe()
+        yield from proxy_latency.describe()
+
+    def collect(self) -> Iterator[Metric]:
+        theirs: dict[str, Metric] = {}
+        if self.front is not None:
+            for fam in text_string_to_metric_families(self.front()):
+                theirs[fam.name] = fam
+        for own in (*proxy_requests.collect(), *proxy_latency.collect()):
+            yield _added(own, theirs.get(own.name))
+
+
+def _added(own: Metric, theirs: Metric | None) -> Metric:
+    def key(s: Sample) -> tuple[str, frozenset[tuple[str, str]]]:
+        labels = dict(s.labels)
+        if "le" in labels:  # Go writes 1, Python 1.0
+            labels["le"] = floatToGoString(float(labels["le"]))
+        return s.name, frozenset(labels.items())
+
+    values = {key(s): s for s in own.samples}
+    for s in theirs.samples if theirs is not None else ():
+        k = key(s)
+        mine = values.get(k)
+        total = s.value + (mine.value if mine else 0.0)
+        values[k] = Sample(k[0], dict(k[1]), total, None, None)
+    out = Metric(own.name, own.documentation, own.type, own.unit)
+    out.samples = list(values.values())
+    return out
+
+
+proxy_calls = ProxyCalls()
+REGISTRY.register(proxy_calls)
+
+
+def read_front(source: Callable[[], str]) -> None:
+    """Add podshim-front's proxy samples (its exposition, read by `source`) to every scrape."""
+    proxy_calls.front = source
+
+
 operations = Counter(
     "podshim_operations_total",
     "Checkpoint/restore operations by kind and result (gRPC code name)",

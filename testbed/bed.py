@@ -1185,6 +1185,7 @@ _BED_PROGRAMS = {
     "podshim",
     "podshim-runc",
     "podshim-runc-hook",  # the Python restore hook podshim-runc execs (a restore, its watchdog)
+    "podshim-front",  # the server of podshim's socket, a child of podshim
     "runc-wrapper",
     "kubelet",  # testbed/kubelet.py
 }

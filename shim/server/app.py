@@ -15,6 +15,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import cni, logs, metrics
 from shim.config import Config
 from shim.deadlines import PASSTHROUGH_STOP_GRACE, STOP_CLEANUP, STOP_GRACE
+from shim.server.front import Front, FrontError, private_socket
 from shim.server.proxy import CriHandler, Passthrough
 from shim.server.runtime import Engine, RuntimeHandlers
 from shim.upstream import Upstream
@@ -31,6 +32,16 @@ def streaming_methods() -> frozenset[str]:
             if m.server_streaming:
                 names.add(f"/{service.full_name}/{m.name}")
     return frozenset(names)
+
+
+def unary_methods() -> frozenset[str]:
+    """CRI methods with one message each way (the front pumps any other, whatever its shape)."""
+    return frozenset(
+        f"/{service.full_name}/{m.name}"
+        for service in cri.DESCRIPTOR.services_by_name.values()
+        for m in service.methods
+        if not (m.server_streaming or m.client_streaming)
+    )
 
 
 def _prepare_socket(path: str) -> None:
@@ -72,25 +83,46 @@ class Server:
         self.upstream = upstream or Upstream(config.upstream_endpoint, config.upstream_timeout)
         passthrough = Passthrough(self.upstream)
         self.handlers = RuntimeHandlers(passthrough, engine, config.runtime_name)
+        own = self.handlers.handlers()
         self.grpc = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE),
                 ("grpc.max_send_message_length", MAX_MESSAGE),
             ]
         )
-        self.grpc.add_generic_rpc_handlers(
-            [CriHandler(passthrough, self.handlers.handlers(), streaming_methods())]
-        )
+        self.grpc.add_generic_rpc_handlers([CriHandler(passthrough, own, streaming_methods())])
+        # With the front (docs/architecture.md §3 (The proxy)) the daemon listens on a private
+        # socket and the front serves server.socket; without it, the daemon serves server.socket.
+        self.front: Front | None = None
+        self.listen, self.listen_key = config.socket, "server.socket"
+        if config.front:
+            try:
+                self.listen, self.listen_key = private_socket(config, "daemon.sock"), "server.state_dir"
+            except FrontError as e:
+                raise StartupError(str(e)) from None
+            self.front = Front(config, self.listen, own, unary_methods())
+            metrics.read_front(self.front.metrics_text)
 
     async def start(self) -> None:
         try:
-            _prepare_socket(self.config.socket)
-            self.grpc.add_insecure_port(f"unix://{self.config.socket}")
+            _prepare_socket(self.listen)
+            self.grpc.add_insecure_port(f"unix://{self.listen}")
         except (OSError, RuntimeError) as e:
-            raise StartupError(f"server.socket {self.config.socket}: cannot listen: {e}") from None
+            raise StartupError(f"{self.listen_key} {self.listen}: cannot listen: {e}") from None
         await self.grpc.start()
-        os.chmod(self.config.socket, 0o660)
-        log.info("serving", socket=self.config.socket, upstream=self.config.upstream_endpoint)
+        os.chmod(self.listen, 0o600 if self.front else 0o660)
+        if self.front is not None:
+            try:
+                await self.front.start()
+            except (FrontError, OSError) as e:
+                await self.grpc.stop(None)
+                raise StartupError(str(e)) from None
+        log.info(
+            "serving",
+            socket=self.config.socket,
+            upstream=self.config.upstream_endpoint,
+            front=self.front.pid if self.front else None,
+        )
 
     async def stop(self, grace: float = 5.0, engine: Engine | None = None, cleanup: float = 0.0) -> None:
         """Graceful stop: podshim's operations in flight get `grace` seconds to finish (new ones
@@ -100,14 +132,17 @@ class Server:
         if engine is not None:
             await engine.drain(grace)
             grace = min(grace, PASSTHROUGH_STOP_GRACE)
+        if self.front is not None:  # first: the calls it has in flight to the daemon end meanwhile
+            await self.front.stop()
         await self.grpc.stop(grace)
         if engine is not None:
             await engine.stop(cleanup)
         await self.upstream.close()
-        try:
-            os.unlink(self.config.socket)
-        except FileNotFoundError:
-            pass
+        for path in {self.listen, self.config.socket}:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engine]) -> None:

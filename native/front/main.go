@@ -1,0 +1,253 @@
+// podshim-front: podshim's public CRI socket, compiled (docs/architecture.md §3 (The proxy)).
+//
+// `podshim serve` starts it and it lives as long as that daemon does. Every CRI call podshim does
+// not own goes to the upstream runtime byte for byte (the request and response never decoded;
+// metadata, deadline and cancellation carried over; the upstream's status, headers and trailers
+// back unchanged); the methods podshim owns (--own, the daemon's routing table) go to the daemon
+// over its private socket, the same way. The daemon passes everything on the command line:
+//
+//	podshim-front --listen SOCK --upstream unix:///… [--daemon DAEMON_SOCK] --parent PID
+//	    --own METHOD,… --unary METHOD,… [--metrics-socket SOCK] [--grace 1]
+//	    [--log-format json|console] [--log-level info]
+//
+// It prints one line on stdout: "ready" once it listens, or "error: …" before it exits 1. It stops
+// on SIGTERM, which the daemon sends at its graceful stop and the kernel sends when the daemon
+// dies (PR_SET_PDEATHSIG): no new calls, those in flight get --grace seconds, then it removes its
+// socket (if the path is still the one it bound) and exits. SIGINT is ignored: a terminal's ^C
+// reaches the daemon too, which still passes calls through while it drains.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"runtime"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+const maxMessage = 16 << 20 // the kubelet's own CRI limit, as the daemon's
+
+// A fixed flow-control window of a whole message: with one, gRPC does not estimate the link's
+// bandwidth, which costs a PING and its ACK with every message received on each connection (and
+// so a wake-up of the front and of the upstream per call).
+const window = maxMessage
+
+func init() {
+	// main runs on the process's first thread: the parent-death signal below is set on it, and
+	// that thread never ends before the process does
+	runtime.LockOSThread()
+}
+
+type options struct {
+	listen, upstream, daemon, metricsSocket string
+	own, unary                              string
+	parent                                  int
+	grace                                   time.Duration
+	logFormat, logLevel                     string
+}
+
+func parseFlags() options {
+	var o options
+	flag.StringVar(&o.listen, "listen", "", "the public CRI socket path")
+	flag.StringVar(&o.upstream, "upstream", "", "the upstream CRI endpoint (unix:///…)")
+	flag.StringVar(&o.daemon, "daemon", "", "the daemon's private socket path")
+	flag.StringVar(&o.metricsSocket, "metrics-socket", "", "serve GET /metrics on this unix socket")
+	flag.StringVar(&o.own, "own", "", "full method names the daemon answers, comma-separated")
+	flag.StringVar(&o.unary, "unary", "", "full method names known to be unary, comma-separated")
+	flag.IntVar(&o.parent, "parent", 0, "the daemon's pid: the front exits if it is not its parent")
+	flag.DurationVar(&o.grace, "grace", time.Second, "calls in flight at a stop get this long")
+	flag.StringVar(&o.logFormat, "log-format", "json", "json or console")
+	flag.StringVar(&o.logLevel, "log-level", "info", "debug, info, warning or error")
+	flag.Parse()
+	return o
+}
+
+func main() {
+	o := parseFlags()
+	log := newLogger(o.logFormat, o.logLevel)
+	if err := run(o, log); err != nil {
+		fmt.Printf("error: %s\n", err)
+		log.Error("podshim-front stopped", "error", err.Error())
+		os.Exit(1)
+	}
+}
+
+func run(o options, log *slog.Logger) error {
+	if o.listen == "" || o.upstream == "" || (o.daemon == "" && o.own != "") {
+		return fmt.Errorf("--listen, --upstream and --daemon are required")
+	}
+	if err := unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(syscall.SIGTERM), 0, 0, 0); err != nil {
+		return fmt.Errorf("prctl(PR_SET_PDEATHSIG): %w", err)
+	}
+	if o.parent != 0 && os.Getppid() != o.parent {
+		return fmt.Errorf("the daemon (pid %d) is gone", o.parent) // it died before the prctl
+	}
+	signal.Ignore(syscall.SIGINT)
+	stop := make(chan os.Signal, 1)
+	signal.Notify(stop, syscall.SIGTERM)
+
+	metrics := newProxyMetrics()
+	upstream, err := dial("upstream", o.upstream, true)
+	if err != nil {
+		return err
+	}
+	defer upstream.conn.Close()
+	var daemon *target // none: every method goes to the upstream (bench/proxy's floor)
+	if o.daemon != "" {
+		if daemon, err = dial("daemon", "unix://"+o.daemon, false); err != nil {
+			return err
+		}
+		defer daemon.conn.Close()
+	}
+	p := &proxy{upstream: upstream, daemon: daemon, own: set(o.own), unary: set(o.unary), metrics: metrics}
+
+	srv := grpc.NewServer(
+		grpc.ForceServerCodecV2(rawCodec{}),
+		grpc.UnknownServiceHandler(p.handle),
+		grpc.MaxRecvMsgSize(maxMessage),
+		grpc.MaxSendMsgSize(maxMessage),
+		grpc.InitialWindowSize(window),
+		grpc.InitialConnWindowSize(window),
+	)
+	sock, err := listenUnix(o.listen, 0o660)
+	if err != nil {
+		return fmt.Errorf("server.socket %s: cannot listen: %w", o.listen, err)
+	}
+	defer sock.remove(log)
+	if o.metricsSocket != "" {
+		ms, err := listenUnix(o.metricsSocket, 0o600)
+		if err != nil {
+			return fmt.Errorf("metrics socket %s: cannot listen: %w", o.metricsSocket, err)
+		}
+		defer ms.remove(log)
+		go metrics.serve(ms.l)
+	}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(sock.l) }()
+	fmt.Println("ready")
+	log.Info("front serving", "socket", o.listen, "upstream", o.upstream, "daemon", o.daemon,
+		"owned_methods", len(p.own))
+
+	select {
+	case sig := <-stop:
+		log.Info("front stopping", "signal", sig.String(), "grace", o.grace.Seconds())
+	case err := <-served:
+		return fmt.Errorf("serving %s: %w", o.listen, err)
+	}
+	graceful := make(chan struct{})
+	go func() { srv.GracefulStop(); close(graceful) }()
+	select {
+	case <-graceful:
+	case <-time.After(o.grace):
+		srv.Stop() // cancels the calls still in flight, streams included
+	}
+	log.Info("front stopped")
+	return nil
+}
+
+func set(list string) map[string]bool {
+	out := map[string]bool{}
+	for _, m := range strings.Split(list, ",") {
+		if m = strings.TrimSpace(m); m != "" {
+			out[m] = true
+		}
+	}
+	return out
+}
+
+// dial: one channel per target, reconnecting within about a second of it coming back (gRPC's
+// default backoff grows to 2 minutes), no retries, 16 MiB messages both ways.
+func dial(name, endpoint string, counted bool) (*target, error) {
+	conn, err := grpc.NewClient(endpoint,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(
+			grpc.ForceCodecV2(rawCodec{}),
+			grpc.MaxCallRecvMsgSize(maxMessage),
+			grpc.MaxCallSendMsgSize(maxMessage),
+		),
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
+			MinConnectTimeout: 5 * time.Second,
+		}),
+		grpc.WithDisableRetry(),
+		grpc.WithInitialWindowSize(window),
+		grpc.WithInitialConnWindowSize(window),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("%s endpoint %s: %w", name, endpoint, err)
+	}
+	conn.Connect()
+	return &target{name: name, endpoint: endpoint, conn: conn, counted: counted}, nil
+}
+
+// ownSocket is a listening unix socket and the file it bound, removed at the end only while it is
+// still that file: a podshim started after this one's daemon died may have bound the path anew.
+type ownSocket struct {
+	l    *net.UnixListener
+	path string
+	ino  uint64
+}
+
+func listenUnix(path string, mode os.FileMode) (*ownSocket, error) {
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return nil, err
+	}
+	l.SetUnlinkOnClose(false)
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		l.Close()
+		return nil, err
+	}
+	if err := os.Chmod(path, mode); err != nil {
+		l.Close()
+		return nil, err
+	}
+	return &ownSocket{l: l, path: path, ino: st.Ino}, nil
+}
+
+func (s *ownSocket) remove(log *slog.Logger) {
+	s.l.Close()
+	var st unix.Stat_t
+	if unix.Stat(s.path, &st) == nil && st.Ino == s.ino {
+		if err := os.Remove(s.path); err != nil {
+			log.Warn("cannot remove the socket", "socket", s.path, "error", err.Error())
+		}
+	}
+}
+
+// newLogger writes JSON lines shaped like the daemon's (structlog: event, level, timestamp) to
+// stderr, which the daemon's stderr is, or a console line.
+func newLogger(format, level string) *slog.Logger {
+	lvl := map[string]slog.Level{"debug": slog.LevelDebug, "info": slog.LevelInfo,
+		"warning": slog.LevelWarn, "error": slog.LevelError}[level]
+	opts := &slog.HandlerOptions{Level: lvl, ReplaceAttr: func(groups []string, a slog.Attr) slog.Attr {
+		if len(groups) > 0 {
+			return a
+		}
+		switch a.Key {
+		case slog.MessageKey:
+			a.Key = "event"
+		case slog.TimeKey:
+			a = slog.String("timestamp", a.Value.Time().UTC().Format("2006-01-02T15:04:05.000000Z"))
+		case slog.LevelKey:
+			a.Value = slog.StringValue(strings.ToLower(strings.Replace(a.Value.String(), "WARN", "warning", 1)))
+		}
+		return a
+	}}
+	var h slog.Handler = slog.NewJSONHandler(os.Stderr, opts)
+	if format == "console" {
+		h = slog.NewTextHandler(os.Stderr, opts)
+	}
+	return slog.New(h).With("logger", "podshim-front")
+}

@@ -1,0 +1,203 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"io"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+)
+
+// The CRI services; any other service is UNIMPLEMENTED, as the daemon's own server answers it.
+var criServices = []string{"/runtime.v1.RuntimeService/", "/runtime.v1.ImageService/"}
+
+// frame is one gRPC message, never decoded: the request bytes go on as they came.
+type frame struct{ data mem.BufferSlice }
+
+// rawCodec hands the message bytes through. Unmarshal keeps a reference to the received buffers
+// and Marshal gives that reference to the transport, which frees it once sent: no copy. Its name
+// is "proto" because the client side sends it as the content-subtype (application/grpc+proto).
+type rawCodec struct{}
+
+func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
+	f := v.(*frame)
+	data := f.data
+	f.data = nil
+	return data, nil
+}
+
+func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	data.Ref()
+	v.(*frame).data = data
+	return nil
+}
+
+func (rawCodec) Name() string { return "proto" }
+
+// target is one of the two places a call goes: the upstream runtime or podshim's daemon.
+type target struct {
+	name     string // "upstream" or "daemon", for the messages
+	endpoint string
+	conn     *grpc.ClientConn
+	counted  bool // its calls are podshim_proxy_* (the daemon counts the calls it passes on itself)
+}
+
+type proxy struct {
+	upstream *target
+	daemon   *target
+	own      map[string]bool // full method names podshim's daemon answers
+	unary    map[string]bool // CRI methods known to be unary (the rest: any shape, pumped)
+	metrics  *proxyMetrics
+}
+
+// handle serves every method: registered as the server's unknown-service handler, with no
+// service registered, so every call arrives here as a stream of raw frames.
+func (p *proxy) handle(_ any, ss grpc.ServerStream) error {
+	method, ok := grpc.MethodFromServerStream(ss)
+	if !ok || !isCRI(method) {
+		return status.Errorf(codes.Unimplemented, "unknown method %s", method)
+	}
+	t := p.upstream
+	if p.own[method] {
+		t = p.daemon
+	}
+	ctx := forwardedContext(ss.Context())
+	if p.unary[method] {
+		return p.unaryCall(ctx, t, method, ss)
+	}
+	return p.streamCall(ctx, t, method, ss)
+}
+
+func isCRI(method string) bool {
+	for _, s := range criServices {
+		if strings.HasPrefix(method, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// forwardedContext carries the caller's deadline and cancellation (the incoming context's) and
+// its metadata, less what belongs to the hop.
+func forwardedContext(in context.Context) context.Context {
+	md, _ := metadata.FromIncomingContext(in)
+	out := metadata.MD{}
+	for k, v := range md {
+		if strings.HasPrefix(k, ":") || strings.HasPrefix(k, "grpc-") || k == "user-agent" || k == "content-type" {
+			continue
+		}
+		out[k] = v
+	}
+	return metadata.NewOutgoingContext(in, out)
+}
+
+func (p *proxy) unaryCall(ctx context.Context, t *target, method string, ss grpc.ServerStream) error {
+	var req, resp frame
+	if err := ss.RecvMsg(&req); err != nil {
+		return err
+	}
+	start := time.Now()
+	var header, trailer metadata.MD
+	err := t.conn.Invoke(ctx, method, &req, &resp, grpc.Header(&header), grpc.Trailer(&trailer))
+	if t.counted {
+		p.metrics.observe(method, status.Code(err), time.Since(start))
+	}
+	if len(header) > 0 {
+		_ = ss.SetHeader(header)
+	}
+	if len(trailer) > 0 {
+		ss.SetTrailer(trailer)
+	}
+	if err != nil {
+		return t.callError(err)
+	}
+	return ss.SendMsg(&resp)
+}
+
+// streamCall pumps frames both ways until the target ends the call: server-streaming CRI methods
+// and any method podshim's proto does not know, whatever its shape. The caller going away
+// cancels the target's stream (the context).
+func (p *proxy) streamCall(ctx context.Context, t *target, method string, ss grpc.ServerStream) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	code := codes.OK
+	if t.counted {
+		defer func() { p.metrics.count(method, code) }()
+	}
+	desc := &grpc.StreamDesc{ServerStreams: true, ClientStreams: true}
+	cs, err := t.conn.NewStream(ctx, desc, method)
+	if err != nil {
+		code = status.Code(err)
+		return t.callError(err)
+	}
+	go func() { // the caller's messages, then its half-close
+		for {
+			var f frame
+			if err := ss.RecvMsg(&f); err != nil {
+				if errors.Is(err, io.EOF) {
+					_ = cs.CloseSend()
+				} else {
+					cancel()
+				}
+				return
+			}
+			if err := cs.SendMsg(&f); err != nil {
+				return // the target ended the call: RecvMsg below returns its status
+			}
+		}
+	}()
+	if header, err := cs.Header(); err == nil && len(header) > 0 {
+		_ = ss.SendHeader(header)
+	}
+	for {
+		var f frame
+		err := cs.RecvMsg(&f)
+		if err != nil {
+			ss.SetTrailer(cs.Trailer())
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			code = status.Code(err)
+			return t.callError(err)
+		}
+		if err := ss.SendMsg(&f); err != nil {
+			code = codes.Canceled
+			return err
+		}
+	}
+}
+
+// Words of a transport failure (the target is not there), as opposed to an UNAVAILABLE status
+// the target itself returned.
+var transportMarkers = []string{
+	"connection error", "error while dialing", "transport is closing", "error reading from server",
+	"connection refused", "no such file", "broken pipe", "connection reset", "socket closed",
+}
+
+// callError is the status the caller gets: the target's own, unchanged; a transport failure
+// names the target (docs/architecture.md §3 (The proxy)).
+func (t *target) callError(err error) error {
+	st := status.Convert(err)
+	if st.Code() != codes.Unavailable {
+		return st.Err()
+	}
+	text := strings.ToLower(st.Message())
+	for _, m := range transportMarkers {
+		if strings.Contains(text, m) {
+			if t.name == "daemon" {
+				return status.Errorf(codes.Unavailable,
+					"podshim: its daemon at %s is unavailable (%s); podshim is starting or stopping", t.endpoint, st.Message())
+			}
+			return status.Errorf(codes.Unavailable,
+				"podshim: upstream runtime at %s is unavailable (%s); check that it is running — podshim reconnects by itself when it is back",
+				t.endpoint, st.Message())
+		}
+	}
+	return st.Err()
+}

@@ -1,0 +1,360 @@
+"""podshim-front (native/front/), the compiled server of podshim's socket (docs/architecture.md §3
+(The proxy)).
+
+First the program alone, between two recording gRPC servers standing in for the upstream and the
+daemon, so that what reaches each is seen: a method the daemon owns reaches the daemon and never
+the upstream, every other CRI method the upstream and never the daemon; requests, metadata,
+deadlines, statuses, trailers and streams pass unchanged; a caller that goes away cancels the
+call behind it. Then with a real podshim and containerd: the front dies with the daemon and
+leaves no socket, a front that dies is started again, and `[server] front = false` serves as
+before. tests/test_proxy.py and tests/test_metrics.py run through the front too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from shim.server.app import unary_methods
+from testbed import _sys, pods
+from testbed.bed import TestBed
+
+REPO = Path(__file__).resolve().parents[1]
+FRONT = REPO / ".venv" / "bin" / "podshim-front"
+RUNTIME = "/runtime.v1.RuntimeService/"
+IMAGE = "/runtime.v1.ImageService/"
+OWN = (RUNTIME + "Version", RUNTIME + "CheckpointPod")
+
+
+@dataclass
+class Seen:
+    method: str
+    request: bytes
+    metadata: dict[str, str]
+    time_remaining: float | None
+
+
+@dataclass
+class Recorder(grpc.GenericRpcHandler):
+    """A gRPC server that records every call and answers: Version with its own name; a
+    ContainerStatus of "missing" with NOT_FOUND and a trailer; ExecSync after `hold` seconds
+    (or when the caller is gone); GetContainerEvents with three messages, then waits for the
+    caller to go; anything else with the request's bytes."""
+
+    name: str
+    calls: list[Seen] = field(default_factory=list)
+    gone: threading.Event = field(default_factory=threading.Event)  # a held call was cancelled
+    hold: float = 10.0
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        method = details.method
+        if method.endswith("/GetContainerEvents"):
+            return grpc.unary_stream_rpc_method_handler(lambda req, ctx: self.events(method, req, ctx))
+        return grpc.unary_unary_rpc_method_handler(lambda req, ctx: self.unary(method, req, ctx))
+
+    def _record(self, method: str, request: bytes, ctx: grpc.ServicerContext) -> None:
+        md = {m.key: m.value for m in ctx.invocation_metadata()}
+        self.calls.append(Seen(method, request, md, ctx.time_remaining()))
+
+    def unary(self, method: str, request: bytes, ctx: grpc.ServicerContext) -> bytes:
+        self._record(method, request, ctx)
+        if method.endswith("/Version"):
+            return cri.VersionResponse(runtime_name=self.name).SerializeToString()
+        if method.endswith("/ContainerStatus"):
+            if cri.ContainerStatusRequest.FromString(request).container_id == "missing":
+                ctx.set_trailing_metadata((("x-why", "no such container"),))
+                ctx.abort(grpc.StatusCode.NOT_FOUND, f"{self.name}: container missing not found")
+        if method.endswith("/ExecSync"):
+            ctx.add_callback(self.gone.set)
+            end = time.monotonic() + self.hold
+            while ctx.is_active() and time.monotonic() < end:
+                time.sleep(0.02)
+        return request
+
+    def events(self, method: str, request: bytes, ctx: grpc.ServicerContext) -> Iterator[bytes]:
+        self._record(method, request, ctx)
+        ctx.add_callback(self.gone.set)
+        for i in range(3):
+            yield cri.ContainerEventResponse(container_id=f"c{i}").SerializeToString()
+        while ctx.is_active():
+            time.sleep(0.02)
+
+    def methods(self) -> list[str]:
+        return [c.method for c in self.calls]
+
+
+def serve(recorder: Recorder, path: Path) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    server.add_generic_rpc_handlers((recorder,))
+    server.add_insecure_port(f"unix://{path}")
+    server.start()
+    return server
+
+
+@dataclass
+class Front:
+    proc: subprocess.Popen[bytes]
+    socket: Path
+    metrics_socket: Path
+    upstream: Recorder
+    daemon: Recorder
+
+    def call(self, method: str, request: bytes = b"", **kw: Any) -> bytes:
+        with grpc.insecure_channel(f"unix://{self.socket}") as ch:
+            return ch.unary_unary(method)(request, **kw)  # type: ignore[no-any-return]
+
+
+def start_front(tmp: Path, upstream: Path, daemon: Path) -> subprocess.Popen[bytes]:
+    assert FRONT.exists(), f"{FRONT} is missing: run make setup"
+    proc = subprocess.Popen(
+        [
+            str(FRONT),
+            f"--listen={tmp / 'front.sock'}",
+            f"--upstream=unix://{upstream}",
+            f"--daemon={daemon}",
+            f"--parent={os.getpid()}",
+            f"--own={','.join(OWN)}",
+            f"--unary={','.join(unary_methods())}",
+            f"--metrics-socket={tmp / 'metrics.sock'}",
+            "--grace=1s",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode().strip()
+    assert line == "ready", (
+        f"{line!r}; stderr: {proc.stderr.read().decode() if proc.poll() is not None else ''}"
+    )
+    return proc
+
+
+@pytest.fixture
+def front(tmp_path: Path) -> Iterator[Front]:
+    upstream, daemon = Recorder("upstream"), Recorder("daemon")
+    servers = [serve(upstream, tmp_path / "up.sock"), serve(daemon, tmp_path / "daemon.sock")]
+    proc = start_front(tmp_path, tmp_path / "up.sock", tmp_path / "daemon.sock")
+    try:
+        yield Front(proc, tmp_path / "front.sock", tmp_path / "metrics.sock", upstream, daemon)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        for s in servers:
+            s.stop(0)
+
+
+def test_owned_methods_reach_the_daemon_and_the_rest_never_does(front: Front) -> None:
+    version = cri.VersionResponse.FromString(
+        front.call(RUNTIME + "Version", cri.VersionRequest().SerializeToString())
+    )
+    assert version.runtime_name == "daemon"
+    request = cri.ListContainersRequest(filter=cri.ContainerFilter(id="abc")).SerializeToString()
+    passed = [
+        RUNTIME + "ListContainers",
+        RUNTIME + "ContainerStatus",
+        RUNTIME + "ExecSync",
+        IMAGE + "ListImages",
+    ]
+    for method in passed:
+        front.upstream.hold = 0
+        assert front.call(method, request, timeout=10) == request  # bytes through, unchanged both ways
+    assert front.daemon.methods() == [RUNTIME + "Version"]
+    assert front.upstream.methods() == passed
+    assert all(c.request == request for c in front.upstream.calls)
+    # a method newer than podshim's proto (not in --unary) is pumped, whatever its shape
+    assert front.call(RUNTIME + "SomethingNewer", b"\x0a\x01x", timeout=10) == b"\x0a\x01x"
+    assert front.upstream.methods()[-1] == RUNTIME + "SomethingNewer"
+    with pytest.raises(grpc.RpcError) as err:  # not a CRI service: neither gets it
+        front.call("/grpc.health.v1.Health/Check", timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert len(front.daemon.calls) == 1 and len(front.upstream.calls) == len(passed) + 1
+
+
+def test_metadata_and_deadline_reach_either_side(front: Front) -> None:
+    md = (("x-trace", "t-1"),)
+    front.call(RUNTIME + "Version", b"", metadata=md, timeout=7)
+    front.call(RUNTIME + "ListPodSandbox", b"", metadata=md, timeout=7)
+    for seen in (front.daemon.calls[-1], front.upstream.calls[-1]):
+        assert seen.metadata.get("x-trace") == "t-1"
+        # the hop re-encodes the time left (grpc-timeout: 8 digits, rounded up): a few ms over 7 s
+        assert seen.time_remaining is not None and 5 < seen.time_remaining <= 7.05
+    front.call(RUNTIME + "ListPodSandbox", b"")  # no deadline: none behind either
+    remaining = front.upstream.calls[-1].time_remaining
+    assert remaining is None or remaining > 1e9, remaining  # grpcio's sync server: "infinity"
+
+
+def test_status_message_and_trailers_come_back_unchanged(front: Front) -> None:
+    with grpc.insecure_channel(f"unix://{front.socket}") as ch:
+        call = ch.unary_unary(RUNTIME + "ContainerStatus")
+        with pytest.raises(grpc.RpcError) as err:
+            call(cri.ContainerStatusRequest(container_id="missing").SerializeToString(), timeout=10)
+    e: Any = err.value
+    assert e.code() == grpc.StatusCode.NOT_FOUND
+    assert e.details() == "upstream: container missing not found"
+    assert ("x-why", "no such container") in tuple(e.trailing_metadata())
+
+
+def test_a_deadline_ends_the_call_behind_it(front: Front) -> None:
+    front.upstream.hold = 30
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        front.call(RUNTIME + "ExecSync", b"", timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 3
+    assert front.upstream.gone.wait(5), "the upstream's call outlived the caller's deadline"
+
+
+def test_streams_pass_and_a_cancel_reaches_the_upstream(front: Front) -> None:
+    with grpc.insecure_channel(f"unix://{front.socket}") as ch:
+        stream = ch.unary_stream(RUNTIME + "GetContainerEvents")(cri.GetEventsRequest().SerializeToString())
+        got = [cri.ContainerEventResponse.FromString(next(stream)).container_id for _ in range(3)]
+        assert got == ["c0", "c1", "c2"]
+        assert not front.upstream.gone.is_set()
+        stream.cancel()
+        assert front.upstream.gone.wait(5), "the upstream stream outlived its caller"
+    assert front.daemon.calls == []
+
+
+def test_an_upstream_that_is_not_there_is_unavailable_naming_it(tmp_path: Path) -> None:
+    daemon = Recorder("daemon")
+    server = serve(daemon, tmp_path / "daemon.sock")
+    proc = start_front(tmp_path, tmp_path / "absent.sock", tmp_path / "daemon.sock")
+    try:
+        with grpc.insecure_channel(f"unix://{tmp_path / 'front.sock'}") as ch:
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                ch.unary_unary(RUNTIME + "ListContainers")(b"", timeout=10)
+            assert time.monotonic() - start < 5, "fails fast"
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        details = err.value.details() or ""
+        assert "upstream runtime at" in details and str(tmp_path / "absent.sock") in details, details
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        server.stop(0)
+
+
+def test_metrics_count_the_calls_passed_to_the_upstream(front: Front) -> None:
+    from shim.server.front import _UnixHTTPConnection
+
+    for _ in range(2):
+        front.call(RUNTIME + "ListContainers", b"", timeout=10)
+    with pytest.raises(grpc.RpcError):
+        front.call(
+            RUNTIME + "ContainerStatus",
+            cri.ContainerStatusRequest(container_id="missing").SerializeToString(),
+        )
+    front.call(RUNTIME + "Version", b"")  # the daemon's: it counts what it passes on itself
+    conn = _UnixHTTPConnection(str(front.metrics_socket), 5)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    assert 'podshim_proxy_requests_total{code="OK",method="ListContainers"} 2' in text
+    assert 'podshim_proxy_requests_total{code="NOT_FOUND",method="ContainerStatus"} 1' in text
+    assert 'podshim_proxy_request_duration_seconds_count{method="ListContainers"} 2' in text
+    assert 'method="Version"' not in text
+
+
+def test_sigterm_stops_it_and_removes_only_its_own_socket(tmp_path: Path) -> None:
+    servers = [serve(Recorder("u"), tmp_path / "up.sock"), serve(Recorder("d"), tmp_path / "daemon.sock")]
+    try:
+        proc = start_front(tmp_path, tmp_path / "up.sock", tmp_path / "daemon.sock")
+        proc.send_signal(signal.SIGINT)  # a terminal's ^C is the daemon's to act on
+        time.sleep(0.3)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(5) == 0
+        assert not (tmp_path / "front.sock").exists() and not (tmp_path / "metrics.sock").exists()
+        # the path bound anew by someone else (a podshim started after): left alone
+        proc = start_front(tmp_path, tmp_path / "up.sock", tmp_path / "daemon.sock")
+        (tmp_path / "front.sock").unlink()
+        (tmp_path / "front.sock").write_text("another's")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(5) == 0
+        assert (tmp_path / "front.sock").read_text() == "another's"
+    finally:
+        for s in servers:
+            s.stop(0)
+
+
+# ---------------------------------------------------------------------------- with podshim
+
+
+def _fronts_of(socket: Path) -> list[int]:
+    found = []
+    for pid in _sys.all_pids():
+        argv = _sys.read_cmdline(pid)
+        if argv and Path(argv[0]).name == "podshim-front" and f"--listen={socket}" in argv:
+            found.append(pid)
+    return found
+
+
+def _front_of(socket: Path) -> int:
+    found = _fronts_of(socket)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _parent(pid: int) -> int:
+    return _sys.parent_map()[pid]
+
+
+@pytest.mark.e2e
+def test_the_front_dies_with_the_daemon_and_leaves_no_socket(bed: TestBed, tmp_path: Path) -> None:
+    with bed.extra_podshim(tmp_path) as (socket, _log):
+        front = _front_of(socket)
+        daemon = _parent(front)
+        state = tmp_path / "state"
+        assert (state / "daemon.sock").exists()
+        os.kill(daemon, signal.SIGKILL)
+        assert not _sys.wait_gone({daemon, front}, 5), "the front outlived its daemon"
+        assert not socket.exists(), "the front left its socket"
+
+
+@pytest.mark.e2e
+def test_a_graceful_stop_ends_both_and_leaves_no_socket(bed: TestBed, tmp_path: Path) -> None:
+    with bed.extra_podshim(tmp_path) as (socket, _log):
+        front = _front_of(socket)
+        daemon = _parent(front)
+        os.kill(daemon, signal.SIGTERM)
+        assert not _sys.wait_gone({daemon, front}, 15)
+        assert not socket.exists() and not (tmp_path / "state" / "daemon.sock").exists()
+
+
+@pytest.mark.e2e
+def test_a_front_that_dies_is_started_again(bed: TestBed, tmp_path: Path) -> None:
+    with bed.extra_podshim(tmp_path) as (socket, log):
+        first = _front_of(socket)
+        os.kill(first, signal.SIGKILL)
+        rt = pods.stubs(socket)[0]
+
+        def serving() -> bool:
+            try:
+                return bool(rt.Version(cri.VersionRequest(), timeout=2).runtime_version)
+            except grpc.RpcError:
+                return False
+
+        pods.wait_for(serving, timeout=15, what="podshim serving again through a new front")
+        assert _front_of(socket) != first
+        assert "front exited; starting it again" in log.read_text()
+
+
+@pytest.mark.e2e
+def test_without_the_front_the_daemon_serves_the_socket(bed: TestBed, tmp_path: Path) -> None:
+    with bed.extra_podshim(tmp_path, server={"front": False}) as (socket, _log):
+        assert not _fronts_of(socket)
+        rt = pods.stubs(socket)[0]
+        assert "+podshim." in rt.Version(cri.VersionRequest(), timeout=10).runtime_version
+        assert rt.ListContainers(cri.ListContainersRequest(), timeout=10) is not None
+        assert not (tmp_path / "state" / "daemon.sock").exists()
