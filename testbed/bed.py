@@ -16,7 +16,6 @@ import random
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from testbed import _sys
+from testbed import _sys, teardown
 from testbed._cri import CriClient, target
 from testbed.mntns import NodeMounts
 
@@ -43,9 +42,6 @@ COUNTER_IMAGE = "localhost/podshim/counter:1"
 IMAGES = (PAUSE_IMAGE, BUSYBOX_IMAGE, COUNTER_IMAGE)
 
 CNI_BIN_DIR = "/usr/lib/cni"
-CNI_CACHE_DIR = Path("/var/lib/cni")  # libcni's cache; containerd 1.6 does not let us move it
-NETNS_DIRS = ("/run/netns", "/var/run/netns")  # containerd 1.6 CRI creates pod netns here
-SHIM_SOCKET_DIR = Path("/run/containerd/s")  # containerd 1.6 shims put their sockets here
 UNIX_PATH_MAX = 107
 
 # The upstream containerd the bed runs (PODSHIM_TEST_CONTAINERD): 1.6 is the system's (Debian 12),
@@ -923,14 +919,14 @@ oom_score = 0
         step("containerd", self._stop_containerd)
         step("processes", self._kill_bed_processes)
         step("mounts", self._unmount_base)
-        step("netns", lambda: _remove_netns(netns))
+        step("netns", lambda: teardown.remove_netns(netns))
         step("cni cache", lambda: self._remove_cni_cache(ids))
-        step("shim sockets", lambda: _remove_sockets(shim_sockets))
+        step("shim sockets", lambda: teardown.remove_sockets(shim_sockets))
         step("bridge", lambda: _sys.delete_link(self.bridge) if self.bridge else None)
         step("cgroups", self._remove_cgroups)
         step("save logs", self._save_logs)
         step("base dir", self._remove_base_dir)
-        step("shared dirs", _remove_shared_dirs_if_unused)
+        step("shared dirs", teardown.remove_shared_dirs_if_unused)
         self._started = False
         left = self.leftovers()
         if errors or left:
@@ -975,78 +971,31 @@ oom_score = 0
 
     def _known_task_ids(self) -> set[str]:
         """Sandbox and container ids this bed's containerd knows on disk (works when it is dead)."""
-        ids: set[str] = set()
-        for d in (
-            self._task_dir(),
-            self.containerd_state / "io.containerd.grpc.v1.cri" / "sandboxes",
-            self.containerd_root / "io.containerd.grpc.v1.cri" / "sandboxes",
-            self.containerd_root / "io.containerd.grpc.v1.cri" / "containers",
-            self.runc_root,
-            self.crun_root,
-        ):
-            with contextlib.suppress(OSError):
-                ids.update(p.name for p in d.iterdir() if p.is_dir())
-        return ids
+        cri = "io.containerd.grpc.v1.cri"
+        return teardown.known_task_ids(
+            (
+                self._task_dir(),
+                self.containerd_state / cri / "sandboxes",
+                self.containerd_root / cri / "sandboxes",
+                self.containerd_root / cri / "containers",
+                self.runc_root,
+                self.crun_root,
+            )
+        )
 
     def _shim_sockets(self, ids: set[str]) -> set[str]:
-        """The ttrpc sockets of this bed's shims, in /run/containerd/s: named in the task dir's
-        ``address`` (containerd 1.6, 1.7) or ``bootstrap.json`` (2.x: {"address": ...})."""
-        found = set()
-        for task_id in ids:
-            d = self._task_dir() / task_id
-            addrs = []
-            with contextlib.suppress(OSError):
-                addrs.append((d / "address").read_text().strip())
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                addrs.append(str(json.loads((d / "bootstrap.json").read_text()).get("address") or ""))
-            for addr in addrs:
-                path = addr.removeprefix("unix://")
-                if Path(path).parent == SHIM_SOCKET_DIR:
-                    found.add(path)
-        return found
+        return teardown.shim_sockets(self._task_dir(), ids)
 
     def _bed_pids(self) -> set[int]:
-        """Every live process of this bed: whatever mentions the base dir in its argv (containerd,
-        shims, runc, podshim), their descendants, and whatever sits in the bed's cgroup subtree."""
-        roots = {p for p in _sys.pids_mentioning(str(self.base_dir)) if _is_bed_program(p)}
-        pids = roots | _sys.descendants(roots)
-        for rel in filter(None, (self.cgroup_root, *self._container_cgroups)):
-            pids |= _sys.cgroup_pids(rel)
-        pids.discard(os.getpid())
-        return {p for p in pids if _sys.alive(p)}
+        """Every live process of this bed (teardown.bed_pids)."""
+        return teardown.bed_pids(self.base_dir, (self.cgroup_root, *self._container_cgroups))
 
     def _bed_netns(self, ids: set[str]) -> set[str]:
         """Network namespace files (bind mounts in /run/netns) of this bed's pods."""
-        paths: set[str] = set()
-        # 1. from libcni's result cache of our networks: interfaces[].sandbox is the netns path
-        for f in self._cni_cache_files(ids):
-            with contextlib.suppress(OSError, ValueError):
-                cached = json.loads(f.read_text())
-                for itf in (cached.get("result") or {}).get("interfaces") or []:
-                    if itf.get("sandbox"):
-                        paths.add(itf["sandbox"])
-        # 2. from live processes of the bed: match their netns inode with nsfs mounts
-        inodes = set()
-        for pid in self._bed_pids():
-            with contextlib.suppress(OSError):
-                inodes.add(os.stat(f"/proc/{pid}/ns/net").st_ino)
-        for m in _sys.mounts():
-            if m.fstype == "nsfs" and any(_sys.is_under(m.mount_point, d) for d in NETNS_DIRS):
-                ino = m.root.removeprefix("net:[").rstrip("]")
-                if ino.isdigit() and int(ino) in inodes:
-                    paths.add(m.mount_point)
-        return {p for p in paths if any(_sys.is_under(p, d) for d in NETNS_DIRS)}
+        return teardown.bed_netns(self._cni_cache_files(ids), self._bed_pids())
 
     def _cni_cache_files(self, ids: set[str]) -> list[Path]:
-        results = CNI_CACHE_DIR / "results"
-        out = []
-        with contextlib.suppress(OSError):
-            for f in results.iterdir():
-                if (self.cni_network and f.name.startswith(self.cni_network + "-")) or any(
-                    f"-{i}-" in f.name for i in ids
-                ):
-                    out.append(f)
-        return out
+        return teardown.cni_cache_files(self.cni_network, ids)
 
     def _stop_containerd(self) -> None:
         pid = self._containerd_pid
@@ -1085,28 +1034,10 @@ oom_score = 0
 
     def _runtime_cgroups(self) -> set[str]:
         """The cgroups (relative paths) of the containers in the bed's runc/crun roots."""
-        found = set()
-        for root in (self.runc_root, self.crun_root):
-            for state in root.glob("*/state.json"):
-                with contextlib.suppress(OSError, ValueError, AttributeError):
-                    path = json.loads(state.read_text())["config"]["cgroups"]["path"]
-                    if path and path.strip("/"):
-                        found.add("/" + path.strip("/"))
-        return found
+        return teardown.runtime_cgroups((self.runc_root, self.crun_root))
 
     def _remove_cgroups(self) -> None:
-        left: list[str] = []
-        for rel in sorted(self._container_cgroups):
-            left += _sys.remove_cgroup_tree(rel)
-            # the pod level (kubelet-style per-pod parent): only if empty, never recursively,
-            # since a parent outside the bed's subtree may be shared
-            parent = os.path.dirname(rel)
-            if parent.strip("/") and not (self.cgroup_root and _sys.is_under(parent, self.cgroup_root)):
-                for d in _sys.cgroup_dirs(parent):
-                    with contextlib.suppress(OSError):
-                        d.rmdir()
-        if self.cgroup_root:
-            left += _sys.remove_cgroup_tree(self.cgroup_root)
+        left = teardown.remove_cgroups(self._container_cgroups, self.cgroup_root)
         if left:
             raise TestBedError(f"cgroups left: {left}")
 
@@ -1172,60 +1103,3 @@ def _used_networks(exclude_dev: str = "") -> Iterator[ipaddress.IPv4Network]:
             continue
         with contextlib.suppress(ValueError):
             yield ipaddress.IPv4Network(dst, strict=False)
-
-
-_BED_PROGRAMS = {
-    "containerd",
-    "containerd-shim",
-    "containerd-shim-runc-v1",
-    "containerd-shim-runc-v2",
-    "runc",
-    "crun",
-    "criu",
-    "podshim",
-    "podshim-runc",
-    "podshim-runc-hook",  # the Python restore hook podshim-runc execs (a restore, its watchdog)
-    "podshim-front",  # the server of podshim's socket, a child of podshim
-    "runc-wrapper",
-    "kubelet",  # testbed/kubelet.py
-}
-
-
-def _is_bed_program(pid: int) -> bool:
-    """Whether ``pid`` runs one of the programs a bed starts (not, say, a shell tailing a log)."""
-    argv = _sys.read_cmdline(pid)
-    names = {os.path.basename(a) for a in argv[:2]}  # argv[1]: the script of an interpreter
-    return bool(names & _BED_PROGRAMS) and pid not in _sys.ancestors(os.getpid())
-
-
-# Directories containerd, its shims and libcni create on first use outside any configurable
-# root; removed (deepest first) when empty and no containerd runs on the host any more.
-_SHARED_DIRS = (
-    SHIM_SOCKET_DIR,
-    SHIM_SOCKET_DIR.parent,
-    Path("/run/netns"),
-    CNI_CACHE_DIR / "results",
-    CNI_CACHE_DIR,
-)
-
-
-def _remove_shared_dirs_if_unused() -> None:
-    if _sys.programs_running({"containerd", "containerd-shim-runc-v2", "containerd-shim"}):
-        return  # another bed (or a system containerd) may be using them
-    for d in _SHARED_DIRS:
-        with contextlib.suppress(OSError):
-            d.rmdir()
-
-
-def _remove_netns(paths: set[str]) -> None:
-    for p in paths:
-        _sys.umount_lazy(p)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(p)
-
-
-def _remove_sockets(paths: set[str]) -> None:
-    for p in paths:
-        with contextlib.suppress(OSError):
-            if stat.S_ISSOCK(os.lstat(p).st_mode):
-                os.unlink(p)
