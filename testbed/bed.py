@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from testbed import _sys, teardown
+from testbed import _sys, bed_files, teardown
 from testbed._cri import CriClient, target
 from testbed.mntns import NodeMounts
 
@@ -41,7 +41,6 @@ BUSYBOX_IMAGE = "localhost/podshim/busybox:1"
 COUNTER_IMAGE = "localhost/podshim/counter:1"
 IMAGES = (PAUSE_IMAGE, BUSYBOX_IMAGE, COUNTER_IMAGE)
 
-CNI_BIN_DIR = "/usr/lib/cni"
 UNIX_PATH_MAX = 107
 
 # The upstream containerd the bed runs (PODSHIM_TEST_CONTAINERD): 1.6 is the system's (Debian 12),
@@ -108,34 +107,6 @@ def containerd_bin_dir(version: str) -> Path | None:
 
 class TestBedError(RuntimeError):
     """The bed could not start, or could not clean up completely."""
-
-
-def _toml_str(value: str | os.PathLike[str]) -> str:
-    return json.dumps(os.fspath(value))  # a JSON string is a valid TOML basic string here
-
-
-def _toml_dump(config: dict[str, Any]) -> str:
-    """Write podshim's TOML: tables of strings, numbers and lists of strings, one level of
-    sub-tables ([runtimes.crun])."""
-    lines: list[str] = []
-
-    def table(name: str, values: dict[str, Any]) -> None:
-        lines.append(f"[{name}]")
-        subtables = {k: v for k, v in values.items() if isinstance(v, dict)}
-        for k, v in values.items():
-            if not isinstance(v, dict):
-                lines.append(f"{k} = {json.dumps(v)}")  # JSON strings/numbers/lists are TOML
-        lines.append("")
-        for k, v in subtables.items():
-            table(f"{name}.{k}", v)
-
-    for name, values in config.items():
-        table(name, values)
-    return "\n".join(lines)
-
-
-def _toml_list(values: list[str]) -> str:
-    return "[" + ", ".join(_toml_str(v) for v in values) + "]"
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -492,197 +463,45 @@ class TestBed:
         return self.runc_binary
 
     def _write_files(self) -> None:
+        """The CNI conflist, containerd's config and podshim.toml (testbed/bed_files.py), and
+        bed.json."""
         assert self.subnet is not None
-        gateway = self.subnet.network_address + 1
-        conflist = {
-            "cniVersion": "1.0.0",
-            "name": self.cni_network,
-            "plugins": [
-                {
-                    "type": "bridge",
-                    "bridge": self.bridge,
-                    "isGateway": True,
-                    "ipMasq": False,
-                    "hairpinMode": True,
-                    "ipam": {
-                        "type": "host-local",
-                        "ranges": [[{"subnet": str(self.subnet), "gateway": str(gateway)}]],
-                        "routes": [{"dst": "0.0.0.0/0"}],
-                        "dataDir": str(self.cni_ipam_dir),
-                    },
-                },
-                {"type": "portmap", "capabilities": {"portMappings": True}},
-                {"type": "loopback"},
-            ],
-        }
-        (self.cni_conf_dir / "10-podshim.conflist").write_text(json.dumps(conflist, indent=2) + "\n")
-
-        self.containerd_config.write_text(self._containerd_toml())
-
-        b = self.base_dir
-        crun_section = ""
-        if self.crun_binary is not None:
-            crun_section = f"""
-[runtimes.crun]
-binary = {_toml_str(self.crun_runtime)}
-root = {_toml_str(self.crun_root)}
-criu = {_toml_str(self.criu)}
-"""
-        checkpoint_section = ""
-        if not self.stock_checkpoint_roots:
-            checkpoint_section = f"[checkpoint]\nallowed_roots = {_toml_list([str(self.checkpoint_root)])}\n"
-        podshim = f"""# written by testbed/bed.py
-[server]
-socket = {_toml_str(self.podshim_socket)}
-state_dir = {_toml_str(self.podshim_state_dir)}
-metrics_address = ""
-
-[upstream]
-endpoint = {_toml_str("unix://" + str(self.containerd_socket))}
-
-[runtime]
-binary = {_toml_str(self.real_runc)}
-root = {_toml_str(self.runc_root)}
-criu = {_toml_str(self.criu)}
-
-{crun_section}
-{checkpoint_section}
-[log]
-format = "json"
-level = "info"
-"""
-        if self.podshim_sections:
-            podshim += "\n" + _toml_dump(self.podshim_sections) + "\n"
-        self.podshim_config.write_text(podshim)
-        (b / "bed.json").write_text(json.dumps(self.describe(), indent=2) + "\n")
-
-    def _containerd_toml(self) -> str:
-        """containerd's config: version 2 for 1.6 and 1.7; version 3 for 2.x (2.4 migrates it to its
-        4), whose CRI is split into the plugins io.containerd.cri.v1.runtime (runtimes, CNI, OOM,
-        SELinux/AppArmor) and io.containerd.cri.v1.images (snapshotter, the pause image as
-        pinned_images.sandbox), the streaming server staying in io.containerd.grpc.v1.cri
-        (docs/architecture.md §17 (containerd, runc and CRIU versions))."""
-        v3 = self.containerd_version.startswith("2.")
-        cri = 'plugins."io.containerd.cri.v1.runtime"' if v3 else 'plugins."io.containerd.grpc.v1.cri"'
+        conflist = bed_files.cni_conflist(self.cni_network, self.bridge, self.subnet, self.cni_ipam_dir)
+        (self.cni_conf_dir / "10-podshim.conflist").write_text(conflist)
         runtimes = [("runc", self._runc_binary(), self.runc_root_base)]
         if self.crun_binary is not None:
             runtimes.append(("crun", self.crun_binary, self.crun_root_base))
-        runtime_blocks = []
-        for name, binary, root in runtimes:
-            # the shim passes CriuPath as a global `--criu PATH`, which crun rejects (exit 64) and
-            # runc >= 1.2 ignores with a warning; containerd 2.x has no CriuPath
-            criu = ""
-            if name == "runc" and not v3 and self.runc_version == "1.1":  # as `podshim node setup`
-                criu = f"\n          CriuPath = {_toml_str(self.criu)}"
-            runtime_blocks.append(
-                f"""
-      [{cri}.containerd.runtimes.{name}]
-        runtime_type = "io.containerd.runc.v2"
-        container_annotations = {json.dumps(self.container_annotations)}
-        pod_annotations = ["podshim.*"]
-        [{cri}.containerd.runtimes.{name}.options]
-          BinaryName = {_toml_str(binary)}
-          Root = {_toml_str(root)}{criu}
-          SystemdCgroup = false
-"""
+        self.containerd_config.write_text(
+            bed_files.containerd_toml(
+                version=self.containerd_version,
+                runtimes=runtimes,
+                container_annotations=self.container_annotations,
+                runc_criu=self.criu if self.runc_version == "1.1" else None,
+                root=self.containerd_root,
+                state=self.containerd_state,
+                socket=self.containerd_socket,
+                log_level=self.log_level,
+                opt_dir=self.base_dir / "containerd" / "opt",
+                cni_conf_dir=self.cni_conf_dir,
+                pause_image=PAUSE_IMAGE,
+                registry_mirror=self.registry_mirror,
+                hosts_dir=self.base_dir / "certs.d",
             )
-        common = f"""# written by testbed/bed.py for containerd {self.containerd_version}
-version = {3 if v3 else 2}
-root = {_toml_str(self.containerd_root)}
-state = {_toml_str(self.containerd_state)}
-oom_score = 0
-
-[grpc]
-  address = {_toml_str(self.containerd_socket)}
-
-[ttrpc]
-  address = {_toml_str(str(self.containerd_socket) + ".ttrpc")}
-
-[debug]
-  address = ""
-  level = {_toml_str(self.log_level)}
-
-[metrics]
-  address = ""
-
-[plugins]
-  [plugins."io.containerd.internal.v1.opt"]
-    path = {_toml_str(self.base_dir / "containerd" / "opt")}
-"""
-        if v3:
-            images = 'plugins."io.containerd.cri.v1.images"'
-            return (
-                common
-                + f"""
-  [plugins."io.containerd.grpc.v1.cri"]
-    stream_server_address = "127.0.0.1"
-    stream_server_port = "0"
-    enable_tls_streaming = false
-
-  [{images}]
-    snapshotter = "overlayfs"
-    [{images}.pinned_images]
-      sandbox = {_toml_str(PAUSE_IMAGE)}
-{self._mirror_v3(images)}
-  [{cri}]
-    restrict_oom_score_adj = true
-    enable_selinux = false
-    disable_apparmor = true
-
-    [{cri}.containerd]
-      default_runtime_name = "runc"
-{"".join(runtime_blocks)}
-    [{cri}.cni]
-      bin_dirs = [{_toml_str(CNI_BIN_DIR)}]
-      conf_dir = {_toml_str(self.cni_conf_dir)}
-      max_conf_num = 1
-"""
+        )
+        self.podshim_config.write_text(
+            bed_files.podshim_toml(
+                socket=self.podshim_socket,
+                state_dir=self.podshim_state_dir,
+                containerd_socket=self.containerd_socket,
+                runc=self.real_runc,
+                runc_root=self.runc_root,
+                criu=self.criu,
+                crun=(self.crun_runtime, self.crun_root) if self.crun_binary is not None else None,
+                checkpoint_roots=None if self.stock_checkpoint_roots else [str(self.checkpoint_root)],
+                sections=self.podshim_sections,
             )
-        return (
-            common
-            + f"""
-  [{cri}]
-    sandbox_image = {_toml_str(PAUSE_IMAGE)}
-    restrict_oom_score_adj = true
-    enable_selinux = false
-    disable_apparmor = true
-    stream_server_address = "127.0.0.1"
-    stream_server_port = "0"
-    enable_tls_streaming = false
-
-    [{cri}.containerd]
-      snapshotter = "overlayfs"
-      default_runtime_name = "runc"
-{"".join(runtime_blocks)}
-    [{cri}.cni]
-      bin_dir = {_toml_str(CNI_BIN_DIR)}
-      conf_dir = {_toml_str(self.cni_conf_dir)}
-      max_conf_num = 1
-{self._mirror_v2(cri)}"""
         )
-
-    def _mirror_v2(self, cri: str) -> str:
-        """containerd 1.x: every registry ("*") pulls from the mirror first."""
-        if not self.registry_mirror:
-            return ""
-        return f"""
-    [{cri}.registry.mirrors."*"]
-      endpoint = [{_toml_str("http://" + self.registry_mirror)}]
-"""
-
-    def _mirror_v3(self, images: str) -> str:
-        """containerd 2.x: a hosts directory whose _default entry (every registry) is the mirror."""
-        if not self.registry_mirror:
-            return ""
-        hosts = self.base_dir / "certs.d"
-        (hosts / "_default").mkdir(parents=True, exist_ok=True)
-        url = "http://" + self.registry_mirror
-        (hosts / "_default" / "hosts.toml").write_text(
-            f'server = {_toml_str(url)}\n[host.{_toml_str(url)}]\n  capabilities = ["pull", "resolve"]\n'
-        )
-        return f"""    [{images}.registry]
-      config_path = {_toml_str(hosts)}
-"""
+        (self.base_dir / "bed.json").write_text(json.dumps(self.describe(), indent=2) + "\n")
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -816,7 +635,7 @@ oom_score = 0
         for section, values in overrides.items():  # may move the state dir too
             config.setdefault(section, {}).update(values)
         path = workdir / "podshim.toml"
-        path.write_text(_toml_dump(config))
+        path.write_text(bed_files.toml_dump(config))
         log = workdir / "podshim.log"
         environ = {k: v for k, v in self._env().items() if k not in ("PODSHIM_CONFIG", "PODSHIM_FAILPOINTS")}
         if failpoints:
