@@ -23,7 +23,8 @@ from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim import contract
 from testbed import pods
-from testbed.bed import CRIU, NAMESPACE, REAL_RUNC, TestBed
+from testbed.bed import NAMESPACE, TestBed
+from testbed.versions import CRIU, REAL_RUNC
 
 READY_RE = re.compile(rb"\bready mem_mib=\d+")
 COUNT_RE = re.compile(rb"\bcount=(\d+) ts=(\d+\.\d+)")

@@ -58,7 +58,8 @@ from bench.common import (
     sync_disk,
     table,
 )
-from testbed.bed import CRIU, REAL_RUNC, TestBed
+from testbed.bed import TestBed
+from testbed.versions import CRIU, REAL_RUNC
 
 # dump.log markers -> phase boundaries (the first line matching each, in order)
 MARKERS = (

@@ -44,7 +44,8 @@ from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from bench.common import machine_summary, median, percentile, ratio, result_line, say, table
 from testbed import pods
-from testbed.bed import REAL_RUNC, VENV_BIN, TestBed
+from testbed.bed import VENV_BIN, TestBed
+from testbed.versions import REAL_RUNC
 
 WRAPPER = VENV_BIN / "podshim-runc"
 HOOK = VENV_BIN / "podshim-runc-hook"

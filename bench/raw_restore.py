@@ -34,7 +34,8 @@ from bench.common import (
     task_dir,
 )
 from testbed import pods
-from testbed.bed import CRIU, TestBed
+from testbed.bed import TestBed
+from testbed.versions import CRIU
 
 
 @dataclass

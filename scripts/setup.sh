@@ -400,7 +400,7 @@ step_criu() {
 }
 
 # ---------------------------------------------------------------------------------------
-# 2b. Newer CRIU series in private prefixes, for the tests (PODSHIM_TEST_CRIU=4.2, testbed/bed.py)
+# 2b. Newer CRIU series in private prefixes, for the tests (PODSHIM_TEST_CRIU=4.2, testbed/versions.py)
 # and the package (`make deb` ships it as /opt/podshim/sbin/criu): built from sid's source
 # package (the private apt tree's deb-src entry) with podshim's patches for that series, into
 # $CRIU_PRIVATE_DIR/<series>: sbin/criu and, for the package, pycriu's sources (share/pycriu-src);

@@ -29,7 +29,21 @@ import grpc
 
 from testbed import _sys, bed_files, teardown
 from testbed._cri import CriClient, target
+from testbed.errors import TestBedError
 from testbed.mntns import NodeMounts
+from testbed.versions import (
+    CONTAINERD_VERSIONS,
+    CRIU_BINARIES,
+    DEFAULT_CONTAINERD,
+    DEFAULT_CRIU,
+    DEFAULT_RUNC,
+    RUNC_BINARIES,
+    built,
+    containerd_bin_dir,
+    containerd_version_from_env,
+    criu_version_from_env,
+    runc_version_from_env,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO / ".venv" / "bin"
@@ -42,71 +56,6 @@ COUNTER_IMAGE = "localhost/podshim/counter:1"
 IMAGES = (PAUSE_IMAGE, BUSYBOX_IMAGE, COUNTER_IMAGE)
 
 UNIX_PATH_MAX = 107
-
-# The upstream containerd the bed runs (PODSHIM_TEST_CONTAINERD): 1.6 is the system's (Debian 12),
-# 1.7 and 2.1 are unpacked by scripts/setup.sh from Debian's newer releases into a private prefix,
-# 2.2 and 2.4 built from pinned Go modules (tools/go/containerd-<minor>, scripts/gotools.sh).
-CONTAINERD_VERSIONS = ("1.6", "1.7", "2.1", "2.2", "2.4")
-DEFAULT_CONTAINERD = "1.6"
-CONTAINERD_PREFIX = Path("/var/cache/podshim/containerd")
-GO_BIN = Path("/var/cache/podshim/go/bin")  # scripts/gotools.sh: <name>/<binary>
-# The OCI runtime behind podshim-runc (PODSHIM_TEST_RUNC): Debian 12's runc 1.1.5, or runc 1.3 from
-# its pinned Go module. crun stays the set-up's.
-RUNC_BINARIES = {"1.1": Path("/usr/sbin/runc"), "1.3": GO_BIN / "runc-1.3" / "runc"}
-DEFAULT_RUNC = "1.1"
-# The CRIU podshim and the runtimes use (PODSHIM_TEST_CRIU): the set-up's /usr/local one (4.1), or
-# 4.2 from its private prefix (scripts/setup.sh step 2b); both carry podshim's patches.
-CRIU_BINARIES = {"4.1": Path("/usr/local/sbin/criu"), "4.2": Path("/var/cache/podshim/criu/4.2/sbin/criu")}
-DEFAULT_CRIU = "4.1"
-REAL_RUNC = RUNC_BINARIES[DEFAULT_RUNC]  # the defaults (the benches use them)
-CRIU = CRIU_BINARIES[DEFAULT_CRIU]
-
-
-def _choice_from_env(variable: str, choices: tuple[str, ...] | dict[str, Path], default: str) -> str:
-    v = os.environ.get(variable, "") or default
-    if v not in choices:
-        raise TestBedError(f"{variable}={v!r}: must be one of {', '.join(choices)}")
-    return v
-
-
-def containerd_version_from_env() -> str:
-    """The upstream version tests run against: ``PODSHIM_TEST_CONTAINERD`` (default 1.6)."""
-    return _choice_from_env("PODSHIM_TEST_CONTAINERD", CONTAINERD_VERSIONS, DEFAULT_CONTAINERD)
-
-
-def runc_version_from_env() -> str:
-    """The runc tests run with: ``PODSHIM_TEST_RUNC`` (default 1.1, the system's)."""
-    return _choice_from_env("PODSHIM_TEST_RUNC", RUNC_BINARIES, DEFAULT_RUNC)
-
-
-def real_runc() -> Path:
-    """The runc binary tests run with (``PODSHIM_TEST_RUNC``)."""
-    return RUNC_BINARIES[runc_version_from_env()]
-
-
-def criu_version_from_env() -> str:
-    """The CRIU tests run with: ``PODSHIM_TEST_CRIU`` (default 4.1, /usr/local's)."""
-    return _choice_from_env("PODSHIM_TEST_CRIU", CRIU_BINARIES, DEFAULT_CRIU)
-
-
-def _built(path: Path, what: str) -> Path:
-    if not path.is_file():
-        raise TestBedError(f"{what} is not at {path}: run the set-up (scripts/setup.sh)")
-    return path
-
-
-def containerd_bin_dir(version: str) -> Path | None:
-    """Where containerd ``version``'s containerd, shim and ctr are: None for the system's (on PATH)."""
-    if version == DEFAULT_CONTAINERD:
-        return None
-    d = GO_BIN / f"containerd-{version}" if version in ("2.2", "2.4") else CONTAINERD_PREFIX / version / "bin"
-    for binary in ("containerd", "containerd-shim-runc-v2", "ctr"):
-        _built(d / binary, f"containerd {version}'s {binary}")
-    return d
-
-
-class TestBedError(RuntimeError):
-    """The bed could not start, or could not clean up completely."""
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -239,8 +188,8 @@ class TestBed:
         self.criu_version = criu or criu_version_from_env()
         if self.runc_version not in RUNC_BINARIES or self.criu_version not in CRIU_BINARIES:
             raise TestBedError(f"runc {self.runc_version!r} / CRIU {self.criu_version!r}: unknown")
-        self.real_runc = _built(RUNC_BINARIES[self.runc_version], f"runc {self.runc_version}")
-        self.criu = _built(CRIU_BINARIES[self.criu_version], f"CRIU {self.criu_version}")
+        self.real_runc = built(RUNC_BINARIES[self.runc_version], f"runc {self.runc_version}")
+        self.criu = built(CRIU_BINARIES[self.criu_version], f"CRIU {self.criu_version}")
 
         b = self.base_dir
         self.containerd_socket = b / "containerd.sock"

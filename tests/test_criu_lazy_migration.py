@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from images import build as images_build
-from testbed import bed as testbed_bed
+from testbed import versions as testbed_versions
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ WAIT = 60.0
 
 
 def criu() -> str:
-    return str(testbed_bed.CRIU)  # the CRIU the test beds give podshim
+    return str(testbed_versions.CRIU)  # the CRIU the test beds give podshim
 
 
 @pytest.fixture(scope="module")

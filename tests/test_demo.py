@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.bed import containerd_version_from_env
+from testbed.versions import containerd_version_from_env
 
 pytestmark = pytest.mark.e2e
 

@@ -29,8 +29,9 @@ from shim.distribution import artifact, pull, push
 from shim.distribution.registry_auth import client_for
 from shim.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 from testbed import pods
-from testbed.bed import CRIU, VENV_BIN, TestBed
+from testbed.bed import VENV_BIN, TestBed
 from testbed.registry import Registry, registry_available
+from testbed.versions import CRIU
 from tests.test_compat import foreign_cpu
 from tests.test_restore_pod import SMALL_ARGS, Checkpoint, assert_resumed, counter_config, take_checkpoint
 

@@ -19,7 +19,8 @@ import tomli_w
 from shim.config import Config
 from shim.node import doctor
 from testbed import _sys
-from testbed.bed import VENV_BIN, TestBed, real_runc
+from testbed.bed import VENV_BIN, TestBed
+from testbed.versions import real_runc
 
 REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "scripts" / "patches" / "criu"

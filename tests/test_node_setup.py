@@ -19,7 +19,8 @@ from api.runtime.v1 import api_pb2 as cri
 from shim.node import containerd as ctdmod
 from shim.node import kubelet, setup
 from testbed import pods
-from testbed.bed import VENV_BIN, TestBed, real_runc
+from testbed.bed import VENV_BIN, TestBed
+from testbed.versions import real_runc
 
 PODSHIM = str(VENV_BIN / "podshim")
 

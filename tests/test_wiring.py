@@ -28,7 +28,8 @@ from api.runtime.v1 import api_pb2_grpc
 from shim.checks import wiring
 from shim.contract import RESTORE_ANNOTATION, RESTORED_MARKER
 from testbed import _sys, pods
-from testbed.bed import TestBed, real_runc
+from testbed.bed import TestBed
+from testbed.versions import real_runc
 
 Stub = api_pb2_grpc.RuntimeServiceStub
 RPC_TIMEOUT = 120

@@ -27,7 +27,7 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from testbed import pods
-from testbed.bed import real_runc
+from testbed.versions import real_runc
 
 from .corpus import DATA_LOSS, INVALID, Case, Ctx, counter, edit_manifest, first_pages, rehash, rewrite
 from .test_requests import check
