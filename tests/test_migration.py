@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
@@ -343,6 +344,62 @@ def test_refused_by_the_precheck_before_anything_is_frozen(nodes: Nodes) -> None
     pods.remove_pod(stub(n.a), m.source.id)
 
 
+def test_a_config_for_an_exited_container_is_refused_before_anything_is_frozen(nodes: Nodes) -> None:
+    """A's pod has a completed init container (recorded, not dumped): a RestorePod naming it is
+    refused by B's pre-check as RestorePod refuses it (INVALID_ARGUMENT, before A freezes: one
+    CREATED container per config, none can stand for it); A answers FAILED_PRECONDITION, its
+    counter never paused, B created and kept nothing."""
+    n = nodes
+    set_failpoints(n.a, "")
+    set_failpoints(n.b, "")
+    tag = secrets.token_hex(3)
+    init = pods.container_config(
+        "init", image=pods.BUSYBOX_IMAGE, command=["sh", "-c", "echo init-ran"], args=[]
+    )
+    configs = {"init": init, "counter": counter_config(SMALL)}
+    src = pods.run_pod(stub(n.a), f"mig-init-{tag}", Path(n.a.base_dir) / "pod-logs", configs)
+    pods.wait_for(
+        lambda: (
+            stub(n.a)
+            .ContainerStatus(cri.ContainerStatusRequest(container_id=src.containers["init"]))
+            .status.state
+            == cri.CONTAINER_EXITED
+        ),
+        what="init to exit",
+    )
+    pods.wait_count(src.log_path("counter"), 3, timeout=60)
+    out = Path(n.a.checkpoint_root) / f"out-{tag}"
+    into = Path(n.b.checkpoint_root) / f"in-{tag}"
+    out.mkdir(mode=0o700)
+    into.mkdir(mode=0o700)
+    restore = cri.RestorePodRequest(
+        checkpoint_path=str(into),
+        config=pods.pod_config(f"mig-init-{tag}", Path(n.b.base_dir) / "pod-logs"),
+        container_configs=[init, configs["counter"]],
+        options={"lazy-migration-from": n.link.names[0]},
+    )
+    answers, t = restore_in_thread(n, restore, 60)
+    with pytest.raises(grpc.RpcError) as err:
+        stub(n.a).CheckpointPod(
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=src.id, output_path=str(out), options={"lazy-migration": n.link.listen(1)}
+            ),
+            timeout=60,
+        )
+    t.join(60)
+    assert answers["b"].code() == grpc.StatusCode.INVALID_ARGUMENT, answers["b"]
+    assert "init had exited when the pod was checkpointed" in answers["b"].details()
+    assert "leave its config out" in answers["b"].details()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    assert "init had exited" in err.value.details() and "nothing was frozen" in err.value.details()
+    time.sleep(0.5)
+    ts = [t for _, t in entries(src.log_path("counter"))]
+    assert max(b - a for a, b in zip(ts, ts[1:], strict=False)) < 0.5, "the source pod paused"
+    assert not list(into.iterdir()) and not list(out.iterdir())
+    assert_clean(n)
+    pods.remove_pod(stub(n.a), src.id)
+
+
 def test_an_unauthenticated_peer_is_refused(nodes: Nodes) -> None:
     """While B listens for a migration: a client without a certificate, one of another CA and one
     of the CA naming another node are refused; nothing listens once B's RestorePod has ended."""
@@ -410,19 +467,51 @@ def _in_netns(n: Nodes, i: int) -> Iterator[None]:
 # ---------------------------------------------------------------------------- failures
 
 
-BEFORE = "migration.before-ready=sleep:60"  # B holds its created pod, before the containers run
-AFTER = "migration.before-done=sleep:60"  # B's containers run; it holds its `done`
+HOLDS = {
+    "before": "migration.before-ready",  # B holds its created pod, before the containers run
+    "after": "migration.before-done",  # B's containers run; it holds its `done`
+}
 
 
-def _held(n: Nodes, m: Migration, when: str) -> None:
-    """Wait until the migration is held where the failpoint holds it."""
-    if when == "before":
-        wait_until(
-            "B's containers to be created", lambda: log_has(n.b, "migration: containers created") or None, 120
-        )
-    else:
-        wait_until("B's containers to run", lambda: "b" in m.answers or None, 120)
-        assert m.code("b") == grpc.StatusCode.OK, m.answers["b"]
+def _hold(n: Nodes, when: str) -> str:
+    """B's failpoint spec: held until the failure ends the migration (B's hold watches the link,
+    the source's abort and the lease), not for a time the failure must come within."""
+    return f"{HOLDS[when]}=wait:{n.b.base_dir}/never-released"
+
+
+def _reached(n: Nodes, m: Migration, when: str) -> bool:
+    """Wait until the migration is held where the failpoint holds it (True), or has ended before
+    it got there (False: A answered first)."""
+
+    def state() -> str | None:
+        if when == "before" and log_has(n.b, "migration: containers created"):
+            return "held"
+        if when == "after" and "b" in m.answers:
+            assert m.code("b") == grpc.StatusCode.OK, m.answers["b"]
+            return "held"
+        return "ended" if "a" in m.answers else None
+
+    return wait_until(f"the migration held {when} B runs", state, RPC_TIMEOUT) == "held"
+
+
+def _deadline_while_held(n: Nodes, when: str) -> Migration:
+    """A migration whose source's deadline passes while B is held. The deadline is a time, the
+    hold an event: a deadline that came before the hold (a slow machine) is a failure at an
+    earlier instant, whose outcome is asserted too (A runs on, B keeps nothing); then the
+    migration is tried again with twice the time."""
+    deadline = 20.0
+    while True:
+        m = start_source(n, SMALL)
+        m.start(a_timeout=deadline)
+        if _reached(n, m, when):
+            return m
+        m.wait()
+        assert m.code("a") == grpc.StatusCode.DEADLINE_EXCEEDED, m.answers["a"]
+        assert_runs_on(m)
+        assert_clean(n)
+        pods.remove_pod(stub(n.a), m.source.id)
+        deadline *= 2
+        assert deadline < RPC_TIMEOUT, "the migration never got to B's hold"
 
 
 def _b_last(m: Migration) -> tuple[int, float] | None:
@@ -430,19 +519,54 @@ def _b_last(m: Migration) -> tuple[int, float] | None:
     return got[-1] if got else None
 
 
+def test_source_killed_while_its_dumps_serve_before_the_transfer(nodes: Nodes) -> None:
+    """A's podshim dies after its dumps' page servers came up and it froze the pod again, before
+    the archive went out (journal phase `frozen`): its recovery ends those dumps at once (their
+    tasks are cured: a CRIU with a page server), not through stop_dump's wait for tasks in their
+    ptrace-stop (they are frozen), and thaws the pod, whose counter runs on from where it was; B
+    removes what it made."""
+    n = nodes
+    set_failpoints(n.a, "migration.before-transfer=kill")
+    set_failpoints(n.b, "")
+    Path(n.a.podshim_log).write_text("")  # this test's lines only
+    m = start_source(n, SMALL)
+    m.start()
+    m.wait()
+    assert m.code("a") != grpc.StatusCode.OK and m.code("b") != grpc.StatusCode.OK
+    frozen_at = entries(m.source.log_path("counter"))[-1]
+    restart(n.a)
+    resumed = assert_runs_on(m, after=frozen_at[1])
+    assert resumed[0][0] == frozen_at[0] + 1, (frozen_at, resumed[0])  # the same process, not a restart
+    assert not log_has(n.a, "runs CRIU's code in the container's tasks")  # stop_dump's wait: not taken
+    leftovers = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if any(str(m.out) in a for a in p.info["cmdline"] or [])
+    ]
+    assert leftovers == []
+    # recovery clears the partial archive right after the thaw
+    try:
+        wait_until("A's partial archive to go", lambda: not list(m.out.iterdir()) or None, 30)
+    except TimeoutError:
+        print("DEBUGLOG", Path(n.a.podshim_log).read_text()[-6000:])
+        raise
+    assert not list(m.into.iterdir())
+    assert_clean(n)
+    pods.remove_pod(stub(n.a), m.source.id)
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("failure", ["b-killed", "a-killed", "link-cut", "deadline"])
 def test_failure(nodes: Nodes, failure: str, when: str) -> None:
     n = nodes
     set_failpoints(n.a, "")
-    set_failpoints(n.b, BEFORE if when == "before" else AFTER)
+    set_failpoints(n.b, _hold(n, when))
     Path(n.b.podshim_log).write_text("")  # this test's lines only
-    m = start_source(n, SMALL)
-    a_timeout = RPC_TIMEOUT
     if failure == "deadline":
-        a_timeout = 20 if when == "before" else 25
-    m.start(a_timeout=a_timeout)
-    _held(n, m, when)
+        m = _deadline_while_held(n, when)
+    else:
+        m = start_source(n, SMALL).start()
+        assert _reached(n, m, when)
     frozen_at = entries(m.source.log_path("counter"))[-1][1]
     failed_at = time.time()
     if failure == "b-killed":

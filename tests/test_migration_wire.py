@@ -141,17 +141,14 @@ async def test_control_channel(creds: dict) -> None:
 
 def test_offer_helpers() -> None:
     from shim.migration import protocol
+    from shim.ops.restore_checks import container_set_problem
 
-    offered = [
-        {"name": "app", "checkpointed": True},
-        {"name": "init", "checkpointed": False},  # recorded only (it had exited)
-    ]
-    assert protocol.container_mismatches(offered, ["app"]) == []
-    assert protocol.container_mismatches(offered, ["app", "init"]) == []  # a kubelet sends the whole spec
-    assert protocol.container_mismatches(offered, ["init"]) == ["the request has no container config for app"]
-    assert protocol.container_mismatches(offered, ["app", "extra"]) == [
-        "the migrating pod has no container extra"
-    ]
+    # the container set (RestorePod's rule, the migration's pre-check: INVALID_ARGUMENT)
+    assert container_set_problem(["app"], {"init"}, ["app"]) is None
+    exited = container_set_problem(["app"], {"init"}, ["app", "init"])
+    assert exited is not None and "init had exited when the pod was checkpointed" in exited
+    assert "missing app" in (container_set_problem(["app"], {"init"}, []) or "")
+    assert "not in the checkpoint extra" in (container_set_problem(["app"], {"init"}, ["app", "extra"]) or "")
     host = protocol.host_of({"host": {"arch": "x86_64", "kernel": "6.18.1", "future": "x", "cpuinfo": 3}})
     assert (host.arch, host.kernel, host.cpuinfo) == ("x86_64", "6.18.1", "3")
     assert "2 mismatches" in protocol.refusal(["a", "b"]) and protocol.refusal([]) == ""

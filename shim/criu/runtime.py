@@ -259,7 +259,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _dump_processes(pgid: int, image_dir: Path) -> list[int]:
+def dump_processes(pgid: int, image_dir: Path) -> list[int]:
     """Live (not zombie) processes of a dump: the members of runc's process group (runc, its
     CRIU and CRIU's helpers), and any process whose command line names the image dir (CRIU
     titles itself `criu: dump --rpc ... -D <image_dir>`: found in another group too)."""
@@ -287,13 +287,13 @@ def _dump_processes(pgid: int, image_dir: Path) -> list[int]:
 
 
 def end_dump(pgid: int, image_dir: Path, timeout: float = KILL_WAIT) -> None:
-    """SIGKILL every process of a dump (see _dump_processes) and wait until none is left. Only
+    """SIGKILL every process of a dump (see dump_processes) and wait until none is left. Only
     for a dump that holds no task of the container, or one taken for hung (see stop_dump)."""
     end = time.monotonic() + timeout
     while True:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
-        left = _dump_processes(pgid, image_dir)
+        left = dump_processes(pgid, image_dir)
         if not left:
             return
         if time.monotonic() > end:
@@ -327,11 +327,11 @@ def _stop_all(pgid: int, image_dir: Path, timeout: float) -> tuple[list[int], bo
     while True:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGSTOP)  # the group at once: a fork under way is restarted
-        procs = _dump_processes(pgid, image_dir)
+        procs = dump_processes(pgid, image_dir)
         for pid in procs:  # a CRIU outside runc's group too
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGSTOP)
-        if all(_state(pid) in ("T", "t", "") for pid in procs) and _dump_processes(pgid, image_dir) == procs:
+        if all(_state(pid) in ("T", "t", "") for pid in procs) and dump_processes(pgid, image_dir) == procs:
             return procs, True
         if time.monotonic() > end:
             return procs, False

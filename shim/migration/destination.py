@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
 import ssl
 import subprocess
@@ -33,11 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from google.protobuf import json_format
+
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors, faults, logs, metrics
 from shim.aio import run_to_end
-from shim.archive import compat, fsutil, layout, paths
-from shim.archive.dirfd import DirHandle, open_checked
+from shim.archive import compat, layout, paths
+from shim.archive.dirfd import DirHandle, clear_dir_contents, open_checked
 from shim.checks.wiring import confirm_restored
 from shim.config import Config
 from shim.criu.lazy import check_runtime
@@ -51,6 +54,7 @@ from shim.deadlines import (
 )
 from shim.migration import guard, protocol, wire
 from shim.migration.source import credentials
+from shim.ops.restore_checks import container_set_problem
 from shim.ops.restore_pod import PodRestorer
 from shim.sandbox import build_pod_view
 from shim.state import Journal, OpRecord
@@ -85,6 +89,9 @@ class _Session:
     images: list[Path] = field(default_factory=list)  # each container's images dir (lazy.page_servers keys)
     guard: subprocess.Popen[bytes] | None = None
     cgroups: list[str] = field(default_factory=list)  # the migrated containers' (what a kill empties)
+    sandbox: asyncio.Future[str] | None = None  # RunPodSandbox, made while the source dumps
+    sandbox_since: str = ""  # RFC 3339, when it was asked for (found by its metadata if unanswered)
+    metadata: dict[str, Any] = field(default_factory=dict)  # the new sandbox's (protobuf JSON)
     go: bool = False  # the containers may run
     heartbeat: asyncio.Task[None] | None = None
 
@@ -126,14 +133,16 @@ class MigrationDestination:
             )
         out = await run_to_end(paths.validate_output_dir, req.checkpoint_path, self.config.allowed_roots)
         held = open_checked(out, req.checkpoint_path, "checkpoint path", empty=True)
-        s = _Session(source)
+        s = _Session(source, metadata=json_format.MessageToDict(req.config.metadata))
         md = req.config.metadata
         try:
             s.rec = await run_to_end(
                 self.journal.begin,
                 KIND,
                 f"{md.namespace}/{md.name}",
-                MigrationDestinationRecord(checkpoint_path=str(out), source=source),
+                MigrationDestinationRecord(
+                    checkpoint_path=str(out), source=source, sandbox_metadata=s.metadata
+                ),
             )
             s.listener = wire.Listener(self.config.migration_listen, ctx)
             log.info("migration: listening", address=self.config.migration_listen, source=source)
@@ -172,12 +181,24 @@ class MigrationDestination:
         s.channel = wire.Channel(tls, loop, f"from-{s.source}").start()
         s.heartbeat = asyncio.ensure_future(s.channel.heartbeat(MIGRATION_HEARTBEAT))
         offer = await self._expect(s, {protocol.OFFER})
+        offered = [c for c in offer.get("containers", []) if isinstance(c, dict)]
+        bad_request = container_set_problem(
+            [str(c.get("name")) for c in offered if c.get("checkpointed", True)],
+            {str(c.get("name")) for c in offered if not c.get("checkpointed", True)},
+            [cc.metadata.name for cc in req.container_configs],
+        )
+        if bad_request:  # what RestorePod refuses as INVALID_ARGUMENT, refused so before A freezes
+            self._send(s, {"t": protocol.REFUSE, "reason": bad_request})
+            raise _Refused(errors.InvalidArgument(bad_request))
         problems = await self._precheck(offer, req, runtime_binary)
         if problems:
             reason = protocol.refusal(problems)
             self._send(s, {"t": protocol.REFUSE, "reason": reason})
             raise _Refused(errors.FailedPrecondition(f"the migration from {s.source} was refused: {reason}"))
         self._send(s, {"t": protocol.ACCEPT})
+        # the new sandbox is made while the source freezes and dumps: off the downtime's path
+        s.sandbox_since = datetime.datetime.now(datetime.UTC).isoformat()
+        s.sandbox = asyncio.ensure_future(self._make_sandbox(s, req))
         dumped = [str(c["name"]) for c in offer["containers"] if c.get("checkpointed", True)]
         ports = await self._receive_archive(s, held)
         archive = layout.ArchiveLayout(Path(held.path))
@@ -207,7 +228,7 @@ class MigrationDestination:
         plain.CopyFrom(req)
         plain.options.clear()
         plain.options["lazy-pages"] = "true"
-        resp = await self.restorer.restore(plain, caller_end - loop.time())
+        resp = await self.restorer.restore(plain, caller_end - loop.time(), sandbox_id=await s.sandbox)
         s.sandbox_id = resp.pod_sandbox_id
         s.containers = {c.name: c.container_id for c in resp.restored_containers}
         await run_to_end(self.journal.update, s.rec, "created", sandbox_id=s.sandbox_id)
@@ -249,9 +270,10 @@ class MigrationDestination:
     async def _precheck(
         self, offer: dict[str, Any], req: cri.RestorePodRequest, runtime_binary: str
     ) -> list[str]:
-        """What RestorePod would refuse on this node, before the source freezes anything."""
+        """What RestorePod would refuse on this node as FAILED_PRECONDITION (the host, the
+        runtime, the images of the offered containers), before the source freezes anything."""
         offered = [c for c in offer.get("containers", []) if isinstance(c, dict)]
-        problems = protocol.container_mismatches(offered, [cc.metadata.name for cc in req.container_configs])
+        problems: list[str] = []
         rt = self.config.runtime_for_handler(req.runtime_handler)
         criu = self.config.runtime.criu
         versions = await run_to_end(
@@ -317,6 +339,15 @@ class MigrationDestination:
                     left -= len(item)
             finally:
                 os.close(fd)
+
+    async def _make_sandbox(self, s: _Session, req: cri.RestorePodRequest) -> str:
+        sid = await self.upstream.run_pod_sandbox(
+            cri.RunPodSandboxRequest(config=req.config, runtime_handler=req.runtime_handler),
+            doing="creating the new sandbox",
+        )
+        s.sandbox_id = sid
+        await run_to_end(self.journal.update, s.rec, "sandbox", sandbox_id=sid)
+        return sid
 
     async def _start_guard(self, s: _Session) -> None:
         """The watchdog that kills the containers if this podshim dies before the migration is
@@ -476,6 +507,17 @@ class MigrationDestination:
     async def _remove_pod(self, s: _Session) -> None:
         for images in s.images:
             self.restorer.lazy.page_servers.pop(images, None)
+        if s.sandbox is not None:
+            s.sandbox.cancel()
+            (made,) = await asyncio.gather(s.sandbox, return_exceptions=True)
+            if isinstance(made, errors.ShimError):  # beside the failure that ends the migration
+                log.warning("migration: making the new sandbox failed", error=made.message)
+        if s.sandbox is not None and not s.sandbox_id and s.rec is not None:
+            # asked for and never answered: the upstream may have made it; found by its metadata
+            try:
+                await self.restorer.rollback_unrecorded(s.metadata, since=s.sandbox_since)
+            except errors.ShimError as e:
+                log.error("migration: looking for an unanswered sandbox failed", error=e.message)
         if s.sandbox_id:
             try:
                 await self.restorer.rollback_sandbox(s.sandbox_id)
@@ -563,9 +605,11 @@ async def recover(rec: OpRecord, restorer: PodRestorer) -> None:
     data: MigrationDestinationRecord = rec.data
     if data.sandbox_id:
         await restorer.rollback_sandbox(data.sandbox_id)
+    elif data.sandbox_metadata:
+        await restorer.rollback_unrecorded(data.sandbox_metadata, since=rec.started)
     if data.checkpoint_path:
         with contextlib.suppress(OSError, errors.NotFound):
-            await run_to_end(fsutil.clear_dir_contents, Path(data.checkpoint_path))
+            await run_to_end(clear_dir_contents, Path(data.checkpoint_path))
     log.warning(
         "migration into this node recovered: the new pod was removed", source=data.source, phase=rec.phase
     )

@@ -55,21 +55,6 @@ def host_of(msg: dict[str, Any]) -> HostInfo:
     return HostInfo(**{k: str(v) for k, v in raw.items() if k in known and isinstance(v, str | int)})
 
 
-def container_mismatches(offered: list[dict[str, Any]], requested: list[str]) -> list[str]:
-    """The request's container configs must be the offered checkpointed containers (a recorded,
-    exited one may be named too, as RestorePod allows)."""
-    dumped = [str(c.get("name")) for c in offered if c.get("checkpointed", True)]
-    recorded = {str(c.get("name")) for c in offered}
-    out = []
-    missing = [n for n in dumped if n not in requested]
-    extra = [n for n in requested if n not in recorded]
-    if missing:
-        out.append(f"the request has no container config for {', '.join(missing)}")
-    if extra:
-        out.append(f"the migrating pod has no container {', '.join(extra)}")
-    return out
-
-
 def refusal(problems: list[str]) -> str:
     """One line for every mismatch, as compat.refuse words them."""
     try:

@@ -40,10 +40,18 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, errors, faults, logs, metrics
 from shim.aio import run_to_end
 from shim.archive import compat, fsutil, layout, manifest
+from shim.archive.dirfd import clear_dir_contents
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.config import Config
 from shim.criu.lazy import wait_status
-from shim.criu.runtime import binary_version, criu_error_lines, criu_path_env, stop_dump
+from shim.criu.runtime import (
+    binary_version,
+    criu_error_lines,
+    criu_path_env,
+    dump_processes,
+    end_dump,
+    stop_dump,
+)
 from shim.deadlines import (
     CHECK_MARGIN,
     CLEANUP_MARGIN,
@@ -109,6 +117,7 @@ class _LazyDump:
     work_dir: Path
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    serving: bool = False  # its page server listens: every task was cured (compel_cure_remote)
 
     @property
     def name(self) -> str:
@@ -119,10 +128,17 @@ class _LazyDump:
         nothing of CRIU's runs in the tasks (at once when serving pages: every task is cured; let
         finish its dump otherwise: docs/architecture.md §11 (Cancellation)), wait until none is
         left; then the pod's tasks are released (ptrace) but stay frozen (the cut)."""
-        if self.proc is not None:
+        if self.proc is None:
+            return
+        if self.serving:
+            # nothing of CRIU's is in the tasks any more, and podshim's freezer holds them
+            # (_freeze_again): stop_dump, which looks for tasks in their ptrace-stop, would see
+            # frozen ones and wait for the dump to end, which a page server nobody asks never does
+            end_dump(self.proc.pid, Path(self.work.images.proc))
+        else:
             stop_dump(self.proc.pid, Path(self.work.images.proc))
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=KILL_WAIT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=KILL_WAIT)
 
 
 @dataclass
@@ -393,6 +409,7 @@ class MigrationSource:
                 )
             )
         w.dump_seconds = time.monotonic() - started
+        d.serving = True
         log.info("container dumped without its pages", container=d.name, seconds=round(w.dump_seconds, 4))
 
     def _send_archive(
@@ -711,9 +728,13 @@ async def recover(rec: OpRecord, upstream: Upstream) -> None:
     earlier -> thawed at once. Not committed: the partial archive is cleared."""
     data: MigrationSourceRecord = rec.data
     work = data.work_dir
-    if rec.phase in ("handed-over", "committed"):  # held by podshim's freeze, not CRIU's ptrace alone
+    # from `served` on, every dump's page server listened (its tasks cured) and podshim's freeze
+    # held the pod (_freeze_again), not CRIU's ptrace alone
+    served = rec.phase in ("served", "handed-over", "committed")
+    if served:
         await run_to_end(_freeze_paths, data.cgroups[1:])
-    await run_to_end(_end_leftovers, [p for p in (work, data.output_path) if p])
+    if work and data.output_path:
+        await run_to_end(_end_leftovers, Path(work), Path(data.output_path), served)
     if rec.phase == "committed":
         await run_to_end(_kill_frozen, data.cgroups[1:])
         await run_to_end(thaw_paths, list(data.cgroups))
@@ -734,23 +755,45 @@ async def recover(rec: OpRecord, upstream: Upstream) -> None:
         out = data.output_path
         if out:
             with contextlib.suppress(OSError, errors.NotFound):
-                await run_to_end(fsutil.clear_dir_contents, Path(out))
+                await run_to_end(clear_dir_contents, Path(out))
         log.warning("migration recovered: the pod was thawed and runs on here", phase=rec.phase)
     if work and Path(work).parent.name == WORK_DIR:
         await run_to_end(shutil.rmtree, work, True)
 
 
-def _end_leftovers(paths: list[str]) -> None:
-    """SIGKILL runc/CRIU processes of the migration's dumps a crash left (their argv names the
-    work dir, or the dump's CRIU title names the image dir), and wait until they are gone."""
-    found = []
+def _end_leftovers(work_root: Path, output_path: Path, served: bool) -> None:
+    """End the runc/CRIU processes of the migration's dumps a crash left, one dump (runc's
+    process group, found by its work dir or its CRIU's image dir) at a time, and wait until they
+    are gone: at once (end_dump) when every task of it was cured, its page server up (`served`,
+    or a TCP socket of its CRIU's); else with stop_dump, which lets CRIU take its code out of the
+    tasks first (docs/architecture.md §11 (Cancellation))."""
+    with contextlib.suppress(FileNotFoundError):
+        for name in sorted(os.listdir(work_root)):
+            images = layout.ArchiveLayout(output_path).container(name).checkpoint_dir
+            pgid = _dump_group([str(work_root / name), str(images)])
+            if pgid is None:
+                continue
+            if served or _page_server_up(pgid, images):
+                end_dump(pgid, images)
+            else:
+                stop_dump(pgid, images)
+
+
+def _dump_group(needles: list[str]) -> int | None:
+    """The process group of the dump whose runc or CRIU names one of `needles` in its argv."""
     for p in psutil.process_iter(["cmdline"]):
         argv = p.info.get("cmdline") or []
-        if p.pid != os.getpid() and any(any(path in a for path in paths) for a in argv):
-            found.append(p)
-            with contextlib.suppress(psutil.Error):
-                found.extend(p.children(recursive=True))
-    for p in found:
+        if p.pid != os.getpid() and any(n in a for a in argv for n in needles):
+            with contextlib.suppress(OSError):
+                return os.getpgid(p.pid)
+    return None
+
+
+def _page_server_up(pgid: int, images: Path) -> bool:
+    """Whether a process of the dump has a TCP socket: its page server (listening, or serving the
+    destination), which CRIU opens once every task is cured."""
+    for pid in dump_processes(pgid, images):
         with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(found, timeout=KILL_WAIT)
+            if psutil.Process(pid).net_connections(kind="tcp"):
+                return True
+    return False

@@ -253,6 +253,35 @@ class Checked:
     defer_pages: bool = False
 
 
+def container_set_problem(dumped: list[str], recorded_only: set[str], requested: list[str]) -> str | None:
+    """Why `requested` (the container configs' names) is not exactly the checkpointed containers
+    `dumped` (an INVALID_ARGUMENT), None when it is. RestorePod's rule, and a migration's pre-check
+    before the source freezes (docs/architecture.md §21 (Live migration)): a container that had
+    exited at the checkpoint (a completed init container) is recorded, not checkpointed: the
+    answer could give it no CREATED container to start, which the merged API wants for every
+    config (docs/architecture.md §5 (RestorePod) step 1)."""
+    missing = [n for n in dumped if n not in requested]
+    exited = [n for n in requested if n in recorded_only]
+    extra = [n for n in requested if n not in dumped and n not in recorded_only]
+    if not (missing or extra or exited):
+        return None
+    return (
+        f"container_configs must name exactly the checkpointed containers ({', '.join(dumped)}): "
+        + "; ".join(
+            part
+            for part in (
+                f"missing {', '.join(missing)}" if missing else "",
+                f"not in the checkpoint {', '.join(extra)}" if extra else "",
+                f"{', '.join(exited)} had exited when the pod was checkpointed (recorded, not "
+                "checkpointed: it is not run again and has no container to start; leave its config out)"
+                if exited
+                else "",
+            )
+            if part
+        )
+    )
+
+
 class RestoreChecks:
     """RestorePod's checks before anything is created: the request, the archive, this node, the
     upstream (docs/architecture.md §5 (RestorePod) step 1)."""
@@ -351,30 +380,9 @@ class RestoreChecks:
             if name in by_name:
                 raise errors.InvalidArgument(f"container config {name!r} appears twice")
             by_name[name] = cc
-        missing = [c.name for c in dumped if c.name not in by_name]
-        # a container that had exited at the checkpoint (a completed init container) is recorded,
-        # not checkpointed: the answer could give it no CREATED container to start, which the
-        # merged API wants for every config (docs/architecture.md §5 (RestorePod) step 1)
-        exited = [n for n in by_name if n in recorded_only]
-        extra = [n for n in by_name if n not in {c.name for c in dumped} and n not in recorded_only]
-        if missing or extra or exited:
-            raise errors.InvalidArgument(
-                "container_configs must name exactly the checkpointed containers "
-                f"({', '.join(c.name for c in dumped)}): "
-                + "; ".join(
-                    part
-                    for part in (
-                        f"missing {', '.join(missing)}" if missing else "",
-                        f"not in the checkpoint {', '.join(extra)}" if extra else "",
-                        f"{', '.join(exited)} had exited when the pod was checkpointed (recorded, not "
-                        "checkpointed: it is not run again and has no container to start; leave its "
-                        "config out)"
-                        if exited
-                        else "",
-                    )
-                    if part
-                )
-            )
+        problem = container_set_problem([c.name for c in dumped], recorded_only, list(by_name))
+        if problem:
+            raise errors.InvalidArgument(problem)
         plan = []
         images = Images(self.upstream)
         unmounted: dict[str, list[str]] = {}

@@ -187,9 +187,13 @@ class PodRestorer:
         # (The runtime wrapper))
         self.page_checks = PageChecks()
 
-    async def restore(self, req: cri.RestorePodRequest, deadline: float | None) -> cri.RestorePodResponse:
+    async def restore(
+        self, req: cri.RestorePodRequest, deadline: float | None, sandbox_id: str = ""
+    ) -> cri.RestorePodResponse:
         """Run RestorePod; `deadline` is the caller's remaining seconds (None: none set), counted
-        from here: verifying the archive is bounded by it too."""
+        from here: verifying the archive is bounded by it too. `sandbox_id`: a sandbox the caller
+        made with the request's config (a migration, before the archive arrived, docs/architecture.md
+        §21 (Live migration)): used instead of a new one, and removed like one on a failure."""
         loop = asyncio.get_running_loop()
         caller_end = loop.time() + (deadline if deadline is not None else DEFAULT_DEADLINE)
         try:
@@ -223,7 +227,7 @@ class PodRestorer:
             async with asyncio.timeout_at(end), run.ends:
                 with run.phases("sweep"):
                     await self._sweep_decrypted()
-                await self._create(req, checked, run)
+                await self._create(req, checked, run, sandbox_id)
         except BaseException as e:
             # In a task of its own: when the caller's deadline passes (or it goes away) during
             # the rollback, gRPC cancels this handler, but the sandbox must still be removed and
@@ -349,7 +353,9 @@ class PodRestorer:
         cc.annotations.setdefault(RESTART_COUNT_ANNOTATION, str(cc.metadata.attempt))
         return cc
 
-    async def _create(self, req: cri.RestorePodRequest, checked: Checked, run: _Run) -> None:
+    async def _create(
+        self, req: cri.RestorePodRequest, checked: Checked, run: _Run, sandbox_id: str = ""
+    ) -> None:
         """RunPodSandbox beside the rest of the verification, then one CreateContainer per
         checkpointed container; the undo of each step is registered in `run` right after it."""
         m, plan, opts, rec, phases = checked.manifest, checked.plan, checked.opts, run.rec, run.phases
@@ -357,7 +363,11 @@ class PodRestorer:
         verifying = asyncio.ensure_future(self._verify_rest(checked, run))
         run.ends.push_async_callback(_stop_and_wait, verifying, run.steps)
         with phases("sandbox"):
-            run.sandbox_id = await self._run_sandbox(req, run)
+            run.sandbox_id = (
+                await self._adopt_sandbox(sandbox_id, run)
+                if sandbox_id
+                else await self._run_sandbox(req, run)
+            )
         log.info("restore sandbox created", sandbox=run.sandbox_id)
         # the page images podshim-runc checks while CRIU restores: hashed from now on, beside the
         # CreateContainers and the wait for StartContainer (docs/architecture.md §5 (RestorePod)
@@ -425,6 +435,12 @@ class PodRestorer:
                 finally:
                     if self.restored is not None:
                         self.restored.discard(cid)
+
+    async def _adopt_sandbox(self, sandbox_id: str, run: _Run) -> str:
+        """The caller's sandbox, journaled and undone like one this restore made."""
+        run.undo.push_async_callback(self.rollback_sandbox, sandbox_id)
+        await run_to_end(self.journal.update, run.rec, "sandbox", sandbox_id=sandbox_id)
+        return sandbox_id
 
     async def _run_sandbox(self, req: cri.RestorePodRequest, run: _Run) -> str:
         """RunPodSandbox; its undo is registered as soon as its answer (or the lack of one) is

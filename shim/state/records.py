@@ -177,3 +177,6 @@ class MigrationDestinationRecord(JournalData):
     checkpoint_path: str = ""
     source: str = ""
     sandbox_id: str | None = None
+    # the new sandbox's metadata, recorded before it is asked for: a crash before its id was
+    # journaled still finds it (RestoreRecord's rule)
+    sandbox_metadata: dict[str, Any] | None = None
