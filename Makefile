@@ -106,9 +106,11 @@ bench-node: setup
 bench-distribution: setup
 	$(PY) -m bench.distribution
 
-# live migration between two nodes: downtime, total, the wire floor, the registry path (issue 27)
+# live migration between two nodes: downtime, total, the wire floor, the registry path (issue 27);
+# a short run: make bench-migrate MIGRATE_ARGS="--sizes 64 --skip-registry"
+MIGRATE_ARGS ?=
 bench-migrate: setup
-	$(PY) -m bench.migrate
+	$(PY) -m bench.migrate $(MIGRATE_ARGS)
 
 # A full node under a real kubelet (100 static pods), pointed at podshim and straight at containerd
 # (bench/kubelet.py, issue 22 item 11).
