@@ -271,6 +271,20 @@ def test_migrates_a_counter_with_its_memory(nodes: Nodes, mib: int) -> None:
     assert_clean(n, keep_b=frozenset({resp.pod_sandbox_id}))
     pods.remove_pod(stub(n.b), resp.pod_sandbox_id)
     pods.remove_pod(rt_a, m.source.id)
+    # both copies of the archive hold no pages (the source served them): never restorable alone
+    for node, archive in ((n.a, m.out), (n.b, m.into)):
+        assert (archive / "manifest.json").exists()
+        with pytest.raises(grpc.RpcError) as err:
+            stub(node).RestorePod(
+                cri.RestorePodRequest(
+                    checkpoint_path=str(archive),
+                    config=pods.pod_config(f"again-{secrets.token_hex(3)}", Path(node.base_dir) / "pod-logs"),
+                    container_configs=[counter_config(mib)],
+                ),
+                timeout=60,
+            )
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        assert "live migration's archive" in (err.value.details() or "")
 
 
 def test_podshim_migrate_drives_both_nodes(nodes: Nodes) -> None:

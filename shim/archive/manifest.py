@@ -73,6 +73,10 @@ REQUIRED_MEMBERS = (
 )
 
 POST_CHECKPOINT_RUNNING = "RUNNING"
+# options["pages"] of a live migration's archive (docs/architecture.md §21 (Live migration)): its
+# memory pages were never written, the source's CRIU served them to one destination
+PAGES_OPTION = "pages"
+PAGES_SERVED_BY_SOURCE = "served-by-source"
 POST_CHECKPOINT_STOPPED = "STOPPED"
 
 
@@ -682,12 +686,20 @@ def load_and_check(
     allowed_roots: Sequence[str],
     key: crypto.NodeKey | None = None,
     stop: threading.Event | None = None,
+    pages_from_source: bool = False,
 ) -> Manifest:
     """load_and_verify without the checksum pass (check_tree instead of verify_files): the same
-    refusals except a file whose bytes differ, which verify_digests (or read_verified) finds."""
+    refusals except a file whose bytes differ, which verify_digests (or read_verified) finds.
+    A live migration's archive (PAGES_OPTION) is refused first unless `pages_from_source` (the
+    migration's destination): its pages never were in it (docs/architecture.md §21 (Live migration))."""
     root = validate_archive_dir(str(path), allowed_roots)
     where, doc = _read_doc(root)
     manifest = Manifest.from_dict(doc, str(where))
+    if manifest.options.get(PAGES_OPTION) == PAGES_SERVED_BY_SOURCE and not pages_from_source:
+        raise FailedPrecondition(
+            f"{path} is a live migration's archive: its memory pages were never written, the source "
+            "node served them to the destination; it cannot be restored; nothing was created"
+        )
     check_encryption(root, doc, manifest, key)
     check_tree(root, manifest, stop)
     return manifest

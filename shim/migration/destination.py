@@ -228,7 +228,9 @@ class MigrationDestination:
         plain.CopyFrom(req)
         plain.options.clear()
         plain.options["lazy-pages"] = "true"
-        resp = await self.restorer.restore(plain, caller_end - loop.time(), sandbox_id=await s.sandbox)
+        resp = await self.restorer.restore(
+            plain, caller_end - loop.time(), sandbox_id=await s.sandbox, pages_from_source=True
+        )
         s.sandbox_id = resp.pod_sandbox_id
         s.containers = {c.name: c.container_id for c in resp.restored_containers}
         await run_to_end(self.journal.update, s.rec, "created", sandbox_id=s.sandbox_id)

@@ -290,6 +290,7 @@ class MigrationSource:
             cri.POST_CHECKPOINT_STATE_STOPPED,
             s.timings,
             stop,
+            {manifest.PAGES_OPTION: manifest.PAGES_SERVED_BY_SOURCE},
             stop=stop,
         )
         s.timings["archive"] = time.monotonic() - freeze_start - s.timings["dump"]

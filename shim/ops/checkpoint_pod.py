@@ -486,7 +486,10 @@ class PodCheckpointer:
         post: int,
         timings: dict[str, float],
         stop: threading.Event,
+        extra_options: dict[str, str] | None = None,
     ) -> manifest.Manifest:
+        """The archive's manifest, written last; `extra_options` joins the recorded options (a
+        live migration's mark, manifest.PAGES_OPTION)."""
         assert archive.dir is not None
         archive.dir.make_private()
         rt = work[0].runtime
@@ -528,7 +531,7 @@ class PodCheckpointer:
             ),
             timings=timings,
             criu_stats=stats,
-            options={k: v for k, v in sorted(options_record(opts).items())},
+            options=dict(sorted({**options_record(opts), **(extra_options or {})}.items())),
             post_checkpoint_state="STOPPED" if post == cri.POST_CHECKPOINT_STATE_STOPPED else "RUNNING",
         )
         key = self.node_key()

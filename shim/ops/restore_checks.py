@@ -297,7 +297,7 @@ class RestoreChecks:
         path = self.config.encryption_key_file
         return crypto.load_key(path) if path else None
 
-    async def check(self, req: cri.RestorePodRequest) -> Checked:
+    async def check(self, req: cri.RestorePodRequest, pages_from_source: bool = False) -> Checked:
         """Everything checked before anything is created: the request, the archive's manifest,
         file set, sizes and the members podshim reads itself (config.dump, network.json: read
         once, checksum checked), this host, the container configs against the checkpoint. The
@@ -330,7 +330,13 @@ class RestoreChecks:
         stop = threading.Event()  # set at the deadline: the sparse-file check stops at its next step
         with phases("manifest"):
             m = await run_to_end(
-                manifest.load_and_check, root, self.config.allowed_roots, key, stop, stop=stop
+                manifest.load_and_check,
+                root,
+                self.config.allowed_roots,
+                key,
+                stop,
+                pages_from_source=pages_from_source,
+                stop=stop,
             )
         # docs/architecture.md §5 (RestorePod) step 1: every way this node differs, in one refusal;
         # CRIU's CPU check (a subprocess) runs while the configs are matched

@@ -188,17 +188,23 @@ class PodRestorer:
         self.page_checks = PageChecks()
 
     async def restore(
-        self, req: cri.RestorePodRequest, deadline: float | None, sandbox_id: str = ""
+        self,
+        req: cri.RestorePodRequest,
+        deadline: float | None,
+        sandbox_id: str = "",
+        pages_from_source: bool = False,
     ) -> cri.RestorePodResponse:
         """Run RestorePod; `deadline` is the caller's remaining seconds (None: none set), counted
         from here: verifying the archive is bounded by it too. `sandbox_id`: a sandbox the caller
         made with the request's config (a migration, before the archive arrived, docs/architecture.md
-        §21 (Live migration)): used instead of a new one, and removed like one on a failure."""
+        §21 (Live migration)): used instead of a new one, and removed like one on a failure.
+        `pages_from_source`: the migration's destination restores an archive whose pages the
+        source serves; any other RestorePod of such an archive is refused."""
         loop = asyncio.get_running_loop()
         caller_end = loop.time() + (deadline if deadline is not None else DEFAULT_DEADLINE)
         try:
             async with asyncio.timeout_at(caller_end - CHECK_MARGIN):
-                checked = await self.checks.check(req)
+                checked = await self.checks.check(req, pages_from_source)
         except TimeoutError:
             raise errors.DeadlineExceeded(
                 f"the caller's deadline passed while verifying {req.checkpoint_path}; nothing was "

@@ -304,6 +304,12 @@ def _network_line(network: dict[str, list[str]] | None) -> str:
     return "; ".join(f"{name} {' '.join(addrs) or '(no address)'}" for name, addrs in network.items())
 
 
+def _migration_line(options: dict[str, str]) -> list[tuple[str, str]]:
+    if options.get(manifest.PAGES_OPTION) != manifest.PAGES_SERVED_BY_SOURCE:
+        return []
+    return [("Restorable", "no: a live migration's archive, its pages were served by the source node")]
+
+
 def pod_table(info: dict[str, Any]) -> str:
     p = info["pod"]
     head = _fields(
@@ -318,6 +324,7 @@ def pod_table(info: dict[str, Any]) -> str:
             ("Timings", _timings(info["timings"])),
             ("Size", f"{output.human_bytes(info['total_bytes'])} in {info['files']} files"),
             ("Verified", "yes (sizes and sha256)" if info["verified"] else "no (use --verify)"),
+            *_migration_line(info.get("options", {})),
         ]
     )
     rows = [
