@@ -21,6 +21,7 @@ from shim.config import Config
 from shim.deadlines import KILL_WAIT, RECOVERY_WAIT, RETRY_FIRST, RETRY_MAX
 from shim.migration import destination as migration_in
 from shim.migration import source as migration_out
+from shim.migration import source_recovery
 from shim.ops import checkpoint_container, checkpoint_pod
 from shim.ops import restore_pod as restore_mod
 from shim.ops.checkpoint_container import ContainerCheckpointer
@@ -384,7 +385,7 @@ class Engine:
             "restore": self.restorer.recover,
             "lazy-pages": self.restorer.lazy.recover,  # docs/architecture.md §5.1 (Lazy restore)
             # docs/architecture.md §21 (Live migration)
-            "migration-source": functools.partial(migration_out.recover, upstream=self.upstream),
+            "migration-source": functools.partial(source_recovery.recover, upstream=self.upstream),
             "migration-destination": functools.partial(migration_in.recover, restorer=self.restorer),
         }[rec.kind]
         try:

@@ -24,7 +24,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -34,30 +33,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, errors, faults, logs, metrics
 from shim.aio import run_to_end
-from shim.archive import compat, fsutil, layout, manifest
-from shim.archive.dirfd import clear_dir_contents
-from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
+from shim.archive import compat, layout, manifest
+from shim.cgroups import PodCut, thaw_paths
 from shim.config import Config
 from shim.criu.lazy import wait_status
-from shim.criu.runtime import (
-    binary_version,
-    criu_error_lines,
-    criu_path_env,
-    dump_processes,
-    end_dump,
-    stop_dump,
-)
+from shim.criu.runtime import binary_version, criu_error_lines, criu_path_env
 from shim.deadlines import (
     CHECK_MARGIN,
     CLEANUP_MARGIN,
     DEFAULT_DEADLINE,
     FREEZE_TIMEOUT,
-    KILL_WAIT,
     LAZY_READY_TIMEOUT,
     MIGRATION_CONNECT,
     MIGRATION_FENCE_MARGIN,
@@ -67,9 +55,18 @@ from shim.deadlines import (
 )
 from shim.migration import protocol, wire
 from shim.migration.credentials import NodeCredentials
-from shim.ops.checkpoint_pod import CheckpointOptions, PodCheckpointer, _Work, recorded_containers
+from shim.migration.lazy_dumps import (
+    WORK_DIR,
+    LazyDump,
+    copy_logs,
+    end_dumps,
+    freeze_again,
+    kill_frozen,
+    wait_dumps,
+)
+from shim.ops.checkpoint_pod import CheckpointOptions, PodCheckpointer, recorded_containers
 from shim.sandbox import PodView
-from shim.state import Journal, OpRecord
+from shim.state import Journal
 from shim.state.records import MigrationSourceRecord
 from shim.upstream import Upstream, is_not_found
 
@@ -77,7 +74,6 @@ log = logs.get("shim.migration.source")
 
 OPTION = "lazy-migration"  # CheckpointPod: the destination's HOST:PORT
 KIND = "migration-source"
-WORK_DIR = "migration"  # <state_dir>/migration/<id>/<container>: each lazy dump's work dir (its CRIU log)
 FILE_READ = 1 << 20
 
 
@@ -108,46 +104,12 @@ class _Archiver(PodCheckpointer):
 
 
 @dataclass
-class _LazyDump:
-    """One container's `runc checkpoint --lazy-pages`: it writes the images but the pages, then
-    its CRIU serves the pages from a page server (one connection, TLS) until the destination's
-    daemon has them all (or the connection ends), and exits."""
-
-    work: _Work
-    work_dir: Path
-    port: int = 0
-    proc: subprocess.Popen[bytes] | None = None
-    serving: bool = False  # its page server listens: every task was cured (compel_cure_remote)
-
-    @property
-    def name(self) -> str:
-        return self.work.view.name
-
-    def end(self) -> None:
-        """End runc and its CRIU (their process group, and a CRIU found by its image dir) once
-        nothing of CRIU's runs in the tasks (at once when serving pages: every task is cured; let
-        finish its dump otherwise: docs/architecture.md §11 (Cancellation)), wait until none is
-        left; then the pod's tasks are released (ptrace) but stay frozen (the cut)."""
-        if self.proc is None:
-            return
-        if self.serving:
-            # nothing of CRIU's is in the tasks any more, and podshim's freezer holds them
-            # (_freeze_again): stop_dump, which looks for tasks in their ptrace-stop, would see
-            # frozen ones and wait for the dump to end, which a page server nobody asks never does
-            end_dump(self.proc.pid, Path(self.work.images.proc))
-        else:
-            stop_dump(self.proc.pid, Path(self.work.images.proc))
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=KILL_WAIT)
-
-
-@dataclass
 class _Session:
     migration: str
     destination: str
     pod: PodView
     channel: wire.Channel | None = None
-    dumps: list[_LazyDump] = field(default_factory=list)
+    dumps: list[LazyDump] = field(default_factory=list)
     cut: PodCut | None = None
     rec: Any = None
     handed_over: bool = False  # `go` sent: the destination may run
@@ -255,7 +217,7 @@ class MigrationSource:
             ),
         )
         work = await run_to_end(self.archiver._prepare, s.pod, selected, archive)
-        s.dumps = [_LazyDump(w, work_root / w.view.name) for w in work]
+        s.dumps = [LazyDump(w, work_root / w.view.name) for w in work]
         await run_to_end(_make_dirs, [d.work_dir for d in s.dumps])
         s.cut = PodCut(s.pod.cgroup_parent, [w.view.cgroups_path for w in work], timeout=FREEZE_TIMEOUT)
         await run_to_end(self.journal.update, s.rec, "frozen")
@@ -278,7 +240,7 @@ class MigrationSource:
         # again only when it ends: while it serves the pages the pod is held by CRIU alone, and a
         # CRIU that dies (killed at a failure, a crash) would let it run beside the destination's
         # copy. Frozen again here, the pod stays frozen whatever becomes of the dumps.
-        await run_to_end(_freeze_again, s.cut)
+        await run_to_end(freeze_again, s.cut)
         archive.dir.check_in_place("output path", "the migration")
         stop = threading.Event()
         m = await run_to_end(
@@ -352,7 +314,7 @@ class MigrationSource:
             cpuinfo=compat.cpuinfo(rt.criu),
         )
 
-    async def _dump(self, s: _Session, d: _LazyDump, opts: CheckpointOptions) -> None:
+    async def _dump(self, s: _Session, d: LazyDump, opts: CheckpointOptions) -> None:
         """Start the container's lazy dump and wait until its page server listens (the images but
         the pages are then complete)."""
         w = d.work
@@ -472,8 +434,8 @@ class MigrationSource:
         s.timings["pages"] = time.monotonic() - freeze_start
         await faults.hit_async("migration.committed")
         # the dumps end by themselves once their connections closed (the daemons are done)
-        await run_to_end(_wait_dumps, s.dumps, MIGRATION_STEP)
-        await run_to_end(_kill_frozen, [d.work.view.cgroups_path for d in s.dumps])
+        await run_to_end(wait_dumps, s.dumps, MIGRATION_STEP)
+        await run_to_end(kill_frozen, [d.work.view.cgroups_path for d in s.dumps])
         s.cut.thaw_all()  # the SIGKILLs land (a frozen task dies once thawed)
         self._send(s, {"t": protocol.ACK})
         _stop(s.heartbeat)
@@ -481,7 +443,7 @@ class MigrationSource:
         await _remove_containers(self.upstream, s.pod, [d.work.view.id for d in s.dumps])
         m.timings.update({k: round(v, 6) for k, v in s.timings.items()})
         m.timings["total"] = time.monotonic() - freeze_start
-        await run_to_end(_copy_logs, s.dumps, archive)
+        await run_to_end(copy_logs, s.dumps, archive)
         await run_to_end(shutil.rmtree, Path(self.config.state_dir) / WORK_DIR / s.migration, True)
         self.journal.finish(s.rec)
         metrics.migrations.labels("source", "OK").inc()
@@ -504,7 +466,7 @@ class MigrationSource:
         if s.channel is not None:
             s.channel.send({"t": protocol.ABORT, "reason": error.message})
             await run_to_end(s.channel.flush_and_close, 1.0)
-        await run_to_end(_end_dumps, s.dumps)
+        await run_to_end(end_dumps, s.dumps)
         if s.handed_over:
             # the destination kills its copy when it hears nothing for MIGRATION_LEASE: counted
             # from now, when nothing is sent any more (the channel is closed)
@@ -654,42 +616,6 @@ def _established_peers(port: int) -> list[str]:
     return out
 
 
-def _freeze_again(cut: PodCut) -> None:
-    for cg in cut.frozen:
-        cut.freezer.freeze(cg, timeout=FREEZE_TIMEOUT)
-
-
-def _freeze_paths(cgroups: list[str]) -> None:
-    freezer = default_freezer()
-    for cg in cgroups:
-        with contextlib.suppress(errors.ShimError):
-            freezer.freeze(cg, timeout=FREEZE_TIMEOUT)
-
-
-def _wait_dumps(dumps: list[_LazyDump], timeout: float) -> None:
-    end = time.monotonic() + timeout
-    for d in dumps:
-        if d.proc is None:
-            continue
-        try:
-            d.proc.wait(timeout=max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("lazy dump still running after the transfer; ending it", container=d.name)
-            d.end()
-
-
-def _end_dumps(dumps: list[_LazyDump]) -> None:
-    for d in dumps:
-        d.end()
-
-
-def _kill_frozen(cgroups: list[str]) -> None:
-    for cg in cgroups:
-        for pid in cgroup_procs(cg):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
 async def _remove_containers(upstream: Upstream, pod: PodView, ids: list[str]) -> None:
     """The migrated pod's containers stopped (their processes are dead) and removed, its sandbox
     stopped: what is left for the kubelet is a NOT_READY sandbox it removes like any other."""
@@ -706,95 +632,3 @@ async def _remove_containers(upstream: Upstream, pod: PodView, ids: list[str]) -
         await upstream.stop_pod_sandbox(pod.id)
     except errors.ShimError as e:
         log.warning("migration: stopping the migrated pod's sandbox failed", pod=pod.id, error=e.message)
-
-
-def _copy_logs(dumps: list[_LazyDump], archive: layout.ArchiveLayout) -> None:
-    """The dumps' CRIU logs (written until the transfer ended) next to the archive's containers:
-    the operator's record of the source side (not in the manifest, not sent)."""
-    assert archive.dir is not None
-    for d in dumps:
-        with contextlib.suppress(OSError, errors.ShimError):
-            data = (d.work_dir / "dump.log").read_bytes()
-            with archive.dir.sub(f"{layout.CONTAINERS_DIR}/{d.name}") as cd:
-                fsutil.write_private_file(cd.at("migration-dump.log"), data)
-
-
-# ---------------------------------------------------------------------- recovery
-
-
-async def recover(rec: OpRecord, upstream: Upstream) -> None:
-    """A migration out of this node that a crash interrupted (docs/architecture.md §21 (Live
-    migration)): its dumps are ended, then by phase: committed -> the pod's processes killed and
-    its containers removed; handed-over -> the destination's lease waited out, then thawed;
-    earlier -> thawed at once. Not committed: the partial archive is cleared."""
-    data: MigrationSourceRecord = rec.data
-    work = data.work_dir
-    # from `served` on, every dump's page server listened (its tasks cured) and podshim's freeze
-    # held the pod (_freeze_again), not CRIU's ptrace alone
-    served = rec.phase in ("served", "handed-over", "committed")
-    if served:
-        await run_to_end(_freeze_paths, data.cgroups[1:])
-    if work and data.output_path:
-        await run_to_end(_end_leftovers, Path(work), Path(data.output_path), served)
-    if rec.phase == "committed":
-        await run_to_end(_kill_frozen, data.cgroups[1:])
-        await run_to_end(thaw_paths, list(data.cgroups))
-        for cid in data.container_ids:
-            for call in (upstream.stop_container, upstream.remove_container):
-                try:
-                    await call(cid)
-                except errors.ShimError as e:
-                    if not is_not_found(e):
-                        raise
-        log.warning("migration recovered: it was committed; the migrated pod's containers were removed")
-    else:
-        if rec.phase == "handed-over":
-            # the destination ran or may have: it kills its copy MIGRATION_LEASE after the last
-            # word from here, which came before this podshim died
-            await asyncio.sleep(MIGRATION_LEASE + MIGRATION_FENCE_MARGIN)
-        await run_to_end(thaw_paths, list(data.cgroups))
-        out = data.output_path
-        if out:
-            with contextlib.suppress(OSError, errors.NotFound):
-                await run_to_end(clear_dir_contents, Path(out))
-        log.warning("migration recovered: the pod was thawed and runs on here", phase=rec.phase)
-    if work and Path(work).parent.name == WORK_DIR:
-        await run_to_end(shutil.rmtree, work, True)
-
-
-def _end_leftovers(work_root: Path, output_path: Path, served: bool) -> None:
-    """End the runc/CRIU processes of the migration's dumps a crash left, one dump (runc's
-    process group, found by its work dir or its CRIU's image dir) at a time, and wait until they
-    are gone: at once (end_dump) when every task of it was cured, its page server up (`served`,
-    or a TCP socket of its CRIU's); else with stop_dump, which lets CRIU take its code out of the
-    tasks first (docs/architecture.md §11 (Cancellation))."""
-    with contextlib.suppress(FileNotFoundError):
-        for name in sorted(os.listdir(work_root)):
-            images = layout.ArchiveLayout(output_path).container(name).checkpoint_dir
-            pgid = _dump_group([str(work_root / name), str(images)])
-            if pgid is None:
-                continue
-            if served or _page_server_up(pgid, images):
-                end_dump(pgid, images)
-            else:
-                stop_dump(pgid, images)
-
-
-def _dump_group(needles: list[str]) -> int | None:
-    """The process group of the dump whose runc or CRIU names one of `needles` in its argv."""
-    for p in psutil.process_iter(["cmdline"]):
-        argv = p.info.get("cmdline") or []
-        if p.pid != os.getpid() and any(n in a for a in argv for n in needles):
-            with contextlib.suppress(OSError):
-                return os.getpgid(p.pid)
-    return None
-
-
-def _page_server_up(pgid: int, images: Path) -> bool:
-    """Whether a process of the dump has a TCP socket: its page server (listening, or serving the
-    destination), which CRIU opens once every task is cured."""
-    for pid in dump_processes(pgid, images):
-        with contextlib.suppress(psutil.Error):
-            if psutil.Process(pid).net_connections(kind="tcp"):
-                return True
-    return False

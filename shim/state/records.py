@@ -152,11 +152,11 @@ class LazyPagesRecord(JournalData):
 @register
 @dataclass
 class MigrationSourceRecord(JournalData):
-    """A pod migrating out (shim/migration/source.py): recovery ends its dumps (their page servers),
-    then, by phase: before `handed-over` thaws `cgroups` at once; at `handed-over` (the destination
-    may run) waits the destination's lease and then thaws; at `committed` (the destination has
-    every page) kills the pod's processes and removes its containers. A partial archive in
-    `output_path` is cleared unless committed."""
+    """A pod migrating out (shim/migration/source.py): recovery (source_recovery.py) ends its dumps
+    (their page servers), then, by phase: before `handed-over` thaws `cgroups` at once; at
+    `handed-over` (the destination may run) waits the destination's lease and then thaws; at
+    `committed` (the destination has every page) kills the pod's processes and removes its
+    containers. A partial archive in `output_path` is cleared unless committed."""
 
     KIND: ClassVar[str] = "migration-source"
     output_path: str = ""
