@@ -204,7 +204,16 @@ def test_a_lazy_pages_record_of_the_untyped_journal_reads_back(tmp_path: Path) -
         verifying=2,
     )
     on_disk = json.loads(back.path.read_text())["data"]
-    assert on_disk == {**old, "pid": 4242, "start_time": 99, "container_id": "c1", "verifying": 2}
+    # the fields added since (the uffd guard's) are written with their defaults
+    assert on_disk == {
+        **old,
+        "pid": 4242,
+        "start_time": 99,
+        "container_id": "c1",
+        "verifying": 2,
+        "guard": 0,
+        "guard_start_time": -1,
+    }
 
 
 def test_every_kind_has_a_class_with_defaults() -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,75 @@ def test_podshim_holds_a_duplicate_of_a_daemons_userfaultfd() -> None:
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
+
+
+def _wait(cond: Any, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def _wchan(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return ""
+
+
+def _fd_ino(pid: int, fd: str) -> int:
+    try:
+        return os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+    except OSError:
+        return 0
+
+
+def _pipe_closed(r: int) -> bool:
+    """Whether every write end of the pipe whose read end is `r` is closed (its read sees EOF)."""
+    os.set_blocking(r, False)
+    try:
+        return os.read(r, 1) == b""
+    except BlockingIOError:
+        return False
+
+
+@pytest.mark.parametrize("end", ["released", "podshim-gone", "podshim-gone-holding-nothing"])
+def test_uffd_guard_holds_what_it_was_handed_until_released_or_killed(end: str) -> None:
+    """The guard (shim/criu/uffd_guard.py) holds each descriptor it is handed (a pipe's write end
+    stands in for a userfaultfd: it is still open while the read end sees no EOF): `release` closes
+    them and ends it; the socket's end (podshim died) does not, holding anything; only a SIGKILL
+    (recovery's) does then. Holding nothing, it exits at the socket's end."""
+    proc, sock = criu_lazy.start_guard()
+    r, w = os.pipe()
+    try:
+        if end != "podshim-gone-holding-nothing":
+            criu_lazy.guard_hold(sock, w)
+            ino = os.fstat(w).st_ino
+            _wait(lambda: any(_fd_ino(proc.pid, fd) == ino for fd in os.listdir(f"/proc/{proc.pid}/fd")))
+        os.close(w)
+        if end == "released":
+            criu_lazy.guard_release(sock)
+            assert proc.wait(timeout=30) == 0
+        else:
+            sock.close()  # what podshim's death does to its end
+            if end == "podshim-gone-holding-nothing":
+                assert proc.wait(timeout=30) == 0
+            else:
+                _wait(lambda: proc.poll() is not None or "pause" in _wchan(proc.pid))
+                assert proc.poll() is None, "the guard exited: the faults would read zero pages"
+                assert not _pipe_closed(r), "the guard let go of what it held"
+                proc.send_signal(signal.SIGTERM)  # ignored: only recovery's SIGKILL ends it
+                with pytest.raises(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.5)
+                proc.kill()
+                proc.wait(timeout=30)
+        assert _pipe_closed(r)
+    finally:
+        sock.close()
+        os.close(r)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_process_start_time() -> None:

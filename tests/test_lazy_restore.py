@@ -214,6 +214,14 @@ def daemon_pid(records: list[dict], cid: str) -> int:
     raise AssertionError(f"no lazy-pages journal record for container {cid[:13]}: {records}")
 
 
+def guard_pid(records: list[dict], cid: str) -> int:
+    """The pid of the uffd guard (shim/criu/uffd_guard.py) of the container's daemon."""
+    for doc in records:
+        if doc["data"].get("container_id") == cid:
+            return int(doc["data"]["guard"])
+    raise AssertionError(f"no lazy-pages journal record for container {cid[:13]}: {records}")
+
+
 def holds_uffd(pid: int) -> bool:
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
@@ -601,28 +609,46 @@ def test_podshim_killed_while_a_daemon_serves(
     rt: Stub, bed: TestBed, plain: dict[int, Path], log_root: Path, pod_cleanup: list[str], daemon: str
 ) -> None:
     """podshim is SIGKILLed (or stopped with SIGTERM: the daemon must outlive it, never be killed
-    with it) while a daemon serves (held stopped mid-transfer): at its next start the journal's
-    record is handled: the container, whose daemon's result can no longer be known, is killed with
-    the reason in its log; an alive daemon is ended; the record and work dir go."""
+    with it) while a daemon serves (held stopped mid-transfer) and the counter is blocked on a page
+    it has not delivered; `gone`: the daemon is SIGKILLed too. The fault stays blocked (the daemon's
+    guard holds the userfaultfd: without it the counter read zero pages, `verify FAILED`). At
+    podshim's next start the journal's record is handled: the container, whose daemon's result can
+    no longer be known, is killed with the reason in its log; an alive daemon and the guard are
+    ended; the record and work dir go."""
     r = lazy_restore(rt, plain[1024], log_root, 1024, pod_cleanup, start=False)
     pid = daemon_pid(bed_daemon_records(bed), r.cid)
     podshim = bed.podshim_pid
     assert podshim
     rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
     stop_mid_transfer([podshim], pid)
+    guard = guard_pid(bed_daemon_records(bed), r.cid)
+    pods.wait_for(
+        lambda: holds_uffd(guard), timeout=10, interval=0.005, what="the guard holding the userfaultfd"
+    )
+    counter = json.loads(
+        rt.ContainerStatus(cri.ContainerStatusRequest(container_id=r.cid, verbose=True)).info["info"]
+    )["pid"]
+    os.kill(counter, signal.SIGUSR1)  # the counter reads every page: it blocks on a missing one
+    pods.wait_for(
+        lambda: wchan(counter) == "handle_userfault", timeout=30, what="the counter blocked in a fault"
+    )
     bed.kill_podshim(signal.SIGTERM if daemon == "podshim-stopped" else signal.SIGKILL)
     assert proc_state(pid) in ("T", "t"), "the daemon did not outlive podshim"
     if daemon == "gone":
         os.kill(pid, signal.SIGKILL)
         pods.wait_for(lambda: proc_state(pid) == "gone", timeout=10, what="the daemon reaped")
+    # podshim's duplicates closed with it, and a dead daemon's before it was reaped: without the
+    # guard the kernel has woken the fault by now, to read a zero page (`verify FAILED`)
+    assert wchan(counter) == "handle_userfault", (wchan(counter), log_text(r.log)[-400:])
     assert bed_daemon_records(bed), "the daemon's journal record went with podshim"
     bed.start_podshim_again()
     pods.wait_for(lambda: state(rt, r.cid) == cri.CONTAINER_EXITED, timeout=60, what="the container killed")
     text = log_text(r.log)
     assert "lazy restore interrupted" in text, text[-600:]
-    assert "verify FAILED" not in text
+    assert "verify " not in text, text[-600:]  # killed still blocked on a page never delivered
     pods.wait_for(lambda: not bed_daemon_records(bed), timeout=30, what="the record closed")
     pods.wait_for(lambda: proc_state(pid) == "gone", timeout=10, what="the daemon ended")
+    pods.wait_for(lambda: proc_state(guard) == "gone", timeout=10, what="the guard ended")
     lazy_dir = Path(bed.podshim_state_dir) / "lazy"
     assert not lazy_dir.exists() or not os.listdir(lazy_dir)
     assert "lazy-pages daemon of a previous podshim handled" in log_text(Path(bed.podshim_log))

@@ -1,8 +1,8 @@
 """`criu lazy-pages`, the mechanisms (docs/architecture.md §5.1 (Lazy restore)): whether a runtime
 restores lazily, the daemon as a process (its start time, its status fd, its exit through a pidfd,
-the userfaultfds it holds and their duplicates), and the background check of the page images it
-serves against the manifest. The daemons' lifecycle (start, supervision, journal, recovery) is
-shim/ops/lazy_pages.py's.
+the userfaultfds it holds and their duplicates, the guard process that holds them beyond podshim),
+and the background check of the page images it serves against the manifest. The daemons'
+lifecycle (start, supervision, journal, recovery) is shim/ops/lazy_pages.py's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import fnmatch
 import functools
 import hashlib
 import os
+import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from typing import Any
 
 from shim import errors
 from shim.archive import layout, manifest
+from shim.criu import uffd_guard
 from shim.deadlines import LAZY_CHECK_PAUSE_SECONDS, VERSION_TIMEOUT
 
 _SYS_PIDFD_GETFD = 438  # the same number on x86_64 and arm64 (the generic table)
@@ -78,6 +81,39 @@ def pidfd_getfd(pidfd: int, fd: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return int(got)
+
+
+def start_guard() -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """A uffd guard (shim/criu/uffd_guard.py) in a session of its own, and podshim's end of the
+    socket it reads: the only one, so that it sees podshim's death as the socket's end."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", uffd_guard.__name__],
+            stdin=theirs.fileno(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a podshim crash or stop leaves it holding
+        )
+    except OSError:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, ours
+
+
+def guard_hold(sock: socket.socket, fd: int) -> None:
+    """Hand the guard a duplicate of `fd` (a userfaultfd); once sent, the socket holds it even if
+    podshim dies before the guard has read it."""
+    socket.send_fds(sock, [uffd_guard.FD], [fd])
+
+
+def guard_release(sock: socket.socket) -> None:
+    """The guard closes what it holds and exits."""
+    with contextlib.suppress(OSError):
+        sock.send(uffd_guard.RELEASE)
+    sock.close()
 
 
 def daemon_uffds(pid: int) -> list[int]:

@@ -11,9 +11,11 @@ The daemon's lifetime is the transfer's: it exits 0 once every page is delivered
 (killed, a nonzero exit, an unreadable image) kills the container, with the reason in podshim's
 log, a line in the container's log and podshim_lazy_restore_failures_total. So that the process
 never runs on with missing memory, podshim holds a duplicate (pidfd_getfd) of every userfaultfd
-the daemon holds: when the daemon dies its faults stay blocked (killable) instead of reading zero
-pages, until podshim has killed the container. The journal records every live daemon; after a
-podshim restart `recover` kills the container of a daemon it can no longer supervise.
+the daemon holds, and hands one to the daemon's guard (shim/criu/uffd_guard.py, a process that
+outlives podshim): when the daemon dies its faults stay blocked (killable) instead of reading zero
+pages, until podshim has killed the container, even when podshim died with the daemon. The
+journal records every live daemon and its guard; after a podshim restart `recover` kills the
+container of a daemon it can no longer supervise, then the daemon and the guard.
 
 The page images of a plain archive (pages-*.img, nearly all of its bytes) are not checksummed
 before the restore: a thread hashes them while the daemon serves (shim/criu/lazy.py check_pages),
@@ -30,6 +32,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -48,10 +51,13 @@ from shim.criu.lazy import (
     daemon_uffds,
     error_lines,
     exited,
+    guard_hold,
+    guard_release,
     in_thread,
     pidfd_getfd,
     process_start_time,
     restore_pending,
+    start_guard,
     stopped,
     wait_status,
 )
@@ -70,6 +76,7 @@ log = logs.get("shim.ops.lazy_pages")
 
 KIND = "lazy-pages"  # the journal kind of a live daemon
 LOG_NAME = "lazy-pages.log"  # the daemon's CRIU log, in its work dir
+GUARD_EXIT_WAIT = 5.0  # seconds a released guard has to exit
 
 
 @dataclass
@@ -90,6 +97,9 @@ class Daemon:
     started: float = field(default_factory=time.monotonic)
     held: dict[tuple[int, int], int] = field(default_factory=dict)  # (dev, ino) -> our duplicate
     pidfd: int = -1
+    # holds what `held` holds beyond podshim's death (shim/criu/uffd_guard.py); `guard_sock` our end
+    guard: subprocess.Popen[bytes] | None = None
+    guard_sock: socket.socket | None = None
     abandoned: bool = False  # podshim ended it (a failed RestorePod): no failure
     task: asyncio.Task[None] | None = None
     # the background checksum pass of its page images (plain archives): "" all match, else why not
@@ -184,6 +194,8 @@ class LazyPages:
         source = self.page_servers.get(images, [])
         d.remote = bool(source)
         try:
+            guard, d.guard_sock = start_guard()  # before any userfaultfd exists
+            d.guard = guard
             d.proc = subprocess.Popen(
                 [
                     criu,
@@ -214,7 +226,15 @@ class LazyPages:
         d.start_time = process_start_time(d.pid)
         with contextlib.suppress(OSError):
             d.pidfd = os.pidfd_open(d.pid)
-        self.journal.update(d.rec, "serving", pid=d.pid, start_time=d.start_time, verifying=verifying)
+        self.journal.update(
+            d.rec,
+            "serving",
+            pid=d.pid,
+            start_time=d.start_time,
+            verifying=verifying,
+            guard=guard.pid,
+            guard_start_time=process_start_time(guard.pid),
+        )
         ready = await wait_status(read_end, LAZY_READY_TIMEOUT)
         if ready != b"\0":
             detail = error_lines(work / LOG_NAME)
@@ -318,6 +338,12 @@ class LazyPages:
                 d.held[key] = pidfd_getfd(d.pidfd, fd)
             except OSError as e:
                 log.warning("cannot hold a userfaultfd of the lazy-pages daemon", pid=d.pid, error=str(e))
+                continue
+            if d.guard_sock is not None:
+                try:
+                    guard_hold(d.guard_sock, d.held[key])
+                except OSError as e:
+                    log.warning("cannot hand a userfaultfd to the daemon's guard", pid=d.pid, error=str(e))
 
     async def _checksum_failed(self, d: Daemon, why: str, waiter: asyncio.Future[int]) -> None:
         """A page image differs from the manifest (or cannot be read): the container must not run on
@@ -370,6 +396,9 @@ class LazyPages:
             with contextlib.suppress(OSError):
                 os.close(fd)
         d.held.clear()
+        if d.guard_sock is not None:
+            guard_release(d.guard_sock)
+            d.guard_sock = None
         if d.pidfd >= 0:
             with contextlib.suppress(OSError):
                 os.close(d.pidfd)
@@ -486,6 +515,11 @@ class LazyPages:
         """After the daemon ended: its work dir (its log kept in <state_dir>/logs on failure, see
         _keep_log), the decrypted copy it served, its journal record."""
         self.live.pop(d.work, None)
+        if d.guard is not None:  # released (_release) once nothing needs it: it exits at once
+            if d.guard_sock is not None:
+                guard_release(d.guard_sock)
+                d.guard_sock = None
+            await asyncio.to_thread(_reap, d.guard)
         if d.verify is not None:  # the checksum pass stops at its next read
             d.verify_stop.set()
             await asyncio.wait({d.verify})
@@ -500,8 +534,9 @@ class LazyPages:
     async def recover(self, rec: Any) -> None:
         """A daemon a previous podshim started and did not see end (docs/architecture.md
         §5.1 (Lazy restore)): its exit status cannot be known any more, so its container is killed (with the
-        daemon's userfaultfds held meanwhile, so that no fault reads a zero page), then an alive
-        daemon is ended; a container already gone only leaves files to remove. Raises (the record
+        userfaultfds held meanwhile by its guard, and by podshim from the guard and an alive daemon,
+        so that no fault reads a zero page), then the daemon and the guard are ended; a container
+        already gone only leaves files to remove. Raises (the record
         stays and is retried) while the container cannot be killed; the duplicates stay held."""
         data: LazyPagesRecord = rec.data
         pid = data.pid
@@ -511,13 +546,12 @@ class LazyPages:
             pid = daemon_serving(work) or pid
             alive = pid > 0 and process_start_time(pid) > 0 and daemon_serving(work) == pid
         held = self._recover_held.setdefault(rec.op_id, [])
-        pidfd = -1
-        if alive:
-            with contextlib.suppress(OSError):
-                pidfd = os.pidfd_open(pid)
-                for fd in daemon_uffds(pid):
-                    with contextlib.suppress(OSError):
-                        held.append(pidfd_getfd(pidfd, fd))
+        pidfd = _hold_from(pid, held) if alive else -1
+        # the guard holds them too, and for certain: the daemon may have died with podshim
+        guard = (
+            data.guard if data.guard > 0 and process_start_time(data.guard) == data.guard_start_time else 0
+        )
+        guard_fd = _hold_from(guard, held) if guard else -1
         cid = data.container_id
         try:
             if cid and not await self._container_gone(cid):
@@ -529,12 +563,14 @@ class LazyPages:
                     "the container was killed so that it never runs with missing memory"
                 )
                 await self.fail(cid, reason, "podshim-restart")
-            if pidfd >= 0:
-                with contextlib.suppress(OSError):
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            for fd in (pidfd, guard_fd):  # the container is dead: the daemon, then its guard
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
         finally:
-            if pidfd >= 0:
-                os.close(pidfd)
+            for fd in (pidfd, guard_fd):
+                if fd >= 0:
+                    os.close(fd)
         for fd in self._recover_held.pop(rec.op_id, []):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -543,6 +579,18 @@ class LazyPages:
             _remove_dirs, Path(work) if work else None, Path(decrypted) if decrypted else None
         )
         log.warning("lazy-pages daemon of a previous podshim handled", container=cid, pid=pid, alive=alive)
+
+
+def _hold_from(pid: int, held: list[int]) -> int:
+    """Duplicates of the userfaultfds `pid` holds, appended to `held`; its pidfd (-1: it is gone)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return -1
+    for fd in daemon_uffds(pid):
+        with contextlib.suppress(OSError):
+            held.append(pidfd_getfd(pidfd, fd))
+    return pidfd
 
 
 def _pending(fut: asyncio.Future[str] | None) -> set[asyncio.Future[str]]:
@@ -586,6 +634,15 @@ def _mark_failed(work: Path, reason: str) -> None:
             os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(work / contract.LAZY_PAGES_SOCKET)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for a released guard; one that does not exit holds nothing podshim needs: killed."""
+    try:
+        proc.wait(timeout=GUARD_EXIT_WAIT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _remove_dirs(work: Path | None, decrypted: Path | None) -> None:

@@ -135,8 +135,8 @@ class RestoreRecord(JournalData):
 @dataclass
 class LazyPagesRecord(JournalData):
     """A live lazy-pages daemon (shim/ops/lazy_pages.py): recovery kills the container it serves
-    (its result cannot be known any more) with the daemon's userfaultfds held, ends the daemon,
-    and removes its work dir and the decrypted copy it served."""
+    (its result cannot be known any more) with the daemon's userfaultfds held (by its guard too),
+    ends the daemon and the guard, and removes its work dir and the decrypted copy it served."""
 
     KIND: ClassVar[str] = "lazy-pages"
     container: str = ""  # the container's name in the archive
@@ -147,6 +147,8 @@ class LazyPagesRecord(JournalData):
     start_time: int = -1  # the daemon's, from /proc (pid reuse)
     container_id: str = ""  # "" until its container is created
     verifying: int = 0  # page images whose checksums are not yet known to match
+    guard: int = 0  # the uffd guard's pid (shim/criu/uffd_guard.py), 0 until it runs
+    guard_start_time: int = -1
 
 
 @register
