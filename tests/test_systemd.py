@@ -90,13 +90,14 @@ def test_service_hardening_keeps_criu_working() -> None:
 
 
 def test_service_stop_leaves_runc_and_criu_to_podshim() -> None:
-    """KillMode=mixed: a stop signals podshim alone (the default control-group also SIGTERMs the
-    runc/CRIU of a running checkpoint, whose orphaned CRIU then froze the pod again); podshim's
-    graceful stop (grace + clean-up) ends before systemd's SIGKILL."""
+    """KillMode=process: a stop or a crash signals podshim alone (the default control-group also
+    SIGTERMs the runc/CRIU of a running checkpoint, whose orphaned CRIU then froze the pod again;
+    mixed SIGKILLs them, the lazy-pages daemons and their guards once podshim exited); podshim's
+    graceful stop (grace + clean-up) ends before systemd's SIGKILL of podshim."""
     from shim.server.app import STOP_CLEANUP, STOP_GRACE
 
     svc = unit(UNIT)["Service"]
-    assert svc["KillMode"] == "mixed"
+    assert svc["KillMode"] == "process"
     assert svc.get("KillSignal", "SIGTERM") == "SIGTERM"
     assert STOP_GRACE + STOP_CLEANUP < float(svc["TimeoutStopSec"])
 

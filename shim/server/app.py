@@ -167,7 +167,7 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     await stopping.wait()
-    # A graceful stop (systemd's KillMode=mixed signals podshim alone; runc and CRIU go on): no
+    # A graceful stop (systemd's KillMode=process signals podshim alone; runc and CRIU go on): no
     # new calls; a checkpoint or restore in flight may finish within STOP_GRACE, else it is
     # cancelled and thaws, clears and rolls back as on a deadline, within STOP_CLEANUP.
     for sig in (signal.SIGTERM, signal.SIGINT):
