@@ -222,8 +222,28 @@ def assert_clean(n: Nodes, keep_b: frozenset[str] = frozenset()) -> None:
 def assert_runs_on(m: Migration, after: float = 0.0) -> list[tuple[int, float]]:
     """A's counter runs on (its pod thawed): new lines after `after` (epoch seconds)."""
     path = m.source.log_path("counter")
-    got = wait_until("A's counter to run on", lambda: [e for e in entries(path) if e[1] > after] or None, 30)
-    return got
+    try:
+        return wait_until(
+            "A's counter to run on", lambda: [e for e in entries(path) if e[1] > after] or None, 30
+        )
+    except TimeoutError:
+        _explain_not_running(m)
+        raise
+
+
+def _explain_not_running(m: Migration) -> None:
+    """What a failure's report needs to tell a pod left frozen from one whose counter died: A's
+    frozen cgroups, its containers' states, the tail of A's podshim log (it holds every test's)."""
+    a = m.nodes.a
+    with contextlib.suppress(Exception):
+        print("A's frozen cgroups:", frozen_cgroups(a))
+    with contextlib.suppress(Exception):
+        listed = stub(a).ListContainers(
+            cri.ListContainersRequest(filter=cri.ContainerFilter(pod_sandbox_id=m.source.id))
+        )
+        states = [(c.metadata.name, cri.ContainerState.Name(c.state)) for c in listed.containers]
+        print("A's containers:", states)
+    print("A's podshim log, its tail:\n" + Path(a.podshim_log).read_text(errors="replace")[-8000:])
 
 
 # ---------------------------------------------------------------------------- success
