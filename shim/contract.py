@@ -15,10 +15,6 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from shim.criu.runtime import CriuOptions
 
 RESTORE_ANNOTATION = "podshim.restore.checkpoint-dir"  # no "/": containerd matches with filepath.Match
 RESTORE_OPTIONS_ANNOTATION = "podshim.restore.criu-options"  # the CRIU option record (to_record)
@@ -79,23 +75,10 @@ def lazy_root(state_dir: str | Path) -> Path:
     return Path(state_dir) / LAZY_DIR
 
 
-def switches_record(opts: CriuOptions) -> dict[str, str]:
-    """The switches of `opts` as a manifest's `options` entries ("true"/"false")."""
-    return {name: str(getattr(opts, attr)).lower() for name, attr in CRIU_SWITCHES.items()}
-
-
 def to_record(options: Mapping[str, str]) -> str:
     """The restore record (RESTORE_OPTIONS_ANNOTATION) of a manifest's `options`: the switches that
     were on at the dump, comma-separated."""
     return ",".join(name for name in CRIU_SWITCHES if options.get(name) == "true")
-
-
-def from_record(record: str) -> CriuOptions:
-    """The CriuOptions of a restore record: the named switches on, every other one off."""
-    from shim.criu.runtime import CriuOptions
-
-    on = {name for name in record.split(",") if name}
-    return CriuOptions(**{attr: name in on for name, attr in CRIU_SWITCHES.items()})
 
 
 def page_digests_record(digests: Mapping[str, str]) -> str:

@@ -36,6 +36,7 @@ EXEC_SESSION_POLL = 0.02
 LAZY_READY_TIMEOUT = 30.0  # for a lazy-pages daemon to listen (it reads the images' metadata first)
 LAZY_POLL = 0.02  # between two looks for new userfaultfds in the daemon
 LAZY_CONTAINER_CHECK = 2.0  # between two looks at the container (gone: the daemon goes too)
+GUARD_EXIT_WAIT = 5.0  # for a released userfaultfd guard to exit (shim/criu/uffd_guard.py)
 # between two looks at a container whose page images failed their checksum, until it has started
 # (a stop of a created container is a no-op: it is killed once it runs)
 LAZY_STARTED_POLL = 0.05

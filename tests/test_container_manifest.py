@@ -20,6 +20,7 @@ from shim.archive import layout
 from shim.archive.container_tar import MANIFEST_FILE, ContainerTarManifest, container_tar_files
 from shim.archive.manifest import FileEntry
 from shim.cli.commands.inspect import inspect_container_tar
+from shim.criu.runtime import CriuOptions
 from shim.errors import DataLoss, FailedPrecondition
 from shim.ops.restore_container import load_imported, restore_config
 
@@ -137,7 +138,7 @@ def test_the_writer_and_the_reader_agree_on_a_tree(tmp_path: Path) -> None:
     ck = load_imported(tmp_path, tmp_path / "ck.tar", Steps())
     assert ck.manifest == ContainerTarManifest.from_dict(json.loads(m.to_json()), "ck.tar")
     cc = restore_config(cri.ContainerConfig(), ck, cri.ImageSpec(image="busybox"))
-    assert contract.from_record(cc.annotations[contract.RESTORE_OPTIONS_ANNOTATION]).file_locks
+    assert CriuOptions.from_record(cc.annotations[contract.RESTORE_OPTIONS_ANNOTATION]).file_locks
 
 
 @pytest.mark.parametrize(

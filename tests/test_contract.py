@@ -41,16 +41,16 @@ def test_native_wrapper_defines_equal_the_contract() -> None:
 )
 def test_record_round_trip(options: dict[str, str], record: str) -> None:
     assert contract.to_record(options) == record
-    back = contract.from_record(record)
+    back = CriuOptions.from_record(record)
     for name, attr in contract.CRIU_SWITCHES.items():
         assert getattr(back, attr) is (options.get(name) == "true"), name
-    assert contract.to_record(contract.switches_record(back)) == record
+    assert contract.to_record(back.switches_record()) == record
 
 
 def test_from_record_turns_unnamed_switches_off() -> None:
     # CriuOptions' own default has file locks on (a dump); a restore record without them has them off
-    assert CriuOptions().file_locks and not contract.from_record("").file_locks
-    assert contract.from_record("shell-job,,").flags() == ["--shell-job"]
+    assert CriuOptions().file_locks and not CriuOptions.from_record("").file_locks
+    assert CriuOptions.from_record("shell-job,,").flags() == ["--shell-job"]
 
 
 def _imports(path: Path) -> set[str]:

@@ -21,12 +21,7 @@ PACKAGES = ("shim", "bench", "testbed")
 
 # Circles known and left for later, each with the reason; the test fails on any other circle and
 # when one of these is gone (then remove it here).
-LEFT_FOR_LATER: dict[frozenset[str], str] = {
-    frozenset({"shim.contract", "shim.criu.runtime"}): (
-        "contract.from_record builds a CriuOptions; the fix edits lines of shim/criu/runtime.py and "
-        "shim/wrapper/restore.py another change has pending"
-    ),
-}
+LEFT_FOR_LATER: dict[frozenset[str], str] = {}
 
 
 def _modules() -> dict[str, Path]:

@@ -60,7 +60,7 @@ def _restorer(cfg: Config, up: FakeUpstream, start: bool = False) -> tuple[PodRe
         opts=RestoreOptions(start=start), root=root, key=None, manifest=m, plan=plan, network={}
     )
 
-    async def check(req: cri.RestorePodRequest) -> Checked:
+    async def check(req: cri.RestorePodRequest, pages_from_source: bool = False) -> Checked:
         return checked
 
     r.checks.check = check  # type: ignore[method-assign]  # the archive's checks have their own tests
@@ -258,7 +258,7 @@ async def test_deadline_while_a_decrypted_dir_is_made_still_removes_it(
     r, _ = _restorer(cfg, up)
     plain_check = r.checks.check
 
-    async def encrypted_check(req: cri.RestorePodRequest) -> Checked:
+    async def encrypted_check(req: cri.RestorePodRequest, pages_from_source: bool = False) -> Checked:
         checked = await plain_check(req)
         checked.manifest.encryption = manifest.Encryption(scheme="test", key_id="k", mac="")
         return dataclasses.replace(checked, key=object())  # type: ignore[arg-type]  # never read here
@@ -288,7 +288,7 @@ def _with_member(r: PodRestorer, rel: str, data: bytes, recorded: bytes) -> None
 
     plain_check = r.checks.check
 
-    async def check(req: cri.RestorePodRequest) -> Checked:
+    async def check(req: cri.RestorePodRequest, pages_from_source: bool = False) -> Checked:
         checked = await plain_check(req)
         path = checked.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -351,7 +351,7 @@ async def test_undo_runs_last_in_first_out(
     r.journal.finish = finish  # type: ignore[method-assign]
     plain_check = r.checks.check
 
-    async def encrypted_check(req: cri.RestorePodRequest) -> Checked:
+    async def encrypted_check(req: cri.RestorePodRequest, pages_from_source: bool = False) -> Checked:
         checked = await plain_check(req)
         checked.manifest.encryption = manifest.Encryption(scheme="test", key_id="k", mac="")
         return dataclasses.replace(checked, key=object())  # type: ignore[arg-type]  # never read here

@@ -106,7 +106,7 @@ async def test_deferred_page_image_is_not_checked_up_front(cfg: Config, up: Fake
     _with_member(r, "containers/a/checkpoint/pages-1.img", b"x" * 4096, b"y" * 4096)
     plain_check = r.checks.check
 
-    async def check(req: cri.RestorePodRequest) -> Any:
+    async def check(req: cri.RestorePodRequest, pages_from_source: bool = False) -> Any:
         checked = await plain_check(req)
         checked.defer_pages = True
         return checked
@@ -129,7 +129,7 @@ async def test_other_images_stay_checked_up_front_when_pages_are_deferred(
     _with_member(r, "containers/a/checkpoint/core-1.img", b"x" * 4096, b"y" * 4096)
     plain_check = r.checks.check
 
-    async def check(req: cri.RestorePodRequest) -> Any:
+    async def check(req: cri.RestorePodRequest, pages_from_source: bool = False) -> Any:
         checked = await plain_check(req)
         checked.defer_pages = True
         return checked

@@ -61,8 +61,8 @@ def test_the_restore_hook_imports_no_asyncio_logging_or_crypto() -> None:
         "from shim.wrapper import main, restore\n"
         "from shim import config, contract, faults, errors\n"
         "from shim.archive import layout, paths, rootfs_diff, fsutil\n"
-        "from shim.criu.runtime import OciRuntime, criu_error_lines\n"
-        "contract.from_record('file-locks')\n"
+        "from shim.criu.runtime import CriuOptions, OciRuntime, criu_error_lines\n"
+        "CriuOptions.from_record('file-locks')\n"
         "print(' '.join(sorted(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -53,7 +53,7 @@ class ContainerTarManifest:
     host: dict[str, Any] = field(default_factory=dict)  # HostInfo's fields
     timings: dict[str, float] = field(default_factory=dict)  # seconds, e.g. "freeze_window"
     criu_stats: dict[str, Any] = field(default_factory=dict)
-    options: dict[str, str] = field(default_factory=dict)  # contract.switches_record
+    options: dict[str, str] = field(default_factory=dict)  # CriuOptions.switches_record
     files: dict[str, FileEntry] = field(default_factory=dict)  # member -> size, sha256
     created: str = field(default_factory=rfc3339_now)
     format: str = FORMAT

@@ -67,6 +67,17 @@ class CriuOptions:
         """runc's and crun's switches: --<name> of each contract.CRIU_SWITCHES entry that is on."""
         return [f"--{name}" for name, attr in contract.CRIU_SWITCHES.items() if getattr(self, attr)]
 
+    def switches_record(self) -> dict[str, str]:
+        """The switches as a manifest's `options` entries ("true"/"false")."""
+        return {name: str(getattr(self, attr)).lower() for name, attr in contract.CRIU_SWITCHES.items()}
+
+    @classmethod
+    def from_record(cls, record: str) -> CriuOptions:
+        """The options of a restore record (contract.to_record): the named switches on, every
+        other one off."""
+        on = {name for name in record.split(",") if name}
+        return cls(**{attr: name in on for name, attr in contract.CRIU_SWITCHES.items()})
+
 
 def criu_path_env(criu: str, path: str | None = None) -> dict[str, str]:
     """`PATH` with the configured CRIU's directory first ({} when it cannot name it): runc >= 1.2

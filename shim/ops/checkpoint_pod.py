@@ -24,7 +24,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, cni, contract, errors, faults, logs
+from shim import __version__, cni, errors, faults, logs
 from shim.aio import run_to_end
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff, writeback
 from shim.archive.dirfd import DirHandle, clear_dir_contents, open_checked
@@ -567,7 +567,7 @@ def options_record(opts: CheckpointOptions) -> dict[str, str]:
     """The options a checkpoint was taken with, as its manifest records them."""
     c = opts.criu
     return {
-        **contract.switches_record(c),
+        **c.switches_record(),
         "rootfs-compression": "gzip" if opts.compress else "none",
         "ghost-limit": str(c.ghost_limit or ""),
         "irmap-scan-paths": ",".join(c.irmap_scan_paths),

@@ -62,6 +62,7 @@ from shim.criu.lazy import (
     wait_status,
 )
 from shim.deadlines import (
+    GUARD_EXIT_WAIT,
     LAZY_CONTAINER_CHECK,
     LAZY_POLL,
     LAZY_READY_TIMEOUT,
@@ -76,7 +77,6 @@ log = logs.get("shim.ops.lazy_pages")
 
 KIND = "lazy-pages"  # the journal kind of a live daemon
 LOG_NAME = "lazy-pages.log"  # the daemon's CRIU log, in its work dir
-GUARD_EXIT_WAIT = 5.0  # seconds a released guard has to exit
 
 
 @dataclass

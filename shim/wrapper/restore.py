@@ -146,7 +146,7 @@ def prepare(
     is gone): errors.Stopped from the rootfs diff, the page check stopped."""
     from shim import config
     from shim.archive import layout, paths, rootfs_diff
-    from shim.criu.runtime import OciRuntime, criu_path_env
+    from shim.criu.runtime import CriuOptions, OciRuntime, criu_path_env
     from shim.errors import ShimError, Stopped
 
     container_id = rest[-1] if rest else ""
@@ -212,7 +212,7 @@ def prepare(
         annotations.pop(CRIU_CONFIG_ANNOTATION, None)
     (bundle / "config.json").write_text(json.dumps(spec))
 
-    criu_opts = contract.from_record(annotations.get(RESTORE_OPTIONS_ANNOTATION, ""))
+    criu_opts = CriuOptions.from_record(annotations.get(RESTORE_OPTIONS_ANNOTATION, ""))
     handler = cfg.runtime_for_root(flags.get("--root", ""))
     # the handler's CRIU: runc >= 1.2 and crun run the `criu` on PATH, and containerd 2.x passes
     # no --criu (CriuPath) at all; a --criu of containerd 1.x's goes (runc >= 1.2 would print its
