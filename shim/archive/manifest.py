@@ -73,10 +73,7 @@ REQUIRED_MEMBERS = (
 )
 
 POST_CHECKPOINT_RUNNING = "RUNNING"
-# options["pages"] of a live migration's archive (docs/architecture.md §21 (Live migration)): its
-# memory pages were never written, the source's CRIU served them to one destination
-PAGES_OPTION = "pages"
-PAGES_SERVED_BY_SOURCE = "served-by-source"
+PAGES_OPTION, PAGES_SERVED_BY_SOURCE = "pages", "served-by-source"  # a live migration's archive (§21)
 POST_CHECKPOINT_STOPPED = "STOPPED"
 
 
@@ -690,16 +687,13 @@ def load_and_check(
 ) -> Manifest:
     """load_and_verify without the checksum pass (check_tree instead of verify_files): the same
     refusals except a file whose bytes differ, which verify_digests (or read_verified) finds.
-    A live migration's archive (PAGES_OPTION) is refused first unless `pages_from_source` (the
-    migration's destination): its pages never were in it (docs/architecture.md §21 (Live migration))."""
+    A live migration's archive (PAGES_OPTION) is refused unless `pages_from_source` (its destination)."""
     root = validate_archive_dir(str(path), allowed_roots)
     where, doc = _read_doc(root)
     manifest = Manifest.from_dict(doc, str(where))
     if manifest.options.get(PAGES_OPTION) == PAGES_SERVED_BY_SOURCE and not pages_from_source:
-        raise FailedPrecondition(
-            f"{path} is a live migration's archive: its memory pages were never written, the source "
-            "node served them to the destination; it cannot be restored; nothing was created"
-        )
+        why = "its memory pages stayed on the source node, which served them to the destination"
+        raise FailedPrecondition(f"{path} is a live migration's archive ({why}): it cannot be restored")
     check_encryption(root, doc, manifest, key)
     check_tree(root, manifest, stop)
     return manifest
