@@ -94,8 +94,11 @@ def test_containerd_down_at_checkpoint(rt: Rt, bed: TestBed, pod_cleanup: list[s
 
 
 def _lists(rt: Rt) -> bool:
+    """Both of podshim's ways to containerd are back: the front's (ListPodSandbox is passed
+    through) and the daemon's (Version is podshim's own); each reconnects on its own backoff."""
     try:
         rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=2)
+        rt.Version(cri.VersionRequest(), timeout=2)
         return True
     except grpc.RpcError:
         return False
