@@ -171,8 +171,12 @@ def _is_pause(pid: int) -> bool:
 
 
 def _upstream_ok(bed: TestBed) -> bool:
+    """Both of podshim's ways to containerd are back: the front's (ListPodSandbox, passed through)
+    and the daemon's (Version, its own); each reconnects on its own backoff."""
     try:
-        pods.stubs(bed.podshim_socket)[0].ListPodSandbox(cri.ListPodSandboxRequest(), timeout=2)
+        rt = pods.stubs(bed.podshim_socket)[0]
+        rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=2)
+        rt.Version(cri.VersionRequest(), timeout=2)
         return True
     except grpc.RpcError:
         return False
