@@ -48,6 +48,22 @@ def wait_serving(rt: Rt, timeout: float = 30.0) -> cri.VersionResponse:
     return rt.Version(cri.VersionRequest(), timeout=timeout, wait_for_ready=True)
 
 
+def wait_reaching_containerd(rt: Rt, timeout: float = 30.0) -> None:
+    """Until both of podshim's ways to containerd are back after its restart: the front's
+    (ListPodSandbox is passed through) and the daemon's (Version is podshim's own); each
+    reconnects on its own backoff."""
+
+    def reaching() -> bool:
+        try:
+            rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=2)
+            rt.Version(cri.VersionRequest(), timeout=2)
+            return True
+        except grpc.RpcError:
+            return False
+
+    pods.wait_for(reaching, timeout, what="podshim reaching containerd again")
+
+
 def fresh_rt(bed: TestBed) -> Rt:
     """A stub on a new channel to podshim (no reconnect backoff inherited from a dead podshim)."""
     return pods.stubs(bed.podshim_socket)[0]

@@ -20,7 +20,7 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from shim.archive import manifest as mf
-from testbed import _sys, pods
+from testbed import _sys
 from testbed.bed import TestBed
 
 from .helpers import (
@@ -40,6 +40,7 @@ from .helpers import (
     start_counter_pod,
     wait_criu_dumping,
     wait_journal_empty,
+    wait_reaching_containerd,
     wait_serving,
 )
 
@@ -87,21 +88,10 @@ def test_containerd_down_at_checkpoint(rt: Rt, bed: TestBed, pod_cleanup: list[s
         assert journal_files(bed) == []
     finally:
         bed.start_containerd()
-    pods.wait_for(lambda: _lists(rt), 30, what="podshim reaching containerd again")
+    wait_reaching_containerd(rt)
     _after(rt, bed, cp, out)
     shutil.rmtree(assert_checkpoint_works(rt, bed, cp))
     out.rmdir()
-
-
-def _lists(rt: Rt) -> bool:
-    """Both of podshim's ways to containerd are back: the front's (ListPodSandbox is passed
-    through) and the daemon's (Version is podshim's own); each reconnects on its own backoff."""
-    try:
-        rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=2)
-        rt.Version(cri.VersionRequest(), timeout=2)
-        return True
-    except grpc.RpcError:
-        return False
 
 
 def test_containerd_restarted_mid_checkpoint(
@@ -121,7 +111,7 @@ def test_containerd_restarted_mid_checkpoint(
         call.join(120)
     finally:
         bed.start_containerd()
-    pods.wait_for(lambda: _lists(rt), 30, what="podshim reaching containerd again")
+    wait_reaching_containerd(rt)
     if call.error is None:
         print(f"containerd restarted mid-checkpoint: CheckpointPod OK in {call.seconds:.2f}s")
         m = mf.load_and_verify(out, [str(bed.checkpoint_root)])

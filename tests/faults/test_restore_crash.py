@@ -39,6 +39,7 @@ from .helpers import (
     sandboxes_named,
     take_archive,
     wait_journal_empty,
+    wait_reaching_containerd,
     wait_serving,
 )
 
@@ -145,7 +146,7 @@ def containerd_env(bed: TestBed, env: dict[str, str]) -> Iterator[None]:
     def restart() -> None:
         bed.stop_containerd()
         bed.start_containerd()
-        pods.wait_for(lambda: _upstream_ok(bed), 30, what="podshim reaching containerd again")
+        wait_reaching_containerd(pods.stubs(bed.podshim_socket)[0])
 
     bed.extra_env = {**saved, **env}
     try:
@@ -168,18 +169,6 @@ def _naming(container_id: str) -> list[int]:
 def _is_pause(pid: int) -> bool:
     argv = _sys.read_cmdline(pid)
     return bool(argv) and Path(argv[0]).name == "pause"
-
-
-def _upstream_ok(bed: TestBed) -> bool:
-    """Both of podshim's ways to containerd are back: the front's (ListPodSandbox, passed through)
-    and the daemon's (Version, its own); each reconnects on its own backoff."""
-    try:
-        rt = pods.stubs(bed.podshim_socket)[0]
-        rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=2)
-        rt.Version(cri.VersionRequest(), timeout=2)
-        return True
-    except grpc.RpcError:
-        return False
 
 
 # podshim-runc restores through podshim's broker, or alone (its hook) when podshim does not answer
