@@ -82,6 +82,7 @@ PASSTHROUGH_STOP_GRACE = 1.0  # passed-through calls and streams are cancelled w
 
 # ---------------------------------------------------------------------- podshim-front (§3)
 FRONT_READY_TIMEOUT = 10.0  # for the front to say it listens
+SOCKET_PROBE_TIMEOUT = 1.0  # a live server on podshim's socket path accepts at once, a dead one refuses
 FRONT_EXIT_MARGIN = 2.0  # after its grace, the front is killed if it has not exited
 # a front that died is started again after FRONT_RESTART_FIRST, doubling up to FRONT_RESTART_MAX
 # while it keeps dying; one that ran FRONT_STEADY is started again after FRONT_RESTART_FIRST

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from shim.server.app import unary_methods
-from testbed import _sys, pods
+from testbed import _sys, bed_files, pods
 from testbed.bed import TestBed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -358,3 +359,31 @@ def test_without_the_front_the_daemon_serves_the_socket(bed: TestBed, tmp_path: 
         assert "+podshim." in rt.Version(cri.VersionRequest(), timeout=10).runtime_version
         assert rt.ListContainers(cri.ListContainersRequest(), timeout=10) is not None
         assert not (tmp_path / "state" / "daemon.sock").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("own_state_dir", [False, True], ids=["same-config", "same-socket"])
+def test_a_second_podshim_is_refused(bed: TestBed, tmp_path: Path, own_state_dir: bool) -> None:
+    """A second `podshim serve` with the same config (the state dir's lock) or on the same socket
+    (a live server there) exits at once with a clear message, before its recovery: the first one
+    keeps its socket and serves on."""
+    (tmp_path / "first").mkdir()
+    with bed.extra_podshim(tmp_path / "first") as (socket, _log):
+        config = tomllib.loads((tmp_path / "first" / "podshim.toml").read_text())
+        if own_state_dir:
+            config["server"]["state_dir"] = str(tmp_path / "second-state")
+        second = tmp_path / "second.toml"
+        second.write_text(bed_files.toml_dump(config))
+        done = subprocess.run(
+            [*bed.podshim_command, "serve", "--config", str(second)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "PODSHIM_FAILPOINTS"},
+        )
+        assert done.returncode == 1, done.stderr
+        expected = "another process serves this socket" if own_state_dir else "another podshim (pid"
+        assert expected in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+        rt = pods.stubs(socket)[0]
+        assert rt.Version(cri.VersionRequest(), timeout=10).runtime_version

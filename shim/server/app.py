@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 import stat
@@ -15,6 +16,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import cni, logs, metrics
 from shim.config import Config
 from shim.deadlines import PASSTHROUGH_STOP_GRACE, STOP_CLEANUP, STOP_GRACE
+from shim.server import sockets
 from shim.server.front import Front, FrontError, private_socket
 from shim.server.proxy import CriHandler, Passthrough
 from shim.server.runtime import Engine, RuntimeHandlers
@@ -42,14 +44,6 @@ def unary_methods() -> frozenset[str]:
         for m in service.methods
         if not (m.server_streaming or m.client_streaming)
     )
-
-
-def _prepare_socket(path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.unlink(path)  # a stale socket of a previous run
-    except FileNotFoundError:
-        pass
 
 
 def prepare_state_dir(path: str) -> None:
@@ -105,9 +99,9 @@ class Server:
 
     async def start(self) -> None:
         try:
-            _prepare_socket(self.listen)
+            sockets.remove_stale(self.listen)
             self.grpc.add_insecure_port(f"unix://{self.listen}")
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError, sockets.SocketInUse) as e:
             raise StartupError(f"{self.listen_key} {self.listen}: cannot listen: {e}") from None
         await self.grpc.start()
         os.chmod(self.listen, 0o600 if self.front else 0o660)
@@ -138,11 +132,34 @@ class Server:
         if engine is not None:
             await engine.stop(cleanup)
         await self.upstream.close()
-        for path in {self.listen, self.config.socket}:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        sockets.remove_unserved(self.listen)  # the front removes server.socket when it stops
+
+
+STATE_LOCK_FILE = "podshim.lock"
+
+
+def lock_state_dir(path: str) -> int:
+    """Hold server.state_dir for this process's life (flock on `podshim.lock`, released by the
+    kernel when the process ends, however it ends): a second podshim on the same state dir would
+    replay the journal of operations the first one is still running (thawing its frozen pods,
+    clearing its archives). The descriptor is not inherited (O_CLOEXEC): a runc or CRIU that
+    outlives podshim does not keep the next one out."""
+    lock = os.path.join(path, STATE_LOCK_FILE)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise StartupError(f"server.state_dir {path}: cannot open {lock}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StartupError(
+            f"server.state_dir {path}: another podshim (pid {holder}) serves from this state dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engine]) -> None:
@@ -155,6 +172,9 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
                 f"server.metrics_address {config.metrics_address}: {e.strerror or e}"
             ) from None
     prepare_state_dir(config.state_dir)
+    lock_state_dir(config.state_dir)  # held until the process ends
+    if sockets.serving(config.socket):  # before the recovery, which must not run beside it
+        raise StartupError(f"server.socket {config.socket}: another process serves this socket")
     upstream = Upstream(config.upstream_endpoint, config.upstream_timeout)
     cni.preload()
     engine = engine_factory(config, upstream)

@@ -30,6 +30,7 @@ from shim.deadlines import (
     FRONT_STEADY,
     PASSTHROUGH_STOP_GRACE,
 )
+from shim.server import sockets
 
 log = logs.get("shim.server")
 BINARY = "podshim-front"
@@ -52,15 +53,6 @@ def private_socket(config: Config, name: str) -> str:
     if len(path.encode()) > UNIX_PATH_MAX:
         raise FrontError(f"server.state_dir {config.state_dir}: too long for the socket {path}")
     return path
-
-
-def remove_stale(path: str) -> None:
-    """The socket file of an earlier run, gone before anything listens on the path again."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class Front:
@@ -101,9 +93,12 @@ class Front:
         self._watch = asyncio.create_task(self._supervise())
 
     async def _spawn(self) -> None:
-        remove_stale(self.config.socket)
-        if self.metrics_socket:
-            remove_stale(self.metrics_socket)
+        try:
+            sockets.remove_stale(self.config.socket)
+            if self.metrics_socket:
+                sockets.remove_stale(self.metrics_socket)
+        except sockets.SocketInUse as e:
+            raise FrontError(f"server.socket {e}") from None
         # forked from the event loop's thread, the main thread, which lives as long as the daemon:
         # the front's parent-death signal fires when the daemon ends, not when some thread does
         proc = await asyncio.create_subprocess_exec(
@@ -157,15 +152,16 @@ class Front:
         if self._watch is not None:
             self._watch.cancel()
         proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), PASSTHROUGH_STOP_GRACE + FRONT_EXIT_MARGIN)
-        except TimeoutError:
-            log.warning("front did not stop; killing it", pid=proc.pid)
-            proc.kill()
-            await proc.wait()
+        if proc is not None and proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), PASSTHROUGH_STOP_GRACE + FRONT_EXIT_MARGIN)
+            except TimeoutError:
+                log.warning("front did not stop; killing it", pid=proc.pid)
+                proc.kill()
+                await proc.wait()
+        if proc is not None:
+            sockets.remove_unserved(self.config.socket)  # a front that was killed left it behind
 
     def metrics_text(self) -> str:
         """The front's /metrics exposition ("" when it cannot be read). Called from the metrics
