@@ -1,7 +1,7 @@
 """bench/checkpoint: CheckpointPod vs plain ``runc checkpoint`` of the same containers (issue 3).
 
 For pods of N counter containers x M MiB resident memory each (default 1,2,4 x 64,256,1024, and
-2 x 4096: 8 GiB, `--cells`), in one run, per repeat:
+2 x 4096: 8 GiB, `--cells`; `--only 4x1024 --repeat 9`: that cell alone), in one run, per repeat:
 
 * podshim: CheckpointPod of the whole pod; from the archive's manifest.json ``timings`` the
   freeze window and total (plus the wall time of the call as the client saw it);
@@ -93,6 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cells beyond the grid, NxMiB comma-separated (default 2x4096: 8 GiB; '' for none)",
     )
     p.add_argument(
+        "--only",
+        default="",
+        help="these cells alone, NxMiB comma-separated (e.g. 4x1024), instead of the grid and --cells",
+    )
+    p.add_argument(
         "--parallel-floor",
         action="store_true",
         help="also dump the containers with plain runc all at once (the same cut without podshim)",
@@ -126,6 +131,7 @@ class Sample:
     raw_flush: float = 0.0  # the sync right after the raw dumps
     parallel: float = float("nan")  # plain runc dumps of all containers at once (--parallel-floor)
     ahead_mib: int = 0  # page images podshim wrote back during its dumps (its log)
+    dump_cpu: float = float("nan")  # CPU seconds of podshim's runc/CRIU (manifest timings.dump_cpu)
 
     @property
     def cpu_floor(self) -> float:
@@ -212,10 +218,9 @@ def _raw_done(
         raise RuntimeError(f"runc checkpoint {cid[:13]} failed: {err.strip()} {tail}")
 
 
-def ahead_mib(bed: TestBed, since: int) -> tuple[int, int]:
-    """MiB of page images podshim wrote back during its dumps, from its log lines past byte
+def ahead_mib(log: Path, since: int) -> tuple[int, int]:
+    """MiB of page images podshim wrote back during its dumps, from its `log` lines past byte
     `since` (0 when it left that to the kernel); and the log's size now."""
-    log = Path(bed.podshim_log)
     data = log.read_bytes()[since:]
     mib = 0
     for line in data.splitlines():
@@ -243,7 +248,7 @@ def measure_once(
         sync_disk()
         log_at = Path(bed.podshim_log).stat().st_size
         wall, m = checkpoint_pod(rt, pod.id, out, timeout)
-        result["podshim"] = (wall, m["timings"], ahead_mib(bed, log_at)[0])
+        result["podshim"] = (wall, m["timings"], ahead_mib(Path(bed.podshim_log), log_at)[0])
         remove_tree(out)
 
     def raw() -> None:
@@ -277,6 +282,7 @@ def measure_once(
         raw_flush=result["raw"][2],
         parallel=result.get("parallel", float("nan")),
         ahead_mib=ahead,
+        dump_cpu=t.get("dump_cpu", float("nan")),
     )
 
 
@@ -286,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     counts, mems = _ints(args.containers), _ints(args.mem)
     cells = [(n, m) for m in mems for n in counts]
     cells += [c for c in _cells(args.cells) if c not in cells]
+    if args.only:
+        cells = _cells(args.only)
     print("bench/checkpoint: CheckpointPod vs sequential plain runc checkpoint", flush=True)
     print(machine_summary(), flush=True)
     results: dict[tuple[int, int], list[Sample]] = {}
@@ -325,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                     samples.append(s)
                     say(
                         f"  {n} x {mem} MiB rep {r + 1} ({s.order}): podshim freeze {s.freeze:.3f}s "
-                        f"dump {s.dump:.3f}s archive {s.archive:.3f}s total {s.total:.3f}s "
+                        f"dump {s.dump:.3f}s (cpu {s.dump_cpu:.3f}) archive {s.archive:.3f}s "
+                        f"total {s.total:.3f}s "
                         f"(call {s.wall:.3f}s; written back during the dumps {s.ahead_mib} MiB); "
                         f"raw {' + '.join(f'{x:.3f}' for x in s.raw)} s; "
                         f"(cpu {s.raw_cpu:.3f}, sync {s.raw_flush:.3f}"
@@ -345,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     freeze_ratios, total_ratios, freeze_floor_ratios, total_floor_ratios = [], [], [], []
     parallel_ratios = []
-    width = 19 if args.parallel_floor else 17
+    width = 20 if args.parallel_floor else 18
     for n, mem in cells:
         samples = results.get((n, mem), [])
         if not samples:
@@ -370,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                 len(samples),
                 median([s.freeze for s in samples]),
                 median([s.dump for s in samples]),
+                median([s.dump_cpu for s in samples]),
                 median([s.archive for s in samples]),
                 median([s.total for s in samples]),
                 median([s.wall for s in samples]),
@@ -395,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                 "n",
                 "freeze",
                 "dump",
+                "dump cpu",
                 "archive",
                 "total",
                 "call",
@@ -416,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "freeze, dump, archive, total: podshim's manifest timings (dump = all containers in parallel "
         "while frozen;\narchive = CRIU stats + sha256 + fsync + manifest after the thaw); call: "
-        "CheckpointPod wall time at the client.\n"
+        "CheckpointPod wall time at the client; dump cpu: CPU seconds of podshim's runc and CRIU "
+        "during the dumps.\n"
         f"cpu floor: raw dumps' CPU seconds / {os.cpu_count()} cores; freeze floor: max(raw slowest, "
         "cpu floor); raw sync: flushing the raw dumps to disk (podshim's total includes that flush).\n"
         "ahead MiB: page images podshim wrote back during its dumps (0: left to the kernel; "

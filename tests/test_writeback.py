@@ -6,6 +6,8 @@ disk) is measured by bench/freeze_profile.py, not asserted here."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,27 @@ def test_the_thread_starts_and_stops(tmp_path: Path, calls: list[tuple[str, int,
         images.stop()
     assert images.started_bytes == 2 * MIB
     assert calls == [("pages-1.img", 0, 2 * MIB)]  # once, by the thread or by stop()
+
+
+def test_stop_soon_does_not_wait_for_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the pod is thawed while the thread's last writeback request still waits for the disk's
+    # queue (docs/architecture.md §4.1 (The freeze window)); stop() after the thaw waits for it
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(fd: int, offset: int, nbytes: int) -> bool:
+        entered.set()
+        release.wait(30)
+        return True
+
+    monkeypatch.setattr(writeback, "start_writeback", stuck)
+    (tmp_path / "pages-1.img").write_bytes(b"p" * 2 * MIB)
+    with DirHandle.open(tmp_path) as d:
+        images = writeback.ImagesWriteback([d], interval=0.01, step=MIB).start()
+        assert entered.wait(10)
+        begin = time.monotonic()
+        images.stop_soon()
+        assert time.monotonic() - begin < 0.5
+        assert images.files  # still open: the thread is in its request
+        release.set()
+        images.stop()
+        assert images.files == {} and images.started_bytes == 2 * MIB

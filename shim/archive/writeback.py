@@ -121,7 +121,8 @@ class ImagesWriteback:
     """The files a dump is writing into `dirs` (CRIU's page images), written back as they grow:
     a thread looks at them every `interval` seconds and starts the writeback of every `step`
     bytes appended since. Files are opened read-only through the held directories (no path
-    is followed); `stop()` ends the thread and closes them."""
+    is followed). The thread takes a last look and closes them once told to stop: `stop_soon()`
+    tells it, `stop()` tells it and waits."""
 
     def __init__(self, dirs: Sequence[DirHandle], interval: float = POLL_INTERVAL, step: int = STEP) -> None:
         self.dirs = list(dirs)
@@ -136,20 +137,36 @@ class ImagesWriteback:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """End the thread, start the writeback of what was appended since its last look (the
-        dumps have ended), close the files."""
+    def stop_soon(self) -> None:
+        """Tell the thread to end without waiting for it: its last look (the writeback of what
+        was appended since the one before) may wait for the disk's queue, and the pod must not
+        wait for that while frozen (docs/architecture.md §4.1 (The freeze window))."""
         self._stop.set()
-        if self._thread.is_alive():
+
+    def stop(self) -> None:
+        """End the thread and wait for it: it has started the writeback of what was appended
+        since its last look (the dumps have ended) and closed the files."""
+        self._stop.set()
+        if self._thread.ident is None:  # never started: the last look is the caller's
+            self._finish()
+        else:
             self._thread.join()
-        self.poll()
-        for ahead in self.files.values():
-            os.close(ahead.fd)
-        self.files.clear()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        try:
+            while not self._stop.wait(self.interval):
+                self.poll()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        """The last look, then the files closed."""
+        try:
             self.poll()
+        finally:
+            for ahead in self.files.values():
+                os.close(ahead.fd)
+            self.files.clear()
 
     def poll(self) -> None:
         """One look at every file: writeback started for what was appended since the last one

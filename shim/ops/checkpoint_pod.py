@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import resource
 import signal
 import threading
 import time
@@ -66,6 +67,12 @@ def self_frozen(cgroups: list[str]) -> list[str]:
     """The cgroups of `cgroups` that are frozen by themselves (paused by someone else)."""
     f = default_freezer()
     return [cg for cg in cgroups if f.self_frozen(cg)]
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of podshim's child processes reaped so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def confirm_thawed(cgroups: list[str], pod_id: str) -> None:
@@ -268,62 +275,75 @@ class PodCheckpointer:
         states = await run_to_end(TaskStates, [w.view.cgroups_path for w in work])
         timings["task_states"] = time.monotonic() - states_start
         await run_to_end(self.journal.update, rec, "frozen", netns=netns)  # fsync: never on the loop
+        ahead: writeback.ImagesWriteback | None = None
         try:
-            await run_to_end(cut.freeze)
-            faults.hit("checkpoint.after-freeze")
-            log.info("pod frozen", pod=pod.id, cut_seconds=round(cut.cut_seconds, 4))
-            dump_start = time.monotonic()
-            ahead = self._writeback_ahead(work)
             try:
-                if netlock is not None:
-                    await run_to_end(netlock.lock)
-                # the largest first: the slowest dump bounds the window, so it gets the head start
-                order = sorted(work, key=lambda w: w.memory, reverse=True)
-                dumps = [asyncio.ensure_future(self._dump(w, opts)) for w in order]
-                diffs = [asyncio.ensure_future(self._diff(w, opts)) for w in work]
+                await run_to_end(cut.freeze)
+                faults.hit("checkpoint.after-freeze")
+                log.info("pod frozen", pod=pod.id, cut_seconds=round(cut.cut_seconds, 4))
+                dump_start = time.monotonic()
+                children_before = _children_cpu()
+                ahead = self._writeback_ahead(work)
                 try:
-                    await asyncio.gather(*dumps, *diffs)
-                except BaseException:
-                    # gather leaves the others running: a dump still going after the thaw below
-                    # would freeze its container again (CRIU restores the FROZEN state it found)
-                    # and write into the cleared output_path. Stop them and wait before thawing.
-                    for t in dumps:
-                        t.cancel()
-                    await asyncio.gather(*dumps, *diffs, return_exceptions=True)
-                    raise
+                    if netlock is not None:
+                        await run_to_end(netlock.lock)
+                    # the largest first: the slowest dump bounds the window, so it gets the head start
+                    order = sorted(work, key=lambda w: w.memory, reverse=True)
+                    dumps = [asyncio.ensure_future(self._dump(w, opts)) for w in order]
+                    diffs = [asyncio.ensure_future(self._diff(w, opts)) for w in work]
+                    try:
+                        await asyncio.gather(*dumps, *diffs)
+                    except BaseException:
+                        # gather leaves the others running: a dump still going after the thaw below
+                        # would freeze its container again (CRIU restores the FROZEN state it found)
+                        # and write into the cleared output_path. Stop them and wait before thawing.
+                        for t in dumps:
+                            t.cancel()
+                        await asyncio.gather(*dumps, *diffs, return_exceptions=True)
+                        raise
+                finally:
+                    if netlock is not None:
+                        netlock.unlock()  # synchronous on purpose, as the thaw: runs while cancelled
+                    if ahead is not None:
+                        # its last look may wait for the disk's queue (0.8 s measured): never
+                        # waited for while frozen, joined after the thaw (below)
+                        ahead.stop_soon()
+                timings["dump"] = time.monotonic() - dump_start
+                # CPU seconds of the runc/CRIU processes reaped meanwhile (the dumps, whatever else
+                # podshim ran then): the bench compares it with plain runc's (bench/checkpoint.py)
+                timings["dump_cpu"] = _children_cpu() - children_before
+                await faults.hit_async("checkpoint.before-thaw")
+                # runc/CRIU wrote through the directory podshim holds (/proc/self/fd/N), never
+                # through output_path: if someone replaced output_path meanwhile, fail instead of
+                # answering OK for a checkpoint the caller's path does not hold
+                archive.dir.check_in_place("output path", "the checkpoint")
+                if stopped:
+                    # STOPPED: the pod stays frozen until its archive is complete and is then killed,
+                    # still frozen, so no instruction runs past the checkpoint. A failure before that
+                    # thaws it (below) and it keeps running: the pod is never lost without a checkpoint.
+                    m = await self._archive(pod, work, archive, opts, post, timings, rec)
+                    await run_to_end(self._kill_frozen, work)
             finally:
-                if netlock is not None:
-                    netlock.unlock()  # synchronous on purpose, as the thaw: runs while cancelled
-                if ahead is not None:
-                    await run_to_end(ahead.stop)  # waits for its thread even when cancelled
-            timings["dump"] = time.monotonic() - dump_start
-            if ahead is not None:
-                log.info("images written back during the dumps", pod=pod.id, mib=ahead.started_bytes >> 20)
-            await faults.hit_async("checkpoint.before-thaw")
-            # runc/CRIU wrote through the directory podshim holds (/proc/self/fd/N), never
-            # through output_path: if someone replaced output_path meanwhile, fail instead of
-            # answering OK for a checkpoint the caller's path does not hold
-            archive.dir.check_in_place("output path", "the checkpoint")
+                cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
+                confirm_thawed([cut.parent, *(c for c in cut.containers if c not in cut.preexisting)], pod.id)
+                check_start = time.monotonic()
+                taskstate.settle(states, "checkpoint_pod", f"pod {pod.name}", pod=pod.id)
+                timings["task_check"] = time.monotonic() - check_start
+            timings["freeze_window"] = cut.window_seconds
+            timings["freeze_cut"] = cut.cut_seconds
+            log.info("pod thawed", pod=pod.id, freeze_window=round(cut.window_seconds, 4))
             if stopped:
-                # STOPPED: the pod stays frozen until its archive is complete and is then killed,
-                # still frozen, so no instruction runs past the checkpoint. A failure before that
-                # thaws it (below) and it keeps running: the pod is never lost without a checkpoint.
+                await self._stop_upstream(work)
+            else:
+                # 3. After the thaw: stats, checksums, manifest (completion marker).
                 m = await self._archive(pod, work, archive, opts, post, timings, rec)
-                await run_to_end(self._kill_frozen, work)
         finally:
-            cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
-            confirm_thawed([cut.parent, *(c for c in cut.containers if c not in cut.preexisting)], pod.id)
-            check_start = time.monotonic()
-            taskstate.settle(states, "checkpoint_pod", f"pod {pod.name}", pod=pod.id)
-            timings["task_check"] = time.monotonic() - check_start
-        timings["freeze_window"] = cut.window_seconds
-        timings["freeze_cut"] = cut.cut_seconds
-        log.info("pod thawed", pod=pod.id, freeze_window=round(cut.window_seconds, 4))
-        if stopped:
-            await self._stop_upstream(work)
-        else:
-            # 3. After the thaw: stats, checksums, manifest (completion marker).
-            m = await self._archive(pod, work, archive, opts, post, timings, rec)
+            if ahead is not None:
+                # its last look may still wait for the disk's queue: it runs beside the archive's
+                # sha256 pass; ended before the handles are closed or anything in output_path
+                # is removed
+                await run_to_end(ahead.stop)  # waits for its thread even when cancelled
+                log.info("images written back during the dumps", pod=pod.id, mib=ahead.started_bytes >> 20)
         m.timings["total"] = time.monotonic() - started
         # Rewrite the timings into the final manifest (files are unchanged, so checksums stand).
         archive.dir.write_file(layout.MANIFEST_FILE, m.to_json())
