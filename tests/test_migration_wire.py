@@ -167,3 +167,30 @@ async def test_a_malformed_frame_ends_the_channel(creds: dict) -> None:
         a_tls.close()
     finally:
         listener.close()
+
+
+async def test_closing_an_ended_channel_writes_into_no_reused_fd(creds: dict) -> None:
+    """The peer ended the channel (its pump closed its wake-up pipe); the fd number of that pipe's
+    write end now names another file (here a pipe of the test, put there by dup2): close(), a
+    send and a heartbeat after the end write nothing into it."""
+    listener, a_tls, b_tls = await connected_pair(creds)
+    loop = asyncio.get_running_loop()
+    try:
+        b = wire.Channel(b_tls, loop).start()
+        old_w = b._wake.w
+        a_tls.close()
+        assert isinstance(await asyncio.wait_for(b.inbox.get(), 5), wire.LinkLost)
+        await asyncio.to_thread(b.thread.join, 5)
+        r, w = os.pipe2(os.O_NONBLOCK)
+        os.dup2(w, old_w)  # the number is free again: another file takes it
+        try:
+            b.close()
+            b.send({"t": "late"})
+            b._wake.set()
+            with pytest.raises(BlockingIOError):
+                os.read(r, 16)  # nothing was written into the file that reused the number
+        finally:
+            for fd in (r, w, old_w):
+                os.close(fd)
+    finally:
+        listener.close()

@@ -191,24 +191,33 @@ class Listener:
 
 
 class _Wake:
-    """A pipe a pump thread's selector watches, so another thread can interrupt its wait."""
+    """A pipe a pump thread's selector watches, so another thread can interrupt its wait. Once
+    closed (the pump ended) `set` does nothing: its fd numbers may already name another file, and
+    a write there would land in it. The lock keeps a `set` from another thread from writing
+    between the close and the fds' reuse."""
 
     def __init__(self) -> None:
         self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._lock = threading.Lock()
+        self._closed = False
 
     def set(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self.w, b"x")
+        with self._lock:
+            if not self._closed:
+                with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending already
+                    os.write(self.w, b"x")
 
     def clear(self) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(BlockingIOError):
             while os.read(self.r, 4096):
                 pass
 
     def close(self) -> None:
-        for fd in (self.r, self.w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self.r)
+                os.close(self.w)
 
 
 class Channel:
