@@ -7,7 +7,7 @@ import contextlib
 import contextvars
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -91,6 +91,32 @@ async def run_to_end(
             except BaseException:  # noqa: BLE001 - its own error is secondary to the cancellation
                 break
         raise
+
+
+async def undo_to_end(undo: Coroutine[object, object, None]) -> None:
+    """Run an operation's undo (a thaw, a rollback) in a task of its own and return only once it
+    has ended, even when the caller is cancelled meanwhile (its deadline, podshim's stop): the
+    cancellation propagates after it. Not merely shielded: a shield lets the cancellation leave at
+    once, which ends the operation (and releases its locks) while the undo still runs, and a
+    second call could start on a pod mid-recovery. The undo's own error is raised, before the
+    cancellation."""
+    task = asyncio.ensure_future(undo)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as e:
+            if not task.cancelled():
+                cancelled = e  # the caller's: keep waiting while the undo runs
+        except BaseException:  # noqa: BLE001 - the undo's own error, raised below
+            break
+    if task.cancelled():
+        raise cancelled or asyncio.CancelledError()
+    error = task.exception()
+    if error is not None:
+        raise error
+    if cancelled is not None:
+        raise cancelled
 
 
 # the one stop signal of every thread podshim runs (fsutil, crypto, the container tar); defined in

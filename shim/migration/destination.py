@@ -38,7 +38,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors, faults, logs, metrics
-from shim.aio import run_to_end
+from shim.aio import run_to_end, undo_to_end
 from shim.archive import compat, layout, paths
 from shim.archive.dirfd import DirHandle, clear_dir_contents, open_checked
 from shim.checks.wiring import confirm_restored
@@ -150,7 +150,7 @@ class MigrationDestination:
                 resp = await self._run(s, req, held, runtime.binary, caller_end)
         except BaseException as e:
             error = _as_error(e, s)
-            await asyncio.shield(asyncio.ensure_future(self._undo(s, held, error)))
+            await undo_to_end(self._undo(s, held, error))
             held.close()
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -411,7 +411,7 @@ class MigrationDestination:
             reason, label = "podshim stopped", "link"  # its guard kills them too
         except Exception as e:  # noqa: BLE001 - the containers must not run on
             reason, label = f"the migration failed: {e!r}", "link"
-        await asyncio.shield(asyncio.ensure_future(self._kill(s, reason, label)))
+        await undo_to_end(self._kill(s, reason, label))  # a stop waits for it (Engine.stop)
 
     async def _hold(self, s: _Session, failpoint: str) -> None:
         """A failpoint that sleeps (the tests hold the migration there) while the link is watched

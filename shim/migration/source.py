@@ -35,7 +35,7 @@ from typing import Any
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, errors, faults, logs, metrics
-from shim.aio import run_to_end
+from shim.aio import run_to_end, undo_to_end
 from shim.archive import compat, layout, manifest
 from shim.cgroups import PodCut, thaw_paths
 from shim.config import Config
@@ -157,9 +157,10 @@ class MigrationSource:
             async with asyncio.timeout_at(end):
                 return await self._run(s, ctx, opts, archive, selected)
         except BaseException as e:
-            # in a task of its own: the caller's cancellation must not cut the thaw (or the fence) short
+            # to its end, even when the caller is cancelled meanwhile: the thaw (or the fence) is not
+            # cut short, and the pod's lock is held until the pod runs here again
             error = _as_error(e, s)
-            await asyncio.shield(asyncio.ensure_future(self._fail(s, archive, error)))
+            await undo_to_end(self._fail(s, archive, error))
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise error from None
