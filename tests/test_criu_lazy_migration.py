@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,6 +67,42 @@ def state(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
+class HoldingRelay:
+    """A TCP relay between the daemon and the dump's page server that passes the first `limit`
+    bytes of pages and holds the rest (read, never forwarded): the transfer is mid-way when the
+    test kills the page server, on a machine of any speed. The page server's end is passed on
+    (the daemon's connection closed)."""
+
+    def __init__(self, server_port: int, limit: int) -> None:
+        self.server_port, self.limit = server_port, limit
+        self.passed = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with self.listener, self.listener.accept()[0] as daemon:
+            try:
+                with socket.create_connection(("127.0.0.1", self.server_port)) as server:
+                    threading.Thread(target=self._requests, args=(daemon, server), daemon=True).start()
+                    while data := server.recv(1 << 16):
+                        keep = data[: max(0, self.limit - self.passed)]
+                        if keep:
+                            daemon.sendall(keep)
+                            self.passed += len(keep)
+            except ConnectionResetError:
+                pass  # the page server killed with requests unread: its end too
+            finally:
+                daemon.shutdown(socket.SHUT_RDWR)  # (a close would wait for _requests' recv)
+
+    @staticmethod
+    def _requests(daemon: socket.socket, server: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := daemon.recv(1 << 16):
+                server.sendall(data)
+
+
 @dataclass
 class Migration:
     """One lazy migration of the counter on this node: its source (left frozen by the dump's
@@ -89,9 +126,10 @@ class Migration:
 
 
 @contextlib.contextmanager
-def migration(tmp: Path, counter: Path, mem_mib: int) -> Iterator[Migration]:
+def migration(tmp: Path, counter: Path, mem_mib: int, hold_after: int = 0) -> Iterator[Migration]:
     """Start the counter in its own pid namespace, dump it lazily (its page server on a loopback
-    port), copy the images, start the daemon, restore. Everything is killed at the end."""
+    port), copy the images, start the daemon, restore. `hold_after`: the daemon reaches the page
+    server through a HoldingRelay passing that many bytes. Everything is killed at the end."""
     out = tmp / "counter.out"
     src = subprocess.Popen(
         [
@@ -130,6 +168,8 @@ def migration(tmp: Path, counter: Path, mem_mib: int) -> Iterator[Migration]:
         wait_for("the dump's page server", lambda: "Starting page server" in m.log("dump.log"))  # type: ignore[union-attr]
         dest = tmp / "dest"
         shutil.copytree(img, dest)  # the images but the lazy pages, as another node receives them
+        if hold_after:
+            port = HoldingRelay(port, hold_after).port
         m.daemon = subprocess.Popen(
             [criu(), "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(port)]
             + ["-D", str(dest), "-o", "lazy.log", "-v4"],
@@ -188,14 +228,15 @@ def test_lazy_migration_through_the_page_server(tmp_path: Path, counter: Path) -
 def test_daemon_holds_the_faults_when_the_page_server_dies(tmp_path: Path, counter: Path) -> None:
     """The page server killed mid-transfer: the daemon stops with the userfaultfds still open
     (patch 0005), so the restored process blocks on its next missing page instead of reading a
-    zero page; killing the process, then the daemon, ends it."""
-    with migration(tmp_path, counter, 1024) as m:
+    zero page; killing the process, then the daemon, ends it. Mid-transfer by construction: the
+    daemon's connection passes 4 MiB of pages and holds the rest (HoldingRelay)."""
+    with migration(tmp_path, counter, 256, hold_after=4 << 20) as m:
         assert m.daemon is not None
         wait_for(
             "the first pages to arrive",
             lambda: "uffd_copy" in m.log("lazy.log") or m.daemon.poll() is not None,
         )  # type: ignore[union-attr]
-        m.dump.kill()  # the page server, mid-transfer (1 GiB takes seconds here)
+        m.dump.kill()  # the page server, mid-transfer (the relay holds all but the first 4 MiB)
         m.dump.wait(timeout=WAIT)
         wait_for("the daemon to stop", lambda: state(m.daemon.pid) == "T" or m.daemon.poll() is not None)  # type: ignore[union-attr]
         assert m.daemon.poll() is None, (
