@@ -259,6 +259,27 @@ def test_page_images_written_back_while_frozen(
     assert_memory_intact(rt, pod, "a")
 
 
+def test_failure_with_images_written_back(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], tmp_path: Path
+) -> None:
+    # a failure after the dumps while the writeback thread may still be in its last look (it is
+    # joined after the thaw, docs/architecture.md §4.1 (The freeze window)): INTERNAL, output_path
+    # left empty, the pod thawed and running
+    c = {"a": counter("a", mem_mib=48)}
+    pod = start_pod(rt, "ahead-fail", log_root, pod_cleanup, c)
+    wait_counting(pod, "a", 2, timeout=60)
+    out = empty_dir(bed, "ahead-fail")
+    overrides = {"checkpoint": {"writeback_ahead": "always"}}
+    with bed.extra_podshim(tmp_path, failpoints="checkpoint.before-thaw=error", **overrides) as (sock, log):
+        with pytest.raises(grpc.RpcError) as e:
+            checkpoint(pods.stubs(sock)[0], pod.id, out)
+        assert e.value.code() == grpc.StatusCode.INTERNAL, e.value.details()
+        assert "images written back during the dumps" in log.read_text()
+    assert list(out.iterdir()) == []
+    assert list((tmp_path / "state" / "ops").glob("*.json")) == []
+    assert_pod_alive(rt, pod, ["a"])
+
+
 def test_rootfs_diff_has_written_and_deleted_files(
     rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
 ) -> None:
