@@ -19,7 +19,7 @@ import pytest
 from shim.archive import manifest as mf
 from shim.archive import writeback
 from shim.distribution import artifact, registry_auth
-from shim.distribution.pull import _finish_file, _TarStream, _write
+from shim.distribution.pull import WRITE_SIZE, _finish_file, _TarStream, _write
 from shim.errors import DataLoss, InvalidArgument
 
 
@@ -271,3 +271,30 @@ def test_a_pulled_file_is_hashed_written_and_its_writeback_started_as_it_arrives
     _write(fd, sha, writeback.Ahead(fd), b"tampered")
     with pytest.raises(DataLoss, match="sha256"):
         _finish_file(fd, sha, "ref", "other", hashlib.sha256(b"original").hexdigest())
+
+
+def test_pulled_file_writes_end_on_write_size_boundaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No write covers an aligned 2 MiB of the file (a 2 MiB page-cache folio: docs/architecture.md
+    §18 (This machine)), whatever the chunks the tar hands out; the bytes and the hash are whole."""
+    writes: list[tuple[int, int]] = []
+    real_write = os.write
+
+    def recording_write(fd: int, data: memoryview) -> int:
+        writes.append((os.lseek(fd, 0, os.SEEK_CUR), len(data)))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", recording_write)
+    data = os.urandom(3 * WRITE_SIZE + 777)
+    fd = os.open(tmp_path / "pages-1.img", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    sha = hashlib.sha256()
+    ahead = writeback.Ahead(fd)
+    pos = 0
+    for size in (1000, 2 * WRITE_SIZE, WRITE_SIZE - 1000, 777):  # a header's offset, then chunks
+        _write(fd, sha, ahead, memoryview(data)[pos : pos + size])
+        pos += size
+    _finish_file(fd, sha, "ref", "pages-1.img", hashlib.sha256(data).hexdigest())
+    assert (tmp_path / "pages-1.img").read_bytes() == data
+    assert sum(n for _, n in writes) == len(data)
+    assert all(off // WRITE_SIZE == (off + n - 1) // WRITE_SIZE for off, n in writes), writes

@@ -8,12 +8,13 @@ input (docs/architecture.md §10 (Checkpoints through a registry)).
   against its digest and parsed before any layer is fetched; the layers must be exactly the
   archive's units. A layer announcing more bytes than its files can take (artifact.layer_cap) is
   refused before it is fetched.
-* Each layer streams through: bytes counted and hashed as they arrive (more than announced:
-  refused at once; digest checked at its end), decompressed (zstd, capped), and read as a tar in
-  which only directories and regular files below the layer's own directory are accepted, each
-  file listed in the manifest with that size (checked from its header, before a byte is written)
-  and hashed as written (its sha256 checked at its end), its writeback started as it is written
-  (shim/archive/writeback.py), so its fsync does not wait for all of it.
+* Each layer streams through: bytes counted as they arrive (more than announced: refused at
+  once) and hashed beside the reads by a thread of their own (digest checked at its end),
+  decompressed (zstd, capped), and read as a tar in which only directories and regular files
+  below the layer's own directory are accepted, each file listed in the manifest with that size
+  (checked from its header, before a byte is written) and hashed as written (its sha256 checked
+  at its end), its writeback started as it is written (shim/archive/writeback.py), so its fsync
+  does not wait for all of it.
 * Everything lands in a staging directory inside DIR (`.podshim-pull-<random>`); only when every
   layer verified are its entries renamed into DIR, manifest.json last. Any failure removes the
   staging directory: DIR is left empty, never with something that looks complete. A pull killed
@@ -58,6 +59,10 @@ from shim.errors import (
 )
 
 STAGING_PREFIX = ".podshim-pull-"
+# Writes end on 1 MiB boundaries of the file: one covering an aligned 2 MiB makes the kernel fill a
+# 2 MiB page-cache folio, which costs this VM ~13 times the CPU (docs/architecture.md §18 (This
+# machine)).
+WRITE_SIZE = CHUNK_SIZE
 Progress = Callable[[int, int], None]
 
 
@@ -81,7 +86,7 @@ def _stream_error(client: RegistryClient, e: BaseException) -> ShimError:
 
 class _Blob:
     """A blob's bytes as they arrive: at most `size` (DataLoss the moment there are more), hashed;
-    `finish()` checks the count and the digest."""
+    `finish()` checks the count and the digest (hashed in a lane of its own, beside the reads)."""
 
     def __init__(
         self, client: RegistryClient, digest: str, size: int, what: str, on_bytes: Callable[[int], None]
@@ -93,13 +98,14 @@ class _Blob:
         self.on_bytes = on_bytes
         self.sha = hashlib.sha256()
         self.count = 0
-        self.buf = b""
+        self.buf = memoryview(b"")
         r = client.check(
             client.do_request(client.url(client.ref.container.get_blob_url(digest)), "GET", stream=True),
             f"fetching {what}",
         )
         self.response = r
         self.chunks = r.iter_content(chunk_size=CHUNK_SIZE)
+        self.hasher = _Lane("podshim-pull-digest")  # the digest beside the socket reads
 
     def _next(self) -> bytes:
         try:
@@ -113,26 +119,24 @@ class _Blob:
                     f"registry artifact {self.client.ref.text}: {self.what} is larger than the {self.size} "
                     "bytes its descriptor announces: refused, nothing was kept"
                 )
-            self.sha.update(chunk)
+            self.hasher.submit(self.sha.update, chunk)
             self.on_bytes(len(chunk))
         return chunk
 
-    def read(self, n: int = -1) -> bytes:
-        """The next chunk as it arrived (a short read: tarfile and zstd ask again), or everything
-        with n < 0; b"" at the end."""
+    def read(self, n: int = -1) -> bytes | memoryview:
+        """At most `n` bytes of the chunk that arrived (a short read: the tar reader and zstd ask
+        again; a view, not a copy of the rest: zstd asks for 128 KiB at a time), or everything
+        with n < 0; empty at the end."""
         if n < 0:
             parts = [self.buf]
             while chunk := self._next():
                 parts.append(chunk)
-            self.buf = b""
+            self.buf = memoryview(b"")
             return b"".join(parts)
-        if self.buf:
-            out, self.buf = self.buf[:n], self.buf[n:]
-            return out
-        chunk = self._next()
-        if len(chunk) > n:
-            chunk, self.buf = chunk[:n], chunk[n:]
-        return chunk
+        if not self.buf:
+            self.buf = memoryview(self._next())
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
 
     def readinto(self, b: Any) -> int:
         data = self.read(len(b))
@@ -144,10 +148,11 @@ class _Blob:
 
     def finish(self) -> None:
         """Drain what the tar reader left (end blocks), then hold the blob to its descriptor."""
-        self.buf = b""
+        self.buf = memoryview(b"")
         while self._next():
             pass
         self.response.close()
+        self.hasher.drain()
         if self.count != self.size:
             raise DataLoss(
                 f"registry artifact {self.client.ref.text}: {self.what} is {self.count} bytes, its "
@@ -162,6 +167,7 @@ class _Blob:
 
     def close(self) -> None:
         self.response.close()
+        self.hasher.close()
 
 
 class _Capped:
@@ -185,8 +191,11 @@ class _Capped:
 
 
 def _read_all(blob: _Blob) -> bytes:
-    data = blob.read(-1)
-    blob.finish()
+    try:
+        data = blob.read(-1)
+        blob.finish()
+    finally:
+        blob.close()
     return data
 
 
@@ -351,7 +360,7 @@ def _pull_layer(
                 unit.tar_cap(),
                 what,
             )
-        writer = _Writer()
+        writer = _Lane("podshim-pull-write")
         try:
             tar = _TarStream(source)
             for member in _members(tar, ref, layer.title):
@@ -498,15 +507,16 @@ def _members(tar: _TarStream, ref: str, title: str) -> Iterator[tarfile.TarInfo]
         yield member
 
 
-class _Writer:
-    """Writes and hashes the extracted files in a thread of its own (hashlib and os.write release
-    the GIL), so receiving, hashing the layer and parsing the tar go on meanwhile. Jobs run in
-    order; at most MAX_PENDING chunks wait. `drain()` raises the first failure."""
+class _Lane:
+    """Jobs run in order in a thread of its own (hashlib and os.write release the GIL), so the
+    thread reading the socket and parsing the tar goes on meanwhile: one lane hashes a blob, one
+    writes and hashes the extracted files. At most MAX_PENDING jobs (of up to CHUNK_SIZE bytes)
+    wait; `drain()` raises the first failure."""
 
     MAX_PENDING = 8
 
-    def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="podshim-pull")
+    def __init__(self, name: str) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.pending: deque[Future[None]] = deque()
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
@@ -531,12 +541,15 @@ class _Writer:
         self.pending.clear()
 
 
-def _write(fd: int, sha: Any, ahead: writeback.Ahead, chunk: bytes) -> None:
+def _write(fd: int, sha: Any, ahead: writeback.Ahead, chunk: bytes | memoryview) -> None:
+    """Hash `chunk` and append it to the file in writes that end on WRITE_SIZE boundaries of the
+    file, starting its writeback as it goes (the disk starts on it now, not at the fsync)."""
     sha.update(chunk)
     view = memoryview(chunk)
     while view:
-        view = view[os.write(fd, view) :]
-    ahead.wrote(len(chunk))  # the disk starts on it now, not at the fsync (writeback.py)
+        n = os.write(fd, view[: WRITE_SIZE - ahead.end % WRITE_SIZE])
+        view = view[n:]
+        ahead.wrote(n)
 
 
 def _finish_file(fd: int, sha: Any, ref: str, rel: str, expected: str) -> None:
@@ -558,7 +571,7 @@ def _extract(
     staging: DirHandle,
     m: mf.Manifest,
     written: set[str],
-    writer: _Writer,
+    writer: _Lane,
 ) -> None:
     rel = member.name
     if member.isdir():
