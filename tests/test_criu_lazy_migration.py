@@ -6,7 +6,7 @@ Plain CRIU, no container: what podshim's migration (shim/migration/) is built on
 project's patch 0004 the dump's page server failed at the first page request on a node without
 CAP_SYS_RESOURCE (`page-pipe: tee: 65536: Operation not permitted`, `Lazy pages transfer
 FAILED`); without 0005 a daemon whose page server died exited and let the restored process read
-zero pages.
+zero pages. Since 0008 the page server reads the pages from the dumped task itself.
 """
 
 from __future__ import annotations
@@ -253,6 +253,31 @@ def test_daemon_holds_the_faults_when_the_page_server_dies(tmp_path: Path, count
         time.sleep(0.5)
         assert not [ln for ln in m.lines()[seen:] if ln.startswith("verify")], "it read memory it never got"
         os.kill(m.restored_pid, signal.SIGKILL)  # a fault blocked on a userfaultfd is killable
+        wait_for("the restored counter to die", lambda: state(m.restored_pid) in ("", "Z"))
+        m.daemon.kill()
+        assert m.daemon.wait(timeout=WAIT) == -signal.SIGKILL
+
+
+def test_page_server_fails_when_the_dumped_task_is_gone(tmp_path: Path, counter: Path) -> None:
+    """The source killed mid-transfer: its page server reads the pages from the task (patch 0008),
+    so it fails with the reason rather than serve pages it no longer has, and the daemon holds the
+    faults (0005) as when the page server dies."""
+    with migration(tmp_path, counter, 1024) as m:
+        assert m.daemon is not None
+        wait_for(
+            "the first pages to arrive",
+            lambda: "uffd_copy" in m.log("lazy.log") or m.daemon.poll() is not None,
+        )  # type: ignore[union-attr]
+        os.kill(m.source_pid, signal.SIGKILL)
+        assert m.dump.wait(timeout=WAIT) != 0
+        assert f"Lazy pages of {m.source_pid} cannot be read" in m.log("dump.log"), m.log("dump.log")[-2000:]
+        assert "Lazy pages transfer FAILED" in m.log("dump.log")
+        wait_for("the daemon to stop", lambda: state(m.daemon.pid) == "T" or m.daemon.poll() is not None)  # type: ignore[union-attr]
+        assert m.daemon.poll() is None, (
+            f"the daemon exited {m.daemon.returncode}: {m.log('lazy.log')[-1500:]}"
+        )
+        assert "the userfaultfds stay open" in m.log("lazy.log")
+        os.kill(m.restored_pid, signal.SIGKILL)
         wait_for("the restored counter to die", lambda: state(m.restored_pid) in ("", "Z"))
         m.daemon.kill()
         assert m.daemon.wait(timeout=WAIT) == -signal.SIGKILL
