@@ -11,7 +11,13 @@ For pods of N counter containers x M MiB resident memory each (default 1,2,4 x 6
 
 Both write to the bed's checkpoint root (one filesystem). Before each measurement the previous
 output is deleted and the disk synced, and the order (podshim first / raw first) alternates
-between repeats and cells, so neither side inherits the other's page cache or writeback.
+between repeats and cells, so neither side inherits the other's page cache or writeback. Each
+cell starts with one raw arm that is not counted, so that every counted arm, the first one
+included, follows the removal of another's output: this VM hands freed memory back to its host,
+and the first arm after the pod started met memory the host had taken back (docs/architecture.md
+§4.1 (The freeze window)). Each repeat also gives the CPU seconds of the dumps: podshim's runc
+and CRIU (manifest timings.dump_cpu), the raw runc and CRIU, and the containers' own (CRIU's
+parasite runs in them).
 
 With `--parallel-floor`, also the same plain runc dumps started all at once (the pod's cut
 without podshim: N CRIUs sharing the cores, the page cache and the disk, as podshim's do); the
@@ -132,6 +138,8 @@ class Sample:
     parallel: float = float("nan")  # plain runc dumps of all containers at once (--parallel-floor)
     ahead_mib: int = 0  # page images podshim wrote back during its dumps (its log)
     dump_cpu: float = float("nan")  # CPU seconds of podshim's runc/CRIU (manifest timings.dump_cpu)
+    dumpee_cpu: float = float("nan")  # the containers' own CPU seconds during podshim's checkpoint
+    raw_dumpee_cpu: float = float("nan")  # ... during the raw dumps (CRIU's parasite runs in them)
 
     @property
     def cpu_floor(self) -> float:
@@ -230,6 +238,37 @@ def ahead_mib(log: Path, since: int) -> tuple[int, int]:
     return mib, since + len(data)
 
 
+def container_pids(bed: TestBed, container_ids: list[str]) -> list[int]:
+    """The init pid of each container (plain `runc state`)."""
+    pids = []
+    for cid in container_ids:
+        out = subprocess.run(runc_argv(bed, "state", cid), capture_output=True, text=True, check=True)
+        pids.append(int(json.loads(out.stdout)["pid"]))
+    return pids
+
+
+def dumpee_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) the containers' processes have used so far: during a dump,
+    CRIU's parasite code runs in them (the vmsplice of their pages), outside CRIU's own CPU."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+def prime(bed: TestBed, pod: pods.Pod) -> None:
+    """One raw arm, not counted, before a cell's first: every counted arm then follows the removal
+    of another arm's output, the first one too (this VM hands freed memory back to its host, and
+    writing into memory it took back costs several times the CPU: docs/architecture.md §4.1 (The
+    freeze window))."""
+    base = Path(bed.checkpoint_root) / f"prime-{secrets.token_hex(4)}"
+    raw_dumps(bed, list(pod.containers.values()), base)
+    remove_tree(base)
+
+
 def measure_once(
     rt: api_pb2_grpc.RuntimeServiceStub,
     bed: TestBed,
@@ -240,6 +279,7 @@ def measure_once(
     parallel_floor: bool = False,
 ) -> Sample:
     ids = list(pod.containers.values())
+    pids = container_pids(bed, ids)
     root = Path(bed.checkpoint_root)
     result: dict[str, Any] = {}
 
@@ -247,14 +287,18 @@ def measure_once(
         out = root / f"podshim-{tag}"
         sync_disk()
         log_at = Path(bed.podshim_log).stat().st_size
+        before = dumpee_cpu(pids)
         wall, m = checkpoint_pod(rt, pod.id, out, timeout)
+        result["podshim_dumpee"] = dumpee_cpu(pids) - before
         result["podshim"] = (wall, m["timings"], ahead_mib(Path(bed.podshim_log), log_at)[0])
         remove_tree(out)
 
     def raw() -> None:
         base = root / f"raw-{tag}"
         sync_disk()
+        before = dumpee_cpu(pids)
         result["raw"] = raw_dumps(bed, ids, base)
+        result["raw_dumpee"] = dumpee_cpu(pids) - before
         remove_tree(base)
 
     def parallel() -> None:
@@ -283,6 +327,8 @@ def measure_once(
         parallel=result.get("parallel", float("nan")),
         ahead_mib=ahead,
         dump_cpu=t.get("dump_cpu", float("nan")),
+        dumpee_cpu=result["podshim_dumpee"],
+        raw_dumpee_cpu=result["raw_dumpee"],
     )
 
 
@@ -326,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)  # let the fill's writeback and the pod start settle
             samples = []
             try:
+                prime(bed, pod)
                 for r in range(args.repeat):
                     podshim_first = (idx + r) % 2 == 0
                     tag = f"{n}x{mem}-{r}-{secrets.token_hex(2)}"
@@ -333,11 +380,13 @@ def main(argv: list[str] | None = None) -> int:
                     samples.append(s)
                     say(
                         f"  {n} x {mem} MiB rep {r + 1} ({s.order}): podshim freeze {s.freeze:.3f}s "
-                        f"dump {s.dump:.3f}s (cpu {s.dump_cpu:.3f}) archive {s.archive:.3f}s "
+                        f"dump {s.dump:.3f}s (cpu {s.dump_cpu:.3f} + in the containers {s.dumpee_cpu:.3f}) "
+                        f"archive {s.archive:.3f}s "
                         f"total {s.total:.3f}s "
                         f"(call {s.wall:.3f}s; written back during the dumps {s.ahead_mib} MiB); "
                         f"raw {' + '.join(f'{x:.3f}' for x in s.raw)} s; "
-                        f"(cpu {s.raw_cpu:.3f}, sync {s.raw_flush:.3f}"
+                        f"(cpu {s.raw_cpu:.3f} + in the containers {s.raw_dumpee_cpu:.3f}, "
+                        f"sync {s.raw_flush:.3f}"
                         + (f", all at once {s.parallel:.3f}" if args.parallel_floor else "")
                         + f"); ratios freeze {s.freeze_ratio:.2f} total {s.total_ratio:.2f} "
                         f"vs floors {s.freeze_vs_floor:.2f} {s.total_vs_durable_floor:.2f}"

@@ -4,7 +4,8 @@ For one pod (``--cell NxMiB``, default 4x1024), each repeat dumps it with plain 
 after the other (the floor, as bench/checkpoint.py) and checkpoints it once through each variant:
 a podshim of the bed with ``[checkpoint]`` overrides (``--variant label:key=value,...``; the
 label alone: the bed's own podshim). The arms' order rotates between repeats, each after a sync,
-so every variant meets the others' conditions as often. Per repeat and as medians: the freeze
+so every variant meets the others' conditions as often (after one raw arm that is not
+counted, bench.checkpoint.prime). Per repeat and as medians: the freeze
 window, the CPU seconds of its dumps (manifest timings.dump_cpu) against the raw dumps', and
 freeze / floor and total / durable floor as bench/checkpoint.py computes them.
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from api.runtime.v1 import api_pb2_grpc
-from bench.checkpoint import Sample, _cells, ahead_mib, raw_dumps
+from bench.checkpoint import Sample, _cells, ahead_mib, prime, raw_dumps
 from bench.common import (
     bench_bed,
     checkpoint_pod,
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         pod = start_counter_pod(rt, bed, "ab", {f"c{i}": counter_config(f"c{i}", mem) for i in range(n)})
         time.sleep(1.0)
         try:
+            prime(bed, pod)
             names = ["raw", *arms]
             for r in range(args.repeat):
                 order = names[r % len(names) :] + names[: r % len(names)]
