@@ -204,10 +204,27 @@ def log_has(bed: TestBed, text: str) -> bool:
     return text in Path(bed.podshim_log).read_text(errors="replace")
 
 
+def leftovers_report(n: Nodes) -> str:
+    """What holds a pod or a port on the nodes: each namespace's listeners with their processes,
+    and the runtime/CRIU processes of either bed (state, wchan, command line)."""
+    lines = [
+        f"node {'AB'[i]} listeners: {n.link.ns_run(i, 'ss', '-Hltnp', check=False).stdout.strip()}"
+        for i in (0, 1)
+    ]
+    for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if any(str(bed.base_dir) in cmd for bed in (n.a, n.b)) and ("criu" in cmd or "runc" in cmd):
+            with contextlib.suppress(OSError):
+                wchan = Path(f"/proc/{p.info['pid']}/wchan").read_text()
+                lines.append(f"{p.info['pid']} {p.info['status']} {wchan} {cmd[:300]}")
+    return "\n".join(lines)
+
+
 def assert_clean(n: Nodes, keep_b: frozenset[str] = frozenset()) -> None:
     """No listener in either node's namespace, no sandbox left on B (but `keep_b`), no frozen
     cgroup and no CRIU mount left on either node."""
-    assert n.link.listening(0) == [] and n.link.listening(1) == [], (n.link.listening(0), n.link.listening(1))
+    if n.link.listening(0) or n.link.listening(1):
+        raise AssertionError(f"a listener is left:\n{leftovers_report(n)}")
     wait_until("B's sandboxes to go", lambda: set(dest_sandboxes(n)) <= keep_b or None, 60)
     for bed in (n.a, n.b):
         assert frozen_cgroups(bed) == [], bed.base_dir
@@ -232,8 +249,10 @@ def assert_runs_on(m: Migration, after: float = 0.0) -> list[tuple[int, float]]:
 
 
 def _explain_not_running(m: Migration) -> None:
-    """What a failure's report needs to tell a pod left frozen from one whose counter died: A's
-    frozen cgroups, its containers' states, the tail of A's podshim log (it holds every test's)."""
+    """What a failure's report needs to tell a pod left frozen from one whose counter died or one
+    a CRIU still holds: A's frozen cgroups, its containers' states and their processes' (traced
+    by?), the listeners and runtime/CRIU processes left, the tails of A's podshim log (it holds
+    every test's) and B's."""
     a = m.nodes.a
     with contextlib.suppress(Exception):
         print("A's frozen cgroups:", frozen_cgroups(a))
@@ -243,7 +262,17 @@ def _explain_not_running(m: Migration) -> None:
         )
         states = [(c.metadata.name, cri.ContainerState.Name(c.state)) for c in listed.containers]
         print("A's containers:", states)
+        for c in listed.containers:  # stopped, traced (by whom), frozen?
+            with contextlib.suppress(Exception):
+                status = Path(f"/proc/{container_pid(stub(a), c.id)}/status").read_text().splitlines()
+                print(c.metadata.name, [ln for ln in status if ln.startswith(("State", "TracerPid"))])
+    with contextlib.suppress(Exception):
+        print(leftovers_report(m.nodes))
     print("A's podshim log, its tail:\n" + Path(a.podshim_log).read_text(errors="replace")[-8000:])
+    print(
+        "B's podshim log (this test's), its tail:\n"
+        + Path(m.nodes.b.podshim_log).read_text(errors="replace")[-6000:]
+    )
 
 
 # ---------------------------------------------------------------------------- success
