@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     freeze_ratios, total_ratios, freeze_floor_ratios, total_floor_ratios = [], [], [], []
     parallel_ratios = []
-    width = 20 if args.parallel_floor else 18
+    width = 22 if args.parallel_floor else 20
     for n, mem in cells:
         samples = results.get((n, mem), [])
         if not samples:
@@ -437,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                 median([s.cpu_floor for s in samples]),
                 median([s.freeze_floor for s in samples]),
                 median([s.raw_flush for s in samples]),
+                median([s.raw_dumpee_cpu for s in samples]),
+                median([s.dumpee_cpu for s in samples]),
                 int(median([s.ahead_mib for s in samples])),
                 fr,
                 tr,
@@ -463,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                 "cpu floor",
                 "freeze floor",
                 "raw sync",
+                "raw in ctrs",
+                "in ctrs",
                 "ahead MiB",
                 "freeze/slowest",
                 "total/(sum+0.2)",
@@ -480,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         "during the dumps.\n"
         f"cpu floor: raw dumps' CPU seconds / {os.cpu_count()} cores; freeze floor: max(raw slowest, "
         "cpu floor); raw sync: flushing the raw dumps to disk (podshim's total includes that flush).\n"
+        "raw in ctrs / in ctrs: the containers' own CPU seconds during the raw dumps / podshim's (CRIU's "
+        "parasite runs in them; not in the cpu floor).\n"
         "ahead MiB: page images podshim wrote back during its dumps (0: left to the kernel; "
         "docs/architecture.md §4.1 (The freeze window))"
         + (
