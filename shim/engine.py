@@ -23,7 +23,6 @@ from shim.migration import destination as migration_in
 from shim.migration import source as migration_out
 from shim.migration import source_recovery
 from shim.ops import checkpoint_container, checkpoint_pod
-from shim.ops import restore_pod as restore_mod
 from shim.ops.checkpoint_container import ContainerCheckpointer
 from shim.ops.checkpoint_pod import PodCheckpointer
 from shim.ops.restore_broker import RestoreBroker
@@ -320,7 +319,7 @@ class Engine:
         following = self.migration_in.following  # migrations in whose pages still arrive: they end
         for t in following:
             t.cancel()
-        pending = {t for t in self._inflight | restore_mod.background_tasks() | following if not t.done()}
+        pending = {t for t in self._inflight | following if not t.done()}
         if pending:
             log.info("stopping: waiting for operations to end", operations=len(pending), timeout=timeout)
             _done, left = await asyncio.wait(pending, timeout=timeout)

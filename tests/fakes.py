@@ -32,7 +32,8 @@ class FakeUpstream(CriCalls):
     the fake itself), so that the real typed seam (CriCalls) maps every error and names every
     step as in production. `fail[Method]`: the gRPC error the next calls of that CRI method raise
     (a list: one per call, None letting that call through); `hang`: methods that never answer
-    (a caller's deadline ends them). `calls`: (method, id or name) in order."""
+    (a caller's deadline ends them); `held[Method]`: an event the calls of that method wait for
+    before they answer. `calls`: (method, id or name) in order."""
 
     endpoint = ENDPOINT
     timeout = 30.0
@@ -42,6 +43,7 @@ class FakeUpstream(CriCalls):
         self.calls: list[tuple[str, str]] = []
         self.fail: dict[str, grpc.aio.AioRpcError | list[grpc.aio.AioRpcError | None]] = {}
         self.hang: set[str] = set()
+        self.held: dict[str, asyncio.Event] = {}
         self.sandboxes: dict[str, cri.PodSandboxStatus] = {}
         self.containers: dict[str, cri.ContainerStatus] = {}
         self.images: dict[str, cri.Image] = {}
@@ -52,6 +54,8 @@ class FakeUpstream(CriCalls):
         self.calls.append((name, arg))
         if name in self.hang:
             await asyncio.Event().wait()
+        if name in self.held:
+            await self.held[name].wait()
         f = self.fail.get(name)
         if isinstance(f, list):
             f = f.pop(0) if f else None

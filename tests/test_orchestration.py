@@ -5,6 +5,7 @@ errors before anything is frozen. The end-to-end tests cover the same paths agai
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import errors
 from shim.archive import manifest
 from shim.config import Config
+from shim.engine import Engine
 from shim.ops.checkpoint_pod import PodCheckpointer
 from shim.ops.restore_checks import Checked, Planned, RestoreOptions
 from shim.ops.restore_pod import PodRestorer
@@ -183,6 +185,32 @@ async def test_the_deadline_ends_a_hung_create_and_rolls_back(cfg: Config, up: F
         await r.restore(_request(), 1.2)  # 0.2 s once the clean-up margin is kept
     assert up.names()[-3:] == ["StopPodSandbox", "RemovePodSandbox", "PodSandboxStatus"]
     assert not up.sandboxes and not _open_records(cfg) and not kept
+
+
+async def test_a_cancelled_restore_holds_the_pod_until_its_rollback_ends(
+    cfg: Config, up: FakeUpstream
+) -> None:
+    """The caller goes away (its deadline) while RestorePod rolls back (StopPodSandbox can take
+    seconds behind a hung CRIU restore): the call ends only with the rollback, so the pod's lock
+    is held meanwhile and a retry is ABORTED instead of creating a second sandbox beside the one
+    being removed."""
+    engine = Engine(cfg, up)  # type: ignore[arg-type]
+    r, _kept = _restorer(cfg, up)
+    engine.restorer.checks.check = r.checks.check  # type: ignore[method-assign]
+    up.fail["CreateContainer"] = [rpc_error("INVALID_ARGUMENT", "bad mount")]
+    rollback = up.held["StopPodSandbox"] = asyncio.Event()
+    first = asyncio.ensure_future(engine.restore_pod(_request(), 30.0))
+    while "StopPodSandbox" not in up.names():
+        await asyncio.sleep(0.01)
+    first.cancel()  # the caller's deadline, during the rollback
+    await asyncio.sleep(0.05)
+    assert not first.done()
+    with pytest.raises(errors.Aborted, match="in progress on pod default/web"):
+        await engine.restore_pod(_request(), 5.0)
+    rollback.set()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert not up.sandboxes and not _open_records(cfg) and engine.locks._held == {}
 
 
 # ---------------------------------------------------------------------------- CheckpointPod

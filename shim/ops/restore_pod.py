@@ -14,7 +14,7 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from datetime import datetime
@@ -25,7 +25,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import cni, contract, errors, faults, logs
-from shim.aio import Steps, run_to_end
+from shim.aio import Steps, run_to_end, undo_to_end
 from shim.archive import crypto, layout, manifest, rootfs_diff
 from shim.checks.wiring import RestoredContainers, WiringChecker, confirm_restored
 from shim.config import Config
@@ -53,9 +53,6 @@ log = logs.get("shim.ops.restore_pod")
 RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
 
 
-_BACKGROUND: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
-
-
 # RunPodSandbox errors after which the upstream may still have created the sandbox
 _NO_ANSWER = frozenset({"CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "UNKNOWN"})
 
@@ -73,19 +70,6 @@ def settle_deadline(rec: OpRecord) -> float:
     since = rec.data.sandbox_unknown_since
     start = since if since is not None else _epoch(rec.updated)
     return start + SANDBOX_SETTLE
-
-
-def background_tasks() -> set[asyncio.Task[None]]:
-    """The rollbacks still running in the background (a graceful stop waits for them)."""
-    return set(_BACKGROUND)
-
-
-def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-    """Run `coro` in a task that outlives a cancellation of its caller."""
-    task = asyncio.ensure_future(coro)
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
-    return task
 
 
 def unknown_handler(details: str, handler: str) -> errors.InvalidArgument | None:
@@ -235,10 +219,11 @@ class PodRestorer:
                     await self._sweep_decrypted()
                 await self._create(req, checked, run, sandbox_id)
         except BaseException as e:
-            # In a task of its own: when the caller's deadline passes (or it goes away) during
-            # the rollback, gRPC cancels this handler, but the sandbox must still be removed and
-            # the journal record closed (a hung CRIU restore makes StopPodSandbox take seconds).
-            await asyncio.shield(_background(run.undo.aclose()))
+            # To its end: when the caller's deadline passes (or it goes away) during the rollback,
+            # gRPC cancels this handler, but the sandbox must still be removed and the journal
+            # record closed (a hung CRIU restore makes StopPodSandbox take seconds), and the pod's
+            # and path's locks held until then: a retry must not start beside the rollback.
+            await undo_to_end(run.undo.aclose())
             if isinstance(e, TimeoutError):
                 raise errors.DeadlineExceeded(
                     f"restore of pod {md.namespace}/{md.name} did not finish within the caller's deadline; "
