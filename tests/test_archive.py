@@ -282,6 +282,16 @@ def test_hash_and_flush_matches_hash_file(tmp_path: Path, workers: int) -> None:
     assert got == [(p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()) for p in files]
 
 
+def test_hash_threads_run_below_the_callers_priority() -> None:
+    def nice_of_this_thread(_: int) -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = nice_of_this_thread(0)
+    got = fsutil.map_in_threads(nice_of_this_thread, [1, 2, 3], workers=2, nice=fsutil.BACKGROUND_NICE)
+    assert got == [min(19, mine + fsutil.BACKGROUND_NICE)] * 3
+    assert nice_of_this_thread(0) == mine  # the caller's own thread is left as it was
+
+
 def test_hash_and_flush_stops_when_told(tmp_path: Path) -> None:
     (tmp_path / "big").write_bytes(os.urandom(3 << 20))
     stop = threading.Event()

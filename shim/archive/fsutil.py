@@ -25,6 +25,10 @@ R = TypeVar("R")
 
 CHUNK_SIZE = 1 << 20  # 1 MiB: large enough to amortise syscalls, small enough to stream
 
+# nice of hash_and_flush's hash threads: below the node's work (nice 0). They use every core only
+# when the cores are otherwise idle; a busy node's pods, and the pod just thawed, come first.
+BACKGROUND_NICE = 10
+
 FILE_MODE = 0o600  # memory images hold secrets (docs/architecture.md §14 (Archive layout))
 DIR_MODE = 0o700
 
@@ -131,14 +135,23 @@ def fsync_tree(root: Path, workers: int = 1, files: bool = True) -> None:
         raise Internal(f"cannot fsync {root}: {e}; check the disk") from e
 
 
-def map_in_threads(fn: Callable[[T], R], items: list[T], workers: int) -> list[R]:
-    """[fn(i) for i in items], on up to `workers` threads (hashing releases the GIL)."""
+def map_in_threads(fn: Callable[[T], R], items: list[T], workers: int, nice: int = 0) -> list[R]:
+    """[fn(i) for i in items], on up to `workers` threads (hashing releases the GIL), each at
+    `nice` (added to the thread's own; Linux sets a thread's priority by its thread id)."""
     if workers > 1 and len(items) > 1:
         from concurrent.futures import ThreadPoolExecutor  # here: podshim-runc never needs it
 
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="podshim-hash") as pool:
+        with ThreadPoolExecutor(
+            workers, thread_name_prefix="podshim-hash", initializer=_lower_priority, initargs=(nice,)
+        ) as pool:
             return list(pool.map(fn, items))
     return [fn(i) for i in items]
+
+
+def _lower_priority(nice: int) -> None:
+    if nice:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
 
 
 def hash_and_flush(
@@ -147,8 +160,9 @@ def hash_and_flush(
     """(size, sha256) of each file, and every file fsynced, with the two side by side.
 
     Hashing is CPU work and flushing is disk work, so a flusher thread writes the files back
-    (largest first) while `workers` threads hash them from the page cache: the cost is the
-    longer of the two, not their sum. `stop` set: both stop at their next file or chunk.
+    (largest first) while `workers` threads hash them from the page cache (largest first too, at
+    BACKGROUND_NICE): the cost is the longer of the two, not their sum. `stop` set: both stop at
+    their next file or chunk.
     """
     from concurrent.futures import ThreadPoolExecutor  # here: podshim-runc never needs it
 
@@ -163,7 +177,9 @@ def hash_and_flush(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="podshim-flush") as flusher:
         flushed = flusher.submit(flush_all)
         try:
-            results = map_in_threads(lambda p: hash_file(p, stop=stop), paths, workers)
+            by_size = sorted(paths, key=sizes.__getitem__, reverse=True)
+            digests = map_in_threads(lambda p: hash_file(p, stop=stop), by_size, workers, BACKGROUND_NICE)
+            hashed = dict(zip(by_size, digests, strict=True))
         except BaseException:
             if stop is not None:
                 stop.set()  # the flusher stops at its next file; waiting for it is bounded
@@ -171,7 +187,7 @@ def hash_and_flush(
         flushed.result()
     if stop is not None and stop.is_set():
         raise Stopped("flushing the checkpoint stopped: the operation was cancelled")
-    return results
+    return [hashed[p] for p in paths]
 
 
 def hash_file(

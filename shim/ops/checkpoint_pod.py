@@ -51,9 +51,11 @@ from shim.upstream import Upstream
 
 log = logs.get("shim.ops.checkpoint_pod")
 
-# Hash threads of the archive phase: half the cores. The phase is bound by the disk flush that
-# runs beside them, so more would not shorten it, only starve the proxy's event loop.
-HASH_WORKERS = max(1, (os.cpu_count() or 2) // 2)
+# Hash threads of the archive phase: one per core. The images were written back during the dumps
+# (shim/archive/writeback.py), so the phase is bound by sha256 (about 1 GiB/s per thread here),
+# not by the flush beside it; the threads run at a lower priority (fsutil.BACKGROUND_NICE), so
+# the pod that was just thawed and the node's other work come first.
+HASH_WORKERS = max(1, os.cpu_count() or 1)
 
 
 def network_record(pod: PodView) -> dict[str, Any]:
