@@ -9,7 +9,7 @@ import functools
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from shim import errors
 
@@ -83,14 +83,25 @@ async def run_to_end(
             stop.set()
         if queued is not None and queued.cancel():
             raise  # it had not started: nothing to wait for
-        while not future.done():
-            try:
-                await asyncio.shield(future)
-            except asyncio.CancelledError:
-                continue  # cancelled again: keep waiting, the thread is still working
-            except BaseException:  # noqa: BLE001 - its own error is secondary to the cancellation
-                break
+        await wait_out(future)  # its own error is secondary to the cancellation
         raise
+
+
+async def wait_out(future: asyncio.Future[Any]) -> asyncio.CancelledError | None:
+    """Await `future` until it is done, however often the caller is cancelled meanwhile; the
+    caller's cancellation (the last one), if any, is returned for it to raise once its own
+    clean-up is over. `future`'s outcome (result, error, cancelled) stays in it. The one loop
+    behind run_to_end, undo_to_end and every wait that must not end before the work it waits for."""
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError as e:
+            if not future.cancelled():
+                cancelled = e  # the caller's: keep waiting, the work goes on
+        except BaseException:  # noqa: BLE001 - the future's own error: it stays in the future
+            break
+    return cancelled
 
 
 async def undo_to_end(undo: Coroutine[object, object, None]) -> None:
@@ -101,15 +112,7 @@ async def undo_to_end(undo: Coroutine[object, object, None]) -> None:
     second call could start on a pod mid-recovery. The undo's own error is raised, before the
     cancellation."""
     task = asyncio.ensure_future(undo)
-    cancelled: asyncio.CancelledError | None = None
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError as e:
-            if not task.cancelled():
-                cancelled = e  # the caller's: keep waiting while the undo runs
-        except BaseException:  # noqa: BLE001 - the undo's own error, raised below
-            break
+    cancelled = await wait_out(task)
     if task.cancelled():
         raise cancelled or asyncio.CancelledError()
     error = task.exception()

@@ -570,7 +570,7 @@ class OciRuntime:
     ) -> float:
         import asyncio
 
-        from shim.aio import run_to_end
+        from shim.aio import run_to_end, wait_out
 
         argv = self.checkpoint_argv(container_id, image_dir, work_dir, opts, leave_running)
         start = time.monotonic()
@@ -594,8 +594,7 @@ class OciRuntime:
         except BaseException:
             # cancelled: runc and its CRIU must be gone before the caller thaws (see stop_dump)
             await run_to_end(stop_dump, proc.pid, image_dir)
-            with contextlib.suppress(Exception):
-                await asyncio.shield(proc.wait())
+            await wait_out(asyncio.ensure_future(proc.wait()))  # reaped, even if cancelled again
             raise
         if proc.returncode != 0 or _group_alive(proc.pid):
             # runc killed or failed: a CRIU it leaves behind would put back the FROZEN state it

@@ -25,7 +25,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import cni, contract, errors, faults, logs
-from shim.aio import Steps, run_to_end, undo_to_end
+from shim.aio import Steps, run_to_end, undo_to_end, wait_out
 from shim.archive import crypto, layout, manifest, rootfs_diff
 from shim.checks.wiring import RestoredContainers, WiringChecker, confirm_restored
 from shim.config import Config
@@ -137,13 +137,7 @@ async def _stop_and_wait(task: asyncio.Future[Any], steps: Steps) -> None:
     if not task.done():
         steps.cancel.set()
         task.cancel()
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            continue
-        except BaseException:  # noqa: BLE001 - the restore's own error is the one reported
-            break
+    await wait_out(task)  # the restore's own error, or its cancellation, is the one reported
     if task.done() and not task.cancelled():
         task.exception()  # retrieved: no "never retrieved" warning
 
