@@ -145,15 +145,23 @@ def assert_empty(d: Path) -> None:
     assert sorted(os.listdir(d)) == [], f"the failed pull left {sorted(os.listdir(d))} in {d}"
 
 
-def put_artifact(reg: Registry, ref: str, config: bytes, layers: list[tuple[str, bytes, int | None]]) -> None:
-    """A hand-made artifact: `layers` are (title, blob, announced size or None for the real one)."""
+def put_artifact(
+    reg: Registry,
+    ref: str,
+    config: bytes,
+    layers: list[tuple[str, bytes, int | None]],
+    media_type: str = artifact.LAYER_MEDIA_TYPE,
+) -> None:
+    """A hand-made artifact: `layers` are (title, blob, announced size or None for the real one);
+    a title with a `.img` suffix is a file layer (artifact.FILE_MEDIA_TYPE)."""
     client = client_for(ref)
     descs = []
     for title, blob, announced in layers:
         digest = "sha256:" + hashlib.sha256(blob).hexdigest()
         push._upload(client, blob, digest)
         size = len(blob) if announced is None else announced
-        descs.append(artifact.descriptor(artifact.LAYER_MEDIA_TYPE, digest, size, {artifact.TITLE: title}))
+        kind = artifact.FILE_MEDIA_TYPE if title.endswith(".img") else media_type
+        descs.append(artifact.descriptor(kind, digest, size, {artifact.TITLE: title}))
     cdigest = "sha256:" + hashlib.sha256(config).hexdigest()
     push._upload(client, config, cdigest)
     doc = artifact.oci_manifest(
@@ -199,7 +207,13 @@ def test_checkpoint_on_a_push_pull_restore_on_b_resumes(
     assert ann["io.podshim.checkpoint.containers"] == "counter"
     assert ann["org.criu.checkpoint.criu.version"] == m.host.criu_version
     titles = [x["annotations"][artifact.TITLE] for x in pushed.manifest["layers"]]
-    assert titles == ["sandbox", "containers/counter"]
+    big = sorted(rel for rel, fe in m.files.items() if fe.size >= artifact.RAW_FILE_MIN)
+    assert big and all("/pages-" in rel for rel in big)  # the memory images
+    assert titles == ["sandbox", "containers/counter", *big]  # each a raw file layer
+    for d in pushed.manifest["layers"][2:]:  # its digest is the file's sha256 in manifest.json
+        rel = d["annotations"][artifact.TITLE]
+        assert d["mediaType"] == artifact.FILE_MEDIA_TYPE
+        assert (d["digest"], d["size"]) == ("sha256:" + m.files[rel].sha256, m.files[rel].size)
     dest = target(node_b, "journey")
     result = pull.pull(
         registry.ref("pods/travel", "plain"), dest, allowed_roots=[str(node_b.checkpoint_root)]
@@ -335,10 +349,8 @@ def test_encrypted_checkpoint_travels_encrypted_and_restores_with_the_key_on_b(
             result.manifest["annotations"]["io.podshim.checkpoint.encryption.key-id"] == m.encryption.key_id
         )
         # in the registry the memory images are ciphertext (podshim's header), never plaintext
-        layer = next(x for x in result.layers if x.title == "containers/counter")
-        with tarfile.open(registry.blob_path(layer.digest)) as t:
-            pages = [x for x in t.getmembers() if x.name.endswith("pages-1.img")][0]
-            data = t.extractfile(pages).read()  # type: ignore[union-attr]
+        layer = next(x for x in result.layers if x.title.endswith("/pages-1.img"))  # a file layer
+        data = registry.blob_path(layer.digest).read_bytes()
         assert data.startswith(b"PSHIMENC"), data[:16]
         dest = target(node_b, "enc")
         pull.pull(ref, dest, allowed_roots=[str(node_b.checkpoint_root)])
@@ -428,10 +440,82 @@ def test_registry_dying_midway_is_unavailable_and_leaves_nothing(node_b: TestBed
             os.environ.update(env)
 
 
-def test_tampered_layer_is_data_loss_and_leaves_nothing(
-    pushed: push.PushResult, registry: Registry, node_b: TestBed
+def files_of(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_an_artifact_of_the_older_format_still_pulls(
+    source: Checkpoint, registry: Registry, node_b: TestBed
 ) -> None:
-    layer = next(x for x in pushed.layers if x.title == "containers/counter")
+    """Before file layers every file travelled in its unit's tar (memory images included)."""
+    ref = registry.ref("pods/older", "v1")
+    put_artifact(
+        registry,
+        ref,
+        (source.path / "manifest.json").read_bytes(),
+        [(title, layer_tar(source.path, title), None) for title in ("sandbox", "containers/counter")],
+    )
+    dest = target(node_b, "older")
+    pull.pull(ref, dest, allowed_roots=[str(node_b.checkpoint_root)])
+    assert files_of(dest) == files_of(source.path)
+    mf.verify_files(dest, mf.read_manifest(dest))
+
+
+def test_a_file_layer_not_the_manifests_is_refused_before_fetching(
+    source: Checkpoint, registry: Registry, node_b: TestBed
+) -> None:
+    """A file layer whose digest is not the manifest's sha256 of that file (another file of the
+    same size): DATA_LOSS before a byte of it is fetched."""
+    m = mf.read_manifest(source.path)
+    rel = max(m.files, key=lambda r: m.files[r].size)
+    ref = registry.ref("pods/swapped", "v1")
+    put_artifact(
+        registry,
+        ref,
+        (source.path / "manifest.json").read_bytes(),
+        [
+            ("sandbox", layer_tar(source.path, "sandbox"), None),
+            ("containers/counter", layer_tar(source.path, "containers/counter"), None),
+            (rel, os.urandom(m.files[rel].size), None),
+        ],
+    )
+    dest = target(node_b, "swapped")
+    with pytest.raises(DataLoss, match="refused before fetching"):
+        pull.pull(ref, dest, allowed_roots=[str(node_b.checkpoint_root)])
+    assert_empty(dest)
+
+
+def test_push_refuses_a_file_whose_bytes_are_not_the_manifests(
+    source: Checkpoint, registry: Registry, tmp_path: Path
+) -> None:
+    """A memory image changed after the checkpoint (same size): the registry refuses its bytes for
+    the manifest's digest, push answers DATA_LOSS and no tag names the artifact."""
+    copy = tmp_path / "altered"
+    shutil.copytree(source.path, copy)
+    m = mf.read_manifest(copy)
+    rel = max(m.files, key=lambda r: m.files[r].size)
+    data = bytearray((copy / rel).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (copy / rel).write_bytes(bytes(data))
+    ref = registry.ref("pods/altered", "v1")
+    with pytest.raises(DataLoss, match=f"{rel}.*sha256 manifest.json records"):
+        push.push(copy, ref)
+    (tmp_path / "never").mkdir()
+    with pytest.raises(NotFound):
+        pull.pull(ref, tmp_path / "never", allowed_roots=[str(tmp_path)])
+
+
+@pytest.mark.parametrize("kind", ["tar", "file"])
+def test_tampered_layer_is_data_loss_and_leaves_nothing(
+    kind: str, pushed: push.PushResult, registry: Registry, node_b: TestBed
+) -> None:
+    """A flipped byte in the middle of a unit's tar or of a file layer (the memory image)."""
+    layer = (
+        next(x for x in pushed.layers if x.title == "containers/counter")
+        if kind == "tar"
+        else pushed.layers[-1]
+    )
+    assert kind == "tar" or "/pages-" in layer.title
     blob = registry.blob_path(layer.digest)
     original = blob.read_bytes()
     at = len(original) // 2

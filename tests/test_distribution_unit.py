@@ -105,6 +105,31 @@ def test_units_group_files_by_layer_and_refuse_other_layouts() -> None:
         artifact.units_of(manifest_with({"elsewhere/x": 1}))
 
 
+def test_large_files_travel_as_raw_layers_and_their_directories_stay_in_the_tar() -> None:
+    big = artifact.RAW_FILE_MIN
+    m = manifest_with(
+        {
+            "sandbox/config.json": 5,
+            "containers/app/checkpoint/pages-1.img": 3 * big,
+            "containers/app/checkpoint/pages-2.img": big,
+            "containers/app/checkpoint/core-1.img": big - 1,
+        }
+    )
+    units = artifact.units_of(m)
+    raw = artifact.raw_files(units)
+    assert raw == {"containers/app/checkpoint/pages-1.img", "containers/app/checkpoint/pages-2.img"}
+    artifact.split_raw(units, raw)
+    app = units[1]
+    assert list(app.files) == ["containers/app/checkpoint/core-1.img"]
+    assert list(app.raw) == ["containers/app/checkpoint/pages-1.img", "containers/app/checkpoint/pages-2.img"]
+    assert app.dirs() == ["containers/app", "containers/app/checkpoint"]  # made by the tar
+    assert app.size == 5 * big - 1
+    assert app.tar_cap() < 2 * big  # the raw files are not the tar's
+    many = manifest_with({f"containers/app/f{i:03}": big + i for i in range(300)})
+    kept = artifact.raw_files(artifact.units_of(many))
+    assert len(kept) == artifact.MAX_LAYERS - 2 and "containers/app/f299" in kept  # the largest
+
+
 def oci(**over: object) -> dict:
     doc = artifact.oci_manifest(
         artifact.descriptor(artifact.CONFIG_MEDIA_TYPE, "sha256:" + "a" * 64, 10),
@@ -136,6 +161,11 @@ def test_pulled_manifest_shape_is_checked() -> None:
     ):
         with pytest.raises(DataLoss):
             artifact.parse_oci_manifest(bad)
+    file_layer = artifact.descriptor(
+        artifact.FILE_MEDIA_TYPE, "sha256:" + "c" * 64, 10, {artifact.TITLE: "containers/a/pages-1.img"}
+    )
+    parsed = artifact.parse_oci_manifest(oci(layers=oci()["layers"] + [file_layer])).layers
+    assert [(x.title, x.is_file) for x in parsed] == [("sandbox", False), ("containers/a/pages-1.img", True)]
     for title in ("../x", "containers/a/b", "/sandbox", "other"):
         layer = artifact.descriptor(
             artifact.LAYER_MEDIA_TYPE, "sha256:" + "b" * 64, 1, {artifact.TITLE: title}

@@ -5,7 +5,12 @@
       layers   one per unit of the archive, in this order: `sandbox` (sandbox/), then one per
                container directory (`containers/<name>`, checkpointed or only recorded); each a
                tar of that subtree with archive-relative member names (LAYER_MEDIA_TYPE, or
-               +zstd), deterministic (mtime 0, uid/gid 0, modes 0600/0700, sorted)
+               +zstd), deterministic (mtime 0, uid/gid 0, modes 0600/0700, sorted); without
+               compression each file of RAW_FILE_MIN bytes or more (the memory images) is left
+               out of its unit's tar and follows it as a layer of its own: its raw bytes
+               (FILE_MEDIA_TYPE, titled with its archive path), so the blob's digest is the
+               file's sha256 in manifest.json (the ORAS convention; one hash per byte on both
+               sides, docs/architecture.md §10 (Checkpoints through a registry))
       annotations  what a scheduler or operator needs without pulling (pod, containers, sizes,
                versions, kernel, arch, cgroup version, encryption key id), with the
                `org.criu.checkpoint.*` keys of checkpointctl where they apply
@@ -33,6 +38,7 @@ CONFIG_MEDIA_TYPE = "application/vnd.podshim.checkpoint.config.v1+json"
 LAYER_MEDIA_TYPE = "application/vnd.podshim.checkpoint.layer.v1.tar"
 LAYER_MEDIA_TYPE_ZSTD = LAYER_MEDIA_TYPE + "+zstd"
 LAYER_MEDIA_TYPES = {LAYER_MEDIA_TYPE: "none", LAYER_MEDIA_TYPE_ZSTD: "zstd"}
+FILE_MEDIA_TYPE = "application/vnd.podshim.checkpoint.file.v1"  # one file's bytes, as they are
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 COMPRESSIONS = ("none", "zstd")
 
@@ -48,6 +54,7 @@ MAX_LAYERS = 256  # a pod of more containers than this is not something a regist
 MAX_OCI_MANIFEST_BYTES = 4 << 20
 DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 TAR_SLACK_PER_ENTRY = 3 * BLOCK  # a PAX header (name, size) before a member's own header
+RAW_FILE_MIN = 1 << 20  # a file this large travels as a layer of its own (when not compressed)
 
 
 @dataclass
@@ -57,16 +64,18 @@ class Unit:
 
     title: str
     container: str = ""  # the container's name ("" for the sandbox)
-    files: dict[str, int] = field(default_factory=dict)
+    files: dict[str, int] = field(default_factory=dict)  # in its tar
+    raw: dict[str, int] = field(default_factory=dict)  # each a layer of its own (FILE_MEDIA_TYPE)
 
     @property
     def size(self) -> int:
-        return sum(self.files.values())
+        return sum(self.files.values()) + sum(self.raw.values())
 
     def dirs(self) -> list[str]:
-        """Every directory below and including `title` that holds a file, parents first."""
+        """Every directory below and including `title` that holds a file (in its tar or raw),
+        parents first: the tar creates them all."""
         out = {self.title}
-        for rel in self.files:
+        for rel in [*self.files, *self.raw]:
             parts = rel.split("/")[:-1]
             for i in range(self.title.count("/") + 1, len(parts) + 1):
                 out.add("/".join(parts[:i]))
@@ -110,6 +119,23 @@ def units_of(m: mf.Manifest) -> list[Unit]:
                 "the registry artifact carries only podshim's layout"
             )
     return [sandbox, *containers.values()]
+
+
+def split_raw(units: list[Unit], raw: set[str]) -> None:
+    """Move the files named in `raw` out of their unit's tar into raw file layers."""
+    for u in units:
+        for rel in sorted(raw & set(u.files)):
+            u.raw[rel] = u.files.pop(rel)
+
+
+def raw_files(units: list[Unit]) -> set[str]:
+    """The files push carries raw (uncompressed pushes): RAW_FILE_MIN bytes or more, the largest
+    first while the layer count stays within MAX_LAYERS."""
+    big = sorted(
+        ((size, rel) for u in units for rel, size in u.files.items() if size >= RAW_FILE_MIN),
+        key=lambda x: (-x[0], x[1]),
+    )
+    return {rel for _, rel in big[: MAX_LAYERS - len(units)]}
 
 
 # ---------------------------------------------------------------------------- tar (deterministic)
@@ -163,7 +189,7 @@ def manifest_annotations(m: mf.Manifest, compression: str, units: list[Unit]) ->
         f"{PODSHIM}.recorded-containers": ",".join(c.name for c in m.containers if not c.checkpointed),
         f"{PODSHIM}.images": ",".join(f"{c.name}={c.image}" for c in m.containers if c.checkpointed),
         f"{PODSHIM}.size": str(sum(u.size for u in units)),
-        f"{PODSHIM}.files": str(sum(len(u.files) for u in units)),
+        f"{PODSHIM}.files": str(sum(len(u.files) + len(u.raw) for u in units)),
         f"{PODSHIM}.compression": compression,
         f"{PODSHIM}.post-checkpoint-state": m.post_checkpoint_state,
         f"{PODSHIM}.pushed-by": f"podshim {__version__}",
@@ -176,10 +202,14 @@ def manifest_annotations(m: mf.Manifest, compression: str, units: list[Unit]) ->
     return {k: v for k, v in a.items() if v != ""}
 
 
+def file_annotations(rel: str) -> dict[str, str]:
+    return {TITLE: rel}
+
+
 def layer_annotations(unit: Unit, m: mf.Manifest) -> dict[str, str]:
     a = {
         TITLE: unit.title,
-        f"{PODSHIM}.layer.size": str(unit.size),
+        f"{PODSHIM}.layer.size": str(sum(unit.files.values())),  # what its tar holds
         f"{PODSHIM}.layer.files": str(len(unit.files)),
     }
     if unit.container:
@@ -220,7 +250,12 @@ class Layer:
 
     @property
     def compression(self) -> str:
-        return LAYER_MEDIA_TYPES[self.media_type]
+        return LAYER_MEDIA_TYPES.get(self.media_type, "none")  # a file layer: raw bytes
+
+    @property
+    def is_file(self) -> bool:
+        """One file's raw bytes (titled with its archive path), not a unit's tar."""
+        return self.media_type == FILE_MEDIA_TYPE
 
 
 @dataclass(frozen=True)
@@ -265,13 +300,14 @@ def parse_oci_manifest(doc: Any) -> Artifact:
     titles: set[str] = set()
     for i, d in enumerate(raw_layers):
         mt, dg, size = _descriptor(d, f"layers[{i}]")
-        if mt not in LAYER_MEDIA_TYPES:
+        if mt not in LAYER_MEDIA_TYPES and mt != FILE_MEDIA_TYPE:
             raise _bad(f"layers[{i}] media type {mt[:100]!r}")
         ann = d.get("annotations") if isinstance(d, dict) else None
         title = ann.get(TITLE) if isinstance(ann, dict) else None
         if not isinstance(title, str):
             raise _bad(f"layers[{i}] has no {TITLE}")
-        check_title(title, f"layers[{i}]")
+        if mt != FILE_MEDIA_TYPE:  # a file layer's title is a manifest file entry: pull.py checks it
+            check_title(title, f"layers[{i}]")
         if title in titles:
             raise _bad(f"layer {title!r} appears twice")
         titles.add(title)

@@ -15,6 +15,10 @@ input (docs/architecture.md §10 (Checkpoints through a registry)).
   (checked from its header, before a byte is written) and hashed as written (its sha256 checked
   at its end), its writeback started as it is written (shim/archive/writeback.py), so its fsync
   does not wait for all of it.
+* A file layer (one file's raw bytes, artifact.FILE_MEDIA_TYPE) must announce exactly the
+  manifest's size and sha256 of that file as its size and digest (refused before it is fetched
+  otherwise); its bytes are written as they arrive and hashed once, as the blob: its digest
+  check is the file's. Artifacts without file layers (all files in the tars) pull as before.
 * Everything lands in a staging directory inside DIR (`.podshim-pull-<random>`); only when every
   layer verified are its entries renamed into DIR, manifest.json last. Any failure removes the
   staging directory: DIR is left empty, never with something that looks complete. A pull killed
@@ -312,8 +316,23 @@ def _pull_into(client: RegistryClient, ref: str, staging: DirHandle, progress: P
             raise InvalidArgument(
                 f"registry artifact {ref}: manifest file entry {rel[:120]!r} is not allowed"
             )
-    units = {u.title: u for u in artifact.units_of(m)}
-    titles = [x.title for x in art.layers]
+    unit_list = artifact.units_of(m)
+    file_layers = [x for x in art.layers if x.is_file]
+    for layer in file_layers:  # one file's bytes: its digest must be the manifest's sha256 of it
+        entry = m.files.get(layer.title)
+        if entry is None:
+            raise DataLoss(
+                f"registry artifact {ref}: file layer {layer.title[:120]!r} is not in the checkpoint's "
+                "manifest: refused"
+            )
+        if layer.digest != "sha256:" + entry.sha256 or layer.size != entry.size:
+            raise DataLoss(
+                f"registry artifact {ref}: file layer {layer.title} is {layer.digest} ({layer.size} bytes), "
+                f"the manifest says sha256:{entry.sha256} ({entry.size} bytes): refused before fetching it"
+            )
+    artifact.split_raw(unit_list, {x.title for x in file_layers})  # the tars hold the rest
+    units = {u.title: u for u in unit_list}
+    titles = [x.title for x in art.layers if not x.is_file]
     missing = sorted(set(units) - set(titles))
     extra = sorted(set(titles) - set(units))
     if missing or extra:
@@ -322,6 +341,8 @@ def _pull_into(client: RegistryClient, ref: str, staging: DirHandle, progress: P
             f"({', '.join(units)})" + (f": {missing[0]} is missing" if missing else f": {extra[0]} is extra")
         )
     for layer in art.layers:  # before a byte of any layer is fetched
+        if layer.is_file:
+            continue  # its size is the file's (checked above)
         cap = artifact.layer_cap(units[layer.title], layer.media_type)
         if layer.size > cap:
             raise DataLoss(
@@ -330,7 +351,7 @@ def _pull_into(client: RegistryClient, ref: str, staging: DirHandle, progress: P
             )
     written: set[str] = set()
     for layer in art.layers:
-        _pull_layer(client, ref, staging, layer, units[layer.title], m, written, on_bytes)
+        _pull_layer(client, ref, staging, layer, units.get(layer.title), m, written, on_bytes)
     missing_files = sorted(set(m.files) - written)
     if missing_files:
         raise DataLoss(f"registry artifact {ref}: {missing_files[0]} (in the manifest) is in no layer")
@@ -343,16 +364,17 @@ def _pull_layer(
     ref: str,
     staging: DirHandle,
     layer: artifact.Layer,
-    unit: artifact.Unit,
+    unit: artifact.Unit | None,
     m: mf.Manifest,
     written: set[str],
     on_bytes: Callable[[int], None],
 ) -> None:
+    """A unit's tar (`unit`), or one file's raw bytes (a file layer, `unit` None)."""
     what = f"layer {layer.title}"
     blob = _Blob(client, layer.digest, layer.size, what, on_bytes)
     try:
         source: Any = blob
-        if layer.compression == "zstd":
+        if layer.compression == "zstd" and unit is not None:
             import zstandard
 
             source = _Capped(
@@ -362,9 +384,12 @@ def _pull_layer(
             )
         writer = _Lane("podshim-pull-write")
         try:
-            tar = _TarStream(source)
-            for member in _members(tar, ref, layer.title):
-                _extract(tar, member, ref, staging, m, written, writer)
+            if unit is None:
+                _write_raw(blob, ref, staging, layer.title, written, writer)
+            else:
+                tar = _TarStream(source)
+                for member in _members(tar, ref, layer.title):
+                    _extract(tar, member, ref, staging, m, written, writer)
             writer.drain()
         except (tarfile.TarError, EOFError) as e:
             raise DataLoss(f"registry artifact {ref}: {what} is not a readable tar ({e})") from None
@@ -542,9 +567,11 @@ class _Lane:
 
 
 def _write(fd: int, sha: Any, ahead: writeback.Ahead, chunk: bytes | memoryview) -> None:
-    """Hash `chunk` and append it to the file in writes that end on WRITE_SIZE boundaries of the
-    file, starting its writeback as it goes (the disk starts on it now, not at the fsync)."""
-    sha.update(chunk)
+    """Hash `chunk` (unless `sha` is None: a file layer, whose blob digest is the file's) and append
+    it to the file in writes that end on WRITE_SIZE boundaries of the file, starting its writeback
+    as it goes (the disk starts on it now, not at the fsync)."""
+    if sha is not None:
+        sha.update(chunk)
     view = memoryview(chunk)
     while view:
         n = os.write(fd, view[: WRITE_SIZE - ahead.end % WRITE_SIZE])
@@ -557,7 +584,7 @@ def _finish_file(fd: int, sha: Any, ref: str, rel: str, expected: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    if sha.hexdigest() != expected:
+    if sha is not None and sha.hexdigest() != expected:
         raise DataLoss(
             f"registry artifact {ref}: {rel} has sha256 {sha.hexdigest()}, the manifest says {expected}: "
             "it was tampered with or corrupted; refused, nothing was kept"
@@ -585,23 +612,42 @@ def _extract(
             f"registry artifact {ref}: {rel} is {member.size} bytes in its layer, the manifest says "
             f"{entry.size}: refused before writing it"
         )
+    _write_file(tar.data(member.size), ref, staging, rel, written, writer, hashlib.sha256(), entry.sha256)
+
+
+def _write_raw(blob: _Blob, ref: str, staging: DirHandle, rel: str, written: set[str], writer: _Lane) -> None:
+    """A file layer: its bytes as they arrive, not hashed again (the blob's digest, checked by
+    `blob.finish()` before anything is published, is the manifest's sha256 of the file)."""
+    _write_file(iter(lambda: blob.read(CHUNK_SIZE), b""), ref, staging, rel, written, writer, None, "")
+
+
+def _write_file(
+    chunks: Iterator[bytes | memoryview],
+    ref: str,
+    staging: DirHandle,
+    rel: str,
+    written: set[str],
+    writer: _Lane,
+    sha: Any,
+    expected: str,
+) -> None:
+    """Create `rel` in the staging dir and queue its chunks, then its check and fsync, on `writer`."""
     if rel in written:
         raise DataLoss(f"registry artifact {ref}: {rel} appears twice")
     written.add(rel)
     parent, _, name = rel.rpartition("/")
     with staging.sub(parent, create=True) as pd:
         fd = pd.create(name, FILE_MODE)
-    sha = hashlib.sha256()
     ahead = writeback.Ahead(fd)
     try:
-        for chunk in tar.data(member.size):
+        for chunk in chunks:
             writer.submit(_write, fd, sha, ahead, chunk)
             faults.hit("pull.chunk")
     except BaseException:
         writer.drain_quietly()
         os.close(fd)
         raise
-    writer.submit(_finish_file, fd, sha, ref, rel, entry.sha256)  # closes fd
+    writer.submit(_finish_file, fd, sha, ref, rel, expected)  # closes fd
 
 
 def _publish(d: DirHandle, staging: DirHandle, staging_name: str) -> None:

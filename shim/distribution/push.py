@@ -2,7 +2,11 @@
 
 Each layer is produced, compressed (optional zstd), hashed and uploaded in one pass (a chunked
 PATCH of the upload session, then its PUT with the digest): nothing is staged on disk and the
-archive is read once. The archive must be complete: manifest.json present, its files exactly
+archive is read once. A file carried as a raw layer (artifact.raw_files) is not hashed here: its
+digest is its sha256 in manifest.json, which the registry checks the bytes against at the PUT
+(a file whose bytes are not what the manifest says is refused there: DATA_LOSS).
+
+The archive must be complete: manifest.json present, its files exactly
 those the manifest lists, with its sizes (DATA_LOSS otherwise); symlinks or special files in it
 are refused. The OCI manifest is put last, so the tag names nothing until every blob is there.
 """
@@ -97,31 +101,47 @@ def _tar_stream(tree: HeldTree, unit: artifact.Unit) -> Iterator[bytes]:
     """The layer's tar, chunk by chunk (artifact.tar_header: deterministic)."""
     for d in unit.dirs():
         yield artifact.tar_header(d, 0, True)
-    buf = bytearray(CHUNK_SIZE)
-    view = memoryview(buf)
     for rel in sorted(unit.files):
         size = unit.files[rel]
         yield artifact.tar_header(rel, size, False)
-        parent, _, name = rel.rpartition("/")
-        fd = tree.dirs[parent].open_read(name)
-        try:
-            done = 0
-            while True:
-                n = os.readv(fd, [view])
-                if not n:
-                    break
-                done += n
-                if done > size:
-                    break
-                yield bytes(view[:n])
-        finally:
-            os.close(fd)
-        if done != size:
-            raise DataLoss(
-                f"{tree.root.path / rel} changed while it was pushed (size {size} in the manifest)"
-            )
+        yield from _file_chunks(tree, rel, size)
         yield artifact.tar_padding(size)
     yield artifact.TAR_END
+
+
+def _file_chunks(tree: HeldTree, rel: str, size: int) -> Iterator[bytes]:
+    """The `size` bytes of the archive's file `rel`, CHUNK_SIZE at a time (DataLoss when it holds
+    another count)."""
+    buf = bytearray(CHUNK_SIZE)
+    view = memoryview(buf)
+    parent, _, name = rel.rpartition("/")
+    fd = tree.dirs[parent].open_read(name)
+    try:
+        done = 0
+        while True:
+            n = os.readv(fd, [view])
+            if not n:
+                break
+            done += n
+            if done > size:
+                break
+            yield bytes(view[:n])
+    finally:
+        os.close(fd)
+    if done != size:
+        raise DataLoss(f"{tree.root.path / rel} changed while it was pushed (size {size} in the manifest)")
+
+
+class _RawFile:
+    """A file's bytes as a layer of their own: the digest is the manifest's sha256 of the file,
+    not computed here (the registry holds the bytes to it)."""
+
+    def __init__(self, source: Iterator[bytes], sha256: str) -> None:
+        self.source = source
+        self.digest = "sha256:" + sha256
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self.source
 
 
 class _Counted:
@@ -160,7 +180,7 @@ class _Counted:
         return "sha256:" + self.sha.hexdigest()
 
 
-def _upload(client: RegistryClient, body: Any, digest: str | None = None) -> Any:
+def _upload(client: RegistryClient, body: Any, digest: str | None = None, what: str = "a blob") -> Any:
     """One blob: open an upload session, send `body` (bytes: monolithic PUT; an iterator: one
     streamed PATCH), close it with the digest (computed as the bytes went, when not given)."""
     c = client.ref.container
@@ -187,8 +207,26 @@ def _upload(client: RegistryClient, body: Any, digest: str | None = None) -> Any
     )
     location = client._get_location(r, c) or location
     url = oras.utils.append_url_params(location, {"digest": body.digest})
-    client.check(client.do_request(url, "PUT", headers={"Content-Length": "0"}), "closing a layer upload")
+    closed = client.do_request(url, "PUT", headers={"Content-Length": "0"})
+    if isinstance(body, _RawFile) and _digest_invalid(closed):
+        closed.close()  # the registry's digest check: the file's bytes are not the manifest's
+        raise DataLoss(
+            f"{what}: its bytes do not have the sha256 manifest.json records ({body.digest}; the "
+            f"registry refused them): the checkpoint is corrupt, not pushed"
+        )
+    client.check(closed, "closing a layer upload")
     return body.digest
+
+
+def _digest_invalid(r: Any) -> bool:
+    """The registry refused an upload's bytes for not having the digest it was closed with."""
+    if r.status_code != 400:
+        return False
+    try:
+        errors = r.json().get("errors") or []
+    except ValueError:
+        return False
+    return any(isinstance(e, dict) and e.get("code") == "DIGEST_INVALID" for e in errors)
 
 
 def push(
@@ -235,6 +273,8 @@ def _push(
             result = PushResult(ref=ref, digest="", manifest={})
             layers = []
             media = artifact.LAYER_MEDIA_TYPE_ZSTD if compression == "zstd" else artifact.LAYER_MEDIA_TYPE
+            if compression == "none":
+                artifact.split_raw(units, artifact.raw_files(units))
             for unit in units:
                 before = done
                 counted = _Counted(_progressing(_tar_stream(tree, unit), advance), compression)
@@ -245,6 +285,16 @@ def _push(
                     )
                 )
                 result.layers.append(PushedLayer(unit.title, counted.digest, counted.size, done - before))
+                for rel, size in unit.raw.items():
+                    chunks = _progressing(_file_chunks(tree, rel, size), advance)
+                    raw_file = _RawFile(chunks, m.files[rel].sha256)
+                    _upload(client, raw_file, what=f"{d.path / rel}")
+                    layers.append(
+                        artifact.descriptor(
+                            artifact.FILE_MEDIA_TYPE, raw_file.digest, size, artifact.file_annotations(rel)
+                        )
+                    )
+                    result.layers.append(PushedLayer(rel, raw_file.digest, size, size))
             config_digest = "sha256:" + hashlib.sha256(raw).hexdigest()
             if not client.blob_exists({"digest": config_digest}, client.ref.container):
                 _upload(client, raw, config_digest)
