@@ -14,6 +14,8 @@ RESTORE_CLEANUP_MARGIN = 1.0  # RestorePod's: removing the new sandbox takes lon
 
 # ---------------------------------------------------------------------- freeze, runc and CRIU
 FREEZE_TIMEOUT = 5.0  # to confirm a cgroup froze or thawed
+# for the dumps started before the cut to reach their gates (runc and CRIU start-up: 0.1-0.3 s)
+DUMPS_READY_WAIT = 3.0
 KILL_WAIT = 10.0  # for SIGKILLed runc/CRIU processes to disappear
 # A dump podshim gives up on (the caller's deadline, another container's failure, a service stop,
 # runc gone) is never killed while its CRIU holds the container's processes (ptrace): CRIU is let

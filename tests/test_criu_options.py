@@ -8,12 +8,13 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from shim import errors
-from shim.criu.runtime import CriuOptions, NetnsLock, OciRuntime, criu_path_env, option_hint
+from shim.criu.runtime import CriuOptions, DumpGate, NetnsLock, OciRuntime, criu_path_env, option_hint
 from shim.ops.checkpoint_pod import CheckpointOptions
 
 
@@ -141,3 +142,51 @@ def test_the_upstreams_criu_flag_leaves_the_restore() -> None:
 
     argv = ["--root", "/r", "--criu", "/usr/sbin/criu", "--log", "l", "--criu=/x"]
     assert _without_flag(argv, "--criu") == ["--root", "/r", "--log", "l"]
+
+
+def _run_gate_script(gate: DumpGate, action: str = "pre-dump") -> subprocess.Popen[bytes]:
+    """The gate's script as CRIU runs an action script (`sh -c <path>`, the action in the env)."""
+    env = {**os.environ, "CRTOOLS_SCRIPT_ACTION": action}
+    return subprocess.Popen(["sh", "-c", str(gate.script)], env=env)
+
+
+def _wait_ready(gate: DumpGate) -> None:
+    deadline = time.monotonic() + 10
+    while not gate.ready():
+        assert time.monotonic() < deadline, "the gate's script never reached the gate"
+        time.sleep(0.01)
+
+
+def test_dump_gate_holds_criu_until_opened() -> None:
+    """A dump started before the cut waits in CRIU's pre-dump action script (docs/architecture.md
+    §4.1 (The freeze window)): it says it is there, goes on (exit 0) only once the gate opens, and
+    the gate's line names the script in the dump's CRIU config file."""
+    gate = DumpGate()
+    try:
+        assert gate.config_line() == f"action-script {gate.script}"
+        other = _run_gate_script(gate, "post-dump")  # every other action passes at once
+        assert other.wait(10) == 0
+        p = _run_gate_script(gate)
+        _wait_ready(gate)
+        time.sleep(0.2)
+        assert p.poll() is None, "the dump went past the gate before it opened"
+        assert not gate.passed.is_set()
+        gate.open()
+        assert p.wait(10) == 0
+        assert gate.passed.is_set()
+    finally:
+        gate.close()
+    assert not gate.dir.exists()
+
+
+def test_dump_gate_closed_fails_the_dump_at_the_gate() -> None:
+    """Closed without opening (a failure before the cut, podshim gone): CRIU's pre-dump script
+    fails, so the dump ends before it seizes anything; a CRIU that comes later finds no gate."""
+    gate = DumpGate()
+    p = _run_gate_script(gate)
+    _wait_ready(gate)
+    gate.close()
+    assert p.wait(10) != 0
+    assert gate.passed.is_set()
+    late = _run_gate_script(gate)
+    assert late.wait(10) != 0

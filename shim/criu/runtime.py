@@ -91,12 +91,74 @@ def criu_path_env(criu: str, path: str | None = None) -> dict[str, str]:
     return {"PATH": f"{os.path.dirname(criu)}:{rest}"}
 
 
+# How long a dump started before the cut waits at its gate for podshim's word (DumpGate): the
+# cut follows at once; this only bounds a CRIU whose podshim vanished without closing the gate.
+GATE_WAIT = 60
+_GATE_SCRIPT = """#!/bin/bash
+# podshim's DumpGate (docs/architecture.md §4.1 (The freeze window)): this CRIU, started before
+# the pod's cut, waits here with its start-up done and nothing seized, until podshim says go
+[ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] || exit 0
+exec 3<"{fifo}"
+: >"{ready}"
+read -r -t {wait} word <&3 && [ "$word" = go ]
+"""
+
+
+class DumpGate:
+    """Lets a dump start before the pod is frozen and hold at CRIU's `pre-dump` action script,
+    where runc's and CRIU's start-up (runc, its CRIU version check, CRIU's kernel probe) is done
+    and nothing is seized yet; `open` lets it seize the (by then frozen) container. `close`
+    without `open` (or podshim gone: the FIFO's only writer closed) fails the dump at the gate
+    ("Pre dump script failed"), before anything is touched (docs/architecture.md §4.1 (The
+    freeze window))."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import tempfile
+
+        self.passed = asyncio.Event()  # set by `open` or `close`: the dump may go on (or fail)
+        self.dir = Path(tempfile.mkdtemp(prefix="podshim-gate-"))
+        self.fifo = self.dir / "go"
+        self.ready_file = self.dir / "ready"
+        os.mkfifo(self.fifo, 0o600)
+        # read-write: opening never blocks and the script's read-only open finds a writer
+        self.fd: int | None = os.open(self.fifo, os.O_RDWR | os.O_CLOEXEC)
+        self.script = self.dir / "pre-dump"
+        self.script.write_text(_GATE_SCRIPT.format(fifo=self.fifo, ready=self.ready_file, wait=GATE_WAIT))
+        self.script.chmod(0o700)
+
+    def config_line(self) -> str:
+        return f"action-script {self.script}"
+
+    def ready(self) -> bool:
+        """Whether the dump's CRIU waits at the gate."""
+        return self.ready_file.exists()
+
+    def open(self) -> None:
+        if self.fd is not None:
+            os.write(self.fd, b"go\n")
+        self.passed.set()
+
+    def close(self) -> None:
+        """Ends the gate: a dump waiting at it without `open` reads EOF and fails there; one not
+        there yet finds no FIFO. Unlinked first: while podshim holds its end no open blocks."""
+        for f in (self.fifo, self.script, self.ready_file):
+            with contextlib.suppress(OSError):
+                f.unlink()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.passed.set()
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()
+
+
 @contextlib.contextmanager
-def _criu_config(opts: CriuOptions, criu: str) -> Iterator[dict[str, str]]:
+def _criu_config(opts: CriuOptions, criu: str, extra: tuple[str, ...] = ()) -> Iterator[dict[str, str]]:
     """The environment of a dump: CRIU_CONFIG_FILE naming a private file with the options
     runc/crun have no flag for (removed after the dump), and the configured CRIU first on PATH."""
     env = {**os.environ, **criu_path_env(criu)}
-    lines = opts.dump_config_lines()
+    lines = [*opts.dump_config_lines(), *extra]
     if not lines:
         yield env
         return
@@ -546,15 +608,18 @@ class OciRuntime:
         opts: CriuOptions,
         leave_running: bool = True,
         pass_fds: tuple[int, ...] = (),
+        gate: DumpGate | None = None,
     ) -> float:
         """Dump one container; returns the seconds it took. A failure names the container and
         the CRIU log, with its last error lines, and the option that would help, if one would.
         Cancellation ends runc and CRIU without killing the container (stop_dump). `pass_fds`:
         descriptors runc/crun inherit (podshim names its held directories `/proc/self/fd/<fd>`,
-        docs/architecture.md §13 (Path confinement))."""
-        with _criu_config(opts, self.criu) as env:  # the file lives as long as the dump
+        docs/architecture.md §13 (Path confinement)). `gate`: CRIU waits at it, its start-up
+        done, until the caller opens it (DumpGate)."""
+        extra = (gate.config_line(),) if gate is not None else ()
+        with _criu_config(opts, self.criu, extra) as env:  # the file lives as long as the dump
             return await self._checkpoint(
-                name, container_id, image_dir, work_dir, opts, leave_running, env, pass_fds
+                name, container_id, image_dir, work_dir, opts, leave_running, env, pass_fds, gate
             )
 
     async def _checkpoint(
@@ -567,6 +632,7 @@ class OciRuntime:
         leave_running: bool,
         env: dict[str, str],
         pass_fds: tuple[int, ...] = (),
+        gate: DumpGate | None = None,
     ) -> float:
         import asyncio
 
@@ -584,6 +650,8 @@ class OciRuntime:
             pass_fds=pass_fds,
         )
         try:
+            if gate is not None:
+                await gate.passed.wait()  # opened (the pod is frozen) or closed (given up)
             # runc and CRIU are running: a `kill` here leaves them orphaned, an `error` gives them
             # up as any failure does (tests/faults/test_checkpoint_crash.py)
             await faults.hit_async("checkpoint.mid-dump")

@@ -26,7 +26,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, cni, errors, faults, logs
-from shim.aio import run_to_end
+from shim.aio import run_to_end, wait_out
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff, writeback
 from shim.archive.dirfd import DirHandle, clear_dir_contents, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
@@ -35,8 +35,8 @@ from shim.checks.sharing import check_shared_state
 from shim.checks.taskstate import TaskStates
 from shim.config import Config, parse_size
 from shim.criu import rpc_config
-from shim.criu.runtime import NetnsLock, OciRuntime, binary_version, read_dump_stats
-from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
+from shim.criu.runtime import DumpGate, NetnsLock, OciRuntime, binary_version, read_dump_stats
+from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, DUMPS_READY_WAIT, FREEZE_TIMEOUT
 from shim.ops.checkpoint_checks import (
     CheckpointOptions,
     check_dumpable,
@@ -75,6 +75,18 @@ def _children_cpu() -> float:
     """User + system CPU seconds of podshim's child processes reaped so far."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
+
+
+async def _gates_ready(gates: list[DumpGate], dumps: list[asyncio.Future[None]]) -> float:
+    """Wait, before the cut, until every dump's CRIU is at its gate (or its dump ended: a failure
+    before the gate), at most DUMPS_READY_WAIT: past it the cut goes on and a late dump passes
+    its gate when it gets there. Returns the seconds waited."""
+    start = time.monotonic()
+    while time.monotonic() - start < DUMPS_READY_WAIT:
+        if all(g.ready() or d.done() for g, d in zip(gates, dumps, strict=True)):
+            break
+        await asyncio.sleep(0.005)
+    return time.monotonic() - start
 
 
 def confirm_thawed(cgroups: list[str], pod_id: str) -> None:
@@ -278,22 +290,31 @@ class PodCheckpointer:
         timings["task_states"] = time.monotonic() - states_start
         await run_to_end(self.journal.update, rec, "frozen", netns=netns)  # fsync: never on the loop
         ahead: writeback.ImagesWriteback | None = None
+        # the dumps start before the cut and wait at their gates with runc's and CRIU's start-up
+        # done (DumpGate; docs/architecture.md §4.1 (The freeze window)); the largest first: the
+        # slowest dump bounds the window, so it gets the head start
+        order = sorted(work, key=lambda w: w.memory, reverse=True)
+        gates = [DumpGate() for _ in order]
+        children_before = _children_cpu()
+        dumps = [asyncio.ensure_future(self._dump(w, opts, g)) for w, g in zip(order, gates, strict=True)]
         try:
             try:
+                timings["dumps_ready"] = await _gates_ready(gates, dumps)
+                for d in dumps:
+                    if d.done():
+                        d.result()  # failed before its gate: raised before anything is frozen
                 await run_to_end(cut.freeze)
                 faults.hit("checkpoint.after-freeze")
                 log.info("pod frozen", pod=pod.id, cut_seconds=round(cut.cut_seconds, 4))
                 dump_start = time.monotonic()
-                children_before = _children_cpu()
                 ahead = self._writeback_ahead(work)
                 try:
                     if netlock is not None:
                         await run_to_end(netlock.lock)
-                    # the largest first: the slowest dump bounds the window, so it gets the head start
-                    order = sorted(work, key=lambda w: w.memory, reverse=True)
-                    dumps = [asyncio.ensure_future(self._dump(w, opts)) for w in order]
                     diffs = [asyncio.ensure_future(self._diff(w, opts)) for w in work]
                     try:
+                        for g in gates:
+                            g.open()
                         await asyncio.gather(*dumps, *diffs)
                     except BaseException:
                         # gather leaves the others running: a dump still going after the thaw below
@@ -340,12 +361,19 @@ class PodCheckpointer:
                 # 3. After the thaw: stats, checksums, manifest (completion marker).
                 m = await self._archive(pod, work, archive, opts, post, timings, rec)
         finally:
+            # a dump still at its gate (a failure before the cut) fails there, nothing seized
+            for g in gates:
+                g.close()
+            # ended before anything in output_path is removed, whatever cancellations arrive
+            late_cancel = await wait_out(asyncio.gather(*dumps, return_exceptions=True))
             if ahead is not None:
                 # its last look may still wait for the disk's queue: it runs beside the archive's
                 # sha256 pass; ended before the handles are closed or anything in output_path
                 # is removed
                 await run_to_end(ahead.stop)  # waits for its thread even when cancelled
                 log.info("images written back during the dumps", pod=pod.id, mib=ahead.started_bytes >> 20)
+            if late_cancel is not None:
+                raise late_cancel
         m.timings["total"] = time.monotonic() - started
         # Rewrite the timings into the final manifest (files are unchanged, so checksums stand).
         archive.dir.write_file(layout.MANIFEST_FILE, m.to_json())
@@ -430,7 +458,7 @@ class PodCheckpointer:
             return None
         return writeback.ImagesWriteback([w.images for w in work]).start()
 
-    async def _dump(self, w: _Work, opts: CheckpointOptions) -> None:
+    async def _dump(self, w: _Work, opts: CheckpointOptions, gate: DumpGate) -> None:
         try:
             # runc/crun get paths through the descriptors podshim holds: whatever happens to
             # output_path meanwhile, CRIU writes into the directory that was validated
@@ -442,6 +470,7 @@ class PodCheckpointer:
                 opts.criu,
                 leave_running=True,
                 pass_fds=(w.images.fd, w.dir.fd),  # /proc/self/fd/N names them in runc/crun too
+                gate=gate,
             )
         except errors.Internal as e:
             # the failure removes output_path, CRIU log included: keep a copy for the operator
