@@ -6,7 +6,8 @@ Plain CRIU, no container: what podshim's migration (shim/migration/) is built on
 project's patch 0004 the dump's page server failed at the first page request on a node without
 CAP_SYS_RESOURCE (`page-pipe: tee: 65536: Operation not permitted`, `Lazy pages transfer
 FAILED`); without 0005 a daemon whose page server died exited and let the restored process read
-zero pages. Since 0008 the page server reads the pages from the dumped task itself.
+zero pages. Since 0008 the page server reads the pages from the dumped task itself; 0010 sets
+the page connection's congestion control.
 """
 
 from __future__ import annotations
@@ -126,10 +127,18 @@ class Migration:
 
 
 @contextlib.contextmanager
-def migration(tmp: Path, counter: Path, mem_mib: int, hold_after: int = 0) -> Iterator[Migration]:
+def migration(
+    tmp: Path,
+    counter: Path,
+    mem_mib: int,
+    hold_after: int = 0,
+    dump_args: tuple[str, ...] = (),
+    daemon_args: tuple[str, ...] = (),
+) -> Iterator[Migration]:
     """Start the counter in its own pid namespace, dump it lazily (its page server on a loopback
     port), copy the images, start the daemon, restore. `hold_after`: the daemon reaches the page
-    server through a HoldingRelay passing that many bytes. Everything is killed at the end."""
+    server through a HoldingRelay passing that many bytes; `dump_args`, `daemon_args`: more options
+    of the dump and of the daemon. Everything is killed at the end."""
     out = tmp / "counter.out"
     src = subprocess.Popen(
         [
@@ -159,7 +168,7 @@ def migration(tmp: Path, counter: Path, mem_mib: int, hold_after: int = 0) -> It
         img.mkdir()
         dump = subprocess.Popen(
             [criu(), "dump", "-t", str(inner), "-D", str(img), "-o", "dump.log", "-v4"]
-            + ["--lazy-pages", "--address", "127.0.0.1", "--port", str(port)],
+            + ["--lazy-pages", "--address", "127.0.0.1", "--port", str(port), *dump_args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -172,7 +181,7 @@ def migration(tmp: Path, counter: Path, mem_mib: int, hold_after: int = 0) -> It
             port = HoldingRelay(port, hold_after).port
         m.daemon = subprocess.Popen(
             [criu(), "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(port)]
-            + ["-D", str(dest), "-o", "lazy.log", "-v4"],
+            + ["-D", str(dest), "-o", "lazy.log", "-v4", *daemon_args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -223,6 +232,29 @@ def test_lazy_migration_through_the_page_server(tmp_path: Path, counter: Path) -
         assert verdicts == ["verify ok mem_mib=256"], verdicts
         # the source, whose dump ended successfully without --leave-running, was killed by CRIU
         wait_for("the source to be gone", lambda: state(m.source_pid) in ("", "Z"))
+
+
+def test_page_connection_congestion_control(tmp_path: Path, counter: Path) -> None:
+    """`--tcp-congestion` (patch 0010) sets the page connection's congestion control on the page
+    server's sockets (reno: neither this host's default nor podshim's); a name the kernel refuses
+    (the daemon's here) is a warning, and the pages cross all the same."""
+    with migration(
+        tmp_path,
+        counter,
+        64,
+        dump_args=("--tcp-congestion", "reno"),
+        daemon_args=("--tcp-congestion", "no-such-cc"),
+    ) as m:
+        assert m.daemon is not None
+        assert m.daemon.wait(timeout=WAIT) == 0, m.log("lazy.log")[-2000:]
+        assert m.dump.wait(timeout=WAIT) == 0, m.log("dump.log")[-2000:]
+        # the listening socket, then the accepted one
+        assert m.log("dump.log").count("TCP congestion control: reno") == 2, m.log("dump.log")[-2000:]
+        assert "Unable to set TCP congestion control no-such-cc" in m.log("lazy.log")
+        seen = len(m.lines())
+        os.kill(m.restored_pid, signal.SIGUSR1)
+        wait_for("the restored counter's verify line", lambda: any("verify" in ln for ln in m.lines()[seen:]))
+        assert [ln for ln in m.lines()[seen:] if ln.startswith("verify")] == ["verify ok mem_mib=64"]
 
 
 def test_daemon_holds_the_faults_when_the_page_server_dies(tmp_path: Path, counter: Path) -> None:
