@@ -84,6 +84,11 @@ class Config:
     migration_cert_file: str = ""
     migration_key_file: str = ""
     migration_ca_file: str = ""
+    # The TCP congestion control of the pages' connections (CRIU's page server and lazy-pages
+    # daemon, patch 0010: set per socket, not for the host); "" keeps the host's default. cubic:
+    # BBR, a common default, paces without the fq qdisc with TCP's internal timers and made the
+    # page server CPU-bound (docs/architecture.md §21 (Live migration)).
+    migration_tcp_congestion: str = "cubic"
     log_format: str = "json"
     log_level: str = "info"
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -153,6 +158,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
         "cert_file": ("migration_cert_file", str),
         "key_file": ("migration_key_file", str),
         "ca_file": ("migration_ca_file", str),
+        "tcp_congestion": ("migration_tcp_congestion", str),
     },
     "log": {"format": ("log_format", str), "level": ("log_level", str)},
 }
@@ -323,6 +329,27 @@ def _validate(cfg: Config) -> Config:
     return cfg
 
 
+TCP_AVAILABLE_CONGESTION = "/proc/sys/net/ipv4/tcp_available_congestion_control"
+
+
+def tcp_congestion_problem(name: str, available_file: str = TCP_AVAILABLE_CONGESTION) -> str | None:
+    """Why the kernel would refuse TCP congestion control `name` (None: it would not, or `name` is
+    "", the host's default): not one of the algorithms it has loaded."""
+    if not name:
+        return None
+    try:
+        with open(available_file) as f:
+            available = f.read().split()
+    except OSError as e:
+        return f"{name!r} cannot be checked: {available_file}: {e.strerror}"
+    if name not in available:
+        return (
+            f"{name!r} is not a congestion control this kernel has ({available_file}: "
+            f'{" ".join(available)}); name one of them, or "" for the host\'s default'
+        )
+    return None
+
+
 KEY_SIZE = 32
 
 
@@ -357,8 +384,9 @@ def load(
 ) -> Config:
     """Build the effective config. `path` None means $PODSHIM_CONFIG or the default path if it exists.
 
-    check_files=False skips checking the node key file (podshim-runc, which never needs the key,
-    must not fail every runtime call of the node over a key file's mode)."""
+    check_files=False skips checking the node key file and the migration's congestion control
+    against the kernel (podshim-runc, which never needs either, must not fail every runtime call of
+    the node over a key file's mode)."""
     env = dict(os.environ) if env is None else env
     cfg = Config()
     explicit = path is not None or CONFIG_ENV in env
@@ -385,4 +413,7 @@ def load(
         problem = key_file_problem(cfg.encryption_key_file)
         if problem is not None:
             raise ConfigError(f"checkpoint.encryption_key_file: {cfg.encryption_key_file} {problem}")
+    congestion_problem = tcp_congestion_problem(cfg.migration_tcp_congestion) if check_files else None
+    if congestion_problem:
+        raise ConfigError(f"migration.tcp_congestion: {congestion_problem}")
     return cfg

@@ -171,3 +171,28 @@ def test_checkpoint_option_defaults() -> None:
     assert not mine.criu.tcp_established and mine.ghost_auto_max == 64 and mine.criu.ghost_limit == 0
     default = CheckpointOptions.parse({}, config.Config().option_defaults(), 64 << 20)
     assert default.ghost_auto_max == 64 << 20 and default.criu.file_locks and not default.compress
+
+
+def test_tcp_congestion_must_be_one_the_kernel_has(tmp_path: Path) -> None:
+    """[migration] tcp_congestion (CRIU patch 0010): cubic by default, "" for the host's default,
+    a name the kernel has not loaded refused at start-up with the ones it has."""
+    assert config.load(write(tmp_path, ""), env={}).migration_tcp_congestion == "cubic"
+    assert (
+        config.load(write(tmp_path, '[migration]\ntcp_congestion = ""\n'), env={}).migration_tcp_congestion
+        == ""
+    )
+    with pytest.raises(
+        config.ConfigError, match=r"migration.tcp_congestion: 'no-such-cc' is not a congestion"
+    ):
+        config.load(write(tmp_path, '[migration]\ntcp_congestion = "no-such-cc"\n'), env={})
+    # podshim-runc never checks it
+    cfg = config.load(
+        write(tmp_path, '[migration]\ntcp_congestion = "no-such-cc"\n'), env={}, check_files=False
+    )
+    assert cfg.migration_tcp_congestion == "no-such-cc"
+    available = tmp_path / "available"
+    available.write_text("reno bbr\n")
+    problem = config.tcp_congestion_problem("cubic", str(available))
+    assert problem is not None and "reno bbr" in problem
+    assert config.tcp_congestion_problem("bbr", str(available)) is None
+    assert "cannot be checked" in (config.tcp_congestion_problem("cubic", str(tmp_path / "none")) or "")

@@ -53,7 +53,7 @@ from shim.deadlines import (
     RESTORE_CLEANUP_MARGIN,
 )
 from shim.migration import guard, protocol, wire
-from shim.migration.source import credentials
+from shim.migration.source import credentials, criu_congestion_argv
 from shim.ops.restore_checks import container_set_problem
 from shim.ops.restore_pod import PodRestorer
 from shim.sandbox import build_pod_view
@@ -223,6 +223,7 @@ class MigrationDestination:
                 creds.cert_file,
                 "--tls-key",
                 creds.key_file,
+                *criu_congestion_argv(self.config),
             ]
         plain = cri.RestorePodRequest()
         plain.CopyFrom(req)

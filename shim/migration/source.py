@@ -95,6 +95,14 @@ def credentials(config: Config) -> NodeCredentials:
     return NodeCredentials(*files)
 
 
+def criu_congestion_argv(config: Config) -> list[str]:
+    """The lazy-pages daemon's option for the pages' TCP congestion control (CRIU patch 0010;
+    the dump's is the same in its config file), none for the host's default
+    (docs/architecture.md §21 (Live migration))."""
+    name = config.migration_tcp_congestion
+    return ["--tcp-congestion", name] if name else []
+
+
 class _Archiver(PodCheckpointer):
     """CheckpointPod's steps, the archive never encrypted: the node key stays on this node, and the
     link to the destination is encrypted already."""
@@ -337,6 +345,8 @@ class MigrationSource:
             f"tls-key {self.creds.key_file}",
             "tls-no-cn-verify",
         ]
+        if self.config.migration_tcp_congestion:  # the pages' congestion control (CRIU patch 0010)
+            lines.append(f"tcp-congestion {self.config.migration_tcp_congestion}")
         await run_to_end(conf.write_text, "\n".join(lines) + "\n")
         argv = w.runtime.checkpoint_argv(w.view.id, Path(w.images.proc), d.work_dir, opts.criu, True)
         read_end, write_end = os.pipe()
