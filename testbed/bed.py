@@ -42,6 +42,7 @@ from testbed.versions import (
     built,
     containerd_bin_dir,
     containerd_version_from_env,
+    criu_binary,
     criu_version_from_env,
     runc_version_from_env,
 )
@@ -154,7 +155,8 @@ class TestBed(BedStop):
         podshim_sections: further sections of podshim.toml, {section: {key: value}}.
         runc: the real runc, one of ``RUNC_BINARIES`` (default: ``PODSHIM_TEST_RUNC``, else 1.1):
             podshim's ``[runtime] binary`` and what the plain wrapper script execs.
-        criu: the CRIU, one of ``CRIU_BINARIES`` (default: ``PODSHIM_TEST_CRIU``, else 4.1):
+        criu: the CRIU, one of ``CRIU_BINARIES`` (default: ``PODSHIM_TEST_CRIU``, else 4.1, the
+            binary ``PODSHIM_TEST_CRIU_BIN`` names when set):
             podshim's ``[runtime] criu`` (and crun's) and containerd 1.x's ``CriuPath``; containerd's
             PATH keeps /usr/local/sbin's (podshim puts its own first for the runtimes it runs).
         container_annotations: the runtime handlers' ``container_annotations`` (default
@@ -189,7 +191,11 @@ class TestBed(BedStop):
         if self.runc_version not in RUNC_BINARIES or self.criu_version not in CRIU_BINARIES:
             raise TestBedError(f"runc {self.runc_version!r} / CRIU {self.criu_version!r}: unknown")
         self.real_runc = built(RUNC_BINARIES[self.runc_version], f"runc {self.runc_version}")
-        self.criu = built(CRIU_BINARIES[self.criu_version], f"CRIU {self.criu_version}")
+        self.criu = (
+            criu_binary(self.criu_version)
+            if criu is None
+            else built(CRIU_BINARIES[self.criu_version], f"CRIU {self.criu_version}")
+        )
 
         b = self.base_dir
         self.containerd_socket = b / "containerd.sock"

@@ -134,8 +134,9 @@ def migration_sections(link: NodeLink, pki: Path, i: int) -> dict[str, dict[str,
 
 
 @contextlib.contextmanager
-def node_pair(**bed_args: object) -> Iterator[Nodes]:
-    """Two beds, A and B, in their network namespaces, with credentials; all removed at the end."""
+def node_pair(migration: dict[str, str] | None = None, **bed_args: object) -> Iterator[Nodes]:
+    """Two beds, A and B, in their network namespaces, with credentials; all removed at the end.
+    `migration`: further keys of both podshims' [migration] section."""
     link = NodeLink(Path(f"/run/podshim-nodes-{secrets.token_hex(3)}"))
     beds: list[TestBed] = []
     try:
@@ -145,7 +146,9 @@ def node_pair(**bed_args: object) -> Iterator[Nodes]:
         for i in (0, 1):
             bed = TestBed(
                 netns=str(link.netns(i)),
-                podshim_sections=migration_sections(link, pki, i),
+                podshim_sections={
+                    "migration": {**migration_sections(link, pki, i)["migration"], **(migration or {})}
+                },
                 **bed_args,  # type: ignore[arg-type]
             )
             beds.append(bed)

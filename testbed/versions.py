@@ -24,8 +24,11 @@ DEFAULT_RUNC = "1.1"
 # 4.2 from its private prefix (scripts/setup.sh step 2b); both carry podshim's patches.
 CRIU_BINARIES = {"4.1": Path("/usr/local/sbin/criu"), "4.2": Path("/var/cache/podshim/criu/4.2/sbin/criu")}
 DEFAULT_CRIU = "4.1"
+# A CRIU binary of that series built elsewhere (an absolute path), used instead of the set-up's:
+# a CRIU patch in development runs in the beds and benches without replacing the machine's.
+CRIU_BIN_ENV = "PODSHIM_TEST_CRIU_BIN"
 REAL_RUNC = RUNC_BINARIES[DEFAULT_RUNC]  # the defaults (the benches use them)
-CRIU = CRIU_BINARIES[DEFAULT_CRIU]
+CRIU = Path(os.environ.get(CRIU_BIN_ENV, "") or CRIU_BINARIES[DEFAULT_CRIU])
 
 
 def _choice_from_env(variable: str, choices: tuple[str, ...] | dict[str, Path], default: str) -> str:
@@ -53,6 +56,15 @@ def real_runc() -> Path:
 def criu_version_from_env() -> str:
     """The CRIU tests run with: ``PODSHIM_TEST_CRIU`` (default 4.1, /usr/local's)."""
     return _choice_from_env("PODSHIM_TEST_CRIU", CRIU_BINARIES, DEFAULT_CRIU)
+
+
+def criu_binary(version: str) -> Path:
+    """CRIU ``version``'s binary: ``PODSHIM_TEST_CRIU_BIN`` when set (a build of that series
+    elsewhere), else the set-up's."""
+    override = os.environ.get(CRIU_BIN_ENV, "")
+    if override and not override.startswith("/"):
+        raise TestBedError(f"{CRIU_BIN_ENV}={override!r}: must be an absolute path")
+    return built(Path(override) if override else CRIU_BINARIES[version], f"CRIU {version}")
 
 
 def built(path: Path, what: str) -> Path:
