@@ -10,12 +10,18 @@ CheckpointPod with `lazy-migration` on A, both at once):
 * downtime: the counter's last line on A to its first line on B (the `ts=` both print, one clock);
 * total: the CheckpointPod call to its answer (every page on B and A's pod removed);
 * the wire floor: the same bytes (the counter's memory) through the same link with a plain TCP
-  socket (a sender in A's namespace, a receiver in B's, `sendall` of 1 MiB buffers);
+  socket (a sender in A's namespace, a receiver in B's, `sendall` / `recv_into` of 1 MiB buffers);
+* the TLS floor: the same in mutual TLS 1.3 with the nodes' credentials and the cipher suite CRIU's
+  gnutls negotiates (AES-256-GCM): what the encryption the page connection must have costs;
+* the page connection and both floors use one congestion control (`--tcp-congestion`, default
+  podshim's `[migration] tcp_congestion`, cubic; "" for the host's: BBR here, whose pacing without
+  the fq qdisc slows both);
 * the registry path (bench/distribution.py's migrate: CheckpointPod, push, pull, RestorePod +
   StartContainer, the first line on B; `--skip-registry` leaves it out).
 
-Ends with `RESULT migrate_downtime_4g_s=… downtime_slope_s_per_gib=… total_vs_wire_floor=…`
-(the largest size's downtime and total/floor; the slope of downtime over GiB, least squares).
+Ends with `RESULT migrate_downtime_4g_s=… downtime_slope_s_per_gib=… total_vs_wire_floor=…
+total_vs_tls_floor=…` (the largest size's downtime and total/floors; the slope of downtime over
+GiB, least squares).
 Targets (reported, not enforced): downtime at 4 GiB ≤ 1 s, slope ≤ 0.05 s/GiB, total ≤ 1.3 × floor.
 """
 
@@ -50,18 +56,43 @@ from bench.common import (
     start_counter_pod,
     table,
 )
+from shim.config import Config
 from testbed.nodes import Nodes, node_pair
 
 INTERVAL_MS = 10
 TIMEOUT = 1800.0
 
-# the receiver and sender of the wire floor, each run in its node's namespace (nsenter)
-_RECEIVER = textwrap.dedent(
+# The receiver and sender of the floors, each run in its node's namespace (nsenter): argv host,
+# port, bytes, the congestion control ("": the namespace's default) and, for the TLS floor, the
+# node's certificate, key and CA (mutual TLS 1.3, as the page connection). The sender prints its
+# start (after the handshake) and the cipher; the receiver the bytes and when the last came.
+_FLOOR_SETUP = textwrap.dedent(
     """
-    import socket, sys, time
-    s = socket.create_server((sys.argv[1], 0))
+    import os, socket, ssl, sys, time
+    host, port, total, cc, *pki = sys.argv[1:]
+    def congestion(s):
+        if cc:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+    def tls(purpose):
+        ctx = ssl.SSLContext(purpose)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.load_cert_chain(pki[0], pki[1])
+        ctx.load_verify_locations(cafile=pki[2])
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+    """
+)
+_RECEIVER = _FLOOR_SETUP + textwrap.dedent(
+    """
+    s = socket.socket()
+    congestion(s)
+    s.bind((host, 0))
+    s.listen()
     print(s.getsockname()[1], flush=True)
     c, _ = s.accept()
+    congestion(c)
+    if pki:
+        c = tls(ssl.PROTOCOL_TLS_SERVER).wrap_socket(c, server_side=True)
     buf = bytearray(1 << 20)
     got = 0
     while True:
@@ -72,43 +103,70 @@ _RECEIVER = textwrap.dedent(
     print(got, time.time(), flush=True)
     """
 )
-_SENDER = textwrap.dedent(
+_SENDER = _FLOOR_SETUP + textwrap.dedent(
     """
-    import os, socket, sys, time
-    total = int(sys.argv[3])
     chunk = os.urandom(1 << 20)
-    c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+    c = socket.socket()
+    congestion(c)
+    c.connect((host, int(port)))
+    cipher = "none"
+    if pki:
+        c = tls(ssl.PROTOCOL_TLS_CLIENT).wrap_socket(c, server_hostname=host)
+        cipher = c.version() + "/" + c.cipher()[0]
     start = time.time()
-    print(start, flush=True)
+    print(start, cipher, flush=True)
     sent = 0
-    while sent < total:
+    while sent < int(total):
         c.sendall(chunk)
         sent += len(chunk)
+    # FIN, then wait for the receiver's close: a close with unread data (TLS 1.3's session tickets)
+    # would reset the connection and drop what the receiver had not read yet
+    c.shutdown(socket.SHUT_WR)
+    while c.recv(1 << 16):
+        pass
     c.close()
     """
 )
+# The cipher suite CRIU's TLS (gnutls, its default priority: NORMAL) negotiates between page server
+# and daemon, the first TLS 1.3 suite of that list; OpenSSL's default TLS 1.3 list starts with it too,
+# and the TLS floor checks it got it.
+CRIU_TLS_CIPHER = "TLSv1.3/TLS_AES_256_GCM_SHA384"
 
 
-def wire_floor(n: Nodes, nbytes: int) -> float:
-    """Seconds to move `nbytes` from A's namespace to B's through the veth with a plain socket."""
+def floor(n: Nodes, nbytes: int, congestion: str, tls: bool = False) -> float:
+    """Seconds to move `nbytes` from A's namespace to B's through the veth with a plain socket (the
+    wire floor) or in TLS as CRIU's page connection (the TLS floor), with congestion control
+    `congestion` ("": the namespaces' default, the host's)."""
 
     def ns(i: int) -> list[str]:
         return ["nsenter", f"--net={n.link.netns(i)}", sys.executable, "-c"]
 
-    recv = subprocess.Popen([*ns(1), _RECEIVER, n.link.address(1)], stdout=subprocess.PIPE, text=True)
+    def pki(i: int) -> list[str]:
+        name = n.link.names[i]
+        return (
+            [str(n.pki / f"{name}.pem"), str(n.pki / f"{name}-key.pem"), str(n.pki / "ca.pem")] if tls else []
+        )
+
+    address = n.link.address(1)
+    recv = subprocess.Popen(
+        [*ns(1), _RECEIVER, address, "0", str(nbytes), congestion, *pki(1)], stdout=subprocess.PIPE, text=True
+    )
     assert recv.stdout is not None
     port = recv.stdout.readline().strip()
     send = subprocess.run(
-        [*ns(0), _SENDER, n.link.address(1), port, str(nbytes)],
+        [*ns(0), _SENDER, address, port, str(nbytes), congestion, *pki(0)],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
     )
     got, ended = recv.stdout.readline().split()
     recv.wait(timeout=60)
-    if int(got) < nbytes:
-        raise RuntimeError(f"the wire floor moved {got} of {nbytes} bytes: {send.stderr}")
-    return float(ended) - float(send.stdout.split()[0])
+    if send.returncode or int(got) < nbytes:
+        raise RuntimeError(f"the floor moved {got} of {nbytes} bytes: {send.stderr}")
+    start, cipher = send.stdout.split()[:2]
+    if tls and cipher != CRIU_TLS_CIPHER:
+        raise RuntimeError(f"the TLS floor negotiated {cipher}, not CRIU's {CRIU_TLS_CIPHER}")
+    return float(ended) - float(start)
 
 
 def entries(path: Path) -> list[tuple[int, float]]:
@@ -207,27 +265,34 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096], help="MiB")
     ap.add_argument("--skip-registry", action="store_true", help="leave out the registry path")
+    ap.add_argument(
+        "--tcp-congestion",
+        default=Config().migration_tcp_congestion,
+        help="the pages' and the floors' congestion control ([migration] tcp_congestion; '': the host's)",
+    )
     args = ap.parse_args(argv)
+    cc = args.tcp_congestion
     print(machine_summary())
     rows = []
     downtimes: list[float] = []
-    ratio_last = float("nan")
+    ratio_last = tls_ratio_last = float("nan")
     with contextlib.ExitStack() as stack:
         say("starting nodes A and B (two beds in network namespaces, a veth between them)")
-        n = stack.enter_context(node_pair())
-        say(f"A {n.link.address(0)}, B {n.link.address(1)}")
+        n = stack.enter_context(node_pair(migration={"tcp_congestion": cc}))
+        say(f"A {n.link.address(0)}, B {n.link.address(1)}, congestion control {cc or 'the host default'}")
         for mib in args.sizes:
             tag = f"{mib}-{secrets.token_hex(2)}"
             say(f"{mib} MiB: live migration")
             live = live_migrate(n, mib, tag)
-            floor = wire_floor(n, mib << 20)
+            wire = floor(n, mib << 20, cc)
+            tls = floor(n, mib << 20, cc, tls=True)
             reg = float("nan") if args.skip_registry else registry_path(n, mib, tag)
             say(
                 f"{mib} MiB: downtime {live['downtime']:.3f}s, total {live['total']:.2f}s, "
-                f"wire floor {floor:.2f}s, registry path {reg:.1f}s; phases {live}"
+                f"wire floor {wire:.2f}s, TLS floor {tls:.2f}s, registry path {reg:.1f}s; phases {live}"
             )
             downtimes.append(live["downtime"])
-            ratio_last = live["total"] / floor
+            ratio_last, tls_ratio_last = live["total"] / wire, live["total"] / tls
             rows.append(
                 [
                     f"{mib} MiB",
@@ -236,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
                     live.get("phase_go", float("nan")),
                     live.get("phase_destination_running", float("nan")),
                     live["total"],
-                    floor,
+                    wire,
                     ratio_last,
+                    tls,
+                    tls_ratio_last,
                     reg,
                 ]
             )
@@ -253,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                 "total s",
                 "wire floor s",
                 "total/floor",
+                "TLS floor s",
+                "total/TLS floor",
                 "registry path s",
             ],
             rows,
@@ -264,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             migrate_downtime_4g_s=downtimes[-1],
             downtime_slope_s_per_gib=slope(gib, downtimes) if len(gib) > 1 else float("nan"),
             total_vs_wire_floor=ratio_last,
+            total_vs_tls_floor=tls_ratio_last,
         )
     )
     return 0
