@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from shim import errors
+from shim.criu import runtime
 from shim.criu.runtime import CriuOptions, DumpGate, NetnsLock, OciRuntime, criu_path_env, option_hint
 from shim.ops.checkpoint_pod import CheckpointOptions
 
@@ -190,3 +191,19 @@ def test_dump_gate_closed_fails_the_dump_at_the_gate() -> None:
     assert gate.passed.is_set()
     late = _run_gate_script(gate)
     assert late.wait(10) != 0
+
+
+def test_dump_gate_of_a_killed_podshim_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """podshim killed with a dump at its gate (its FIFO end closed, nothing unlinked): the orphan
+    CRIU's script neither blocks on the FIFO nor waits for good; it fails after GATE_WAIT and
+    removes the gate's directory."""
+    monkeypatch.setattr(runtime, "GATE_WAIT", 1)
+    gate = DumpGate()
+    assert gate.fd is not None
+    os.close(gate.fd)  # what a SIGKILL leaves
+    gate.fd = None
+    start = time.monotonic()
+    p = _run_gate_script(gate)
+    assert p.wait(10) != 0
+    assert time.monotonic() - start < 5
+    assert not gate.dir.exists()

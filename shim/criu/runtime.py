@@ -92,15 +92,19 @@ def criu_path_env(criu: str, path: str | None = None) -> dict[str, str]:
 
 
 # How long a dump started before the cut waits at its gate for podshim's word (DumpGate): the
-# cut follows at once; this only bounds a CRIU whose podshim vanished without closing the gate.
-GATE_WAIT = 60
+# cut follows within DUMPS_READY_WAIT + FREEZE_TIMEOUT; this bounds a CRIU whose podshim was
+# killed meanwhile (its orphans then end by themselves, nothing seized).
+GATE_WAIT = 30
 _GATE_SCRIPT = """#!/bin/bash
 # podshim's DumpGate (docs/architecture.md §4.1 (The freeze window)): this CRIU, started before
 # the pod's cut, waits here with its start-up done and nothing seized, until podshim says go
+# (CRIU runs it for its other actions too: they pass at once)
 [ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] || exit 0
-exec 3<"{fifo}"
+exec 3<>"{fifo}" || exit 1
 : >"{ready}"
-read -r -t {wait} word <&3 && [ "$word" = go ]
+read -r -t {wait} word <&3 && [ "$word" = go ] && exit 0
+rm -rf "{dir}"  # the dump ends here; podshim may be gone
+exit 1
 """
 
 
@@ -108,9 +112,9 @@ class DumpGate:
     """Lets a dump start before the pod is frozen and hold at CRIU's `pre-dump` action script,
     where runc's and CRIU's start-up (runc, its CRIU version check, CRIU's kernel probe) is done
     and nothing is seized yet; `open` lets it seize the (by then frozen) container. `close`
-    without `open` (or podshim gone: the FIFO's only writer closed) fails the dump at the gate
-    ("Pre dump script failed"), before anything is touched (docs/architecture.md §4.1 (The
-    freeze window))."""
+    without `open` (or, podshim killed, GATE_WAIT passing) fails the dump at the gate ("Pre dump
+    script failed"), before anything is touched (docs/architecture.md §4.1 (The freeze
+    window))."""
 
     def __init__(self) -> None:
         import asyncio
@@ -121,10 +125,12 @@ class DumpGate:
         self.fifo = self.dir / "go"
         self.ready_file = self.dir / "ready"
         os.mkfifo(self.fifo, 0o600)
-        # read-write: opening never blocks and the script's read-only open finds a writer
+        # read-write, here and in the script: no open of the FIFO ever blocks
         self.fd: int | None = os.open(self.fifo, os.O_RDWR | os.O_CLOEXEC)
         self.script = self.dir / "pre-dump"
-        self.script.write_text(_GATE_SCRIPT.format(fifo=self.fifo, ready=self.ready_file, wait=GATE_WAIT))
+        self.script.write_text(
+            _GATE_SCRIPT.format(dir=self.dir, fifo=self.fifo, ready=self.ready_file, wait=GATE_WAIT)
+        )
         self.script.chmod(0o700)
 
     def config_line(self) -> str:
@@ -140,8 +146,12 @@ class DumpGate:
         self.passed.set()
 
     def close(self) -> None:
-        """Ends the gate: a dump waiting at it without `open` reads EOF and fails there; one not
-        there yet finds no FIFO. Unlinked first: while podshim holds its end no open blocks."""
+        """Ends the gate: a dump waiting at it without `open` reads "no" and fails there; one not
+        there yet finds no FIFO (unlinked first: the script opens it read-write, so no open ever
+        blocks; a podshim killed meanwhile leaves it to GATE_WAIT, after which the script removes
+        the directory)."""
+        if self.fd is not None and not self.passed.is_set():
+            os.write(self.fd, b"no\n")
         for f in (self.fifo, self.script, self.ready_file):
             with contextlib.suppress(OSError):
                 f.unlink()
