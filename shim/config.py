@@ -108,6 +108,13 @@ class Config:
             "irmap-scan-paths": ",".join(self.irmap_scan_paths),
         }
 
+    @property
+    def scratch_dir(self) -> str:
+        """`<state_dir>/scratch`: the short-lived files a dump hands to runc and CRIU (its CRIU
+        config file, its DumpGate), emptied at every start (a podshim killed mid-dump leaves
+        them), never in the shared temp dir."""
+        return os.path.join(self.state_dir, "scratch")
+
     def runtime_for_handler(self, handler: str) -> RuntimeConfig | None:
         if handler in self.runtimes:
             return self.runtimes[handler]

@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -180,6 +181,21 @@ def test_dump_gate_holds_criu_until_opened() -> None:
     assert not gate.dir.exists()
 
 
+def test_a_dumps_files_for_runc_and_criu_go_to_the_scratch_dir(tmp_path: Path) -> None:
+    """The gate and the CRIU config file live in podshim's scratch dir (Config.scratch_dir,
+    emptied at start), not in the shared temp dir, where a killed podshim's would stay."""
+    scratch = tmp_path / "state" / "scratch"
+    gate = DumpGate(str(scratch))
+    try:
+        assert gate.dir.parent == scratch
+    finally:
+        gate.close()
+    opts = CriuOptions(tcp_established=True)
+    with runtime._criu_config(opts, "criu", (), str(scratch)) as env:
+        assert Path(env["CRIU_CONFIG_FILE"]).parent == scratch
+    assert list(scratch.iterdir()) == []
+
+
 def test_dump_gate_closed_fails_the_dump_at_the_gate() -> None:
     """Closed without opening (a failure before the cut, podshim gone): CRIU's pre-dump script
     fails, so the dump ends before it seizes anything; a CRIU that comes later finds no gate."""
@@ -193,17 +209,36 @@ def test_dump_gate_closed_fails_the_dump_at_the_gate() -> None:
     assert late.wait(10) != 0
 
 
-def test_dump_gate_of_a_killed_podshim_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    """podshim killed with a dump at its gate (its FIFO end closed, nothing unlinked): the orphan
-    CRIU's script neither blocks on the FIFO nor waits for good; it fails after GATE_WAIT and
-    removes the gate's directory."""
-    monkeypatch.setattr(runtime, "GATE_WAIT", 1)
-    gate = DumpGate()
-    assert gate.fd is not None
-    os.close(gate.fd)  # what a SIGKILL leaves
-    gate.fd = None
+def test_dump_gate_of_a_killed_podshim_gives_up(tmp_path: Path) -> None:
+    """podshim killed (SIGKILL) with a dump at its gate: the orphan CRIU's script notices within
+    GATE_LOOK that podshim's process is gone, fails (nothing seized) and removes the gate's
+    directory, so the restarted podshim's recovery, which waits for such leftovers, goes on."""
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom shim.criu.runtime import DumpGate\n"
+            "print(DumpGate(sys.argv[1]).dir, flush=True)\ntime.sleep(60)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        assert owner.stdout is not None
+        gate_dir = Path(owner.stdout.readline().decode().strip())
+        env = {**os.environ, "CRTOOLS_SCRIPT_ACTION": "pre-dump"}
+        p = subprocess.Popen(["sh", "-c", str(gate_dir / "pre-dump")], env=env)
+        deadline = time.monotonic() + 10
+        while not (gate_dir / "ready").exists():
+            assert time.monotonic() < deadline, "the gate's script never reached the gate"
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert p.poll() is None, "the gate gave up while podshim was there"
+    finally:
+        owner.kill()
+        owner.wait()
     start = time.monotonic()
-    p = _run_gate_script(gate)
     assert p.wait(10) != 0
-    assert time.monotonic() - start < 5
-    assert not gate.dir.exists()
+    assert time.monotonic() - start < 1 + runtime.GATE_LOOK
+    assert not gate_dir.exists()

@@ -61,6 +61,19 @@ def test_open_state_dir_is_narrowed(tmp_path: Path, umask_022: None) -> None:
     assert _mode(d) == 0o700 and (d / "keep").read_text() == "x"
 
 
+def test_scratch_dir_is_emptied_at_start(tmp_path: Path, umask_022: None) -> None:
+    """What a podshim killed mid-dump left in its scratch dir (a CRIU config file, a gate) goes
+    at the next start; the dir is 0700."""
+    scratch = tmp_path / "scratch"
+    (scratch / "podshim-gate-x").mkdir(parents=True)
+    (scratch / "podshim-gate-x" / "go").write_text("")
+    (scratch / "podshim-criu-y.conf").write_text("tcp-established\n")
+    app.reset_scratch_dir(str(scratch))
+    assert list(scratch.iterdir()) == [] and _mode(scratch) == 0o700
+    app.reset_scratch_dir(str(tmp_path / "new" / "scratch"))
+    assert _mode(tmp_path / "new" / "scratch") == 0o700
+
+
 def test_unusable_state_dir_is_a_startup_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(app.StartupError, match="server.state_dir"):
@@ -72,3 +85,4 @@ def test_running_podshim_state_dir_is_private(bed: TestBed) -> None:
     """The test bed creates the state dir with its own umask (0755); podshim narrows it."""
     assert bed.podshim_running
     assert _mode(Path(bed.podshim_state_dir)) == 0o700
+    assert _mode(Path(bed.podshim_state_dir) / "scratch") == 0o700

@@ -92,9 +92,12 @@ def criu_path_env(criu: str, path: str | None = None) -> dict[str, str]:
 
 
 # How long a dump started before the cut waits at its gate for podshim's word (DumpGate): the
-# cut follows within DUMPS_READY_WAIT + FREEZE_TIMEOUT; this bounds a CRIU whose podshim was
-# killed meanwhile (its orphans then end by themselves, nothing seized).
+# cut follows within DUMPS_READY_WAIT + FREEZE_TIMEOUT; this bounds a CRIU whose podshim hangs.
 GATE_WAIT = 30
+# How often the gate looks whether podshim is still there: a podshim killed with dumps at their
+# gates leaves orphans that end within this (nothing seized), so its restart's recovery, which
+# waits for the runc and CRIU processes of an interrupted checkpoint, is not held up.
+GATE_LOOK = 0.1
 _GATE_SCRIPT = """#!/bin/bash
 # podshim's DumpGate (docs/architecture.md §4.1 (The freeze window)): this CRIU, started before
 # the pod's cut, waits here with its start-up done and nothing seized, until podshim says go
@@ -102,34 +105,68 @@ _GATE_SCRIPT = """#!/bin/bash
 [ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] || exit 0
 exec 3<>"{fifo}" || exit 1
 : >"{ready}"
-read -r -t {wait} word <&3 && [ "$word" = go ] && exit 0
-rm -rf "{dir}"  # the dump ends here; podshim may be gone
+# podshim still there: its pid, with the start time it had (field 22 of stat, the 20th after comm)
+podshim() {{
+  local s
+  {{ s=$(</proc/{pid}/stat); }} 2>/dev/null || return 1
+  set -- ${{s##*) }}
+  [ "${{20}}" = "{start}" ]
+}}
+end=$((SECONDS + {wait}))
+while [ "$SECONDS" -lt "$end" ] && podshim; do
+  if read -r -t {look} word <&3; then [ "$word" = go ] && exit 0; break; fi
+done
+rm -rf "{dir}"  # the dump ends here: told no, podshim gone, or too late
 exit 1
 """
+
+
+def _start_time(pid: int) -> str:
+    """Field 22 of /proc/PID/stat (its start time, in clock ticks since boot): with the pid, names
+    one process, not whichever later reuses its pid."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]
+
+
+def _made(scratch: str | None) -> str | None:
+    """`scratch` made if missing (0700; a podshim that never ran app.run: tests, tools)."""
+    if scratch:
+        os.makedirs(scratch, 0o700, exist_ok=True)
+    return scratch
 
 
 class DumpGate:
     """Lets a dump start before the pod is frozen and hold at CRIU's `pre-dump` action script,
     where runc's and CRIU's start-up (runc, its CRIU version check, CRIU's kernel probe) is done
     and nothing is seized yet; `open` lets it seize the (by then frozen) container. `close`
-    without `open` (or, podshim killed, GATE_WAIT passing) fails the dump at the gate ("Pre dump
-    script failed"), before anything is touched (docs/architecture.md §4.1 (The freeze
-    window))."""
+    without `open` (or podshim killed: the script looks every GATE_LOOK) fails the dump at the
+    gate ("Pre dump script failed"), before anything is touched (docs/architecture.md §4.1 (The
+    freeze window))."""
 
-    def __init__(self) -> None:
+    def __init__(self, scratch: str | None = None) -> None:
         import asyncio
         import tempfile
 
         self.passed = asyncio.Event()  # set by `open` or `close`: the dump may go on (or fail)
-        self.dir = Path(tempfile.mkdtemp(prefix="podshim-gate-"))
+        # in podshim's scratch dir (Config.scratch_dir, emptied at start), else the temp dir
+        self.dir = Path(tempfile.mkdtemp(prefix="podshim-gate-", dir=_made(scratch)))
         self.fifo = self.dir / "go"
         self.ready_file = self.dir / "ready"
         os.mkfifo(self.fifo, 0o600)
         # read-write, here and in the script: no open of the FIFO ever blocks
         self.fd: int | None = os.open(self.fifo, os.O_RDWR | os.O_CLOEXEC)
         self.script = self.dir / "pre-dump"
+        pid = os.getpid()
         self.script.write_text(
-            _GATE_SCRIPT.format(dir=self.dir, fifo=self.fifo, ready=self.ready_file, wait=GATE_WAIT)
+            _GATE_SCRIPT.format(
+                dir=self.dir,
+                fifo=self.fifo,
+                ready=self.ready_file,
+                wait=GATE_WAIT,
+                look=GATE_LOOK,
+                pid=pid,
+                start=_start_time(pid),
+            )
         )
         self.script.chmod(0o700)
 
@@ -148,7 +185,7 @@ class DumpGate:
     def close(self) -> None:
         """Ends the gate: a dump waiting at it without `open` reads "no" and fails there; one not
         there yet finds no FIFO (unlinked first: the script opens it read-write, so no open ever
-        blocks; a podshim killed meanwhile leaves it to GATE_WAIT, after which the script removes
+        blocks; a podshim killed meanwhile: within GATE_LOOK the script fails and removes
         the directory)."""
         if self.fd is not None and not self.passed.is_set():
             os.write(self.fd, b"no\n")
@@ -164,9 +201,12 @@ class DumpGate:
 
 
 @contextlib.contextmanager
-def _criu_config(opts: CriuOptions, criu: str, extra: tuple[str, ...] = ()) -> Iterator[dict[str, str]]:
+def _criu_config(
+    opts: CriuOptions, criu: str, extra: tuple[str, ...] = (), scratch: str | None = None
+) -> Iterator[dict[str, str]]:
     """The environment of a dump: CRIU_CONFIG_FILE naming a private file with the options
-    runc/crun have no flag for (removed after the dump), and the configured CRIU first on PATH."""
+    runc/crun have no flag for (in `scratch`, else the temp dir; removed after the dump), and the
+    configured CRIU first on PATH."""
     env = {**os.environ, **criu_path_env(criu)}
     lines = [*opts.dump_config_lines(), *extra]
     if not lines:
@@ -174,7 +214,7 @@ def _criu_config(opts: CriuOptions, criu: str, extra: tuple[str, ...] = ()) -> I
         return
     import tempfile  # here: it imports `random`, which podshim-runc's restore never needs
 
-    fd, path = tempfile.mkstemp(prefix="podshim-criu-", suffix=".conf")
+    fd, path = tempfile.mkstemp(prefix="podshim-criu-", suffix=".conf", dir=_made(scratch))
     try:
         with os.fdopen(fd, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -575,10 +615,11 @@ def stop_dump(
 class OciRuntime:
     """One runc/crun binary with the --root the upstream uses for its containers."""
 
-    def __init__(self, binary: str, root: str, criu: str = "") -> None:
+    def __init__(self, binary: str, root: str, criu: str = "", scratch: str | None = None) -> None:
         self.binary = binary
         self.root = root
         self.criu = criu
+        self.scratch = scratch  # where a dump's CRIU config file goes (Config.scratch_dir)
 
     @property
     def is_runc(self) -> bool:
@@ -627,7 +668,7 @@ class OciRuntime:
         docs/architecture.md §13 (Path confinement)). `gate`: CRIU waits at it, its start-up
         done, until the caller opens it (DumpGate)."""
         extra = (gate.config_line(),) if gate is not None else ()
-        with _criu_config(opts, self.criu, extra) as env:  # the file lives as long as the dump
+        with _criu_config(opts, self.criu, extra, self.scratch) as env:  # the file lives as long as the dump
             return await self._checkpoint(
                 name, container_id, image_dir, work_dir, opts, leave_running, env, pass_fds, gate
             )

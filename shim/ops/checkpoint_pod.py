@@ -129,7 +129,7 @@ class PodCheckpointer:
 
     def runtime_for(self, c: ContainerView) -> OciRuntime:
         rt = self.config.runtime_for_root(c.runtime_root) if c.runtime_root else self.config.runtime
-        return OciRuntime(rt.binary, c.runtime_root or rt.root, rt.criu)
+        return OciRuntime(rt.binary, c.runtime_root or rt.root, rt.criu, self.config.scratch_dir)
 
     def parse_options(self, options: dict[str, str]) -> CheckpointOptions:
         """A checkpoint's options: the request's over the node's defaults (`[checkpoint]`; the
@@ -294,7 +294,7 @@ class PodCheckpointer:
         # done (DumpGate; docs/architecture.md §4.1 (The freeze window)); the largest first: the
         # slowest dump bounds the window, so it gets the head start
         order = sorted(work, key=lambda w: w.memory, reverse=True)
-        gates = [DumpGate() for _ in order]
+        gates = [DumpGate(self.config.scratch_dir) for _ in order]
         children_before = _children_cpu()
         dumps = [asyncio.ensure_future(self._dump(w, opts, g)) for w, g in zip(order, gates, strict=True)]
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import shutil
 import signal
 import stat
 from collections.abc import Callable
@@ -61,6 +62,17 @@ def prepare_state_dir(path: str) -> None:
                 mode=oct(stat.S_IMODE(st.st_mode)),
             )
             os.chmod(d, 0o700)
+    except OSError as e:
+        raise StartupError(f"server.state_dir {path}: {e.strerror or e}") from None
+
+
+def reset_scratch_dir(path: str) -> None:
+    """Config.scratch_dir empty and 0700: what a podshim killed mid-dump left there (a CRIU config
+    file, a dump's gate) is of no use to anyone once it is gone. Run under the state dir's lock:
+    no other podshim's dump uses it."""
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path, 0o700, exist_ok=True)
     except OSError as e:
         raise StartupError(f"server.state_dir {path}: {e.strerror or e}") from None
 
@@ -173,6 +185,7 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
             ) from None
     prepare_state_dir(config.state_dir)
     lock_state_dir(config.state_dir)  # held until the process ends
+    reset_scratch_dir(config.scratch_dir)  # this podshim's alone now: a killed one's leftovers go
     if sockets.serving(config.socket):  # before the recovery, which must not run beside it
         raise StartupError(f"server.socket {config.socket}: another process serves this socket")
     upstream = Upstream(config.upstream_endpoint, config.upstream_timeout)
