@@ -16,6 +16,13 @@ RESTORE_CLEANUP_MARGIN = 1.0  # RestorePod's: removing the new sandbox takes lon
 FREEZE_TIMEOUT = 5.0  # to confirm a cgroup froze or thawed
 # for the dumps started before the cut to reach their gates (runc and CRIU start-up: 0.1-0.3 s)
 DUMPS_READY_WAIT = 3.0
+# How long a dump started before the cut waits at its gate for podshim's word (DumpGate): the
+# cut follows within DUMPS_READY_WAIT + FREEZE_TIMEOUT; this bounds a CRIU whose podshim hangs.
+GATE_WAIT = 30.0
+# How often a gate looks whether podshim is still there: a podshim killed with dumps at their
+# gates leaves orphans that end within this (nothing seized), so its restart's recovery, which
+# waits for the runc and CRIU processes of an interrupted checkpoint, is not held up.
+GATE_LOOK = 0.1
 KILL_WAIT = 10.0  # for SIGKILLed runc/CRIU processes to disappear
 # A dump podshim gives up on (the caller's deadline, another container's failure, a service stop,
 # runc gone) is never killed while its CRIU holds the container's processes (ptrace): CRIU is let

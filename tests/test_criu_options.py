@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shim import errors
+from shim import deadlines, errors
 from shim.criu import runtime
 from shim.criu.runtime import CriuOptions, DumpGate, NetnsLock, OciRuntime, criu_path_env, option_hint
 from shim.ops.checkpoint_pod import CheckpointOptions
@@ -240,5 +240,5 @@ def test_dump_gate_of_a_killed_podshim_gives_up(tmp_path: Path) -> None:
         owner.wait()
     start = time.monotonic()
     assert p.wait(10) != 0
-    assert time.monotonic() - start < 1 + runtime.GATE_LOOK
+    assert time.monotonic() - start < 1 + deadlines.GATE_LOOK
     assert not gate_dir.exists()

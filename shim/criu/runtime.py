@@ -25,6 +25,8 @@ from shim.deadlines import (
     DUMP_FINISH_WAIT,
     DUMP_LOOK_INTERVAL,
     DUMP_STOP_CONFIRM,
+    GATE_LOOK,
+    GATE_WAIT,
     KILL_WAIT,
     NETLOCK_TIMEOUT,
     VERSION_TIMEOUT,
@@ -91,13 +93,6 @@ def criu_path_env(criu: str, path: str | None = None) -> dict[str, str]:
     return {"PATH": f"{os.path.dirname(criu)}:{rest}"}
 
 
-# How long a dump started before the cut waits at its gate for podshim's word (DumpGate): the
-# cut follows within DUMPS_READY_WAIT + FREEZE_TIMEOUT; this bounds a CRIU whose podshim hangs.
-GATE_WAIT = 30
-# How often the gate looks whether podshim is still there: a podshim killed with dumps at their
-# gates leaves orphans that end within this (nothing seized), so its restart's recovery, which
-# waits for the runc and CRIU processes of an interrupted checkpoint, is not held up.
-GATE_LOOK = 0.1
 _GATE_SCRIPT = """#!/bin/bash
 # podshim's DumpGate (docs/architecture.md §4.1 (The freeze window)): this CRIU, started before
 # the pod's cut, waits here with its start-up done and nothing seized, until podshim says go
@@ -162,7 +157,7 @@ class DumpGate:
                 dir=self.dir,
                 fifo=self.fifo,
                 ready=self.ready_file,
-                wait=GATE_WAIT,
+                wait=int(GATE_WAIT),  # bash counts whole seconds
                 look=GATE_LOOK,
                 pid=pid,
                 start=_start_time(pid),
