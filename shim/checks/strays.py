@@ -42,6 +42,23 @@ def _name(pid: int) -> str:
         return "gone"
 
 
+def outside_tree(root: int, pids: list[int]) -> list[int]:
+    """Those of `pids` that are not `root` or a descendant of it, their parents read now: a
+    process forked in the tree after the caller listed the tree is in it, one that has ended is
+    not counted (it can no longer fail a dump)."""
+    out = []
+    for pid in pids:
+        try:
+            ancestor = pid
+            while ancestor not in (root, 0, 1):
+                ancestor = psutil.Process(ancestor).ppid()
+        except psutil.Error:
+            continue  # it (or an ancestor on the way) has ended
+        if ancestor != root:
+            out.append(pid)
+    return out
+
+
 def classify(pids: list[int]) -> list[Stray]:
     """Each of `pids`, with the parent of its group's first process: the nearest ancestor that is
     not itself one of `pids` (an exec session's children belong to that session)."""
