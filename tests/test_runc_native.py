@@ -91,6 +91,16 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return out / "podshim-runc", out / "recorder"
 
 
+def _place(program: Path, at: Path) -> None:
+    """`program` at `at`, as a hard link: a copy is written through a descriptor that a process
+    forked meanwhile by another thread holds until it execs, and exec of the copy then fails with
+    ETXTBSY."""
+    try:
+        os.link(program, at)
+    except OSError:  # another file system
+        shutil.copy2(program, at)
+
+
 class Node:
     """A wrapper in <tmp>/bin with a fake hook beside it, fake runc/crun, a podshim config."""
 
@@ -99,12 +109,12 @@ class Node:
         self.bin = tmp / "bin"
         self.bin.mkdir()
         self.wrapper = self.bin / "podshim-runc"
-        shutil.copy2(wrapper, self.wrapper)
+        _place(wrapper, self.wrapper)
         self.hook = self.bin / "podshim-runc-hook"
         self.runc = tmp / "runc"
         self.crun = tmp / "crun"
         for p in (self.hook, self.runc, self.crun):
-            shutil.copy2(recorder, p)
+            _place(recorder, p)
         self.rec_dir = tmp / "rec"
         self.rec_dir.mkdir()
         self.config = tmp / "podshim.toml"
@@ -202,8 +212,8 @@ def test_every_other_call_is_an_exec_of_the_runtime_unchanged(node: Node, args: 
     )
     out, err = proc.communicate(b"stdin data", timeout=30)
     os.close(r)
-    fields = (node.rec_dir / "record").read_bytes().split(b"\0")
     assert proc.returncode == 7, err
+    fields = (node.rec_dir / "record").read_bytes().split(b"\0")
     assert out == b"stdin data"
     assert int(fields[0]) == proc.pid  # exec'd in place: the upstream's pid is the runtime's
     argc = int(fields[1])
