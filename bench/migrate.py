@@ -12,7 +12,16 @@ CheckpointPod with `lazy-migration` on A, both at once):
 * the wire floor: the same bytes (the counter's memory) through the same link with a plain TCP
   socket (a sender in A's namespace, a receiver in B's, `sendall` / `recv_into` of 1 MiB buffers);
 * the TLS floor: the same in mutual TLS 1.3 with the nodes' credentials and the cipher suite CRIU's
-  gnutls negotiates (AES-256-GCM): what the encryption the page connection must have costs;
+  gnutls negotiated for the migration's pages (read from the dumps' CRIU logs: "TLS handshake
+  completed: ...", CRIU patch 0011; gnutls' default AES-256-GCM when a CRIU does not say);
+* the cipher floor: that suite's AEAD alone (AES-GCM of `cryptography`, 16 KiB records as TLS's),
+  every byte encrypted in one process and decrypted in another, both at once, as A's page server
+  and B's daemon must: the lower bound of any encrypted transfer of those bytes on this machine;
+* the memory floor: the first write of as many bytes of fresh anonymous memory in one process, in
+  4 KiB pages (as B's lazy-pages daemon maps each page with UFFDIO_COPY): on this VM the kernel hands
+  every freed page back to the host at once (free page reporting, `min_free_ms` 0), so each page a
+  process first touches costs a fault in the host, and B must so materialise the pod's memory; the
+  other floors reuse one buffer and never pay it;
 * the page connection and both floors use one congestion control (`--tcp-congestion`, default
   podshim's `[migration] tcp_congestion`, cubic; "" for the host's: BBR here, whose pacing without
   the fq qdisc slows both);
@@ -20,8 +29,8 @@ CheckpointPod with `lazy-migration` on A, both at once):
   StartContainer, the first line on B; `--skip-registry` leaves it out).
 
 Ends with `RESULT migrate_downtime_4g_s=… downtime_slope_s_per_gib=… total_vs_wire_floor=…
-total_vs_tls_floor=…` (the largest size's downtime and total/floors; the slope of downtime over
-GiB, least squares).
+total_vs_tls_floor=… total_vs_cipher_floor=… total_vs_memory_floor=…` (the largest size's downtime
+and total/floors; the slope of downtime over GiB, least squares).
 Targets (reported, not enforced): downtime at 4 GiB ≤ 1 s, slope ≤ 0.05 s/GiB, total ≤ 1.3 × floor.
 """
 
@@ -31,9 +40,11 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -127,16 +138,34 @@ _SENDER = _FLOOR_SETUP + textwrap.dedent(
     c.close()
     """
 )
-# The cipher suite CRIU's TLS (gnutls, its default priority: NORMAL) negotiates between page server
-# and daemon, the first TLS 1.3 suite of that list; OpenSSL's default TLS 1.3 list starts with it too,
-# and the TLS floor checks it got it.
-CRIU_TLS_CIPHER = "TLSv1.3/TLS_AES_256_GCM_SHA384"
+# The TLS 1.3 suites of the AEADs CRIU's gnutls may negotiate, by gnutls' name of the cipher (the
+# last part of the session's description CRIU logs at the handshake, patch 0011), with the key bits.
+TLS_SUITES = {"AES-128-GCM": ("TLS_AES_128_GCM_SHA256", 128), "AES-256-GCM": ("TLS_AES_256_GCM_SHA384", 256)}
+# What gnutls' default priority (NORMAL) negotiates between two CRIUs: a CRIU without patch 0011
+# logs no suite.
+DEFAULT_CRIU_CIPHER = "AES-256-GCM"
+HANDSHAKE_RE = re.compile(rb"TLS handshake completed: \S*\((AES-\d+-GCM)\)")
 
 
-def floor(n: Nodes, nbytes: int, congestion: str, tls: bool = False) -> float:
+def negotiated_cipher(archive: Path) -> str:
+    """The AEAD of the pages' TLS, from the dumps' CRIU logs in the source's archive (every dump
+    must agree; a suite the floors do not know is an error: they would measure another), with
+    where it was found."""
+    found = set()
+    for log in archive.rglob("migration-dump.log"):
+        found.update(m.decode() for m in HANDSHAKE_RE.findall(log.read_bytes()))
+    if not found:
+        return f"{DEFAULT_CRIU_CIPHER} (gnutls' default: CRIU's log names none)"
+    if len(found) > 1 or not found <= TLS_SUITES.keys():
+        raise RuntimeError(f"the pages negotiated {sorted(found)}; the floors know {sorted(TLS_SUITES)}")
+    return f"{found.pop()} (CRIU's log)"
+
+
+def floor(n: Nodes, nbytes: int, congestion: str, cipher: str | None = None) -> float:
     """Seconds to move `nbytes` from A's namespace to B's through the veth with a plain socket (the
-    wire floor) or in TLS as CRIU's page connection (the TLS floor), with congestion control
-    `congestion` ("": the namespaces' default, the host's)."""
+    wire floor) or, given the pages' `cipher`, in TLS 1.3 with that suite as CRIU's page connection
+    (the TLS floor), with congestion control `congestion` ("": the namespaces' default, the host's)."""
+    tls = cipher is not None
 
     def ns(i: int) -> list[str]:
         return ["nsenter", f"--net={n.link.netns(i)}", sys.executable, "-c"]
@@ -148,25 +177,134 @@ def floor(n: Nodes, nbytes: int, congestion: str, tls: bool = False) -> float:
         )
 
     address = n.link.address(1)
-    recv = subprocess.Popen(
-        [*ns(1), _RECEIVER, address, "0", str(nbytes), congestion, *pki(1)], stdout=subprocess.PIPE, text=True
-    )
-    assert recv.stdout is not None
-    port = recv.stdout.readline().strip()
-    send = subprocess.run(
-        [*ns(0), _SENDER, address, port, str(nbytes), congestion, *pki(0)],
+    with tempfile.TemporaryDirectory() as tmp:
+        # Python's ssl sets no TLS 1.3 suites before 3.13: OpenSSL's configuration does, both ends
+        env = dict(os.environ)
+        if tls:
+            conf = Path(tmp) / "openssl.cnf"
+            conf.write_text(_OPENSSL_CONF.format(suite=TLS_SUITES[cipher][0]))
+            env["OPENSSL_CONF"] = str(conf)
+        recv = subprocess.Popen(
+            [*ns(1), _RECEIVER, address, "0", str(nbytes), congestion, *pki(1)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert recv.stdout is not None
+        port = recv.stdout.readline().strip()
+        send = subprocess.run(
+            [*ns(0), _SENDER, address, port, str(nbytes), congestion, *pki(0)],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            env=env,
+        )
+        got, ended = recv.stdout.readline().split()
+        recv.wait(timeout=60)
+    if send.returncode or int(got) < nbytes:
+        raise RuntimeError(f"the floor moved {got} of {nbytes} bytes: {send.stderr}")
+    start, suite = send.stdout.split()[:2]
+    if tls and suite != "TLSv1.3/" + TLS_SUITES[cipher][0]:
+        raise RuntimeError(f"the TLS floor negotiated {suite}, not CRIU's TLSv1.3/{TLS_SUITES[cipher][0]}")
+    return float(ended) - float(start)
+
+
+_OPENSSL_CONF = """openssl_conf = floor
+[floor]
+ssl_conf = floor_ssl
+[floor_ssl]
+system_default = floor_tls
+[floor_tls]
+Ciphersuites = {suite}
+"""
+
+# One side of the cipher floor: argv role (encrypt / decrypt), key bits, bytes. It prepares its
+# records, prints "ready", waits for a line on stdin, then runs and prints its start and end. The
+# decrypting side decrypts records the encrypting one would make (one 1 MiB chunk's, over again).
+_CIPHER_SIDE = textwrap.dedent(
+    """
+    import os, sys, time
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    role, bits, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    record = 16 << 10
+    aead = AESGCM(AESGCM.generate_key(bits))
+    chunk = memoryview(os.urandom(1 << 20))
+    nonces = [i.to_bytes(12, "big") for i in range(len(chunk) // record)]
+    records = [chunk[i * record : (i + 1) * record] for i in range(len(nonces))]
+    if role == "decrypt":
+        records = [aead.encrypt(nonce, r, None) for nonce, r in zip(nonces, records)]
+    op = aead.decrypt if role == "decrypt" else aead.encrypt
+    print("ready", flush=True)
+    sys.stdin.readline()
+    start = time.time()
+    done = 0
+    while done < total:
+        for nonce, r in zip(nonces, records):
+            op(nonce, r, None)
+        done += len(chunk)
+    print(start, time.time(), flush=True)
+    """
+)
+
+
+# The memory floor's process: argv bytes; prints the seconds its first write of them took.
+_TOUCH = textwrap.dedent(
+    """
+    import ctypes, mmap, sys, time
+    n = int(sys.argv[1])
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_NOHUGEPAGE)
+    start = time.perf_counter()
+    ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(m)), 1, n)
+    print(time.perf_counter() - start, flush=True)
+    """
+)
+
+
+def memory_floor(nbytes: int) -> float:
+    """Seconds to write `nbytes` of fresh anonymous memory once, in 4 KiB pages (a process of its own)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _TOUCH, str(nbytes)],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
+        check=True,
     )
-    got, ended = recv.stdout.readline().split()
-    recv.wait(timeout=60)
-    if send.returncode or int(got) < nbytes:
-        raise RuntimeError(f"the floor moved {got} of {nbytes} bytes: {send.stderr}")
-    start, cipher = send.stdout.split()[:2]
-    if tls and cipher != CRIU_TLS_CIPHER:
-        raise RuntimeError(f"the TLS floor negotiated {cipher}, not CRIU's {CRIU_TLS_CIPHER}")
-    return float(ended) - float(start)
+    return float(out.stdout)
+
+
+def cipher_floor(nbytes: int, cipher: str) -> float:
+    """Seconds to encrypt `nbytes` in one process and decrypt them in another, both at once (the
+    page server's and the daemon's share of the pages' TLS), with the pages' AEAD: from the
+    earlier start to the later end."""
+    bits = TLS_SUITES[cipher][1]
+    sides = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CIPHER_SIDE, role, str(bits), str(nbytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for role in ("encrypt", "decrypt")
+    ]
+    try:
+        for p in sides:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a side of the cipher floor did not start")
+        for p in sides:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        times = [tuple(map(float, p.communicate(timeout=TIMEOUT)[0].split())) for p in sides]
+    finally:
+        for p in sides:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in sides):
+        raise RuntimeError("a side of the cipher floor failed")
+    return max(t[1] for t in times) - min(t[0] for t in times)
 
 
 def entries(path: Path) -> list[tuple[int, float]]:
@@ -176,8 +314,9 @@ def entries(path: Path) -> list[tuple[int, float]]:
         return []
 
 
-def live_migrate(n: Nodes, mib: int, tag: str) -> dict[str, float]:
-    """One migration of a fresh counter of `mib` MiB: downtime, total, and the phases A logged."""
+def live_migrate(n: Nodes, mib: int, tag: str) -> tuple[dict[str, float], str]:
+    """One migration of a fresh counter of `mib` MiB: downtime, total, and the phases A logged;
+    and the AEAD its pages' TLS negotiated."""
     rt_a, rt_b = runtime_stub(n.a.podshim_socket), runtime_stub(n.b.podshim_socket)
     cc = counter_config("counter", mib, interval_ms=INTERVAL_MS)
     pod = start_counter_pod(rt_a, n.a, f"live-{tag}", {"counter": cc}, timeout=TIMEOUT)
@@ -226,6 +365,7 @@ def live_migrate(n: Nodes, mib: int, tag: str) -> dict[str, float]:
         if '"migration complete"' in line:
             phases = {k: v for k, v in json.loads(line).items() if isinstance(v, float)}
             break
+    cipher = negotiated_cipher(out)
     remove_pod(rt_b, answers["b"].pod_sandbox_id)
     remove_pod(rt_a, pod.id)
     remove_tree(out)
@@ -235,7 +375,7 @@ def live_migrate(n: Nodes, mib: int, tag: str) -> dict[str, float]:
         "counts_lost": b_first[0] - a_last[0] - 1,
         "total": total,
         **{f"phase_{k}": v for k, v in phases.items()},
-    }
+    }, cipher
 
 
 def registry_path(n: Nodes, mib: int, tag: str) -> float:
@@ -275,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_summary())
     rows = []
     downtimes: list[float] = []
-    ratio_last = tls_ratio_last = float("nan")
+    nan = float("nan")
+    ratio_last = tls_ratio_last = cipher_ratio_last = memory_ratio_last = nan
     with contextlib.ExitStack() as stack:
         say("starting nodes A and B (two beds in network namespaces, a veth between them)")
         n = stack.enter_context(node_pair(migration={"tcp_congestion": cc}))
@@ -283,16 +424,22 @@ def main(argv: list[str] | None = None) -> int:
         for mib in args.sizes:
             tag = f"{mib}-{secrets.token_hex(2)}"
             say(f"{mib} MiB: live migration")
-            live = live_migrate(n, mib, tag)
+            live, negotiated = live_migrate(n, mib, tag)
+            cipher = negotiated.split()[0]
             wire = floor(n, mib << 20, cc)
-            tls = floor(n, mib << 20, cc, tls=True)
+            tls = floor(n, mib << 20, cc, cipher)
+            aead = cipher_floor(mib << 20, cipher)
+            memory = memory_floor(mib << 20)
             reg = float("nan") if args.skip_registry else registry_path(n, mib, tag)
             say(
                 f"{mib} MiB: downtime {live['downtime']:.3f}s, total {live['total']:.2f}s, "
-                f"wire floor {wire:.2f}s, TLS floor {tls:.2f}s, registry path {reg:.1f}s; phases {live}"
+                f"wire floor {wire:.2f}s, TLS floor {tls:.2f}s, cipher floor {aead:.2f}s ({negotiated}), "
+                f"memory floor {memory:.2f}s, "
+                f"registry path {reg:.1f}s; phases {live}"
             )
             downtimes.append(live["downtime"])
             ratio_last, tls_ratio_last = live["total"] / wire, live["total"] / tls
+            cipher_ratio_last, memory_ratio_last = live["total"] / aead, live["total"] / memory
             rows.append(
                 [
                     f"{mib} MiB",
@@ -301,10 +448,15 @@ def main(argv: list[str] | None = None) -> int:
                     live.get("phase_go", float("nan")),
                     live.get("phase_destination_running", float("nan")),
                     live["total"],
+                    live.get("phase_pages", nan) - live.get("phase_destination_running", nan),
                     wire,
                     ratio_last,
                     tls,
                     tls_ratio_last,
+                    aead,
+                    cipher_ratio_last,
+                    memory,
+                    memory_ratio_last,
                     reg,
                 ]
             )
@@ -318,10 +470,15 @@ def main(argv: list[str] | None = None) -> int:
                 "freeze→go s",
                 "freeze→B runs s",
                 "total s",
+                "B runs→pages s",
                 "wire floor s",
                 "total/floor",
                 "TLS floor s",
                 "total/TLS floor",
+                "cipher floor s",
+                "total/cipher floor",
+                "memory floor s",
+                "total/memory floor",
                 "registry path s",
             ],
             rows,
@@ -334,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
             downtime_slope_s_per_gib=slope(gib, downtimes) if len(gib) > 1 else float("nan"),
             total_vs_wire_floor=ratio_last,
             total_vs_tls_floor=tls_ratio_last,
+            total_vs_cipher_floor=cipher_ratio_last,
+            total_vs_memory_floor=memory_ratio_last,
         )
     )
     return 0

@@ -446,12 +446,15 @@ class MigrationSource:
         await faults.hit_async("migration.committed")
         # the dumps end by themselves once their connections closed (the daemons are done)
         await run_to_end(wait_dumps, s.dumps, MIGRATION_STEP)
+        s.timings["dumps_ended"] = time.monotonic() - freeze_start
         await run_to_end(kill_frozen, [d.work.view.cgroups_path for d in s.dumps])
         s.cut.thaw_all()  # the SIGKILLs land (a frozen task dies once thawed)
         self._send(s, {"t": protocol.ACK})
         _stop(s.heartbeat)
         await run_to_end(s.channel.flush_and_close, MIGRATION_STEP)
+        s.timings["acked"] = time.monotonic() - freeze_start
         await _remove_containers(self.upstream, s.pod, [d.work.view.id for d in s.dumps])
+        s.timings["removed"] = time.monotonic() - freeze_start
         m.timings.update({k: round(v, 6) for k, v in s.timings.items()})
         m.timings["total"] = time.monotonic() - freeze_start
         await run_to_end(copy_logs, s.dumps, archive)
