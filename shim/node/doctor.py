@@ -48,6 +48,7 @@ CRIU_PATCH_MARKERS: dict[str, bytes | None] = {
     "0008-page-server-reads-lazy-pages-from-the-task.patch": b"cannot be read: the task is gone",
     "0009-uffd-wait-for-answers-instead-of-spinning.patch": None,
     "0010-page-server-tcp-congestion-control.patch": b"Unable to set TCP congestion control",
+    "0011-tls-log-the-negotiated-session.patch": b"TLS handshake completed: ",
 }
 # What the round trip dumps: a process listening on a TCP socket (the socket options CRIU reads
 # of it fail on Linux >= 6.16 without the 4.1 patch), its stdio closed once it reports ready.
