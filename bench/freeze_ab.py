@@ -10,6 +10,9 @@ window, the CPU seconds of its dumps (manifest timings.dump_cpu) against the raw
 freeze / floor and total / durable floor as bench/checkpoint.py computes them.
 
     python -m bench.freeze_ab --cell 4x1024 --repeat 6 --variant auto: --variant never:writeback_ahead=never
+
+``--code label:DIR`` adds an arm whose podshim imports its code (``shim``, ``api``) from DIR, e.g. a
+``git archive <commit> shim api`` unpacked there: the same bed and config, another commit's code.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.freeze_ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--cell", default="4x1024", help="containers x MiB each (default 4x1024)")
     p.add_argument("--variant", action="append", default=[], help="label:key=value,... ([checkpoint])")
+    p.add_argument("--code", action="append", default=[], help="label:DIR, a podshim of the code in DIR")
     p.add_argument("--repeat", type=int, default=6)
     p.add_argument("--timeout", type=float, default=900.0)
     return p.parse_args(argv)
@@ -72,7 +76,9 @@ def podshim_arm(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     (n, mem) = _cells(args.cell)[0]
-    variants = [_variant(v) for v in args.variant] or [("default", {})]
+    variants = [_variant(v) for v in args.variant] or ([] if args.code else [("default", {})])
+    codes = dict(c.partition(":")[::2] for c in args.code)
+    variants += [(label, {}) for label in codes]
     print(f"bench/freeze_ab: {n} x {mem} MiB, variants {[v[0] for v in variants]}", flush=True)
     print(machine_summary(), flush=True)
     samples: dict[str, list[Sample]] = {label: [] for label, _ in variants}
@@ -80,12 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     with bench_bed() as bed, contextlib.ExitStack() as stack:
         arms: dict[str, tuple[api_pb2_grpc.RuntimeServiceStub, Path]] = {}
         for label, values in variants:
-            if not values:
+            if not values and label not in codes:
                 arms[label] = (runtime_stub(bed.podshim_socket), Path(bed.podshim_log))
                 continue
             work = Path(bed.base_dir) / f"ab-{label}"
             work.mkdir()
-            sock, log = stack.enter_context(bed.extra_podshim(work, checkpoint=values))
+            env = {"PYTHONPATH": str(Path(codes[label]).resolve())} if label in codes else None
+            sock, log = stack.enter_context(bed.extra_podshim(work, env=env, checkpoint=values))
             arms[label] = (runtime_stub(sock), log)
         rt = runtime_stub(bed.podshim_socket)
         pod = start_counter_pod(rt, bed, "ab", {f"c{i}": counter_config(f"c{i}", mem) for i in range(n)})

@@ -196,6 +196,27 @@ def test_a_dumps_files_for_runc_and_criu_go_to_the_scratch_dir(tmp_path: Path) -
     assert list(scratch.iterdir()) == []
 
 
+def test_a_gated_dumps_criu_config_file_is_removed_with_its_gate(tmp_path: Path) -> None:
+    """A gated dump's CRIU config file lives in the gate's directory and outlasts the dump: it is
+    removed with the gate, after the checkpoint, not as each dump ends (where the file system
+    discards freed blocks, the unlink waits for the disk's queue and held the event loop, and so
+    the thaw, for 0.05-0.25 s per dump: docs/architecture.md §4.1 (The freeze window))."""
+    scratch = tmp_path / "scratch"
+    gate = DumpGate(str(scratch))
+    try:
+        opts = CriuOptions(tcp_established=True)
+        with runtime._criu_config(opts, "criu", (gate.config_line(),), str(scratch), gate) as env:
+            conf = Path(env["CRIU_CONFIG_FILE"])
+            assert conf.parent == gate.dir
+            assert conf.stat().st_mode & 0o777 == 0o600
+            assert gate.config_line() in conf.read_text().splitlines()
+        assert conf.exists()  # the dump has ended: still there
+    finally:
+        gate.close()
+    assert not conf.exists() and not gate.dir.exists()
+    assert list(scratch.iterdir()) == []
+
+
 def test_dump_gate_closed_fails_the_dump_at_the_gate() -> None:
     """Closed without opening (a failure before the cut, podshim gone): CRIU's pre-dump script
     fails, so the dump ends before it seizes anything; a CRIU that comes later finds no gate."""

@@ -147,6 +147,7 @@ class DumpGate:
         self.dir = Path(tempfile.mkdtemp(prefix="podshim-gate-", dir=_made(scratch)))
         self.fifo = self.dir / "go"
         self.ready_file = self.dir / "ready"
+        self.config_file = self.dir / "podshim-criu-dump.conf"  # the dump's CRIU config (_criu_config)
         os.mkfifo(self.fifo, 0o600)
         # read-write, here and in the script: no open of the FIFO ever blocks
         self.fd: int | None = os.open(self.fifo, os.O_RDWR | os.O_CLOEXEC)
@@ -184,7 +185,7 @@ class DumpGate:
         the directory)."""
         if self.fd is not None and not self.passed.is_set():
             os.write(self.fd, b"no\n")
-        for f in (self.fifo, self.script, self.ready_file):
+        for f in (self.fifo, self.script, self.ready_file, self.config_file):
             with contextlib.suppress(OSError):
                 f.unlink()
         if self.fd is not None:
@@ -197,22 +198,37 @@ class DumpGate:
 
 @contextlib.contextmanager
 def _criu_config(
-    opts: CriuOptions, criu: str, extra: tuple[str, ...] = (), scratch: str | None = None
+    opts: CriuOptions,
+    criu: str,
+    extra: tuple[str, ...] = (),
+    scratch: str | None = None,
+    gate: DumpGate | None = None,
 ) -> Iterator[dict[str, str]]:
     """The environment of a dump: CRIU_CONFIG_FILE naming a private file with the options
-    runc/crun have no flag for (in `scratch`, else the temp dir; removed after the dump), and the
-    configured CRIU first on PATH."""
+    runc/crun have no flag for, and the configured CRIU first on PATH. The file goes in the
+    `gate`'s directory when the dump has one and is removed with it, after the checkpoint: an
+    unlink waits for the disk where the file system discards freed blocks, and here it would
+    block the event loop while the pod is frozen (docs/architecture.md §4.1 (The freeze window)).
+    Without a gate: in `scratch`, else the temp dir, removed after the dump."""
     env = {**os.environ, **criu_path_env(criu)}
     lines = [*opts.dump_config_lines(), *extra]
     if not lines:
         yield env
+        return
+    text = "\n".join(lines) + "\n"
+    if gate is not None:
+        path = str(gate.config_file)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        yield {**env, "CRIU_CONFIG_FILE": path}
         return
     import tempfile  # here: it imports `random`, which podshim-runc's restore never needs
 
     fd, path = tempfile.mkstemp(prefix="podshim-criu-", suffix=".conf", dir=_made(scratch))
     try:
         with os.fdopen(fd, "w") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write(text)
         yield {**env, "CRIU_CONFIG_FILE": path}
     finally:
         with contextlib.suppress(OSError):
@@ -663,7 +679,7 @@ class OciRuntime:
         docs/architecture.md §13 (Path confinement)). `gate`: CRIU waits at it, its start-up
         done, until the caller opens it (DumpGate)."""
         extra = (gate.config_line(),) if gate is not None else ()
-        with _criu_config(opts, self.criu, extra, self.scratch) as env:  # the file lives as long as the dump
+        with _criu_config(opts, self.criu, extra, self.scratch, gate) as env:  # lives as long as the dump
             return await self._checkpoint(
                 name, container_id, image_dir, work_dir, opts, leave_running, env, pass_fds, gate
             )
