@@ -19,11 +19,13 @@ and the first arm after the pod started met memory the host had taken back (docs
 and CRIU (manifest timings.dump_cpu), the raw runc and CRIU, and the containers' own (CRIU's
 parasite runs in them).
 
-With `--parallel-floor`, also the same plain runc dumps started all at once (the pod's cut
-without podshim: N CRIUs sharing the cores, the page cache and the disk, as podshim's do); the
-table's `freeze/at once` and RESULT's `freeze_vs_raw_at_once` compare the window with it. Each
-repeat also reports how many MiB of page images podshim wrote back during its dumps (its log:
-docs/architecture.md §4.1 (The freeze window)).
+In every cell with more containers than cores (`--parallel-floor`: in every cell), also the same
+plain runc dumps started all at once (the pod's cut without podshim: N CRIUs sharing the cores,
+the page cache and the disk, as podshim's do), a floor of its own beside the two below: the
+table's `raw at once` and `freeze/at once`, RESULT's `freeze_vs_raw_at_once` (worst cell). Each
+repeat also reports how many MiB of page images podshim wrote back during its dumps (its log), and
+what the machine's cores did in podshim's freeze window and in the raw dumps' at once (/proc/stat:
+busy, idle, iowait, and steal, the host's; docs/architecture.md §4.1 (The freeze window)).
 
 Per cell: freeze_window / slowest single raw dump, and total / (sum of raw dumps + 0.2 s)
 (per repeat, then the median over repeats).
@@ -49,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import resource
 import secrets
@@ -63,10 +66,13 @@ import grpc
 
 from api.runtime.v1 import api_pb2_grpc
 from bench.common import (
+    CpuTimes,
     bench_bed,
     checkpoint_pod,
     counter_config,
+    cpu_line,
     disk_free_mib,
+    freeze_bounds,
     machine_summary,
     median,
     meminfo_mib,
@@ -106,7 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--parallel-floor",
         action="store_true",
-        help="also dump the containers with plain runc all at once (the same cut without podshim)",
+        help="dump the containers with plain runc all at once (the same cut without podshim) in every "
+        "cell, not only in those with more containers than cores",
     )
     p.add_argument("--repeat", type=int, default=3, help="repeats per cell (default 3)")
     p.add_argument("--timeout", type=float, default=900.0, help="CheckpointPod deadline, seconds")
@@ -140,6 +147,8 @@ class Sample:
     dump_cpu: float = float("nan")  # CPU seconds of podshim's runc/CRIU (manifest timings.dump_cpu)
     dumpee_cpu: float = float("nan")  # the containers' own CPU seconds during podshim's checkpoint
     raw_dumpee_cpu: float = float("nan")  # ... during the raw dumps (CRIU's parasite runs in them)
+    window_cores: dict[str, float] = field(default_factory=dict)  # /proc/stat in the freeze window
+    parallel_cores: dict[str, float] = field(default_factory=dict)  # ... in the raw dumps at once
 
     @property
     def cpu_floor(self) -> float:
@@ -161,6 +170,10 @@ class Sample:
     @property
     def freeze_vs_parallel(self) -> float:
         return self.freeze / self.parallel
+
+    def idle(self, cores: dict[str, float]) -> float:
+        """Core-seconds with nothing to run (idle + iowait) in one of the windows."""
+        return cores["idle"] + cores["iowait"] if cores else float("nan")
 
     @property
     def freeze_ratio(self) -> float:
@@ -288,8 +301,11 @@ def measure_once(
         sync_disk()
         log_at = Path(bed.podshim_log).stat().st_size
         before = dumpee_cpu(pids)
-        wall, m = checkpoint_pod(rt, pod.id, out, timeout)
+        with CpuTimes() as cores:
+            wall, m = checkpoint_pod(rt, pod.id, out, timeout)
         result["podshim_dumpee"] = dumpee_cpu(pids) - before
+        bounds = freeze_bounds(Path(bed.podshim_log), log_at)
+        result["window_cores"] = cores.window(*bounds) if bounds else {}
         result["podshim"] = (wall, m["timings"], ahead_mib(Path(bed.podshim_log), log_at)[0])
         remove_tree(out)
 
@@ -304,7 +320,10 @@ def measure_once(
     def parallel() -> None:
         base = root / f"par-{tag}"
         sync_disk()
-        result["parallel"] = max(raw_dumps(bed, ids, base, parallel=True)[0])
+        with CpuTimes() as cores:
+            start = time.monotonic()
+            result["parallel"] = max(raw_dumps(bed, ids, base, parallel=True)[0])
+        result["parallel_cores"] = cores.window(start, start + result["parallel"])
         remove_tree(base)
 
     steps = [podshim, raw] if podshim_first else [raw, podshim]
@@ -329,6 +348,8 @@ def measure_once(
         dump_cpu=t.get("dump_cpu", float("nan")),
         dumpee_cpu=result["podshim_dumpee"],
         raw_dumpee_cpu=result["raw_dumpee"],
+        window_cores=result["window_cores"],
+        parallel_cores=result.get("parallel_cores", {}),
     )
 
 
@@ -373,10 +394,12 @@ def main(argv: list[str] | None = None) -> int:
             samples = []
             try:
                 prime(bed, pod)
+                # N dumps on fewer cores: the same dumps started at once are a floor of their own
+                at_once = args.parallel_floor or n > (os.cpu_count() or 1)
                 for r in range(args.repeat):
                     podshim_first = (idx + r) % 2 == 0
                     tag = f"{n}x{mem}-{r}-{secrets.token_hex(2)}"
-                    s = measure_once(rt, bed, pod, tag, podshim_first, args.timeout, args.parallel_floor)
+                    s = measure_once(rt, bed, pod, tag, podshim_first, args.timeout, at_once)
                     samples.append(s)
                     say(
                         f"  {n} x {mem} MiB rep {r + 1} ({s.order}): podshim freeze {s.freeze:.3f}s "
@@ -387,9 +410,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"raw {' + '.join(f'{x:.3f}' for x in s.raw)} s; "
                         f"(cpu {s.raw_cpu:.3f} + in the containers {s.raw_dumpee_cpu:.3f}, "
                         f"sync {s.raw_flush:.3f}"
-                        + (f", all at once {s.parallel:.3f}" if args.parallel_floor else "")
+                        + (f", all at once {s.parallel:.3f}" if at_once else "")
                         + f"); ratios freeze {s.freeze_ratio:.2f} total {s.total_ratio:.2f} "
                         f"vs floors {s.freeze_vs_floor:.2f} {s.total_vs_durable_floor:.2f}"
+                        + (f" vs at once {s.freeze_vs_parallel:.2f}" if at_once else "")
+                        + f"; cores in the window: {cpu_line(s.window_cores)}"
+                        + (f"; in the raw dumps at once: {cpu_line(s.parallel_cores)}" if at_once else "")
                     )
             except (grpc.RpcError, RuntimeError, subprocess.TimeoutExpired) as e:
                 detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
@@ -403,17 +429,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     freeze_ratios, total_ratios, freeze_floor_ratios, total_floor_ratios = [], [], [], []
     parallel_ratios = []
-    width = 22 if args.parallel_floor else 20
+    width = 25
     for n, mem in cells:
         samples = results.get((n, mem), [])
         if not samples:
             rows.append([f"{n} x {mem} MiB", *(["n/a"] * (width - 1))])
             continue
-        extra: list[Any] = []
-        if args.parallel_floor:
-            pr = median([s.freeze_vs_parallel for s in samples])
-            parallel_ratios.append(pr)
-            extra = [median([s.parallel for s in samples]), pr]
+        pr = median([s.freeze_vs_parallel for s in samples])
+        parallel_ratios.append(pr)
+        extra: list[Any] = [
+            median([s.parallel for s in samples]),
+            pr,
+            median([s.idle(s.window_cores) for s in samples]),
+            median([s.window_cores.get("steal", float("nan")) for s in samples]),
+            median([s.idle(s.parallel_cores) for s in samples]),
+        ]
         fr = median([s.freeze_ratio for s in samples])
         tr = median([s.total_ratio for s in samples])
         ff = median([s.freeze_vs_floor for s in samples])
@@ -472,7 +502,11 @@ def main(argv: list[str] | None = None) -> int:
                 "total/(sum+0.2)",
                 "freeze/floor",
                 "total/(sum+sync+0.2)",
-                *(["raw at once", "freeze/at once"] if args.parallel_floor else []),
+                "raw at once",
+                "freeze/at once",
+                "idle",
+                "steal",
+                "at once idle",
             ],
             rows,
         )
@@ -487,12 +521,11 @@ def main(argv: list[str] | None = None) -> int:
         "raw in ctrs / in ctrs: the containers' own CPU seconds during the raw dumps / podshim's (CRIU's "
         "parasite runs in them; not in the cpu floor).\n"
         "ahead MiB: page images podshim wrote back during its dumps (0: left to the kernel; "
-        "docs/architecture.md §4.1 (The freeze window))"
-        + (
-            "; raw at once: the same plain runc dumps started together (the slowest's end)."
-            if args.parallel_floor
-            else "."
-        )
+        "docs/architecture.md §4.1 (The freeze window));\n"
+        "raw at once: the same plain runc dumps started together (the slowest's end; cells with more "
+        "containers than cores, or --parallel-floor); idle, steal: core-seconds of podshim's freeze "
+        "window\nwith nothing to run (idle + iowait) and taken by the host (/proc/stat); at once idle: "
+        "the same in the raw dumps at once."
     )
     for key, why in failures.items():
         print(f"cell {key[0]} x {key[1]} MiB: {why}")
@@ -509,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         "freeze_vs_floor": worst(freeze_floor_ratios),
         "total_vs_durable_floor": worst(total_floor_ratios),
     }
-    if args.parallel_floor:
+    if any(not math.isnan(r) for r in parallel_ratios):
         figures["freeze_vs_raw_at_once"] = worst(parallel_ratios)
     print(result_line(**figures), flush=True)
     return 1 if failures and not results else 0

@@ -12,8 +12,10 @@ import re
 import shutil
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +138,90 @@ def code_summary() -> str:
     return f"code: HEAD {head}" + (
         " (+ uncommitted changes under shim/api/testbed)" if dirty != "unknown" else ""
     )
+
+
+class CpuTimes:
+    """What the machine's cores did in a window: /proc/stat's CPU line (all cores) sampled every
+    `interval` seconds by a thread while in the `with` block; `window(t0, t1)` gives the core-seconds
+    of each state between the samples around two CLOCK_MONOTONIC instants. Idle and iowait are
+    cores with nothing to run (iowait: while a task that last ran there waits for the disk),
+    steal is time the host gave the vCPU to someone else (docs/architecture.md §4.1 (The freeze
+    window))."""
+
+    FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.samples: list[tuple[float, list[int]]] = []
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-times", daemon=True)
+
+    @staticmethod
+    def read() -> list[int]:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:9]]
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.monotonic(), self.read()))
+            if self._stop.wait(self.interval):
+                self.samples.append((time.monotonic(), self.read()))
+                return
+
+    def __enter__(self) -> CpuTimes:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def window(self, t0: float, t1: float) -> dict[str, float]:
+        """Core-seconds per state from the last sample at or before `t0` to the first at or after
+        `t1` (`span`: those samples' distance, seconds); {} without samples around the window."""
+        before = [s for s in self.samples if s[0] <= t0]
+        after = [s for s in self.samples if s[0] >= t1]
+        if not before or not after:
+            return {}
+        (a_t, a), (b_t, b) = before[-1], after[0]
+        out = {k: (b[i] - a[i]) / self._tick for i, k in enumerate(self.FIELDS)}
+        out["span"] = b_t - a_t
+        return out
+
+
+def cpu_line(w: dict[str, float]) -> str:
+    """`CpuTimes.window` as "busy X idle Y iowait Z steal W of N core-s"."""
+    if not w:
+        return "n/a"
+    busy = w["user"] + w["nice"] + w["system"] + w["irq"] + w["softirq"]
+    total = busy + w["idle"] + w["iowait"] + w["steal"]
+    return (
+        f"busy {busy:.2f} idle {w['idle']:.2f} iowait {w['iowait']:.2f} steal {w['steal']:.2f} "
+        f"of {total:.2f} core-s"
+    )
+
+
+def freeze_bounds(log: Path, since: int) -> tuple[float, float] | None:
+    """The freeze window of the CheckpointPod logged in podshim's `log` past byte `since`, on
+    CLOCK_MONOTONIC: ("pod frozen" minus its cut_seconds, "pod thawed"); None if not logged."""
+    frozen = thawed = None
+    for line in log.read_bytes()[since:].splitlines():
+        if b'"pod frozen"' not in line and b'"pod thawed"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+            wall = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError):
+            continue
+        if rec.get("event") == "pod frozen":
+            frozen = wall - float(rec.get("cut_seconds", 0.0))
+        elif rec.get("event") == "pod thawed":
+            thawed = wall
+    if frozen is None or thawed is None:
+        return None
+    offset = time.time() - time.monotonic()
+    return frozen - offset, thawed - offset
 
 
 def sync_disk() -> None:

@@ -45,3 +45,47 @@ def test_writeback_from_podshims_log(tmp_path: Path) -> None:
     with log.open("a") as f:
         f.write(line("pod frozen") + line("images written back during the dumps", mib=4090))
     assert bc.ahead_mib(log, at) == (4090, log.stat().st_size)
+
+
+def test_freeze_window_bounds_from_podshims_log(tmp_path: Path) -> None:
+    """The window on CLOCK_MONOTONIC: "pod frozen" minus its cut_seconds to "pod thawed", the
+    lines past the offset only."""
+    from bench.common import freeze_bounds
+
+    log = tmp_path / "podshim.log"
+    log.write_text(
+        json.dumps({"event": "pod frozen", "timestamp": "2026-11-28T10:00:00.000000Z", "cut_seconds": 0.5})
+        + "\n"
+    )
+    at = log.stat().st_size
+    assert freeze_bounds(log, 0) is None  # not thawed yet
+    with log.open("a") as f:
+        for event, ts, extra in (
+            ("pod frozen", "2026-11-28T10:00:10.250000Z", {"cut_seconds": 0.25}),
+            ("container dumped", "2026-11-28T10:00:11.000000Z", {}),
+            ("pod thawed", "2026-11-28T10:00:12.000000Z", {"freeze_window": 2.0}),
+        ):
+            f.write(json.dumps({"event": event, "timestamp": ts, **extra}) + "\n")
+    bounds = freeze_bounds(log, at)
+    assert bounds is not None
+    assert bounds[1] - bounds[0] == pytest.approx(2.0)
+
+
+def test_cpu_times_of_a_window() -> None:
+    """Core-seconds per /proc/stat state between the samples around the window (no samples
+    around it: {}); a sample's idle() is idle + iowait."""
+    from bench.common import CpuTimes, cpu_line
+
+    ct = CpuTimes()
+    tick = ct._tick
+    ct.samples = [
+        (10.0, [0, 0, 0, 0, 0, 0, 0, 0]),
+        (10.5, [tick, 0, tick // 2, 0, 0, 0, 0, 0]),
+        (11.0, [2 * tick, 0, tick, tick // 2, tick // 2, 0, 0, tick // 10]),
+    ]
+    w = ct.window(10.1, 10.9)
+    assert w["user"] == 2.0 and w["system"] == 1.0 and w["iowait"] == 0.5 and w["span"] == 1.0
+    assert cpu_line(w) == "busy 3.00 idle 0.50 iowait 0.50 steal 0.10 of 4.10 core-s"
+    assert ct.window(9.0, 10.9) == {} and cpu_line({}) == "n/a"
+    s = bc.Sample("raw-first", freeze=1.0, total=2.0, wall=2.0, dump=1.0, archive=1.0)
+    assert s.idle(w) == 1.0 and math.isnan(s.idle({}))
