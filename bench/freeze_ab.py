@@ -11,8 +11,10 @@ freeze / floor and total / durable floor as bench/checkpoint.py computes them.
 
     python -m bench.freeze_ab --cell 4x1024 --repeat 6 --variant auto: --variant never:writeback_ahead=never
 
-``--code label:DIR`` adds an arm whose podshim imports its code (``shim``, ``api``) from DIR, e.g. a
-``git archive <commit> shim api`` unpacked there: the same bed and config, another commit's code.
+A key ``section.name`` sets another section than ``[checkpoint]``, e.g. ``runtime.criu=/x/criu``
+(a CRIU built elsewhere; the raw floor keeps the set-up's). ``--code label:DIR`` adds an arm whose
+podshim imports its code (``shim``, ``api``) from DIR, e.g. a ``git archive <commit> shim api``
+unpacked there: the same bed and config, another commit's code.
 """
 
 from __future__ import annotations
@@ -56,7 +58,12 @@ def _variant(text: str) -> tuple[str, dict[str, Any]]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.freeze_ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--cell", default="4x1024", help="containers x MiB each (default 4x1024)")
-    p.add_argument("--variant", action="append", default=[], help="label:key=value,... ([checkpoint])")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="label:key=value,... ([checkpoint]; section.key=value for another section)",
+    )
     p.add_argument("--code", action="append", default=[], help="label:DIR, a podshim of the code in DIR")
     p.add_argument("--repeat", type=int, default=6)
     p.add_argument("--timeout", type=float, default=900.0)
@@ -92,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
             work = Path(bed.base_dir) / f"ab-{label}"
             work.mkdir()
             env = {"PYTHONPATH": str(Path(codes[label]).resolve())} if label in codes else None
-            sock, log = stack.enter_context(bed.extra_podshim(work, env=env, checkpoint=values))
+            sections: dict[str, dict[str, Any]] = {"checkpoint": {}}
+            for key, value in values.items():  # "runtime.criu=/x/criu": another section than [checkpoint]
+                section, _, name = key.rpartition(".")
+                sections.setdefault(section or "checkpoint", {})[name] = value
+            sock, log = stack.enter_context(bed.extra_podshim(work, env=env, **sections))
             arms[label] = (runtime_stub(sock), log)
         rt = runtime_stub(bed.podshim_socket)
         pod = start_counter_pod(rt, bed, "ab", {f"c{i}": counter_config(f"c{i}", mem) for i in range(n)})

@@ -216,6 +216,10 @@ def test_single_counter_pod(
     assert m.container("counter").id == pod.containers["counter"]
     assert m.post_checkpoint_state == "RUNNING"
     assert_dumped(out, m, "counter")
+    # the runtime's /dev (a tmpfs with mounts on it) read through a detached copy, not a temporary
+    # directory whose removal waits for a discard (CRIU patch 0012; docs/architecture.md §4.1
+    # (The freeze window))
+    assert b"by open_tree" in (out / "containers" / "counter" / "dump.log").read_bytes()
     for f in ("sandbox/config.json", "sandbox/status.json", "sandbox/network.json"):
         assert f in m.files
     # the pod's network as its namespace had it (pyroute2), beside the upstream's CNI result
