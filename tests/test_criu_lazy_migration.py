@@ -153,7 +153,9 @@ def migration(
             "50",
         ],
         stdin=subprocess.DEVNULL,
-        stdout=out.open("wb"),
+        # appending: the restored counter's file (restored with the dumped offset) and the source's
+        # `unshare` (its last words when the source is killed) would otherwise write over each other
+        stdout=out.open("ab"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )

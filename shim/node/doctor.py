@@ -49,6 +49,8 @@ CRIU_PATCH_MARKERS: dict[str, bytes | None] = {
     "0009-uffd-wait-for-answers-instead-of-spinning.patch": None,
     "0010-page-server-tcp-congestion-control.patch": b"Unable to set TCP congestion control",
     "0011-tls-log-the-negotiated-session.patch": b"TLS handshake completed: ",
+    "0012-mount-clean-copy-by-open-tree.patch": b"by open_tree",
+    "0013-page-xfer-close-a-corked-connection-uncorked.patch": b"Uncorking the page server connection",
 }
 # What the round trip dumps: a process listening on a TCP socket (the socket options CRIU reads
 # of it fail on Linux >= 6.16 without the 4.1 patch), its stdio closed once it reports ready.
