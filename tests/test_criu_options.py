@@ -181,6 +181,25 @@ def test_dump_gate_holds_criu_until_opened() -> None:
     assert not gate.dir.exists()
 
 
+def test_dump_gate_passes_a_go_split_by_the_scripts_read_timeout() -> None:
+    """The script reads the FIFO with a timeout (GATE_LOOK, to see that podshim lives); a timeout
+    between the bytes of "go" consumed the "g", the next read got "o", and the dump failed at the
+    gate: once in a whole-suite run, under load (test_subdirectory_planted_after_the_emptiness_check
+    got INTERNAL "Pre dump script failed")."""
+    gate = DumpGate()
+    try:
+        p = _run_gate_script(gate)
+        _wait_ready(gate)
+        assert gate.fd is not None
+        os.write(gate.fd, b"g")
+        time.sleep(3 * deadlines.GATE_LOOK)  # the script's read times out after the "g"
+        assert p.poll() is None
+        os.write(gate.fd, b"o\n")
+        assert p.wait(10) == 0
+    finally:
+        gate.close()
+
+
 def test_a_dumps_files_for_runc_and_criu_go_to_the_scratch_dir(tmp_path: Path) -> None:
     """The gate and the CRIU config file live in podshim's scratch dir (Config.scratch_dir,
     emptied at start), not in the shared temp dir, where a killed podshim's would stay."""

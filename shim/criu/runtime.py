@@ -108,8 +108,12 @@ podshim() {{
   [ "${{20}}" = "{start}" ]
 }}
 end=$((SECONDS + {wait}))
+# a read that times out mid-line has consumed what it read (bash reads a FIFO byte by byte and
+# keeps the partial input in the variable): kept, so a "go" split by the timeout is still "go"
+got=
 while [ "$SECONDS" -lt "$end" ] && podshim; do
-  if read -r -t {look} word <&3; then [ "$word" = go ] && exit 0; break; fi
+  if read -r -t {look} word <&3; then [ "$got$word" = go ] && exit 0; break; fi
+  got="$got$word"
 done
 rm -rf "{dir}"  # the dump ends here: told no, podshim gone, or too late
 exit 1
