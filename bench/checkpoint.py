@@ -21,8 +21,8 @@ parasite runs in them).
 
 In every cell with more containers than cores (`--parallel-floor`: in every cell), also the same
 plain runc dumps started all at once (the pod's cut without podshim: N CRIUs sharing the cores,
-the page cache and the disk, as podshim's do), a floor of its own beside the two below: the
-table's `raw at once` and `freeze/at once`, RESULT's `freeze_vs_raw_at_once` (worst cell). Each
+the page cache and the disk, as podshim's do; run first in each repeat), a floor of its own
+beside the two below: the table's `raw at once` and `freeze/at once`, RESULT's `freeze_vs_raw_at_once` (worst cell). Each
 repeat also reports how many MiB of page images podshim wrote back during its dumps (its log), and
 what the machine's cores did in podshim's freeze window and in the raw dumps' at once (/proc/stat:
 busy, idle, iowait, and steal, the host's; docs/architecture.md §4.1 (The freeze window)).
@@ -328,7 +328,10 @@ def measure_once(
 
     steps = [podshim, raw] if podshim_first else [raw, podshim]
     if parallel_floor:
-        steps.insert(1, parallel)
+        # first: each measured arm then follows the removal of one other arm's output, as without
+        # it (between them, it left the second arm behind twice the memory just freed, which this
+        # VM hands back to its host: the sequential floor's fourth 1 GiB dump took 1.5-4.7 s)
+        steps.insert(0, parallel)
     for step in steps:
         step()
     sync_disk()
