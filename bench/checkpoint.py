@@ -21,11 +21,12 @@ parasite runs in them).
 
 In every cell with more containers than cores (`--parallel-floor`: in every cell), also the same
 plain runc dumps started all at once (the pod's cut without podshim: N CRIUs sharing the cores,
-the page cache and the disk, as podshim's do; run first in each repeat), a floor of its own
-beside the two below: the table's `raw at once` and `freeze/at once`, RESULT's
-`freeze_vs_raw_at_once` (worst cell). Each repeat also reports how many MiB of page images podshim wrote back during its dumps (its log), and
-what the machine's cores did in podshim's freeze window and in the raw dumps' at once (/proc/stat:
-busy, idle, iowait, and steal, the host's; docs/architecture.md §4.1 (The freeze window)).
+the page cache and the disk, as podshim's do; run first in each repeat), a floor of its own beside
+the two below: the table's `raw at once` and `freeze/at once`, RESULT's `freeze_vs_raw_at_once`
+(worst cell). Each repeat also reports how many MiB of page images podshim wrote back during its
+dumps (its log), and what the machine's cores did in podshim's freeze window and in the raw dumps'
+at once (/proc/stat: busy, idle, iowait, and steal, the host's; docs/architecture.md §4.1 (The
+freeze window)).
 
 Per cell: freeze_window / slowest single raw dump, and total / (sum of raw dumps + 0.2 s)
 (per repeat, then the median over repeats).
