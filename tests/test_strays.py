@@ -1,6 +1,6 @@
 """The check that a container's cgroup holds only its process tree (shim/checks/strays.py,
-CheckpointPod's and CheckpointContainer's check_dumpable), with real processes: the tree and the
-cgroup are read at two instants, and a container's shell forks between them."""
+CheckpointPod's and CheckpointContainer's check_dumpable), with real processes: a container's
+shell forks while its cgroup is read."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_a_child_forked_after_the_tree_was_listed_is_no_stray(
     shell: subprocess.Popen[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The race of a container whose shell forks every second (`while …; do sleep 1; done`): the
-    cgroup, read after the tree, holds a child the tree did not have. It is in the tree."""
+    cgroup holds a child forked just before it was read. It is in the tree."""
     forked: list[int] = []
 
     def procs_after_a_fork(cgroup: str) -> list[int]:

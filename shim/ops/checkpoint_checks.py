@@ -155,12 +155,10 @@ def check_dumpable(c: ContainerView, exec_wait: float = deadlines.EXEC_SESSION_W
 
     give_up = time.monotonic() + exec_wait
     while True:
-        try:
-            tree = {c.pid, *(p.pid for p in psutil.Process(c.pid).children(recursive=True))}
-        except psutil.Error:
-            raise errors.FailedPrecondition(f"container {c.name!r}: its process {c.pid} is gone") from None
-        # the tree was listed before the cgroup: what the tree forked since is found in it again
-        extra = strays.outside_tree(c.pid, sorted(set(cgroup_procs(c.cgroups_path)) - tree))
+        if not psutil.pid_exists(c.pid):
+            raise errors.FailedPrecondition(f"container {c.name!r}: its process {c.pid} is gone")
+        # each process's parents read after the cgroup: one forked meanwhile is still in the tree
+        extra = strays.outside_tree(c.pid, sorted(cgroup_procs(c.cgroups_path)))
         if not extra:
             return
         only_exec = all(s.exec_session for s in strays.classify(extra))
