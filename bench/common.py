@@ -202,26 +202,39 @@ def cpu_line(w: dict[str, float]) -> str:
     )
 
 
+def podshim_events(log: Path, since: int = 0) -> dict[str, Any]:
+    """podshim's own log lines of one checkpoint, those past byte `since` of its `log`, on the wall
+    clock: "pod frozen" (`frozen_log`, its `cut` seconds), each "container dumped", the MiB
+    "images written back during the dumps", "pod thawed" (`thawed`, its freeze `window`)."""
+    ev: dict[str, Any] = {"dumped": {}}
+    for line in log.read_bytes()[since:].splitlines():
+        try:
+            rec = json.loads(line)
+            t = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError):
+            continue
+        e = rec.get("event")
+        if e == "pod frozen":
+            ev["frozen_log"] = t
+            ev["cut"] = float(rec.get("cut_seconds", 0.0))
+        elif e == "container dumped":
+            ev["dumped"][rec.get("container", "")] = t
+        elif e == "images written back during the dumps":
+            ev["ahead_mib"] = rec.get("mib", 0)
+        elif e == "pod thawed":
+            ev["thawed"] = t
+            ev["window"] = rec.get("freeze_window", 0.0)
+    return ev
+
+
 def freeze_bounds(log: Path, since: int) -> tuple[float, float] | None:
     """The freeze window of the CheckpointPod logged in podshim's `log` past byte `since`, on
     CLOCK_MONOTONIC: ("pod frozen" minus its cut_seconds, "pod thawed"); None if not logged."""
-    frozen = thawed = None
-    for line in log.read_bytes()[since:].splitlines():
-        if b'"pod frozen"' not in line and b'"pod thawed"' not in line:
-            continue
-        try:
-            rec = json.loads(line)
-            wall = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
-        except (ValueError, KeyError):
-            continue
-        if rec.get("event") == "pod frozen":
-            frozen = wall - float(rec.get("cut_seconds", 0.0))
-        elif rec.get("event") == "pod thawed":
-            thawed = wall
-    if frozen is None or thawed is None:
+    ev = podshim_events(log, since)
+    if "frozen_log" not in ev or "thawed" not in ev:
         return None
     offset = time.time() - time.monotonic()
-    return frozen - offset, thawed - offset
+    return ev["frozen_log"] - ev["cut"] - offset, ev["thawed"] - offset
 
 
 def sync_disk() -> None:

@@ -32,7 +32,6 @@ CLOCK_MONOTONIC bounds are printed for ``perf record -k mono`` profiles (``perf 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -41,7 +40,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +48,7 @@ from bench.common import (
     checkpoint_pod,
     counter_config,
     machine_summary,
+    podshim_events,
     read_criu_stats,
     remove_pod,
     remove_tree,
@@ -170,35 +169,6 @@ def read_wrapper_log(log: Path, ids: dict[str, str]) -> dict[str, Run]:
             runs[f[3]].criu_starts.append(float(f[1]))
             runs[f[3]].criu_pids.append(int(f[2]))
     return runs
-
-
-def _iso(ts: str) -> float:
-    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
-
-
-def podshim_events(log: Path, since: float) -> dict[str, Any]:
-    """podshim's own log lines of the checkpoint (wall clock)."""
-    ev: dict[str, Any] = {"dumped": {}}
-    for line in log.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        t = _iso(rec.get("timestamp", "1970-01-01T00:00:00Z"))
-        if t < since:
-            continue
-        e = rec.get("event")
-        if e == "pod frozen":
-            ev["frozen_log"] = t
-            ev["cut"] = rec.get("cut_seconds", 0.0)
-        elif e == "container dumped":
-            ev["dumped"][rec["container"]] = t
-        elif e == "images written back during the dumps":
-            ev["ahead_mib"] = rec.get("mib", 0)
-        elif e == "pod thawed":
-            ev["thawed"] = t
-            ev["window"] = rec.get("freeze_window", 0.0)
-    return ev
 
 
 def phase_row(r: Run, zero: float) -> list[Any]:
@@ -399,7 +369,7 @@ def profile_podshim(bed: TestBed, pod: Any, tag: str, keep: Path | None) -> str:
         rt = runtime_stub(sock)
         out = Path(bed.checkpoint_root) / f"profile-{tag}"
         sync_disk()
-        since = time.time() - 1
+        since = plog.stat().st_size if plog.exists() else 0
         mono_offset = time.time() - time.monotonic()  # wall = monotonic + offset
         with DirtySampler() as dirty, ThrottleTrace() as throttle:
             wall, m = checkpoint_pod(rt, pod.id, out, 900)
