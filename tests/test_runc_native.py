@@ -4,7 +4,7 @@ podshim's restore broker (a FakeBroker speaking the protocol, not shim/ops/resto
 
 The wrapper is built from the current source into a temporary directory, next to a fake hook;
 the "runtimes" are a small recorder program that writes down its pid, argv, environment and what
-it reads from fd 3 and stdin. No root, no containerd: the end-to-end restore tests
+it reads from an inherited fd (3, or $REC_FD) and stdin. No root, no containerd: the end-to-end restore tests
 (tests/test_restore_pod.py, tests/test_checkpoint_container.py) run through the installed one.
 """
 
@@ -59,9 +59,10 @@ int main(int argc, char **argv) {
     put(f, n);
     for (char **e = environ; *e; e++) put(f, *e);
     char buf[256] = "";
-    ssize_t r = read(3, buf, sizeof buf - 1);
+    const char *fd = getenv("REC_FD");
+    ssize_t r = read(fd ? atoi(fd) : 3, buf, sizeof buf - 1);
     buf[r > 0 ? r : 0] = 0;
-    put(f, r >= 0 ? buf : "<fd 3 closed>");
+    put(f, r >= 0 ? buf : "<fd closed>");
     fclose(f);
     while ((r = read(0, buf, sizeof buf)) > 0) if (write(1, buf, (size_t)r) != r) return 98;
     const char *code = getenv("REC_EXIT");
@@ -197,18 +198,19 @@ def node(tmp_path: Path, built: tuple[Path, Path]) -> Node:
 def test_every_other_call_is_an_exec_of_the_runtime_unchanged(node: Node, args: list[str]) -> None:
     """Same process (exec, not a child), argv, environment, stdin/stdout, inherited fds, exit code."""
     args = [a.replace("ROOT", str(node.root)).replace("LOG", str(node.tmp / "log.json")) for a in args]
-    env = node.env(SOME_VAR="kept as is", REC_EXIT="7")
     r, w = os.pipe()
-    os.write(w, b"through fd 3")
+    os.write(w, b"through an inherited fd")
     os.close(w)
+    # The pipe keeps its number in the child (no preexec_fn: that makes subprocess fork() rather
+    # than vfork(), and grpc's fork handlers, loaded by other tests, then run in the child).
+    env = node.env(SOME_VAR="kept as is", REC_EXIT="7", REC_FD=str(r))
     proc = subprocess.Popen(
         [str(node.wrapper), *args],
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        pass_fds=(3,),
-        preexec_fn=lambda: os.dup2(r, 3),  # the pipe as the runtime's fd 3
+        pass_fds=(r,),
     )
     out, err = proc.communicate(b"stdin data", timeout=30)
     os.close(r)
@@ -221,7 +223,7 @@ def test_every_other_call_is_an_exec_of_the_runtime_unchanged(node: Node, args: 
     envc = int(fields[2 + argc])
     got_env = dict(f.decode().split("=", 1) for f in fields[3 + argc : 3 + argc + envc])
     assert got_env == env
-    assert fields[3 + argc + envc] == b"through fd 3"
+    assert fields[3 + argc + envc] == b"through an inherited fd"
     assert not (node.tmp / "log.json").exists()  # nothing written on the way
 
 
