@@ -11,6 +11,10 @@ CHECK_MARGIN = 0.1  # kept from it to answer when the checks themselves run out 
 # tar), so that podshim's own DEADLINE_EXCEEDED reaches the caller
 CLEANUP_MARGIN = 0.5
 RESTORE_CLEANUP_MARGIN = 1.0  # RestorePod's: removing the new sandbox takes longer
+# kept from it when a call is passed to the upstream (or by the front to the daemon), so that the
+# upstream's DEADLINE_EXCEEDED reaches the caller as a status before podshim's own server resets
+# the stream at the deadline (which a client whose timer runs late reports as CANCELLED)
+PASSTHROUGH_DEADLINE_MARGIN = 0.1
 
 # ---------------------------------------------------------------------- freeze, runc and CRIU
 FREEZE_TIMEOUT = 5.0  # to confirm a cgroup froze or thawed

@@ -28,6 +28,7 @@ import grpc
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
+from shim.deadlines import PASSTHROUGH_DEADLINE_MARGIN
 from shim.server.app import unary_methods
 from testbed import _sys, bed_files, pods
 from testbed.bed import TestBed
@@ -130,6 +131,7 @@ def start_front(tmp: Path, upstream: Path, daemon: Path) -> subprocess.Popen[byt
             f"--unary={','.join(unary_methods())}",
             f"--metrics-socket={tmp / 'metrics.sock'}",
             "--grace=1s",
+            f"--deadline-margin={PASSTHROUGH_DEADLINE_MARGIN}s",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -189,8 +191,9 @@ def test_metadata_and_deadline_reach_either_side(front: Front) -> None:
     front.call(RUNTIME + "ListPodSandbox", b"", metadata=md, timeout=7)
     for seen in (front.daemon.calls[-1], front.upstream.calls[-1]):
         assert seen.metadata.get("x-trace") == "t-1"
-        # the hop re-encodes the time left (grpc-timeout: 8 digits, rounded up): a few ms over 7 s
-        assert seen.time_remaining is not None and 5 < seen.time_remaining <= 7.05
+        # the hop keeps its margin and re-encodes the rest (grpc-timeout: 8 digits, rounded up)
+        remaining = seen.time_remaining
+        assert remaining is not None and 5 < remaining <= 7.05 - PASSTHROUGH_DEADLINE_MARGIN
     front.call(RUNTIME + "ListPodSandbox", b"")  # no deadline: none behind either
     remaining = front.upstream.calls[-1].time_remaining
     assert remaining is None or remaining > 1e9, remaining  # grpcio's sync server: "infinity"
@@ -213,6 +216,10 @@ def test_a_deadline_ends_the_call_behind_it(front: Front) -> None:
     with pytest.raises(grpc.RpcError) as err:
         front.call(RUNTIME + "ExecSync", b"", timeout=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # the front's status (its upstream call ends PASSTHROUGH_DEADLINE_MARGIN before the caller's
+    # deadline), not the caller's own timer ("Deadline Exceeded"), nor the reset of the stream
+    # that the front's server sends at the deadline (CANCELLED to a caller whose timer runs late)
+    assert "context deadline exceeded" in (err.value.details() or ""), err.value.details()
     assert time.monotonic() - start < 3
     assert front.upstream.gone.wait(5), "the upstream's call outlived the caller's deadline"
 

@@ -27,6 +27,7 @@ from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.checks import wiring
 from shim.contract import RESTORE_ANNOTATION, RESTORED_MARKER
+from shim.deadlines import PASSTHROUGH_DEADLINE_MARGIN
 from testbed import _sys, pods
 from testbed.bed import TestBed
 from testbed.versions import real_runc
@@ -585,9 +586,11 @@ class _FailingUpstream:
 
     def __init__(self, err: grpc.aio.AioRpcError) -> None:
         self.err = err
+        self.timeouts: list[float | None] = []
 
     def raw_unary(self, method: str) -> object:
         async def call(request: bytes, timeout: float | None = None, metadata: object = None) -> bytes:
+            self.timeouts.append(timeout)
             raise self.err
 
         return call
@@ -626,3 +629,5 @@ async def test_start_of_a_restored_container_failed_for_a_page_image_is_data_los
     with pytest.raises(_Aborted):
         await handler.unary_unary(cri.StartContainerRequest(container_id="r1").SerializeToString(), context)
     assert (context.code, context.details) == (code, details)
+    # the caller's 30 s less the margin that lets the upstream's DEADLINE_EXCEEDED reach it first
+    assert upstream.timeouts == [30.0 - PASSTHROUGH_DEADLINE_MARGIN]

@@ -52,7 +52,7 @@ type options struct {
 	listen, upstream, daemon, metricsSocket string
 	own, unary                              string
 	parent                                  int
-	grace                                   time.Duration
+	grace, deadlineMargin                   time.Duration
 	logFormat, logLevel                     string
 }
 
@@ -66,6 +66,8 @@ func parseFlags() options {
 	flag.StringVar(&o.unary, "unary", "", "full method names known to be unary, comma-separated")
 	flag.IntVar(&o.parent, "parent", 0, "the daemon's pid: the front exits if it is not its parent")
 	flag.DurationVar(&o.grace, "grace", time.Second, "calls in flight at a stop get this long")
+	flag.DurationVar(&o.deadlineMargin, "deadline-margin", 100*time.Millisecond,
+		"kept from each caller's deadline when the call is passed on")
 	flag.StringVar(&o.logFormat, "log-format", "json", "json or console")
 	flag.StringVar(&o.logLevel, "log-level", "info", "debug, info, warning or error")
 	flag.Parse()
@@ -109,7 +111,8 @@ func run(o options, log *slog.Logger) error {
 		}
 		defer daemon.conn.Close()
 	}
-	p := &proxy{upstream: upstream, daemon: daemon, own: set(o.own), unary: set(o.unary), metrics: metrics}
+	p := &proxy{upstream: upstream, daemon: daemon, own: set(o.own), unary: set(o.unary), metrics: metrics,
+		margin: o.deadlineMargin}
 
 	srv := grpc.NewServer(
 		grpc.ForceServerCodecV2(rawCodec{}),

@@ -54,6 +54,7 @@ type proxy struct {
 	own      map[string]bool // full method names podshim's daemon answers
 	unary    map[string]bool // CRI methods known to be unary (the rest: any shape, pumped)
 	metrics  *proxyMetrics
+	margin   time.Duration // kept from the caller's deadline (forwardedContext)
 }
 
 // handle serves every method: registered as the server's unknown-service handler, with no
@@ -67,7 +68,8 @@ func (p *proxy) handle(_ any, ss grpc.ServerStream) error {
 	if p.own[method] {
 		t = p.daemon
 	}
-	ctx := forwardedContext(ss.Context())
+	ctx, cancel := forwardedContext(ss.Context(), p.margin)
+	defer cancel()
 	if p.unary[method] {
 		return p.unaryCall(ctx, t, method, ss)
 	}
@@ -83,9 +85,11 @@ func isCRI(method string) bool {
 	return false
 }
 
-// forwardedContext carries the caller's deadline and cancellation (the incoming context's) and
-// its metadata, less what belongs to the hop.
-func forwardedContext(in context.Context) context.Context {
+// forwardedContext carries the caller's cancellation (the incoming context's), its deadline less
+// margin, and its metadata, less what belongs to the hop. The margin lets the target's
+// DEADLINE_EXCEEDED reach the caller as a status before this server's own deadline timer resets
+// the stream, which a client whose timer runs late would report as CANCELLED.
+func forwardedContext(in context.Context, margin time.Duration) (context.Context, context.CancelFunc) {
 	md, _ := metadata.FromIncomingContext(in)
 	out := metadata.MD{}
 	for k, v := range md {
@@ -94,7 +98,11 @@ func forwardedContext(in context.Context) context.Context {
 		}
 		out[k] = v
 	}
-	return metadata.NewOutgoingContext(in, out)
+	ctx := metadata.NewOutgoingContext(in, out)
+	if deadline, ok := in.Deadline(); ok {
+		return context.WithDeadline(ctx, deadline.Add(-margin))
+	}
+	return context.WithCancel(ctx)
 }
 
 func (p *proxy) unaryCall(ctx context.Context, t *target, method string, ss grpc.ServerStream) error {

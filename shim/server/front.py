@@ -28,6 +28,7 @@ from shim.deadlines import (
     FRONT_RESTART_FIRST,
     FRONT_RESTART_MAX,
     FRONT_STEADY,
+    PASSTHROUGH_DEADLINE_MARGIN,
     PASSTHROUGH_STOP_GRACE,
 )
 from shim.server import sockets
@@ -72,6 +73,7 @@ class Front:
             f"--unary={','.join(sorted(unary))}",
             f"--metrics-socket={self.metrics_socket}",
             f"--grace={PASSTHROUGH_STOP_GRACE}s",
+            f"--deadline-margin={PASSTHROUGH_DEADLINE_MARGIN}s",
             f"--log-format={config.log_format}",
             f"--log-level={config.log_level}",
         ]

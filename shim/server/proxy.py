@@ -1,8 +1,9 @@
 """Byte-level passthrough of CRI calls to the upstream runtime.
 
 Requests and responses are forwarded as raw bytes (never decoded and re-encoded), with the
-caller's metadata and deadline; the upstream's status code, message and metadata come back
-unchanged. Only a transport failure (upstream not running) gets podshim's own message.
+caller's metadata and deadline (less a margin, `forwarded_timeout`); the upstream's status code,
+message and metadata come back unchanged. Only a transport failure (upstream not running) gets
+podshim's own message.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from shim import metrics
+from shim.deadlines import PASSTHROUGH_DEADLINE_MARGIN
 from shim.upstream.client import Upstream, is_transport_failure, unavailable_message
 
 CRI_SERVICES = ("/runtime.v1.RuntimeService/", "/runtime.v1.ImageService/")
@@ -32,6 +34,13 @@ def forwarded_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, st
     return kept or None
 
 
+def forwarded_timeout(context: grpc.aio.ServicerContext) -> float | None:
+    """The caller's remaining time less PASSTHROUGH_DEADLINE_MARGIN: the upstream's
+    DEADLINE_EXCEEDED then reaches the caller before this server's own deadline resets the stream."""
+    remaining = context.time_remaining()
+    return None if remaining is None else max(remaining - PASSTHROUGH_DEADLINE_MARGIN, 0.0)
+
+
 def short_name(method: str) -> str:
     return method.rsplit("/", 1)[-1]
 
@@ -45,7 +54,7 @@ class Passthrough:
     async def call_unary(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Forward and return the upstream's response; raises AioRpcError (not aborted) on failure."""
         call = self.upstream.raw_unary(method)(
-            request, timeout=context.time_remaining(), metadata=forwarded_metadata(context)
+            request, timeout=forwarded_timeout(context), metadata=forwarded_metadata(context)
         )
         response = await call
         trailing = await call.trailing_metadata()
@@ -101,7 +110,7 @@ class Passthrough:
 
         async def forward(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             call = self.upstream.raw_stream(method)(
-                request, timeout=context.time_remaining(), metadata=forwarded_metadata(context)
+                request, timeout=forwarded_timeout(context), metadata=forwarded_metadata(context)
             )
             code = "OK"
             try:
