@@ -26,7 +26,13 @@ CheckpointPod with `lazy-migration` on A, both at once):
   podshim's `[migration] tcp_congestion`, cubic; "" for the host's: BBR here, whose pacing without
   the fq qdisc slows both);
 * the registry path (bench/distribution.py's migrate: CheckpointPod, push, pull, RestorePod +
-  StartContainer, the first line on B; `--skip-registry` leaves it out).
+  StartContainer, the first line on B; `--skip-registry` leaves it out);
+* where B's lazy-pages daemon spent the page phase (B runs → every page): its receiving thread's
+  wait in epoll, receipt (TLS read and decryption; the socket reads alone), own copies (a fault's
+  answer), CPU and time runnable without a CPU, and its copier threads' copies (sums over the
+  threads), idle, CPU and runnable time: the line CRIU logs at its end (patches 0014, 0015), which
+  B's podshim logs with "lazy restore complete"; and what the machine's cores did meanwhile
+  (/proc/stat: busy, idle, steal).
 
 Ends with `RESULT migrate_downtime_4g_s=… downtime_slope_s_per_gib=… total_vs_wire_floor=…
 total_vs_tls_floor=… total_vs_cipher_floor=… total_vs_memory_floor=…` (the largest size's downtime
@@ -56,8 +62,10 @@ import grpc
 from api.runtime.v1 import api_pb2 as cri
 from bench.common import (
     COUNT_RE,
+    CpuTimes,
     CriLog,
     counter_config,
+    cpu_line,
     machine_summary,
     remove_pod,
     remove_tree,
@@ -344,15 +352,18 @@ def live_migrate(n: Nodes, mib: int, tag: str) -> tuple[dict[str, float], str]:
         except grpc.RpcError as e:
             answers["b"] = e
 
+    b_log_at = Path(n.b.podshim_log).stat().st_size
     t = threading.Thread(target=restore)
     t.start()
     start = time.time()
-    rt_a.CheckpointPod(
-        cri.CheckpointPodRequest(
-            pod_sandbox_id=pod.id, output_path=str(out), options={"lazy-migration": n.link.listen(1)}
-        ),
-        timeout=TIMEOUT,
-    )
+    with CpuTimes() as cores:
+        rt_a.CheckpointPod(
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=pod.id, output_path=str(out), options={"lazy-migration": n.link.listen(1)}
+            ),
+            timeout=TIMEOUT,
+        )
+        answered = time.monotonic()
     total = time.time() - start
     t.join(TIMEOUT)
     if isinstance(answers.get("b"), grpc.RpcError):
@@ -366,6 +377,13 @@ def live_migrate(n: Nodes, mib: int, tag: str) -> tuple[dict[str, float], str]:
             phases = {k: v for k, v in json.loads(line).items() if isinstance(v, float)}
             break
     cipher = negotiated_cipher(out)
+    # the page phase (B runs → every page) on this clock: A's phases count from its freeze, and its
+    # answer came just after its last ("total")
+    nan = float("nan")
+    since_freeze = answered - phases.get("total", nan)
+    pages_cores = cores.window(
+        since_freeze + phases.get("destination_running", nan), since_freeze + phases.get("pages", nan)
+    )
     remove_pod(rt_b, answers["b"].pod_sandbox_id)
     remove_pod(rt_a, pod.id)
     remove_tree(out)
@@ -375,7 +393,67 @@ def live_migrate(n: Nodes, mib: int, tag: str) -> tuple[dict[str, float], str]:
         "counts_lost": b_first[0] - a_last[0] - 1,
         "total": total,
         **{f"phase_{k}": v for k, v in phases.items()},
+        **{f"daemon_{k}": v for k, v in daemon_split(Path(n.b.podshim_log), b_log_at).items()},
+        **{f"cores_{k}": v for k, v in pages_cores.items()},
     }, cipher
+
+
+def daemon_split(log: Path, since: int) -> dict[str, float]:
+    """Where B's lazy-pages daemon spent the page phase (CRIU patches 0014, 0015): the `transfer`
+    of B's "lazy restore complete" line past byte `since` of its podshim's `log` (one container,
+    one daemon); {} when its CRIU logs none."""
+    for line in log.read_bytes()[since:].splitlines():
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            if rec.get("event") == "lazy restore complete" and rec.get("transfer"):
+                return {k: float(v) for k, v in rec["transfer"].items()}
+    return {}
+
+
+# The daemon's time split's columns: header, key of its `transfer` (CRIU 0014/0015's names)
+SPLIT_COLUMNS = [
+    ("daemon s", "wall"),
+    ("wait s", "wait"),
+    ("recv s", "recv"),
+    ("socket s", "sock"),
+    ("copy s", "copy"),
+    ("other s", "other"),
+    ("cpu s", "cpu"),
+    ("runnable s", "runnable"),
+    ("copier copy s", "copier_copy"),
+    ("copier idle s", "copier_idle"),
+    ("copier cpu s", "copier_cpu"),
+    ("copier runnable s", "copier_runnable"),
+]
+SPLIT_HEADERS = [
+    "size",
+    "B runs→pages s",
+    *(h for h, _ in SPLIT_COLUMNS),
+    "cores busy s",
+    "idle s",
+    "steal s",
+]
+
+
+def prefixed(live: dict[str, float], prefix: str) -> dict[str, float]:
+    """The figures of `live` whose names start with `prefix`, without it."""
+    return {k.removeprefix(prefix): v for k, v in live.items() if k.startswith(prefix)}
+
+
+def split_row(mib: int, live: dict[str, float]) -> list[Any]:
+    """One row of the daemon's time split (daemon_split) and what the cores did meanwhile."""
+    nan = float("nan")
+    d, c = prefixed(live, "daemon_"), prefixed(live, "cores_")
+    busy = sum(c.get(k, nan) for k in ("user", "nice", "system", "irq", "softirq"))
+    pages = live.get("phase_pages", nan) - live.get("phase_destination_running", nan)
+    return [
+        f"{mib} MiB",
+        pages,
+        *(d.get(k, nan) for _, k in SPLIT_COLUMNS),
+        busy,
+        c.get("idle", nan),
+        c.get("steal", nan),
+    ]
 
 
 def registry_path(n: Nodes, mib: int, tag: str) -> float:
@@ -414,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     cc = args.tcp_congestion
     print(machine_summary())
     rows = []
+    split_rows = []
     downtimes: list[float] = []
     nan = float("nan")
     ratio_last = tls_ratio_last = cipher_ratio_last = memory_ratio_last = nan
@@ -437,7 +516,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"memory floor {memory:.2f}s, "
                 f"registry path {reg:.1f}s; phases {live}"
             )
+            say(f"{mib} MiB: the page phase's cores: {cpu_line(prefixed(live, 'cores_'))}")
             downtimes.append(live["downtime"])
+            split_rows.append(split_row(mib, live))
             ratio_last, tls_ratio_last = live["total"] / wire, live["total"] / tls
             cipher_ratio_last, memory_ratio_last = live["total"] / aead, live["total"] / memory
             rows.append(
@@ -484,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
     )
+    print()
+    print("where B's lazy-pages daemon spent the page phase (its log, CRIU 0014/0015), and the cores")
+    print(table(SPLIT_HEADERS, split_rows))
     gib = [m / 1024 for m in args.sizes]
     print(
         result_line(

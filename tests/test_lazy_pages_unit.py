@@ -386,6 +386,27 @@ def test_keep_log_copies_a_failed_daemons_log(tmp_path: Path) -> None:
     assert kept.read_text() == src.read_text() and (kept.stat().st_mode & 0o777) == 0o600
 
 
+def test_transfer_split_reads_the_daemons_account_of_its_time(tmp_path: Path) -> None:
+    """CRIU patches 0014 and 0015 log where the daemon's time went (its receiving thread's and its
+    copiers'); podshim reads both lines from the log's tail, and nothing from a CRIU without them."""
+    log = tmp_path / lazy_pages.LOG_NAME
+    log.write_text(
+        "(00.010000) uffd: Background pages are copied by 2 copier threads\n"
+        + "(00.020000) pr1-1 Read 7f0000000000 1024 pages\n" * 4000  # more than the tail it reads
+        + "(08.950000) uffd: page transfer time split: pages=1048584 wall=8.937 wait=4.262 recv=4.097 "
+        "sock=1.669 copy=0.000 copies=2 other=0.578 cpu=2.820 runnable=2.658\n"
+        "(08.950100) uffd: copier time split: threads=2 copy=15.213 idle=2.514 copies=1050 cpu=10.682 "
+        "runnable=4.747\n"
+        "(08.950200) page-xfer: Disconnect from the page server\n"
+    )
+    split = criu_lazy.transfer_split(log)
+    assert split["pages"] == 1048584 and split["wall"] == 8.937 and split["copy"] == 0.0
+    assert split["copier_threads"] == 2 and split["copier_copy"] == 15.213 and split["copier_copies"] == 1050
+    log.write_text("(00.010000) uffd: UFFD transferred pages: (65543/65543)\n")
+    assert criu_lazy.transfer_split(log) == {}
+    assert criu_lazy.transfer_split(tmp_path / "missing.log") == {}
+
+
 # ---------------------------------------------------------------------------- page checksums while serving
 
 

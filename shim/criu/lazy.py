@@ -15,6 +15,7 @@ import fnmatch
 import functools
 import hashlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -208,6 +209,33 @@ def error_lines(path: Path, limit: int = 3) -> str:
         return ""
     bad = [ln.strip() for ln in lines if "Error" in ln or "error" in ln]
     return "; ".join(bad[-limit:])
+
+
+# The daemon's account of its page transfer (CRIU patches 0014, 0015; docs/architecture.md §21 (Live
+# migration)), once per thread at its end: "uffd: page transfer time split: pages=N wall=S wait=S ..."
+# (the thread that receives) and "uffd: copier time split: copy=S idle=S ..." (the copier).
+_SPLIT_RE = re.compile(rb"uffd: (page transfer|copier) time split: ([^\n]*)")
+_SPLIT_TAIL = 64 << 10  # the lines are among the log's last
+
+
+def transfer_split(path: Path) -> dict[str, float]:
+    """Where the daemon's time went, from its log: the receiving thread's figures as they are
+    (pages, wall, wait, recv, sock, copy, copies, other, cpu, runnable: seconds but the counts),
+    the copier's prefixed "copier_"; {} when the log has none (a CRIU without the patches)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _SPLIT_TAIL))
+            tail = f.read()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for who, fields in _SPLIT_RE.findall(tail):
+        prefix = "copier_" if who == b"copier" else ""
+        for item in fields.split():
+            key, _, value = item.decode(errors="replace").partition("=")
+            with contextlib.suppress(ValueError):
+                out[prefix + key] = float(value)
+    return out
 
 
 def in_thread(fn: Any, check: PageCheck, stop: threading.Event, name: str) -> asyncio.Future[str]:

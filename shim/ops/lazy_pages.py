@@ -59,6 +59,7 @@ from shim.criu.lazy import (
     restore_pending,
     start_guard,
     stopped,
+    transfer_split,
     wait_status,
 )
 from shim.deadlines import (
@@ -208,6 +209,8 @@ class LazyPages:
                     str(write_end),
                     "-o",
                     LOG_NAME,
+                    # info: the TLS session and where its time went (transfer_split); not each copy
+                    "-v3",
                     *source,
                 ],
                 pass_fds=(write_end,),
@@ -419,7 +422,12 @@ class LazyPages:
         if rc == 0:
             d.complete = True
             log.info(
-                "lazy restore complete", container=d.container_id, name=d.name, pid=d.pid, seconds=seconds
+                "lazy restore complete",
+                container=d.container_id,
+                name=d.name,
+                pid=d.pid,
+                seconds=seconds,
+                transfer=transfer_split(d.work / LOG_NAME),  # where the daemon's time went (§21)
             )
         elif gone or await self._container_gone(d.container_id):
             log.info(
