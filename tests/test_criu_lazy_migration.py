@@ -7,7 +7,8 @@ project's patch 0004 the dump's page server failed at the first page request on 
 CAP_SYS_RESOURCE (`page-pipe: tee: 65536: Operation not permitted`, `Lazy pages transfer
 FAILED`); without 0005 a daemon whose page server died exited and let the restored process read
 zero pages. Since 0008 the page server reads the pages from the dumped task itself; 0010 sets
-the page connection's congestion control.
+the page connection's congestion control; 0015 copies the background pages on copier threads and
+0014 logs where the daemon's time went.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from images import build as images_build
+from shim.criu.lazy import transfer_split
 from testbed import versions as testbed_versions
 
 pytestmark = pytest.mark.e2e
@@ -234,6 +236,26 @@ def test_lazy_migration_through_the_page_server(tmp_path: Path, counter: Path) -
         assert verdicts == ["verify ok mem_mib=256"], verdicts
         # the source, whose dump ended successfully without --leave-running, was killed by CRIU
         wait_for("the source to be gone", lambda: state(m.source_pid) in ("", "Z"))
+
+
+def test_daemon_copies_on_copier_threads_and_logs_its_time(tmp_path: Path, counter: Path) -> None:
+    """The background pages are copied into the restored process by the daemon's copier threads,
+    beside the receipt of the next answers (patch 0015), and the daemon logs where its time went
+    (0014): every page of 256 MiB counted, the copiers' copies making up the transfer, the
+    receiving thread's own copies (the faults' answers) few; the memory checks on the restored
+    side."""
+    with migration(tmp_path, counter, 256) as m:
+        assert m.daemon is not None
+        assert m.daemon.wait(timeout=WAIT) == 0, m.log("lazy.log")[-2000:]
+        assert m.dump.wait(timeout=WAIT) == 0, m.log("dump.log")[-2000:]
+        split = transfer_split(m.dir / "dest" / "lazy.log")
+        assert split.get("pages", 0) >= (256 << 20) // 4096, m.log("lazy.log")[-2000:]
+        assert split["copier_threads"] >= 1 and split["copier_copies"] >= 64 > split["copies"], split
+        assert split["wall"] >= split["wait"] + split["recv"] + split["copy"] - 0.01, split
+        seen = len(m.lines())
+        os.kill(m.restored_pid, signal.SIGUSR1)
+        wait_for("the restored counter's verify line", lambda: any("verify" in ln for ln in m.lines()[seen:]))
+        assert [ln for ln in m.lines()[seen:] if ln.startswith("verify")] == ["verify ok mem_mib=256"]
 
 
 def test_page_connection_congestion_control(tmp_path: Path, counter: Path) -> None:
