@@ -258,6 +258,23 @@ def test_daemon_copies_on_copier_threads_and_logs_its_time(tmp_path: Path, count
         assert [ln for ln in m.lines()[seen:] if ln.startswith("verify")] == ["verify ok mem_mib=256"]
 
 
+def test_faults_during_the_background_transfer(tmp_path: Path, counter: Path) -> None:
+    """The restored counter reads all of its 1 GiB at once (SIGUSR1 as soon as it runs), while the
+    background transfer and the copier threads' queue are mid-way: its faults are answered beside
+    them (a fault's answer copied at once, a fault on a page whose copy is queued waiting for that
+    copy, patch 0015) and it reads its memory whole."""
+    with migration(tmp_path, counter, 1024) as m:
+        assert m.daemon is not None
+        seen = len(m.lines())
+        os.kill(m.restored_pid, signal.SIGUSR1)
+        wait_for("the restored counter's verify line", lambda: any("verify" in ln for ln in m.lines()[seen:]))
+        assert [ln for ln in m.lines()[seen:] if ln.startswith("verify")] == ["verify ok mem_mib=1024"]
+        assert m.daemon.wait(timeout=WAIT) == 0, m.log("lazy.log")[-2000:]
+        assert m.dump.wait(timeout=WAIT) == 0, m.log("dump.log")[-2000:]
+        split = transfer_split(m.dir / "dest" / "lazy.log")
+        assert split.get("pages", 0) >= (1024 << 20) // 4096, m.log("lazy.log")[-2000:]
+
+
 def test_page_connection_congestion_control(tmp_path: Path, counter: Path) -> None:
     """`--tcp-congestion` (patch 0010) sets the page connection's congestion control on the page
     server's sockets (reno: neither this host's default nor podshim's); a name the kernel refuses
