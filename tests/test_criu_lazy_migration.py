@@ -48,6 +48,53 @@ def counter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# A counter (the same arguments and lines) whose SIGUSR1 changes its memory map mid-transfer: it
+# drops the third quarter of its memory (MADV_DONTNEED: a userfaultfd REMOVE event), unmaps the last
+# (UNMAP), then checks the first half against the pattern and the third quarter reads zero.
+CHURN_SOURCE = r"""
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+static volatile sig_atomic_t usr1;
+static void on_usr1(int s) { (void)s; usr1 = 1; }
+static uint64_t pattern(uint64_t i) { i ^= 0x9e3779b97f4a7c15ULL; i *= 0xbf58476d1ce4e5b9ULL; return i ^ (i >> 31); }
+int main(int argc, char **argv) {
+    long mib = 0, ms = 100;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "--mem-mib")) mib = atol(argv[i + 1]);
+        if (!strcmp(argv[i], "--interval-ms")) ms = atol(argv[i + 1]);
+    }
+    size_t bytes = (size_t)mib << 20, words = bytes / 8;
+    uint64_t *mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) return 3;
+    for (size_t i = 0; i < words; i++) mem[i] = pattern(i);
+    signal(SIGUSR1, on_usr1);
+    for (long n = 0;; n++) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        printf("count=%ld ts=%ld.%03ld\n", n, (long)ts.tv_sec, ts.tv_nsec / 1000000);
+        fflush(stdout);
+        if (usr1) {
+            usr1 = 0;
+            size_t bad = 0;
+            if (madvise((char *)mem + bytes / 2, bytes / 4, MADV_DONTNEED) || munmap((char *)mem + bytes / 4 * 3, bytes / 4))
+                printf("churn FAILED: madvise/munmap\n");
+            for (size_t i = 0; i < words / 2; i++) bad += mem[i] != pattern(i);
+            for (size_t i = words / 2; i < words / 4 * 3; i++) bad += mem[i] != 0;
+            printf(bad ? "churn FAILED bad_words=%zu\n" : "churn ok%.0zu\n", bad);
+            fflush(stdout);
+        }
+        usleep(ms * 1000);
+    }
+}
+"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -273,6 +320,26 @@ def test_faults_during_the_background_transfer(tmp_path: Path, counter: Path) ->
         assert m.dump.wait(timeout=WAIT) == 0, m.log("dump.log")[-2000:]
         split = transfer_split(m.dir / "dest" / "lazy.log")
         assert split.get("pages", 0) >= (1024 << 20) // 4096, m.log("lazy.log")[-2000:]
+
+
+def test_memory_map_changes_during_the_background_transfer(tmp_path: Path) -> None:
+    """The restored process drops a quarter of its 1 GiB and unmaps another (userfaultfd REMOVE
+    and UNMAP events) as soon as it runs, while the background transfer and the copier threads'
+    queue are mid-way: the daemon finishes the copies queued before it changes its ranges (patch
+    0015), the process reads its first half whole and zeros where it dropped, and the daemon ends
+    with every page it still owed delivered."""
+    source = tmp_path / "churn.c"
+    source.write_text(CHURN_SOURCE)
+    churn = tmp_path / "churn"
+    images_build.compile_c(source, churn)
+    with migration(tmp_path, churn, 1024) as m:
+        assert m.daemon is not None
+        seen = len(m.lines())
+        os.kill(m.restored_pid, signal.SIGUSR1)
+        wait_for("the restored process's check", lambda: any("churn" in ln for ln in m.lines()[seen:]))
+        assert [ln for ln in m.lines()[seen:] if ln.startswith("churn")] == ["churn ok"], m.lines()[-5:]
+        assert m.daemon.wait(timeout=WAIT) == 0, m.log("lazy.log")[-2000:]
+        assert m.dump.wait(timeout=WAIT) == 0, m.log("dump.log")[-2000:]
 
 
 def test_page_connection_congestion_control(tmp_path: Path, counter: Path) -> None:
