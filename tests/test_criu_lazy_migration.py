@@ -62,7 +62,11 @@ CHURN_SOURCE = r"""
 #include <unistd.h>
 static volatile sig_atomic_t usr1;
 static void on_usr1(int s) { (void)s; usr1 = 1; }
-static uint64_t pattern(uint64_t i) { i ^= 0x9e3779b97f4a7c15ULL; i *= 0xbf58476d1ce4e5b9ULL; return i ^ (i >> 31); }
+static uint64_t pattern(uint64_t i) {
+    i ^= 0x9e3779b97f4a7c15ULL;
+    i *= 0xbf58476d1ce4e5b9ULL;
+    return i ^ (i >> 31);
+}
 int main(int argc, char **argv) {
     long mib = 0, ms = 100;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -82,7 +86,8 @@ int main(int argc, char **argv) {
         if (usr1) {
             usr1 = 0;
             size_t bad = 0;
-            if (madvise((char *)mem + bytes / 2, bytes / 4, MADV_DONTNEED) || munmap((char *)mem + bytes / 4 * 3, bytes / 4))
+            char *half = (char *)mem + bytes / 2, *last = (char *)mem + bytes / 4 * 3;
+            if (madvise(half, bytes / 4, MADV_DONTNEED) || munmap(last, bytes / 4))
                 printf("churn FAILED: madvise/munmap\n");
             for (size_t i = 0; i < words / 2; i++) bad += mem[i] != pattern(i);
             for (size_t i = words / 2; i < words / 4 * 3; i++) bad += mem[i] != 0;
