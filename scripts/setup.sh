@@ -315,26 +315,23 @@ unpack_again() {
     rm -rf "$src" && mv "$tmp/$top" "$src" && rmdir "$tmp" && printf '%s\n' "$ver" >"$src/.podshim-unpacked"
 }
 
-# apply_patches SRC VERSION: apply each of podshim's patches for CRIU VERSION to SRC once (an
-# applied one is recognised by its reverse applying cleanly). A tree patched with another set (a
-# patch changed or dropped since) is unpacked again from the orig tarball first: a changed patch
-# neither applies nor reverses on it.
+# apply_patches SRC VERSION: podshim's patches for CRIU VERSION, applied to SRC once. The stamp
+# .podshim-patches, written after the last one applied, says which set a tree carries. A tree
+# without this set's stamp (never patched, patched with another set, or left half-patched by a
+# killed run) is unpacked again from the orig tarball and patched from scratch: a patch's clean
+# reverse cannot tell "applied" on a fully patched tree, where later patches change its lines.
 apply_patches() {
   local src=$1 p ps id
   id=$(criu_patch_id "$2")
-  if [ -f "$src/.podshim-patches" ] && [ "$(cat "$src/.podshim-patches")" != "$id" ] ||
-    { [ ! -f "$src/.podshim-patches" ] && [ -f "$src/criu/criu" ]; }; then
-    info "CRIU's tree in $src carries another patch set: unpacking it again"
-    unpack_again "$src" || die "cannot unpack CRIU's source again into $src"
+  if [ "$(cat "$src/.podshim-patches" 2>/dev/null)" = "$id" ]; then
+    info "CRIU's tree in $src carries podshim's patches ($id)"
+    return 0
   fi
+  unpack_again "$src" || die "cannot unpack CRIU's source again into $src"
   mapfile -t ps < <(criu_patches "$2")
   for p in "${ps[@]}"; do
-    if patch -d "$src" -p1 -R -s -f --dry-run <"$p" >/dev/null 2>&1; then
-      info "patch $(basename "$p"): already applied"
-    else
-      patch -d "$src" -p1 -s -f -N <"$p" || die "patch $(basename "$p") does not apply to $src"
-      info "patch $(basename "$p"): applied"
-    fi
+    patch -d "$src" -p1 -s -f -N <"$p" || die "patch $(basename "$p") does not apply to $src"
+    info "patch $(basename "$p"): applied"
   done
   printf '%s\n' "$id" >"$src/.podshim-patches"
 }
