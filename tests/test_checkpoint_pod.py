@@ -284,6 +284,29 @@ def test_failure_with_images_written_back(
     assert_pod_alive(rt, pod, ["a"])
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="hashing during the dumps needs a core they leave idle")
+def test_page_images_hashed_during_the_dumps(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], tmp_path: Path
+) -> None:
+    # one dump on a node of two or more cores: the page image is hashed by the follower as CRIU
+    # writes it (docs/architecture.md §4.1 (The freeze window)), and the manifest's digest is the
+    # file's (every file read again by load_and_verify)
+    c = {"a": counter("a", mem_mib=48)}
+    pod = start_pod(rt, "hashed-ahead", log_root, pod_cleanup, c)
+    wait_counting(pod, "a", 2, timeout=60)
+    out = empty_dir(bed, "hashed-ahead")
+    with bed.extra_podshim(tmp_path) as (sock, log):
+        checkpoint(pods.stubs(sock)[0], pod.id, out)
+        lines = [
+            json.loads(x) for x in log.read_text().splitlines() if "images written back during the dumps" in x
+        ]
+    assert lines and lines[-1]["hashed_mib"] >= 40, lines
+    m = verified(bed, out)
+    pages = [rel for rel in m.files if re.search(r"/pages-[0-9]+\.img$", rel)]
+    assert pages and max(m.files[rel].size for rel in pages) >= 40 << 20
+    assert_pod_alive(rt, pod, ["a"])
+
+
 def test_rootfs_diff_has_written_and_deleted_files(
     rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
 ) -> None:

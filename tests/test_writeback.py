@@ -1,10 +1,12 @@
 """Writeback started from the first MiB (shim/archive/writeback.py): which byte ranges are handed
 to sync_file_range and when, the kernel's dirty counters read and compared, the page images of a
-dump followed as they grow through the held directories. The kernel's side (the pages going to
+dump followed as they grow through the held directories, and their sha256 taken as they grow
+(used by the archive only while it holds). The kernel's side (the pages going to
 disk) is measured by bench/freeze_profile.py, not asserted here."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.archive import writeback
+from shim.archive import fsutil, writeback
 from shim.archive.dirfd import DirHandle
 
 MIB = 1 << 20
@@ -163,3 +165,69 @@ def test_stop_soon_does_not_wait_for_the_disk(tmp_path: Path, monkeypatch: pytes
         release.set()
         images.stop()
         assert images.files == {} and images.started_bytes == 2 * MIB
+
+
+def test_page_images_hashed_as_they_grow(tmp_path: Path) -> None:
+    # CRIU's page images hashed by the follower while the dump writes them (a core the dumps left
+    # idle): the digest is the whole file's, keyed by its inode; other images are left alone
+    with DirHandle.open(tmp_path) as d:
+        images = writeback.ImagesWriteback([d], interval=3600, step=MIB, writeback=False, hash_pages=True)
+        with open(tmp_path / "pages-1.img", "wb") as pages, open(tmp_path / "core-1.img", "wb") as core:
+            pages.write(os.urandom(3 * MIB + 5))
+            core.write(os.urandom(2 * MIB))
+            pages.flush()
+            core.flush()
+            images.poll()
+            pages.write(os.urandom(MIB))  # appended after the last look: hashed by the last one
+            pages.flush()
+        got = images.digests()
+    st = (tmp_path / "pages-1.img").stat()
+    assert got == {
+        (st.st_dev, st.st_ino): fsutil.FileDigest(
+            st.st_size, hashlib.sha256((tmp_path / "pages-1.img").read_bytes()).hexdigest(), st.st_mtime_ns
+        )
+    }
+    assert images.files == {}
+
+
+def test_hashing_ahead_is_abandoned_when_the_checkpoint_is(tmp_path: Path) -> None:
+    (tmp_path / "pages-1.img").write_bytes(os.urandom(4 * MIB))
+    cancelled = threading.Event()
+    cancelled.set()
+    with DirHandle.open(tmp_path) as d:
+        # the caller was cancelled: no digest, whatever the thread had hashed
+        images = writeback.ImagesWriteback([d], interval=0.01, step=MIB, writeback=False, hash_pages=True)
+        assert images.start().digests(cancelled) == {}
+        # a failed checkpoint's stop(): the hashing is abandoned too
+        images = writeback.ImagesWriteback([d], interval=0.01, step=MIB, writeback=False, hash_pages=True)
+        images.start().stop()
+        assert images.hashed == {} and images.files == {}
+
+
+def test_the_archive_takes_a_digest_only_while_it_holds(tmp_path: Path) -> None:
+    # hash_and_flush does not read a file whose digest was taken ahead and still holds (the same
+    # inode, size and mtime): shown by a digest it could not compute; a file changed since is read
+    kept, changed, plain = tmp_path / "pages-1.img", tmp_path / "pages-2.img", tmp_path / "x"
+    for p in (kept, changed, plain):
+        p.write_bytes(os.urandom(MIB))
+    ahead = {}
+    for p in (kept, changed):
+        st = p.stat()
+        ahead[(st.st_dev, st.st_ino)] = fsutil.FileDigest(st.st_size, "ab" * 32, st.st_mtime_ns)
+    with open(changed, "r+b") as f:  # rewritten in place after the last look: same size
+        f.write(b"changed")
+    os.utime(changed, ns=(0, 0))  # a different mtime, whatever the clock's granularity
+    asked: list[threading.Event | None] = []
+
+    def hashed_ahead(stop: threading.Event | None) -> dict[tuple[int, int], fsutil.FileDigest]:
+        asked.append(stop)
+        return ahead
+
+    stop = threading.Event()
+    got = fsutil.hash_and_flush([kept, changed, plain], workers=2, stop=stop, hashed_ahead=hashed_ahead)
+    assert asked == [stop]
+    assert got == [
+        (MIB, "ab" * 32),
+        (MIB, hashlib.sha256(changed.read_bytes()).hexdigest()),
+        (MIB, hashlib.sha256(plain.read_bytes()).hexdigest()),
+    ]

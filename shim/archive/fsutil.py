@@ -11,7 +11,8 @@ import hashlib
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -135,6 +136,26 @@ def fsync_tree(root: Path, workers: int = 1, files: bool = True) -> None:
         raise Internal(f"cannot fsync {root}: {e}; check the disk") from e
 
 
+@dataclass(frozen=True)
+class FileDigest:
+    """The sha256 of a file's `size` bytes taken while it was written, and the file's mtime when
+    the last of them was read (writeback.ImagesWriteback.digests)."""
+
+    size: int
+    sha256: str
+    mtime_ns: int
+
+    def holds(self, st: os.stat_result) -> bool:
+        """Is this still the digest of the file `st` describes (same size, unchanged since)? The
+        caller found `st` under the digest's (device, inode)."""
+        return stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns) == (self.size, self.mtime_ns)
+
+
+# digests taken while files were written, by (st_dev, st_ino); called with the caller's stop event
+# (writeback.ImagesWriteback.digests)
+HashedAhead = Callable[[threading.Event | None], Mapping[tuple[int, int], FileDigest]]
+
+
 def map_in_threads(fn: Callable[[T], R], items: list[T], workers: int, nice: int = 0) -> list[R]:
     """[fn(i) for i in items], on up to `workers` threads (hashing releases the GIL), each at
     `nice` (added to the thread's own; Linux sets a thread's priority by its thread id)."""
@@ -142,34 +163,40 @@ def map_in_threads(fn: Callable[[T], R], items: list[T], workers: int, nice: int
         from concurrent.futures import ThreadPoolExecutor  # here: podshim-runc never needs it
 
         with ThreadPoolExecutor(
-            workers, thread_name_prefix="podshim-hash", initializer=_lower_priority, initargs=(nice,)
+            workers, thread_name_prefix="podshim-hash", initializer=lower_thread_priority, initargs=(nice,)
         ) as pool:
             return list(pool.map(fn, items))
     return [fn(i) for i in items]
 
 
-def _lower_priority(nice: int) -> None:
+def lower_thread_priority(nice: int) -> None:
+    """The calling thread's nice value raised by `nice` (Linux: per thread, by its thread id)."""
     if nice:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
 
 
 def hash_and_flush(
-    paths: list[Path], workers: int = 1, stop: threading.Event | None = None
+    paths: list[Path],
+    workers: int = 1,
+    stop: threading.Event | None = None,
+    hashed_ahead: HashedAhead | None = None,
 ) -> list[tuple[int, str]]:
     """(size, sha256) of each file, and every file fsynced, with the two side by side.
 
     Hashing is CPU work and flushing is disk work, so a flusher thread writes the files back
     (largest first) while `workers` threads hash them from the page cache (largest first too, at
-    BACKGROUND_NICE): the cost is the longer of the two, not their sum. `stop` set: both stop at
-    their next file or chunk.
+    BACKGROUND_NICE): the cost is the longer of the two, not their sum. `hashed_ahead(stop)`, called
+    once the flusher runs, gives digests taken while the files were written (by (st_dev, st_ino):
+    writeback.ImagesWriteback.digests); a file whose digest still holds (same size, unchanged
+    since) is not read again. `stop` set: both stop at their next file or chunk.
     """
     from concurrent.futures import ThreadPoolExecutor  # here: podshim-runc never needs it
 
-    sizes = {p: os.lstat(p).st_size for p in paths}
+    stats = {p: os.lstat(p) for p in paths}
 
     def flush_all() -> None:
-        for p in sorted(paths, key=sizes.__getitem__, reverse=True):
+        for p in sorted(paths, key=lambda p: stats[p].st_size, reverse=True):
             if stop is not None and stop.is_set():
                 return
             _fsync_file(p)
@@ -177,9 +204,17 @@ def hash_and_flush(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="podshim-flush") as flusher:
         flushed = flusher.submit(flush_all)
         try:
-            by_size = sorted(paths, key=sizes.__getitem__, reverse=True)
+            ahead = hashed_ahead(stop) if hashed_ahead is not None else {}
+            hashed: dict[Path, tuple[int, str]] = {}
+            for p, st in stats.items():
+                d = ahead.get((st.st_dev, st.st_ino))
+                if d is not None and d.holds(os.lstat(p)):
+                    hashed[p] = (d.size, d.sha256)
+            by_size = sorted(
+                (p for p in paths if p not in hashed), key=lambda p: stats[p].st_size, reverse=True
+            )
             digests = map_in_threads(lambda p: hash_file(p, stop=stop), by_size, workers, BACKGROUND_NICE)
-            hashed = dict(zip(by_size, digests, strict=True))
+            hashed.update(zip(by_size, digests, strict=True))
         except BaseException:
             if stop is not None:
                 stop.set()  # the flusher stops at its next file; waiting for it is bounded

@@ -24,6 +24,7 @@ from typing import Any
 from shim.archive import crypto
 from shim.archive.dirfd import DirHandle, held
 from shim.archive.fsutil import (
+    HashedAhead,
     hash_and_flush,
     hash_file,
     hole_bytes,
@@ -452,21 +453,23 @@ def write_manifest(
     workers: int = 1,
     key: crypto.NodeKey | None = None,
     stop: threading.Event | None = None,
+    hashed_ahead: HashedAhead | None = None,
 ) -> Manifest:
     """Checksum every file under `root`, fsync the tree, then write manifest.json atomically.
 
     Fills `manifest.files` (replacing any previous value) and returns the manifest. With `key`
     (the files were encrypted with it: crypto.encrypt_tree) it records the encryption and
-    authenticates the manifest (its MAC is computed at every to_json()). `stop` set: raises
-    fsutil.Stopped at the next chunk (the caller was cancelled). `root` is listed, read and
-    written only through descriptors (a DirHandle the caller holds, or the path opened once).
+    authenticates the manifest (its MAC is computed at every to_json()). `hashed_ahead`: digests
+    taken as the files were written (fsutil.hash_and_flush). `stop` set: raises fsutil.Stopped at
+    the next chunk (the caller was cancelled). `root` is listed, read and written only through
+    descriptors (a DirHandle the caller holds, or the path opened once).
     """
     with held(root) as h:
         _check_members(h.path, manifest)
         with h.tree(lambda msg: Internal(f"unexpected entry in checkpoint: {msg}")) as tree:
             rels = sorted(rel for rel in tree.files if rel != MANIFEST_FILE)
             try:
-                results = hash_and_flush([tree.path(rel) for rel in rels], workers, stop)
+                results = hash_and_flush([tree.path(rel) for rel in rels], workers, stop, hashed_ahead)
             except OSError as e:
                 raise Internal(f"cannot checksum/fsync checkpoint {h.path}: {e}; check the disk") from e
             manifest.files = {
