@@ -213,13 +213,12 @@ class ImagesWriteback:
         self._stop.set()
         if self._thread.ident is None:  # never started: the last look is the caller's
             self._finish()
-            return
-        while self._thread.is_alive():
+        while True:
             if stop is not None and stop.is_set():
                 self._abandon.set()
+            if not self._thread.is_alive():
+                return
             self._thread.join(self.interval)
-        if stop is not None and stop.is_set():
-            self._abandon.set()
 
     def _run(self) -> None:
         try:
