@@ -208,7 +208,7 @@ def hash_and_flush(
             hashed: dict[Path, tuple[int, str]] = {}
             for p, st in stats.items():
                 d = ahead.get((st.st_dev, st.st_ino))
-                if d is not None and d.holds(os.lstat(p)):
+                if d is not None and d.holds(st):
                     hashed[p] = (d.size, d.sha256)
             by_size = sorted(
                 (p for p in paths if p not in hashed), key=lambda p: stats[p].st_size, reverse=True
