@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
-from testbed import _sys, pods
+from testbed import _sys, pods, resume
 from testbed.bed import TestBed
 
 pytestmark = pytest.mark.e2e
@@ -112,8 +112,7 @@ class Running:
 @dataclass
 class Taken:
     path: Path
-    before: int  # the last count logged before the checkpoint was asked for
-    after: int  # the last count logged when it answered
+    first: int  # the count the checkpointed counter prints first after the cut (testbed/resume.py)
 
 
 def log_text(path: Path) -> str:
@@ -146,15 +145,18 @@ def keeps_running(r: Running) -> None:
 
 
 def checkpoint_pod(rt: Stub, bed: TestBed, r: Running, archives: list[Path], tag: str) -> Taken:
-    out = Path(bed.checkpoint_root) / f"chain-{tag}-{secrets.token_hex(3)}"
-    out.mkdir(mode=0o700)
-    archives.append(out)
-    before = pods.counts(r.log)[-1]
-    rt.CheckpointPod(
-        cri.CheckpointPodRequest(pod_sandbox_id=r.pod_id, output_path=str(out)), timeout=RPC_TIMEOUT
-    )
-    assert (out / "manifest.json").is_file()
-    taken = Taken(out, before, pods.counts(r.log)[-1])
+    def take() -> Path:
+        out = Path(bed.checkpoint_root) / f"chain-{tag}-{secrets.token_hex(3)}"
+        out.mkdir(mode=0o700)
+        archives.append(out)
+        rt.CheckpointPod(
+            cri.CheckpointPodRequest(pod_sandbox_id=r.pod_id, output_path=str(out)), timeout=RPC_TIMEOUT
+        )
+        assert (out / "manifest.json").is_file()
+        return out
+
+    out, first = resume.checkpoint_exactly(take, {"counter": r.log})
+    taken = Taken(out, first["counter"])
     # the dump read podshim's own CRIU config, never the one of the restore before it (CRIU logs
     # each file it parses; an encrypted archive's log is not readable here)
     dump_log = (out / "containers" / "counter" / "dump.log").read_bytes()
@@ -199,10 +201,7 @@ def restore_pod(
 
 
 def resumes(rt: Stub, r: Running, taken: Taken) -> None:
-    first = pods.wait_for(lambda: pods.counts(r.log), timeout=30, what=f"restored output in {r.log}")[0]
-    assert taken.before <= first <= taken.after + 3, (taken.before, first, taken.after)
-    assert "ready mem_mib" not in log_text(r.log), "the restored process ran its start-up again"
-    pods.wait_count(r.log, first + 3, timeout=20)
+    resume.assert_exact_resume({"counter": r.log}, {"counter": taken.first})
     verify_memory(rt, r)
 
 
@@ -274,15 +273,18 @@ def test_three_generations(
 
 
 def checkpoint_container(rt: Stub, bed: TestBed, r: Running, archives: list[Path]) -> Taken:
-    d = Path(bed.checkpoint_root) / f"chain-tar-{secrets.token_hex(3)}"
-    d.mkdir(mode=0o700)
-    archives.append(d)
-    before = pods.counts(r.log)[-1]
-    rt.CheckpointContainer(
-        cri.CheckpointContainerRequest(container_id=r.cid, location=str(d / "counter.tar")),
-        timeout=RPC_TIMEOUT,
-    )
-    taken = Taken(d / "counter.tar", before, pods.counts(r.log)[-1])
+    def take() -> Path:
+        d = Path(bed.checkpoint_root) / f"chain-tar-{secrets.token_hex(3)}"
+        d.mkdir(mode=0o700)
+        archives.append(d)
+        rt.CheckpointContainer(
+            cri.CheckpointContainerRequest(container_id=r.cid, location=str(d / "counter.tar")),
+            timeout=RPC_TIMEOUT,
+        )
+        return d / "counter.tar"
+
+    tar, first = resume.checkpoint_exactly(take, {"counter": r.log})
+    taken = Taken(tar, first["counter"])
     keeps_running(r)
     return taken
 

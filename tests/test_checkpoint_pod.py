@@ -29,14 +29,12 @@ from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.archive import manifest as mf
 from shim.deadlines import CLEANUP_MARGIN
-from testbed import pods
+from testbed import pods, resume
 from testbed.bed import TestBed
 from testbed.checks import FREEZER, container_cgroup, expect_error, freezer_state, verbose_info
 
 pytestmark = pytest.mark.e2e
 
-# CRI log line: "<rfc3339> <stream> <P|F> <text>"; the counter prints "count=N ts=<s>.<ms>"
-LOG_LINE = re.compile(rb"^\S+ (?:stdout|stderr) [PF] count=(\d+) ts=(\d+\.\d+)$", re.M)
 CALL_TIMEOUT = 60.0
 
 Rt = api_pb2_grpc.RuntimeServiceStub
@@ -114,22 +112,6 @@ def assert_empty(d: Path) -> None:
 
 def root_listing(bed: TestBed) -> set[str]:
     return {p.name for p in Path(bed.checkpoint_root).iterdir()}
-
-
-def log_ticks(log_path: Path) -> list[tuple[int, float]]:
-    """(count, printed unix time) of every counter line of a CRI log."""
-    return [(int(n), float(ts)) for n, ts in LOG_LINE.findall(log_path.read_bytes())]
-
-
-Tick = tuple[int, float]
-
-
-def freeze_gap(ticks: list[Tick], t0: float, t1: float) -> tuple[Tick, Tick]:
-    """The widest pause between two consecutive counter lines that overlaps the call [t0, t1]:
-    the last line printed before the freeze and the first one after the thaw."""
-    pairs = [(a, b) for a, b in zip(ticks, ticks[1:], strict=False) if b[1] >= t0 and a[1] <= t1]
-    assert pairs, (t0, t1, ticks[-5:])
-    return max(pairs, key=lambda ab: ab[1][1] - ab[0][1])
 
 
 def walk_modes(root: Path) -> tuple[list[str], list[str]]:
@@ -316,10 +298,15 @@ def test_rootfs_diff_has_written_and_deleted_files(
     r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["rm", "/bin/ls"], timeout=10))
     assert r.exit_code == 0, r.stderr
     wait_counting(pod, "counter", 10)
-    out = empty_dir(bed, "diff")
-    t0 = time.time()
-    checkpoint(rt, pod.id, out)
-    t1 = time.time()
+
+    def take() -> Path:
+        out = empty_dir(bed, "diff")
+        checkpoint(rt, pod.id, out)
+        return out
+
+    # the count the counter printed first after the thaw, exactly: from the manifest's cut and the
+    # counter's own log (testbed/resume.py; a cut the log cannot place is taken again)
+    out, first = resume.checkpoint_exactly(take, {"counter": pod.log_path("counter")})
     wait_counting(pod, "counter", 5)
 
     verified(bed, out)
@@ -331,11 +318,12 @@ def test_rootfs_diff_has_written_and_deleted_files(
     assert "bin/busybox" not in names  # only the writable layer, not the image
     assert "/bin/ls" in json.loads((out / "containers/counter/deleted.files").read_text())
 
-    # the diff is the frozen state: the state file holds the count printed just before the
-    # freeze (or the one before, when the freeze fell between the print and the rename)
+    # the diff is the frozen state: the counter prints a count, then saves it, so the state file
+    # holds the last count printed before the freeze (or the one before, when the freeze fell
+    # between that print and the rename)
     saved = saved_state(out, "counter")
-    before, _after = freeze_gap(log_ticks(pod.log_path("counter")), t0, t1)
-    assert saved in (before[0], before[0] - 1), (saved, before)
+    last = first["counter"] - 1
+    assert saved in (last, last - 1), (saved, last)
 
 
 def saved_state(out: Path, name: str) -> int:
@@ -362,52 +350,71 @@ def test_post_checkpoint_state_stopped(
     m = verified(bed, out)
     assert m.post_checkpoint_state == "STOPPED"
     assert_dumped(out, m, "counter")
-    # nothing ran past the checkpoint: the last count printed is the one the frozen state
-    # file holds (or one more, when the freeze fell between the print and the rename) — a
-    # thaw before the kill would have printed more — and no "stopping" line (not a SIGTERM)
-    last = pods.counts(pod.log_path("counter"))[-1]
-    assert last - saved_state(out, "counter") in (0, 1), (last, saved_state(out, "counter"))
-    time.sleep(0.2)
-    assert pods.counts(pod.log_path("counter"))[-1] == last
-    assert b"stopping" not in pod.log_path("counter").read_bytes()
+    # nothing ran past the checkpoint (testbed/resume.py): the counter prints a count, then saves
+    # it, so the count the frozen state file holds was printed before the freeze, and at most one
+    # more (the freeze fell between that print and the rename); no line was made after the cut
+    # (the manifest's frozen_at; a thaw before the kill would have let it print on), and no
+    # "stopping" line (not a SIGTERM)
+    cut = resume.Cut.of_archive(out)
+    saved = saved_state(out, "counter")
+    log = pod.log_path("counter")
+    pods.wait_for(lambda: saved in pods.counts(log), what=f"the saved count {saved} in {log}")
+    lines = resume.lines(log)
+    ran = [x for x in lines if x.ts > cut.frozen_at]
+    assert not ran, f"the counter printed after the cut ({cut.frozen_at:.3f}): {ran[:3]}"
+    assert lines[-1].count in (saved, saved + 1), (lines[-3:], saved)
+    assert b"stopping" not in log.read_bytes()
     assert freezer_state(pod.config.linux.cgroup_parent) == "THAWED"
 
 
+HOLD_THAW = 0.5  # seconds the pod is held frozen past its dumps: many of the counters' 20 ms ticks
+
+
 def test_three_containers_frozen_in_one_cut(
-    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str, tmp_path: Path
 ) -> None:
     names = ["a", "b", "c"]
     containers = {n: counter(n, mem_mib=64, interval_ms=20) for n in names}
     pod = start_pod(rt, "three", log_root, pod_cleanup, containers, runtime_handler)
     for n in names:
         wait_counting(pod, n, 10)
-    out = empty_dir(bed, "three")
-    t0 = time.time()
-    checkpoint(rt, pod.id, out)
-    t1 = time.time()
+    calls: dict[Path, tuple[float, float, float]] = {}  # archive -> wall clock called, answered; seconds
+    # a second podshim holds the pod frozen HOLD_THAW s after the dumps: a freeze long enough to be
+    # seen in every container's log, however fast the machine dumps
+    with bed.extra_podshim(tmp_path, failpoints=f"checkpoint.before-thaw=sleep:{HOLD_THAW}") as (sock, _log):
+        held = pods.stubs(sock)[0]
+
+        def take() -> Path:
+            out = empty_dir(bed, "three")
+            wall, start = time.time(), time.monotonic()
+            checkpoint(held, pod.id, out)
+            calls[out] = (wall, time.time(), time.monotonic() - start)
+            return out
+
+        # one cut (testbed/resume.py): each container's log holds no line made between the
+        # manifest's frozen_at and thaw_asked_at, and a pause at least that long around them; the
+        # span is the same for all three, so all three stood still through all of it at once, not
+        # one after the other (a cut the logs cannot place is taken again)
+        out, _first = resume.checkpoint_exactly(take, {n: pod.log_path(n) for n in names})
+    assert list((tmp_path / "state" / "ops").glob("*.json")) == []
     assert_pod_alive(rt, pod, names)
-    for n in names:
-        wait_counting(pod, n, 10)
 
     m = verified(bed, out)
     assert [c.name for c in m.containers] == names
     for n in names:
         assert_dumped(out, m, n)
-    window = m.timings["freeze_window"]
-    assert window > 0.05, m.timings  # 3 x 64 MiB: long enough to see in 20 ms ticks
-
-    gaps = {}
-    for n in names:
-        before, after = freeze_gap(log_ticks(pod.log_path(n)), t0, t1)
-        gaps[n] = (before, after)
-        # each container stopped printing for (about) the whole freeze window
-        assert after[1] - before[1] >= window - 0.03, (n, before, after, window)
-    # the gaps overlap: every container's last line before the freeze precedes the first line
-    # after the thaw of every other one, i.e. all were frozen at once, not one after the other
-    last_before = max(g[0][1] for g in gaps.values())
-    first_after = min(g[1][1] for g in gaps.values())
-    assert last_before < first_after, gaps
-    assert first_after - last_before >= window / 2, (gaps, window)  # overlap ~ the window
+    cut = resume.Cut.of_archive(out)
+    called, answered, took = calls[out]
+    # the cut's instants in order, within the call; the hold lies between the cut and the thaw
+    assert called <= m.timings["freeze_asked_at"] <= cut.frozen_at <= cut.thaw_asked_at <= answered, m.timings
+    frozen = cut.thaw_asked_at - cut.frozen_at
+    assert frozen >= HOLD_THAW, m.timings
+    # the reported window runs from the cut to the last container thawed: the frozen span (which
+    # no container's pause is shorter than, above) and then the thaw's own time. That last part
+    # happens inside podshim, after the first thaw write; no workload's line can bound it, only the
+    # call's answer, which comes after it
+    thaw = cut.window - frozen
+    assert 0 <= thaw and cut.window <= took, (cut, took)
     # no container's CRIU locked the pod's shared netns (docs/architecture.md §4.1 (The freeze
     # window)): nothing established to keep still, so each dump's inventory says "skip"
     for n in names:
@@ -750,21 +757,34 @@ def test_short_exec_session_is_waited_for(
     cgroup = FREEZER / container_cgroup(rt, cid).lstrip("/")
     before = set((cgroup / "cgroup.procs").read_text().split())
     done: list[Any] = []
-    t = threading.Thread(
-        target=lambda: done.append(
-            rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["sleep", "1"], timeout=20))
-        )
-    )
+
+    def exec_short() -> None:
+        # its last act: print the wall clock (busybox ts: microseconds; its date has no %N)
+        cmd = ["sh", "-c", "sleep 1; echo | ts %.s"]
+        try:
+            done.append(rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=cmd, timeout=20)))
+        except grpc.RpcError as e:
+            done.append(e)
+
+    t = threading.Thread(target=exec_short)
     t.start()
     try:
         pods.wait_for(lambda: set((cgroup / "cgroup.procs").read_text().split()) - before, what="the exec")
         out = empty_dir(bed, "short-exec")
         archives.append(out)
         checkpoint(rt, counter_pod.id, out)
-        assert done and done[0].exit_code == 0, "the exec session ended before the freeze"
-        assert_dumped(out, verified(bed, out), "counter")
     finally:
         t.join(20)
+    # the exec's answer comes back through containerd after the session ended, in its own time:
+    # read once it has arrived
+    assert not t.is_alive() and len(done) == 1, done
+    r = done[0]
+    assert isinstance(r, cri.ExecSyncResponse) and r.exit_code == 0, r
+    m = verified(bed, out)
+    # the session's last instant of running code came before podshim even asked for the freeze
+    ended = float(r.stdout)
+    assert ended < m.timings["freeze_asked_at"] <= m.timings["frozen_at"], (ended, m.timings)
+    assert_dumped(out, m, "counter")
     assert_pod_alive(rt, counter_pod, ["counter"])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import secrets
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from api.runtime.v1 import api_pb2_grpc
 from shim import cli, deadlines
 from shim.cli import base, output, transport
 from shim.cli.commands import inspectp, restorepod
-from testbed import pods
+from testbed import pods, resume
 from testbed.bed import TestBed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -548,9 +549,12 @@ def test_restorepod_of_a_kubelet_pod_has_only_its_own_identity(
     pods.wait_count(src_log, 5)
     old_uid, old_dir = config.metadata.uid, str(pods.kubelet_pod_dir(kubelet_root, config))
 
-    out = Path(bed.checkpoint_root) / f"cli-kubelet-{pod_id[:12]}"
-    assert podshim("checkpointpod", pod_id, str(out), endpoint=ep).returncode == 0
-    saved = pods.counts(src_log)[-1]
+    def take() -> Path:
+        out = Path(bed.checkpoint_root) / f"cli-kubelet-{pod_id[:12]}-{secrets.token_hex(2)}"
+        assert podshim("checkpointpod", pod_id, str(out), endpoint=ep).returncode == 0
+        return out
+
+    out, first = resume.checkpoint_exactly(take, {"counter": src_log})
     restored = _json(podshim("restorepod", str(out), "--start", "-o", "json", endpoint=ep))
     pod_cleanup.append(restored["podSandboxId"])
     new_cid = restored["restoredContainers"][0]["containerId"]
@@ -569,7 +573,4 @@ def test_restorepod_of_a_kubelet_pod_has_only_its_own_identity(
     assert mounts[pods.TERMINATION_LOG].startswith(str(new_dir / "containers" / "counter") + "/"), mounts
     assert Path(mounts[pods.TERMINATION_LOG]).read_text() == ""
 
-    log_path = Path(st.status.log_path)
-    first = pods.wait_for(lambda: pods.counts(log_path), what="restored counter output")[0]
-    assert 0 < first <= saved + 1, (first, saved)
-    pods.wait_count(log_path, first + 3)
+    resume.assert_exact_resume({"counter": Path(st.status.log_path)}, first)

@@ -30,7 +30,7 @@ from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.archive import crypto
 from shim.deadlines import RESTORE_CLEANUP_MARGIN
-from testbed import _sys, pods
+from testbed import _sys, pods, resume
 from testbed.bed import TestBed
 
 pytestmark = pytest.mark.e2e
@@ -132,7 +132,7 @@ def keyed(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ke
 class Encrypted:
     path: Path
     source: pods.Pod
-    after: int  # the last count the source logged when CheckpointPod returned
+    first: int  # the count the checkpointed counter prints first after the cut (testbed/resume.py)
 
 
 @pytest.fixture(scope="module")
@@ -141,18 +141,26 @@ def encrypted(keyed: KeyedPodshim, bed: TestBed) -> Iterator[Encrypted]:
     rt = keyed.rt
     log_root = Path(bed.base_dir) / "pod-logs"
     src = pods.run_pod(rt, f"enc-src-{secrets.token_hex(3)}", log_root, {"counter": counter()})
-    out = Path(bed.checkpoint_root) / f"enc-{secrets.token_hex(3)}"
-    try:
-        pods.wait_count(src.log_path("counter"), 10)
+    made: list[Path] = []
+
+    def take() -> Path:
+        out = Path(bed.checkpoint_root) / f"enc-{secrets.token_hex(3)}"
+        made.append(out)
         out.mkdir(mode=0o700)
         rt.CheckpointPod(
             cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
         )
-        yield Encrypted(out, src, pods.counts(src.log_path("counter"))[-1])
+        return out
+
+    try:
+        pods.wait_count(src.log_path("counter"), 10)
+        out, first = resume.checkpoint_exactly(take, {"counter": src.log_path("counter")})
+        yield Encrypted(out, src, first["counter"])
     finally:
         with contextlib.suppress(Exception):
             pods.remove_pod(rt, src.id)
-        shutil.rmtree(out, ignore_errors=True)
+        for out in made:
+            shutil.rmtree(out, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -305,9 +313,7 @@ def test_restore_resumes_and_leaves_no_plaintext(
     assert keyed.decrypted_dirs() == [], "plaintext images left after the restore"
 
     new_log = Path(config.log_directory) / "counter" / "0.log"
-    counts = pods.wait_for(lambda: pods.counts(new_log), what="the restored counter's output")
-    assert 0 < counts[0] <= encrypted.after + 3, (counts[0], encrypted.after)
-    pods.wait_count(new_log, counts[0] + 5)  # and it keeps counting
+    resume.assert_exact_resume({"counter": new_log}, {"counter": encrypted.first}, follow=5)
     r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["kill", "-USR1", "1"], timeout=10))
     assert r.exit_code == 0, r.stderr
     pods.wait_for(lambda: b"verify " in new_log.read_bytes(), what="the verify line")

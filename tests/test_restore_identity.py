@@ -23,7 +23,7 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.archive import manifest
-from testbed import _sys, pods
+from testbed import _sys, pods, resume
 from testbed.bed import TestBed
 
 pytestmark = pytest.mark.e2e
@@ -358,9 +358,13 @@ def test_concurrent_restores_of_one_archive(
     src = pods.run_pod(rt, f"{tag}-src", log_root, {"app": cc}, runtime_handler=runtime_handler)
     pod_cleanup.append(src.id)
     pods.wait_count(src.log_path("app"), 10)
-    out = new_out(bed, tag, out_dirs)
-    checkpoint(rt, src.id, out)
-    at_checkpoint = pods.counts(src.log_path("app"))[-1]
+
+    def take() -> Path:
+        out = new_out(bed, tag, out_dirs)
+        checkpoint(rt, src.id, out)
+        return out
+
+    out, first = resume.checkpoint_exactly(take, {"app": src.log_path("app")})
 
     configs = [pods.pod_config(f"{tag}-{i}", log_root) for i in range(2)]
     barrier = threading.Barrier(len(configs))
@@ -388,9 +392,7 @@ def test_concurrent_restores_of_one_archive(
     assert not failed, f"concurrent restores of one archive failed: {failed}"
     for config in configs:
         log_path = Path(config.log_directory) / "app" / "0.log"
-        first = pods.wait_for(lambda p=log_path: pods.counts(p), what=f"output of {config.metadata.name}")[0]
-        assert 0 < first <= at_checkpoint + 3, f"{config.metadata.name} did not resume: first count {first}"
-        pods.wait_count(log_path, first + 5)  # it keeps counting
+        resume.assert_exact_resume({"app": log_path}, first, follow=5)  # each from the cut, counting on
 
 
 # ---------------------------------------------------------------------------- 6. CRIU options

@@ -31,7 +31,7 @@ from api.runtime.v1 import api_pb2_grpc
 from shim.archive import manifest
 from shim.criu.runtime import binary_version
 from shim.deadlines import RESTORE_CLEANUP_MARGIN
-from testbed import _sys, pods
+from testbed import _sys, pods, resume
 from testbed.bed import TestBed
 from testbed.checks import assert_netns_unlocked
 
@@ -45,7 +45,6 @@ SMALL_ARGS = ["--mem-mib", "4", "--interval-ms", "50"]
 SOURCE_ATTEMPT = 2  # the source container's restart count, which a restore must continue
 RPC_TIMEOUT = 120
 POD_NAME_LABEL = "io.kubernetes.pod.name"
-ENTRY_RE = re.compile(rb"count=(\d+) ts=(\d+\.\d+)")
 CNI_RESULTS = "/var/lib/cni/results"
 PAGES_IMG = "containers/counter/checkpoint/pages-1.img"
 PAGEMAP_IMG = "containers/counter/checkpoint/pagemap-1.img"
@@ -58,15 +57,6 @@ def counter_config(name: str, args: list[str], attempt: int = 0) -> cri.Containe
     cc = pods.container_config(name, args=list(args))
     cc.metadata.attempt = attempt
     return cc
-
-
-def entries(log_path: Path) -> list[tuple[int, float]]:
-    """(count, wall-clock ts) of every counter line in a CRI log file."""
-    try:
-        raw = log_path.read_bytes()
-    except FileNotFoundError:
-        return []
-    return [(int(c), float(t)) for c, t in ENTRY_RE.findall(raw)]
 
 
 def log_text(log_path: Path) -> str:
@@ -149,9 +139,26 @@ class Checkpoint:
     path: Path
     source: pods.Pod
     containers: list[cri.ContainerConfig]  # as a kubelet sends them at restore (attempt 0)
-    before: dict[str, int]  # last value logged before CheckpointPod
-    after: dict[str, int]  # last value logged when CheckpointPod returned
-    resumed: dict[str, int]  # first value the source logged after the freeze (= the dumped state)
+    first: dict[str, int]  # the count each container prints first after the cut (resume.py)
+    cut: resume.Cut
+
+
+def checkpoint_counters(
+    rt: Stub, bed: TestBed, src: pods.Pod, name: str, counters: list[str], **request: object
+) -> tuple[Path, dict[str, int]]:
+    """CheckpointPod of the running pod `src` into a new directory under bed.checkpoint_root (the
+    request's other fields in `request`), and the count each of its `counters` must print first
+    when restored (testbed/resume.py: a checkpoint whose cut the logs cannot place is taken again)."""
+
+    def take() -> Path:
+        out = Path(bed.checkpoint_root) / f"{name}-{secrets.token_hex(3)}"
+        out.mkdir(mode=0o700)
+        req = cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out), **request)
+        rt.CheckpointPod(req, timeout=RPC_TIMEOUT)
+        assert (out / "manifest.json").is_file()
+        return out
+
+    return resume.checkpoint_exactly(take, {c: src.log_path(c) for c in counters})
 
 
 def take_checkpoint(
@@ -163,47 +170,21 @@ def take_checkpoint(
     cleanup: list[str],
     runtime_handler: str = "",
 ) -> Checkpoint:
-    """A running counter pod and its CheckpointPod archive under bed.checkpoint_root."""
+    """A running counter pod and its CheckpointPod archive under bed.checkpoint_root, with the
+    count each container must print first when restored (testbed/resume.py)."""
     src = pods.run_pod(rt, name, log_root, containers, runtime_handler=runtime_handler)
     cleanup.append(src.id)
     for cname in containers:
         pods.wait_count(src.log_path(cname), 10)
-    out = Path(bed.checkpoint_root) / f"{name}-{secrets.token_hex(3)}"
-    out.mkdir(mode=0o700)
-    before = {c: pods.counts(src.log_path(c))[-1] for c in containers}
-    t0 = time.time()
-    rt.CheckpointPod(
-        cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
-    )
-    t1 = time.time()
-    after = {c: pods.counts(src.log_path(c))[-1] for c in containers}
-    assert (out / "manifest.json").is_file()
-    resumed = {}
-    for cname in containers:
-        wait_counting(src.log_path(cname), after[cname] + 3)  # the source keeps running
-        # The pod was frozen for the dump: the biggest gap between two lines logged during the
-        # call is the freeze, and the line after it is the first of the state that was dumped.
-        log = entries(src.log_path(cname))
-        gaps = [
-            (b[1] - a[1], b[0]) for a, b in zip(log, log[1:], strict=False) if t0 - 0.1 <= b[1] <= t1 + 0.5
-        ]
-        assert gaps, f"no line of {cname} logged during CheckpointPod ({t0:.3f}..{t1:.3f})"
-        gap, resumed[cname] = max(gaps)
-        assert gap >= 0.1, f"no freeze visible in {cname}'s log (largest gap {gap:.3f}s)"
+    out, first = checkpoint_counters(rt, bed, src, name, list(containers))
     restore_configs = [counter_config(cname, list(cc.args), attempt=0) for cname, cc in containers.items()]
-    return Checkpoint(out, src, restore_configs, before, after, resumed)
+    return Checkpoint(out, src, restore_configs, first, resume.Cut.of_archive(out))
 
 
-def assert_resumed(log_path: Path, ckpt: Checkpoint, cname: str, slack: int = 3) -> int:
-    """The restored counter's first value continues the checkpointed one (never 0); returns it."""
-    first = pods.wait_for(lambda: pods.counts(log_path), what=f"restored output in {log_path}")[0]
-    assert first > 0, f"{cname} restarted from 0 instead of resuming: {log_text(log_path)[:400]}"
-    assert ckpt.before[cname] <= first <= ckpt.after[cname] + slack, (first, ckpt.before, ckpt.after)
-    assert abs(first - ckpt.resumed[cname]) <= slack, (
-        f"{cname} resumed at {first}, the checkpointed state continued at {ckpt.resumed[cname]}"
-    )
-    assert "ready mem_mib" not in log_text(log_path), "the restored process ran its start-up again"
-    return first
+def assert_resumed(log_path: Path, ckpt: Checkpoint, cname: str) -> int:
+    """The restored counter printed exactly the count the checkpointed one was to print next, then
+    counts on (resume.assert_exact_resume); returns that count."""
+    return resume.assert_exact_resume({cname: log_path}, ckpt.first)[cname]
 
 
 @dataclass
@@ -613,11 +594,7 @@ def test_completed_init_container_is_not_rerun(
         lambda: status(rt, src.containers["init"]).status.state == cri.CONTAINER_EXITED, what="init to exit"
     )
     pods.wait_count(src.log_path("counter"), 5)
-    out = Path(bed.checkpoint_root) / f"init-{secrets.token_hex(3)}"
-    out.mkdir(mode=0o700)
-    rt.CheckpointPod(
-        cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
-    )
+    out, first = checkpoint_counters(rt, bed, src, "init", ["counter"])
     m = manifest.read_manifest(out)
     assert [(c.name, c.checkpointed) for c in m.containers] == [("init", False), ("counter", True)]
 
@@ -640,8 +617,7 @@ def test_completed_init_container_is_not_rerun(
     assert [c.name for c in resp.restored_containers] == [c.metadata.name for c in configs]
     rt.StartContainer(cri.StartContainerRequest(container_id=resp.restored_containers[0].container_id))
     assert [c.metadata.name for c in pod_containers(rt, resp.pod_sandbox_id)] == ["counter"]
-    first = pods.wait_for(lambda: pods.counts(container_log(config, "counter")))[0]
-    assert first > 0, "the counter restarted from 0"
+    resume.assert_exact_resume({"counter": container_log(config, "counter")}, first)
     assert not container_log(config, "init").exists(), "the completed init container ran again"
     shutil.rmtree(out, ignore_errors=True)
 
@@ -650,15 +626,17 @@ def test_listening_server_serves_after_restore(
     rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
 ) -> None:
     """The warm-start case: a server listening on a TCP port is checkpointed and restored, and
-    the restored process answers on that port in the new pod (with its new IP)."""
-    page = f"warm-{secrets.token_hex(4)}"
+    the restored process answers on that port in the new pod (with its new IP). Its page is a
+    token the container's command drew when it started: a container started afresh would draw
+    another, so serving the source's token shows the process was restored, not run again."""
     web = pods.container_config(
         "web",
         image=pods.BUSYBOX_IMAGE,
         command=[
             "sh",
             "-c",
-            f"mkdir -p /www && echo {page} > /www/index.html && exec httpd -f -p 8080 -h /www",
+            "mkdir -p /www && cat /proc/sys/kernel/random/uuid > /www/index.html && "
+            "exec httpd -f -p 8080 -h /www",
         ],
         args=[],
     )
@@ -668,11 +646,15 @@ def test_listening_server_serves_after_restore(
     pod_cleanup.append(src.id)
     get = ["wget", "-qO-", "http://127.0.0.1:8080/index.html"]
 
-    def serves(cid: str) -> bool:
+    def page_of(cid: str) -> str | None:
         r = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=get, timeout=10))
-        return r.exit_code == 0 and r.stdout.decode().strip() == page
+        return r.stdout.decode().strip() if r.exit_code == 0 else None
 
-    pods.wait_for(lambda: serves(src.containers["web"]), what="the source server")
+    page = pods.wait_for(lambda: page_of(src.containers["web"]), what="the source server")
+
+    def serves(cid: str) -> bool:
+        return page_of(cid) == page
+
     out = Path(bed.checkpoint_root) / f"web-{secrets.token_hex(3)}"
     out.mkdir(mode=0o700)
     try:
@@ -726,14 +708,7 @@ def test_established_tcp_connection_is_closed_on_restore(
         lambda: log_text(src.log_path("tcp")).count("tick") >= 2, what="the connection to carry data"
     )
     pods.wait_count(src.log_path("counter"), 5)
-    out = Path(bed.checkpoint_root) / f"tcp-{secrets.token_hex(3)}"
-    out.mkdir(mode=0o700)
-    rt.CheckpointPod(
-        cri.CheckpointPodRequest(
-            pod_sandbox_id=src.id, output_path=str(out), options={"tcp-established": "true"}
-        ),
-        timeout=RPC_TIMEOUT,
-    )
+    out, first = checkpoint_counters(rt, bed, src, "tcp", ["counter"], options={"tcp-established": "true"})
     # podshim locked the pod's netns once for both dumps, not each CRIU on its own
     # (docs/architecture.md §4.1 (The freeze window)), and unlocked it: no CRIU chain is left
     import pycriu
@@ -762,10 +737,7 @@ def test_established_tcp_connection_is_closed_on_restore(
         )
         assert "client-ended" in log_text(container_log(config, "tcp"))
         # ... while the rest of the restored pod runs on, from its checkpointed state
-        first = pods.wait_for(lambda: pods.counts(container_log(config, "counter")), what="restored counter")[
-            0
-        ]
-        assert first > 0
+        resume.assert_exact_resume({"counter": container_log(config, "counter")}, first)
         assert status(rt, ids["counter"]).status.state == cri.CONTAINER_RUNNING
         # and the source's connection is untouched
         assert status(rt, src.containers["tcp"]).status.state == cri.CONTAINER_RUNNING
@@ -1385,7 +1357,7 @@ def test_deadline_during_a_hung_criu_restore(
 class KubeletCheckpoint:
     path: Path
     source: pods.Pod
-    at_checkpoint: int  # the counter's last value when CheckpointPod returned
+    first: int  # the count the checkpointed counter prints first after the cut (testbed/resume.py)
     kubelet_root: Path
 
 
@@ -1408,15 +1380,10 @@ def kubelet_checkpoint(
     src = pods.run_pod(rt, name, log_root, {"counter": cc}, config=config)
     cleanup.append(src.id)
     pods.wait_count(src.log_path("counter"), 10)
-    out = Path(bed.checkpoint_root) / f"{name}-{secrets.token_hex(3)}"
-    out.mkdir(mode=0o700)
-    rt.CheckpointPod(
-        cri.CheckpointPodRequest(
-            pod_sandbox_id=src.id, output_path=str(out), container_ids=[src.containers["counter"]], options={}
-        ),
-        timeout=RPC_TIMEOUT,
+    out, first = checkpoint_counters(
+        rt, bed, src, name, ["counter"], container_ids=[src.containers["counter"]], options={}
     )
-    return KubeletCheckpoint(out, src, pods.counts(src.log_path("counter"))[-1], kubelet_root)
+    return KubeletCheckpoint(out, src, first["counter"], kubelet_root)
 
 
 def kubelet_volume(kubelet_root: Path, config: cri.PodSandboxConfig, dest: str) -> cri.Mount:
@@ -1460,8 +1427,7 @@ def test_kubelet_pod_needs_the_checkpoint_bind_mounts(
     resp = restore(rt, ck.path, config, [cc], options={"start": "true"})
     pod_cleanup.append(resp.pod_sandbox_id)
     new_log = container_log(config, "counter")
-    first = pods.wait_for(lambda: pods.counts(new_log), what="the restored counter's output")[0]
-    assert 0 < first <= ck.at_checkpoint + 3, (first, ck.at_checkpoint)
+    resume.assert_exact_resume({"counter": new_log}, {"counter": ck.first})
 
 
 def test_kubelet_pod_restores_by_image_id_digest_or_name(
@@ -1489,8 +1455,7 @@ def test_kubelet_pod_restores_by_image_id_digest_or_name(
     assert status(rt, cid).status.state == cri.CONTAINER_CREATED
     rt.StartContainer(cri.StartContainerRequest(container_id=cid))
     new_log = container_log(config, "counter")
-    first = pods.wait_for(lambda: pods.counts(new_log), what="the restored counter's output")[0]
-    assert 0 < first <= ck.at_checkpoint + 3, (first, ck.at_checkpoint)
+    first = resume.assert_exact_resume({"counter": new_log}, {"counter": ck.first})["counter"]
     wait_counting(new_log, first + 3)
 
     # the same image by name and by a digest reference: restored (CREATED) too
@@ -1532,7 +1497,7 @@ def test_kubelet_archive_of_an_older_podshim_restores(
     manifest names the tag) restores: its references are resolved on this node."""
     ck = kubelet_checkpoint(rt, img, bed, log_root, f"kubelet-old-{secrets.token_hex(2)}", pod_cleanup)
     scratch.append(ck.path)
-    old = copy_archive(ck.path, bed, "format-before-issue-22")
+    old = copy_archive(ck.path, bed, "format-without-image-ids")
     scratch.append(old)
     dump = old / "containers/counter/config.dump"
     doc = json.loads(dump.read_text())
@@ -1551,8 +1516,7 @@ def test_kubelet_archive_of_an_older_podshim_restores(
     resp = restore(rt, old, config, [cc], options={"start": "true"})
     pod_cleanup.append(resp.pod_sandbox_id)
     new_log = container_log(config, "counter")
-    first = pods.wait_for(lambda: pods.counts(new_log), what="the restored counter's output")[0]
-    assert 0 < first <= ck.at_checkpoint + 3, (first, ck.at_checkpoint)
+    resume.assert_exact_resume({"counter": new_log}, {"counter": ck.first})
 
 
 def rehash(root: Path, rel: str) -> None:

@@ -374,10 +374,22 @@ class CutTimings:
     parent_thaw: float = 0.0
     thaw: dict[str, float] = field(default_factory=dict)
     started_monotonic: float | None = None  # the parent freeze was asked for
+    started_wall: float | None = None  # the same instant, wall clock (time.time())
     cut_monotonic: float | None = None  # the instant every process of the pod was frozen
     cut_wall: float | None = None  # the same instant, wall clock (time.time())
     cut_done_monotonic: float | None = None  # containers frozen by their own cgroups, parent thawed
+    thaw_wall: float | None = None  # wall clock before the first thaw write: frozen until then
     thawed_monotonic: float | None = None  # the last container thawed: the window ends
+
+    def wall_clock(self) -> dict[str, float]:
+        """The cut's instants on the wall clock, for the manifest's timings: a workload's own
+        timestamps place each of its log lines before the freeze, inside it or after it."""
+        named = {
+            "freeze_asked_at": self.started_wall,
+            "frozen_at": self.cut_wall,
+            "thaw_asked_at": self.thaw_wall,
+        }
+        return {k: v for k, v in named.items() if v is not None}
 
 
 class PodCut:
@@ -468,6 +480,7 @@ class PodCut:
                 if f.self_frozen(c):
                     self.preexisting.append(c)
             self._parent_frozen = True  # before the write: a half-done freeze is still undone
+            self.timings.started_wall = time.time()
             self.timings.started_monotonic = time.monotonic()
             self.timings.parent_freeze = f.freeze(self.parent, self._left(deadline))
             self.timings.cut_monotonic = time.monotonic()
@@ -504,6 +517,7 @@ class PodCut:
             for c in self.containers:
                 if f.self_frozen(c):
                     self.preexisting.append(c)
+            self.timings.started_wall = time.time()
             self.timings.started_monotonic = time.monotonic()
             for c in self.containers:
                 if c in self.preexisting:
@@ -536,7 +550,10 @@ class PodCut:
         """
         f = self.freezer
         failures: list[str] = []
+        if self.timings.thaw_wall is None and (self._parent_frozen or self.frozen):
+            self.timings.thaw_wall = time.time()
         if self._parent_frozen:
+            assert self.parent is not None  # only a cut with a pod cgroup freezes a parent
             try:
                 self.timings.parent_thaw = f.thaw(self.parent, self.thaw_timeout, missing_ok=True)
                 self._parent_frozen = False

@@ -18,6 +18,7 @@ import resource
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,7 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def _gates_ready(gates: list[DumpGate], dumps: list[asyncio.Future[None]]) -> float:
+async def _gates_ready(gates: list[DumpGate], dumps: Sequence[asyncio.Future[None]]) -> float:
     """Wait, before the cut, until every dump's CRIU is at its gate (or its dump ended: a failure
     before the gate), at most DUMPS_READY_WAIT: past it the cut goes on and a late dump passes
     its gate when it gets there. Returns the seconds waited."""
@@ -269,6 +270,7 @@ class PodCheckpointer:
         rec: Any,
         started: float,
     ) -> manifest.Manifest:
+        assert archive.dir is not None  # output_path held open (_check)
         timings: dict[str, float] = {}
         stopped = post == cri.POST_CHECKPOINT_STATE_STOPPED
         # 1. Everything that needs no frozen state is written before the freeze.
@@ -349,12 +351,15 @@ class PodCheckpointer:
                     await run_to_end(self._kill_frozen, work)
             finally:
                 cut.thaw_all()  # synchronous on purpose: runs even while the task is being cancelled
-                confirm_thawed([cut.parent, *(c for c in cut.containers if c not in cut.preexisting)], pod.id)
+                confirm_thawed(
+                    [pod.cgroup_parent, *(c for c in cut.containers if c not in cut.preexisting)], pod.id
+                )
                 check_start = time.monotonic()
                 taskstate.settle(states, "checkpoint_pod", f"pod {pod.name}", pod=pod.id)
                 timings["task_check"] = time.monotonic() - check_start
             timings["freeze_window"] = cut.window_seconds
             timings["freeze_cut"] = cut.cut_seconds
+            timings.update(cut.timings.wall_clock())
             log.info("pod thawed", pod=pod.id, freeze_window=round(cut.window_seconds, 4))
             if stopped:
                 await self._stop_upstream(work)
@@ -576,7 +581,7 @@ class PodCheckpointer:
         dumped = {w.view.id: w for w in work}
         stats: dict[str, Any] = {}
         for w in work:
-            s = read_dump_stats(w.dir.at(layout.STATS_DUMP_FILE))
+            s: dict[str, float] = dict(read_dump_stats(w.dir.at(layout.STATS_DUMP_FILE)))
             s["dump_seconds"] = round(w.dump_seconds, 6)
             s["rootfs_diff_seconds"] = round(w.diff_seconds, 6)
             stats[w.view.name] = s

@@ -11,8 +11,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim.archive import manifest as mf
-from testbed import _sys, checks, pods
+from testbed import _sys, checks, criu_hold, pods, resume
 from testbed.bed import VENV_BIN, TestBed
 from testbed.checks import container_cgroup, freezer_state
 
@@ -202,6 +202,25 @@ class CounterPod:
         return c[-1] if c else -1
 
 
+@contextlib.contextmanager
+def containerd_env(bed: TestBed, env: dict[str, str]) -> Iterator[None]:
+    """containerd (so its shims and podshim-runc) restarted with `env`, and back without it."""
+    saved = dict(bed.extra_env)
+
+    def restart() -> None:
+        bed.stop_containerd()
+        bed.start_containerd()
+        wait_reaching_containerd(pods.stubs(bed.podshim_socket)[0])
+
+    bed.extra_env = {**saved, **env}
+    try:
+        restart()
+        yield
+    finally:
+        bed.extra_env = saved
+        restart()
+
+
 def start_counter_pod(
     rt: Rt,
     bed: TestBed,
@@ -282,15 +301,21 @@ def stopped_processes(pids: list[int]) -> Iterator[None]:
 class Archive:
     path: Path
     containers: list[cri.ContainerConfig]  # the configs a kubelet sends to restore it
+    first: dict[str, int] = field(default_factory=dict)  # the count each prints first (resume.py)
 
 
 def take_archive(rt: Rt, bed: TestBed, name: str, containers: tuple[str, ...], created: list[str]) -> Archive:
     """A counter pod (8 MiB per container) and its CheckpointPod archive."""
     cp = start_counter_pod(rt, bed, name, created, mem_mib=8, containers=containers)
-    out = new_output_dir(bed, name)
-    checkpoint(rt, cp.id, out)
+
+    def take() -> Path:
+        out = new_output_dir(bed, name)
+        checkpoint(rt, cp.id, out)
+        return out
+
+    out, first = resume.checkpoint_exactly(take, {c: cp.pod.log_path(c) for c in containers})
     configs = [pods.container_config(c, args=["--mem-mib", "8", "--interval-ms", "100"]) for c in containers]
-    return Archive(out, configs)
+    return Archive(out, configs, first)
 
 
 def restore(
@@ -366,16 +391,36 @@ class Call(threading.Thread):
         self.seconds = time.monotonic() - start
 
 
-def wait_criu_dumping(out: Path, call: Call, min_bytes: int = 1 << 20, timeout: float = 60.0) -> list[int]:
-    """The pids of CRIU dumping into `out`, once it wrote `min_bytes` of memory pages."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and call.is_alive():
-        runc = set(processes_under(out))
-        # one read per process: one that exits between two reads has an empty command line
-        cmdlines = {p: _sys.read_cmdline(p)[:1] for p in runc | _sys.descendants(runc)}
-        criu = [p for p, argv0 in cmdlines.items() if argv0 and "criu" in argv0[0]]
-        written = sum(f.stat().st_size for f in out.glob("containers/*/checkpoint/pages-*.img"))
-        if criu and written >= min_bytes:
+HOLD_WAIT = 60.0  # for CRIU to reach its hold (runc's and CRIU's start, the first pages)
+
+
+@contextlib.contextmanager
+def held_podshim(bed: TestBed, hold_dir: Path) -> Iterator[tuple[FailpointPodshim, criu_hold.CriuHold]]:
+    """In place of the bed's podshim (same config, socket and journal), one whose runc's and
+    crun's CRIU runs with criu_hold.so (armed by the caller); it and the hold. On the way out
+    every held CRIU is let go, then the bed's podshim runs again."""
+    hold = criu_hold.CriuHold(hold_dir, criu_hold.build(Path(bed.base_dir)))
+    with FailpointPodshim(bed, "", env=hold.env()) as fp, hold:
+        yield fp, hold
+
+
+def held_criu(
+    hold: criu_hold.CriuHold, task: int, running: Callable[[], bool], what: str = "mid-dump"
+) -> int:
+    """The CRIU held dumping `task` (once armed), disarmed for the dumps after it; the test fails
+    if the call ends first."""
+    end = time.monotonic() + HOLD_WAIT
+    while True:
+        try:
+            criu = hold.wait_held([task], 0.2)[task]
+            hold.disarm()
             return criu
-        time.sleep(0.005)
-    pytest.fail("CRIU was not seen dumping (the checkpoint ended first or never started)")
+        except TimeoutError:
+            if not running() or time.monotonic() > end:
+                hold.release_all()
+                pytest.fail(f"CRIU was not held {what} (the checkpoint ended first or never dumped)")
+
+
+def counter_task(rt: Rt, cp: CounterPod) -> int:
+    """The pid of the counter pod's counter process."""
+    return int(checks.verbose_info(rt, cp.pod.containers["counter"])["pid"])

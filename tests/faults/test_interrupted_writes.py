@@ -19,7 +19,7 @@ import pytest
 from shim.archive import fsutil
 from shim.archive import manifest as mf
 from shim.state import Journal
-from testbed import pods
+from testbed import pods, resume
 from testbed.bed import TestBed
 
 from .helpers import (
@@ -104,12 +104,17 @@ def test_killed_during_the_manifest_rewrite(
     assert not [p for p in out.iterdir() if fsutil.is_temp_name(p.name)]
     mf.load_and_verify(out, [str(bed.checkpoint_root)])
     assert_thawed_and_counting(rt, cp)
-    # the archive restores (it used to answer DATA_LOSS "... not listed in the manifest")
+    # the archive restores (it used to answer DATA_LOSS "... not listed in the manifest"), and its
+    # counter runs on from the cut
+    first = resume.possible_firsts(cp.pod.log_path("counter"), resume.Cut.of_archive(out), "counter")
     config = pods.pod_config(f"rewrite-restored-{secrets.token_hex(3)}", log_root)
     configs = [pods.container_config("counter", args=["--mem-mib", "8", "--interval-ms", "100"])]
     try:
-        resp = restore(rt, Archive(out, configs), config)
+        resp = restore(rt, Archive(out, configs), config, {"start": "true"})
         pod_cleanup.append(resp.pod_sandbox_id)
+        resume.assert_exact_resume(
+            {"counter": Path(config.log_directory) / "counter" / "0.log"}, {"counter": first}
+        )
     finally:
         for sid in sandboxes_named(rt, config.metadata.name):
             with contextlib.suppress(Exception):

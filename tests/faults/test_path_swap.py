@@ -24,7 +24,9 @@ import grpc
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
+from testbed import pods
 from testbed.bed import TestBed
+from testbed.checks import freezer_state
 
 from .helpers import (
     FailpointPodshim,
@@ -190,26 +192,44 @@ PLANTS = (
 )
 
 
-def test_subdirectory_planted_after_the_emptiness_check(rt: Rt, bed: TestBed, pod_cleanup: list[str]) -> None:
+def test_subdirectory_planted_after_the_emptiness_check(
+    rt: Rt, bed: TestBed, pod_cleanup: list[str], tmp_path: Path
+) -> None:
     """A sub-directory planted in output_path between the emptiness check and the dump (issue 23
     item 5): FAILED_PRECONDITION every time, never INTERNAL; the pod thawed, output_path left
     empty, nothing written elsewhere."""
     cp = start_counter_pod(rt, bed, "plant", pod_cleanup)
-    spec = "checkpoint.before-prepare=sleep:1,checkpoint.after-freeze=sleep:1"
+    # each failpoint holds the checkpoint (on podshim's loop) until its file exists: the planter
+    # sees the hold, plants, then creates the file, whatever the machine's speed
+    release = {point: tmp_path / f"release-{point}" for point in ("before-prepare", "after-freeze")}
+    spec = ",".join(f"checkpoint.{point}=wait:{path}" for point, path in release.items())
+    container = cp.cgroups[1]
+    held = {
+        # journaled, which comes after the emptiness check: the failpoint is next, then _prepare
+        "before-prepare": lambda: bool(journal_files(bed)),
+        # the container frozen (it is THAWED between the calls): the cut is made, the dumps wait
+        # at their gates until the failpoint lets the call on
+        "after-freeze": lambda: freezer_state(container) == "FROZEN",
+    }
     with FailpointPodshim(bed, spec) as fp:
         for point, rel in PLANTS:
             out = new_output_dir(bed, "plant")
-            frozen = fp.log_text().count('"pod frozen"')
-            held = {
-                "before-prepare": lambda: bool(journal_files(bed)),  # journaled: _prepare is next
-                "after-freeze": lambda frozen=frozen: fp.log_text().count('"pod frozen"') > frozen,
-            }[point]
+            for other, path in release.items():  # only this case's failpoint holds the call
+                if other == point:
+                    path.unlink(missing_ok=True)
+                else:
+                    path.touch()
+            planted = threading.Event()
 
-            def plant(held: Callable[[], bool] = held, out: Path = out, rel: str = rel) -> None:
-                end = time.monotonic() + 60
-                while not held() and time.monotonic() < end:
-                    time.sleep(0.001)
-                (out / rel).mkdir(parents=True, exist_ok=True)
+            def plant(
+                point: str = point, out: Path = out, rel: str = rel, done: threading.Event = planted
+            ) -> None:
+                try:
+                    pods.wait_for(held[point], 60, interval=0.001, what=f"the checkpoint held at {point}")
+                    (out / rel).mkdir(parents=True, exist_ok=True)
+                    done.set()
+                finally:
+                    release[point].touch()  # never leaves podshim held
 
             planter = threading.Thread(target=plant, daemon=True)
             planter.start()
@@ -218,7 +238,8 @@ def test_subdirectory_planted_after_the_emptiness_check(rt: Rt, bed: TestBed, po
                     cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(out)), timeout=120
                 )
             )
-            planter.join(10)
+            planter.join(70)
+            assert planted.is_set(), f"{point} {rel}: not planted while the checkpoint was held"
             assert code == grpc.StatusCode.FAILED_PRECONDITION, f"{point} {rel}: {code}: {details}"
             assert "written to by someone else" in details, details
             assert out.is_dir() and not out.is_symlink() and tree_listing(out) == []

@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
-from testbed import _sys, pods
+from testbed import _sys, pods, resume
 from testbed.bed import TestBed
 
 from .helpers import (
@@ -32,6 +32,7 @@ from .helpers import (
     FailpointPodshim,
     NodeState,
     Rt,
+    containerd_env,
     journal_files,
     mounts_naming,
     remove_cgroup_parent,
@@ -39,7 +40,6 @@ from .helpers import (
     sandboxes_named,
     take_archive,
     wait_journal_empty,
-    wait_reaching_containerd,
     wait_serving,
 )
 
@@ -96,10 +96,9 @@ def _assert_restore_works(rt: Rt, archive: Archive, log_root: Path, pod_cleanup:
     config = pods.pod_config(f"after-{secrets.token_hex(3)}", log_root)
     resp = restore(rt, archive, config, {"start": "true"})
     pod_cleanup.append(resp.pod_sandbox_id)  # its removal also removes the pod-level cgroup
-    for c in resp.restored_containers:
-        log = Path(config.log_directory) / c.name / "0.log"
-        first = pods.wait_for(lambda log=log: pods.counts(log), what=f"{c.name} output")[0]
-        assert first > 0, f"{c.name} restarted from 0 instead of resuming"
+    logs = {c.name: Path(config.log_directory) / c.name / "0.log" for c in resp.restored_containers}
+    assert sorted(logs) == sorted(archive.first), (logs, archive.first)
+    resume.assert_exact_resume(logs, archive.first)  # every container exactly from the cut
 
 
 @pytest.mark.parametrize(
@@ -136,25 +135,6 @@ def test_podshim_killed_during_restore(
     _assert_nothing_left(rt, bed, new_pod, before, {half[0], *made})
     assert _digest(archive.path) == digest, "the archive changed"
     _assert_restore_works(rt, archive, log_root, pod_cleanup)
-
-
-@contextlib.contextmanager
-def containerd_env(bed: TestBed, env: dict[str, str]) -> Iterator[None]:
-    """containerd (so its shims and podshim-runc) restarted with `env`, and back without it."""
-    saved = dict(bed.extra_env)
-
-    def restart() -> None:
-        bed.stop_containerd()
-        bed.start_containerd()
-        wait_reaching_containerd(pods.stubs(bed.podshim_socket)[0])
-
-    bed.extra_env = {**saved, **env}
-    try:
-        restart()
-        yield
-    finally:
-        bed.extra_env = saved
-        restart()
 
 
 def _naming(container_id: str) -> list[int]:
