@@ -1,7 +1,10 @@
 """Hold a real CRIU at a chosen instant of its dump, by construction (testbed/criu_hold.c, a
 library the tests preload into the CRIU that podshim's runc/crun start): right after CRIU made
-the task it dumps run a system call it injected, the instant at which ending CRIU kills the task.
-Used by tests/test_dump_given_up.py; x86-64 only (the call number is read from rax)."""
+the task it dumps run a system call it injected, the instant at which ending CRIU kills the task
+(`arm`); or once CRIU wrote so many bytes of the task's memory images, where ending CRIU leaves
+the task unharmed (`arm_pages`: for a test that kills CRIU, or acts while CRIU still dumps).
+Used by tests/test_dump_given_up.py and tests/faults/; `arm` on x86-64 only (the call number is
+read from rax)."""
 
 from __future__ import annotations
 
@@ -54,11 +57,21 @@ class CriuHold:
         tmp.write_text(f"{call} {' '.join(str(p) for p in pids)}\n")
         tmp.rename(self.dir / "hold")
 
+    def arm_pages(self, min_bytes: int) -> None:
+        """Hold each CRIU once it has written `min_bytes` of memory pages (its pages-*.img images)
+        in all: in CRIU's own code, the task whose memory it dumps waiting in CRIU's parasite for
+        its next command. A CRIU ended there (SIGKILL, SIGTERM) leaves the task running as it was;
+        `held` names that task."""
+        tmp = self.dir / "hold.tmp"
+        tmp.write_text(f"pages {min_bytes}\n")
+        tmp.rename(self.dir / "hold")
+
     def disarm(self) -> None:
         (self.dir / "hold").unlink(missing_ok=True)
 
     def held(self) -> dict[int, int]:
-        """Task pid -> pid of the CRIU that stopped itself injecting a call into it."""
+        """Task pid -> pid of the CRIU that stopped itself injecting a call into it (or dumping
+        its memory: `arm_pages`)."""
         out = {}
         for marker in self.dir.glob("held-*"):
             text = marker.read_text().split()

@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -126,11 +127,15 @@ class HoldingRelay:
     """A TCP relay between the daemon and the dump's page server that passes the first `limit`
     bytes of pages and holds the rest (read, never forwarded): the transfer is mid-way when the
     test kills the page server, on a machine of any speed. The page server's end is passed on
-    (the daemon's connection closed)."""
+    (the daemon's connection closed). With `release`, the rest is held unread instead (the page
+    server blocks in its send once the socket buffers are full, the daemon waits for answers, no
+    request is lost) until `release` is set, then passed on as a plain relay would. `held` is set
+    once `limit` bytes were passed."""
 
-    def __init__(self, server_port: int, limit: int) -> None:
-        self.server_port, self.limit = server_port, limit
+    def __init__(self, server_port: int, limit: int, release: threading.Event | None = None) -> None:
+        self.server_port, self.limit, self.release = server_port, limit, release
         self.passed = 0
+        self.held = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.listener.getsockname()[1])
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -146,6 +151,13 @@ class HoldingRelay:
                         if keep:
                             daemon.sendall(keep)
                             self.passed += len(keep)
+                        if len(keep) < len(data):
+                            self.held.set()
+                            if self.release is not None:
+                                self.release.wait()
+                                self.limit = sys.maxsize  # released: everything passes from now on
+                                daemon.sendall(data[len(keep) :])
+                                self.passed += len(data) - len(keep)
             except ConnectionResetError:
                 pass  # the page server killed with requests unread: its end too
             finally:
@@ -169,6 +181,7 @@ class Migration:
     dump: subprocess.Popen[bytes]
     daemon: subprocess.Popen[bytes] | None = None
     restored_pid: int = 0
+    relay: HoldingRelay | None = None
 
     def log(self, name: str) -> str:
         for d in (self.dir / "img", self.dir / "dest"):
@@ -188,11 +201,12 @@ def migration(
     hold_after: int = 0,
     dump_args: tuple[str, ...] = (),
     daemon_args: tuple[str, ...] = (),
+    release: threading.Event | None = None,
 ) -> Iterator[Migration]:
     """Start the counter in its own pid namespace, dump it lazily (its page server on a loopback
     port), copy the images, start the daemon, restore. `hold_after`: the daemon reaches the page
-    server through a HoldingRelay passing that many bytes; `dump_args`, `daemon_args`: more options
-    of the dump and of the daemon. Everything is killed at the end."""
+    server through a HoldingRelay passing that many bytes (`release`: the relay's); `dump_args`,
+    `daemon_args`: more options of the dump and of the daemon. Everything is killed at the end."""
     out = tmp / "counter.out"
     src = subprocess.Popen(
         [
@@ -234,7 +248,8 @@ def migration(
         dest = tmp / "dest"
         shutil.copytree(img, dest)  # the images but the lazy pages, as another node receives them
         if hold_after:
-            port = HoldingRelay(port, hold_after).port
+            m.relay = HoldingRelay(port, hold_after, release)
+            port = m.relay.port
         m.daemon = subprocess.Popen(
             [criu(), "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(port)]
             + ["-D", str(dest), "-o", "lazy.log", "-v4", *daemon_args],
@@ -262,6 +277,8 @@ def migration(
         pids.append(m.restored_pid)
         yield m
     finally:
+        if release is not None:
+            release.set()  # (a relay left holding would keep its thread)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -406,14 +423,20 @@ def test_daemon_holds_the_faults_when_the_page_server_dies(tmp_path: Path, count
 def test_page_server_fails_when_the_dumped_task_is_gone(tmp_path: Path, counter: Path) -> None:
     """The source killed mid-transfer: its page server reads the pages from the task (patch 0008),
     so it fails with the reason rather than serve pages it no longer has, and the daemon holds the
-    faults (0005) as when the page server dies."""
-    with migration(tmp_path, counter, 1024) as m:
-        assert m.daemon is not None
-        wait_for(
-            "the first pages to arrive",
-            lambda: "uffd_copy" in m.log("lazy.log") or m.daemon.poll() is not None,
-        )  # type: ignore[union-attr]
+    faults (0005) as when the page server dies. Mid-transfer by construction: the daemon's
+    connection passes 4 MiB of pages and holds the rest unread (HoldingRelay with `release`); the
+    source is killed while it holds, then the relay lets the transfer go on, and the page server's
+    next read from the task fails."""
+    release = threading.Event()
+    with migration(tmp_path, counter, 256, hold_after=4 << 20, release=release) as m:
+        assert m.daemon is not None and m.relay is not None
+        relay, daemon = m.relay, m.daemon
+        wait_for("the relay to hold the transfer", lambda: relay.held.is_set() or daemon.poll() is not None)
+        assert relay.held.is_set(), f"the daemon exited {daemon.returncode} before the relay held"
+        assert m.dump.poll() is None, f"the transfer ended while held: {m.log('dump.log')[-1500:]}"
         os.kill(m.source_pid, signal.SIGKILL)
+        wait_for("the source to be gone", lambda: state(m.source_pid) in ("", "Z"))
+        release.set()  # the page server's next answer reads from a task that is gone
         assert m.dump.wait(timeout=WAIT) != 0
         assert f"Lazy pages of {m.source_pid} cannot be read" in m.log("dump.log"), m.log("dump.log")[-2000:]
         assert "Lazy pages transfer FAILED" in m.log("dump.log")

@@ -13,6 +13,10 @@ handles the daemon's journal record at its next start.
 A second podshim (with a node key and /metrics) in front of the bed's containerd serves this
 module; its state dir lies in the bed's checkpoint root so that the bed's podshim-runc accepts its
 `decrypted/` and `lazy/` dirs. The time to the first output after StartContainer is printed (-s).
+
+The tests that act while a daemon still owes pages hold it by construction: a library preloaded
+into podshim (so into the daemons it starts; DaemonHold) makes a daemon stop itself the instant
+the restore told it that it finished, before its background transfer begins.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import secrets
 import shutil
 import signal
 import socket
+import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -46,6 +51,116 @@ Stub = api_pb2_grpc.RuntimeServiceStub
 RPC_TIMEOUT = 300
 LAZY = {"lazy-pages": "true"}
 UFFD = "anon_inode:[userfaultfd]"
+
+
+# ---------------------------------------------------------------------------- the daemon's hold
+
+# Preloaded into podshim (and so into the `criu lazy-pages` daemons it starts, which inherit its
+# environment): with PODSHIM_LAZY_HOLD=<dir> and <dir>/hold present, a lazy-pages daemon stops
+# itself (SIGSTOP) right after it received the restore's "restore finished" message, having written
+# <dir>/held-<its pid>. At that instant it holds every userfaultfd of the restored process and has
+# answered at most the few faults made until then, none of its background transfer, which begins
+# only after that message (criu/uffd.c: lazy_sk_read_event sets restore_finished, handle_requests
+# waits for it); the restore never waits for the daemon after sending it. Any other recv, or
+# process, is left alone.
+DAEMON_HOLD_SOURCE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define RESTORE_FINISHED 0x52535446 /* criu/uffd.c: LAZY_PAGES_RESTORE_FINISHED */
+
+typedef ssize_t (*recv_fn)(int, void *, size_t, int);
+static int held; /* once per process */
+
+/* argv[1] of this process is "lazy-pages" */
+static int lazy_pages_daemon(void)
+{
+    char buf[512];
+    int fd = open("/proc/self/cmdline", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    size_t argv0 = strlen(buf) + 1;
+    return (size_t)n > argv0 && strcmp(buf + argv0, "lazy-pages") == 0;
+}
+
+ssize_t recv(int fd, void *buf, size_t len, int flags)
+{
+    static recv_fn real;
+    if (!real)
+        real = (recv_fn)dlsym(RTLD_NEXT, "recv");
+    ssize_t ret = real(fd, buf, len, flags);
+    const char *dir = getenv("PODSHIM_LAZY_HOLD");
+    uint32_t msg;
+    if (held || !dir || ret != (ssize_t)sizeof(msg) || len != sizeof(msg))
+        return ret;
+    memcpy(&msg, buf, sizeof(msg));
+    if (msg != RESTORE_FINISHED)
+        return ret;
+    int saved = errno;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/hold", dir);
+    if (lazy_pages_daemon() && access(path, F_OK) == 0) {
+        held = 1;
+        snprintf(path, sizeof(path), "%s/held-%d", dir, (int)getpid());
+        int out = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        if (out >= 0)
+            close(out);
+        raise(SIGSTOP); /* the whole daemon, until SIGCONT (or SIGKILL) */
+    }
+    errno = saved;
+    return ret;
+}
+"""
+
+
+@dataclass
+class DaemonHold:
+    """The control directory of the preloaded hold (DAEMON_HOLD_SOURCE): `armed()` makes the daemon
+    that receives its restore's end meanwhile stop itself; `held(pid)` tells that it did."""
+
+    dir: Path
+    library: Path
+
+    def env(self) -> dict[str, str]:
+        """The environment of the podshim whose daemons are to be held."""
+        return {"LD_PRELOAD": str(self.library), "PODSHIM_LAZY_HOLD": str(self.dir)}
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        (self.dir / "hold").touch()
+        try:
+            yield
+        finally:
+            (self.dir / "hold").unlink(missing_ok=True)
+
+    def held(self, pid: int) -> bool:
+        return (self.dir / f"held-{pid}").exists()
+
+
+@pytest.fixture(scope="module")
+def daemon_hold(tmp_path_factory: pytest.TempPathFactory) -> DaemonHold:
+    tmp = tmp_path_factory.mktemp("daemon-hold")
+    source = tmp / "daemon_hold.c"
+    source.write_text(DAEMON_HOLD_SOURCE)
+    library = tmp / "daemon_hold.so"
+    cc = ["cc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror"]
+    subprocess.run([*cc, "-o", str(library), str(source), "-ldl"], check=True)
+    (tmp / "ctl").mkdir()
+    return DaemonHold(tmp / "ctl", library)
 
 
 # ---------------------------------------------------------------------------- the module's podshim
@@ -96,7 +211,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def lp(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LazyPodshim]:
+def lp(
+    bed: TestBed, tmp_path_factory: pytest.TempPathFactory, daemon_hold: DaemonHold
+) -> Iterator[LazyPodshim]:
     tmp = tmp_path_factory.mktemp("lazy-podshim")
     key_file = tmp / "checkpoint.key"
     key_file.write_bytes(os.urandom(32))
@@ -108,7 +225,7 @@ def lp(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LazyP
         "checkpoint": {"encryption_key_file": str(key_file)},
     }
     try:
-        with bed.extra_podshim(tmp, **overrides) as (sock, log):
+        with bed.extra_podshim(tmp, env=daemon_hold.env(), **overrides) as (sock, log):
             channel = grpc.insecure_channel(f"unix://{sock}")
             try:
                 yield LazyPodshim(api_pb2_grpc.RuntimeServiceStub(channel), state_dir, log, port)
@@ -261,14 +378,20 @@ def proc_state(pid: int) -> str:
     return "gone" if st == "X" else st
 
 
-def stop_mid_transfer(lp_pids: list[int], pid: int) -> None:
-    """SIGSTOP the daemon once it serves the restored process and podshim holds its userfaultfd."""
-    pods.wait_for(lambda: holds_uffd(pid), timeout=30, interval=0.001, what="the daemon's userfaultfd")
-    os.kill(pid, signal.SIGSTOP)
-    pods.wait_for(
-        lambda: proc_state(pid) in ("T", "t", "Z", "gone"), timeout=10, interval=0.001, what="SIGSTOP"
-    )
-    assert proc_state(pid) in ("T", "t"), "the daemon delivered every page before it could be stopped"
+def start_held(rt: Stub, cid: str, hold: DaemonHold, lp_pids: list[int], pid: int) -> None:
+    """StartContainer of a lazily restored container with its daemon's hold armed: the daemon
+    (`pid`) stops itself the instant the restore has finished, before its background transfer, so
+    it still owes nearly every page; then until podshim (`lp_pids`) holds its userfaultfd."""
+    with hold.armed():
+        rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=RPC_TIMEOUT)
+        pods.wait_for(
+            lambda: (hold.held(pid) and proc_state(pid) in ("T", "t")) or proc_state(pid) in ("Z", "gone"),
+            timeout=30,
+            interval=0.005,
+            what="the daemon to stop itself at the restore's end",
+        )
+    assert proc_state(pid) in ("T", "t"), "the daemon ended (every page delivered) before it was held"
+    assert holds_uffd(pid), "the held daemon holds no userfaultfd"
     pods.wait_for(
         lambda: any(holds_uffd(p) for p in lp_pids),
         timeout=10,
@@ -396,7 +519,11 @@ def test_lazy_restore_encrypted_pattern_intact(
 
 
 def test_decrypted_copy_kept_while_the_daemon_serves(
-    lp: LazyPodshim, encrypted: dict[int, Path], log_root: Path, lp_cleanup: list[str]
+    lp: LazyPodshim,
+    encrypted: dict[int, Path],
+    log_root: Path,
+    lp_cleanup: list[str],
+    daemon_hold: DaemonHold,
 ) -> None:
     """After `runc restore` returned, the daemon still reads the decrypted images: they stay until it
     has delivered every page (podshim-runc removes them at once after an eager restore)."""
@@ -404,8 +531,7 @@ def test_decrypted_copy_kept_while_the_daemon_serves(
     assert len(lp.decrypted_dirs()) == 1 and len(lp.lazy_dirs()) == 1
     pid = daemon_pid(lp.daemon_records(), r.cid)
     lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
-    lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
-    stop_mid_transfer(lp_pids, pid)  # the transfer held: the daemon has not delivered everything
+    start_held(lp.rt, r.cid, daemon_hold, lp_pids, pid)  # the daemon has not delivered everything
     try:
         assert len(lp.decrypted_dirs()) == 1, "the decrypted copy went while the daemon still serves"
         assert lp.daemon_records(), "the daemon's record went while it still serves"
@@ -459,7 +585,12 @@ def test_bad_option_value_is_invalid_argument(
 
 
 def test_daemon_killed_mid_transfer_kills_the_container(
-    lp: LazyPodshim, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], bed: TestBed
+    lp: LazyPodshim,
+    plain: dict[int, Path],
+    log_root: Path,
+    lp_cleanup: list[str],
+    bed: TestBed,
+    daemon_hold: DaemonHold,
 ) -> None:
     """The daemon is SIGKILLed while the counter faults on pages it has not delivered yet. With
     podshim itself stopped meanwhile (so it cannot kill the container at once), the fault stays
@@ -471,8 +602,7 @@ def test_daemon_killed_mid_transfer_kills_the_container(
     pid = daemon_pid(lp.daemon_records(), r.cid)
     lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
     assert lp_pids, "the module's podshim process was not found"
-    lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
-    stop_mid_transfer(lp_pids, pid)
+    start_held(lp.rt, r.cid, daemon_hold, lp_pids, pid)
     counter = json.loads(
         lp.rt.ContainerStatus(cri.ContainerStatusRequest(container_id=r.cid, verbose=True)).info["info"]
     )["pid"]
@@ -504,7 +634,12 @@ def test_daemon_killed_mid_transfer_kills_the_container(
 
 
 def test_unreadable_image_kills_the_container(
-    lp: LazyPodshim, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], bed: TestBed
+    lp: LazyPodshim,
+    plain: dict[int, Path],
+    log_root: Path,
+    lp_cleanup: list[str],
+    bed: TestBed,
+    daemon_hold: DaemonHold,
 ) -> None:
     """The archive's pages become unreadable (truncated) while the daemon still has pages to
     deliver: the daemon fails (counted as `exit`), or the page images' background checksum pass
@@ -516,8 +651,7 @@ def test_unreadable_image_kills_the_container(
         r = lazy_restore(lp.rt, copy, log_root, 1024, lp_cleanup, start=False)
         pid = daemon_pid(lp.daemon_records(), r.cid)
         lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
-        lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
-        stop_mid_transfer(lp_pids, pid)
+        start_held(lp.rt, r.cid, daemon_hold, lp_pids, pid)
         try:
             for p in (copy / "containers" / "counter" / "checkpoint").glob("pages-*.img"):
                 os.truncate(p, 0)
@@ -604,9 +738,35 @@ def bed_daemon_records(bed: TestBed) -> list[dict]:
     return out
 
 
+@pytest.fixture
+def bed_podshim_held(rt: Stub, bed: TestBed, daemon_hold: DaemonHold) -> Iterator[DaemonHold]:
+    """The bed's podshim restarted with the daemons' hold preloaded (DaemonHold); its next start is
+    without it again, and one still running with it at the end is restarted without it."""
+    saved = dict(bed.extra_env)
+    bed.extra_env = {**saved, **daemon_hold.env()}
+    try:
+        bed.kill_podshim(signal.SIGTERM)
+        bed.start_podshim_again()
+    finally:
+        bed.extra_env = saved  # (the environment of a process is the one it started with)
+    held_podshim = bed.podshim_pid
+    rt.Version(cri.VersionRequest(), timeout=30, wait_for_ready=True)
+    yield daemon_hold
+    if bed.podshim_running and bed.podshim_pid == held_podshim:
+        bed.kill_podshim(signal.SIGTERM)
+    if not bed.podshim_running:
+        bed.start_podshim_again()
+
+
 @pytest.mark.parametrize("daemon", ["alive", "gone", "podshim-stopped"])
 def test_podshim_killed_while_a_daemon_serves(
-    rt: Stub, bed: TestBed, plain: dict[int, Path], log_root: Path, pod_cleanup: list[str], daemon: str
+    rt: Stub,
+    bed: TestBed,
+    plain: dict[int, Path],
+    log_root: Path,
+    pod_cleanup: list[str],
+    daemon: str,
+    bed_podshim_held: DaemonHold,
 ) -> None:
     """podshim is SIGKILLed (or stopped with SIGTERM: the daemon must outlive it, never be killed
     with it) while a daemon serves (held stopped mid-transfer) and the counter is blocked on a page
@@ -619,8 +779,7 @@ def test_podshim_killed_while_a_daemon_serves(
     pid = daemon_pid(bed_daemon_records(bed), r.cid)
     podshim = bed.podshim_pid
     assert podshim
-    rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
-    stop_mid_transfer([podshim], pid)
+    start_held(rt, r.cid, bed_podshim_held, [podshim], pid)
     guard = guard_pid(bed_daemon_records(bed), r.cid)
     pods.wait_for(
         lambda: holds_uffd(guard), timeout=10, interval=0.005, what="the guard holding the userfaultfd"
@@ -656,7 +815,13 @@ def test_podshim_killed_while_a_daemon_serves(
 
 @pytest.mark.parametrize("daemon", ["finishes", "killed"])
 def test_containerd_restart_while_a_daemon_serves(
-    lp: LazyPodshim, bed: TestBed, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], daemon: str
+    lp: LazyPodshim,
+    bed: TestBed,
+    plain: dict[int, Path],
+    log_root: Path,
+    lp_cleanup: list[str],
+    daemon: str,
+    daemon_hold: DaemonHold,
 ) -> None:
     """containerd is down while a daemon serves (the container runs on under its shim): a daemon that
     finishes meanwhile leaves an intact, running container; one killed meanwhile has its container
@@ -665,8 +830,7 @@ def test_containerd_restart_while_a_daemon_serves(
     r = lazy_restore(lp.rt, plain[1024], log_root, 1024, lp_cleanup, start=False)
     pid = daemon_pid(lp.daemon_records(), r.cid)
     lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
-    lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
-    stop_mid_transfer(lp_pids, pid)
+    start_held(lp.rt, r.cid, daemon_hold, lp_pids, pid)
     bed.stop_containerd()
     try:
         if daemon == "finishes":
