@@ -6,6 +6,8 @@ Plain modules raise these; the gRPC layer turns them into a status with the same
 
 from __future__ import annotations
 
+import errno
+import os
 from contextvars import ContextVar
 
 
@@ -69,6 +71,40 @@ class ResourceExhausted(ShimError):
 
 class Unimplemented(ShimError):
     code_name = "UNIMPLEMENTED"
+
+
+OUT_OF_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def room_left(where: str | os.PathLike[str]) -> str:
+    """What the filesystem of `where` has left, in words ("" when it cannot be read)."""
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    inodes = f", {st.f_favail} free inodes" if st.f_files else ""
+    return f"{free / 2**20:.1f} MiB free{inodes}"
+
+
+def out_of_space(where: str | os.PathLike[str], what: str, needs: str) -> ResourceExhausted:
+    """RESOURCE_EXHAUSTED for a step that ran out of room: `what` names the step and its path,
+    `where` is a path on its filesystem (for what it has left), `needs` what the step needed.
+    Every out-of-space case says the same, bytes or inodes."""
+    left = room_left(where)
+    return ResourceExhausted(
+        f"{what}: no space left on its filesystem"
+        + (f" ({left})" if left else "")
+        + f"; it needs {needs}: free space (or inodes) there and retry"
+    )
+
+
+def storage_error(e: OSError, message: str, where: str | os.PathLike[str], needs: str = "") -> ShimError:
+    """An OSError of a write as podshim's error: RESOURCE_EXHAUSTED when the filesystem is out of
+    space or inodes (ENOSPC, EDQUOT), INTERNAL otherwise."""
+    if e.errno in OUT_OF_SPACE:
+        return out_of_space(where, message, needs or "room to write")
+    return Internal(f"{message}: {e}")
 
 
 class Stopped(Exception):

@@ -46,7 +46,7 @@ from shim.archive.rootfs_diff import (
     apply_rootfs_diff,
     capture_rootfs_diff,
 )
-from shim.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from shim.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="needs root (overlay mounts, chown)")
@@ -228,7 +228,7 @@ def test_atomic_write_failure_keeps_old(tmp_path: Path, monkeypatch: pytest.Monk
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(fsutil.os, "rename", boom)
-    with pytest.raises(Exception, match="No space"):
+    with pytest.raises(ResourceExhausted, match="no space left on its filesystem"):
         fsutil.atomic_write(p, b"new")
     assert p.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["f"]  # the temp file is gone

@@ -112,13 +112,19 @@ def test_a_failed_dump_on_a_full_filesystem_says_so(tmp_path: Path, monkeypatch:
     class Fs:
         f_frsize = 4096
         f_bavail = 0
+        f_files = 1000
+        f_favail = 500
 
     monkeypatch.setattr(runtime.os, "statvfs", lambda _p: Fs())
-    assert runtime._full_fs(tmp_path).startswith("No space left on device")
+    assert runtime._full_fs(tmp_path)
     Fs.f_bavail = 1 << 20  # 4 GiB free
-    assert runtime._full_fs(tmp_path) == ""
+    assert not runtime._full_fs(tmp_path)
+    Fs.f_favail = 3  # out of inodes
+    assert runtime._full_fs(tmp_path)
+    Fs.f_files = Fs.f_favail = 0  # a filesystem that counts no inodes (btrfs)
+    assert not runtime._full_fs(tmp_path)
     monkeypatch.undo()
-    assert runtime._full_fs(tmp_path / "gone") == ""
+    assert not runtime._full_fs(tmp_path / "gone")
 
 
 def test_the_configured_criu_goes_first_on_the_runtimes_path() -> None:

@@ -51,7 +51,7 @@ from shim.archive.dirfd import DirHandle, held
 from shim.archive.fsutil import FILE_MODE, make_private_dir, temp_name_for
 from shim.archive.fsutil import Stopped as Stopped  # one stop signal for all tree work
 from shim.deadlines import STALE_DECRYPTED_SECONDS as STALE_DECRYPTED_SECONDS
-from shim.errors import DataLoss, FailedPrecondition, Internal, ShimError
+from shim.errors import DataLoss, FailedPrecondition, Internal, ShimError, storage_error
 
 SCHEME = "aes-256-gcm-chunked-v1"
 KEY_SIZE = 32
@@ -409,7 +409,9 @@ def encrypt_tree(
         except (Stopped, DataLoss):
             raise
         except OSError as e:
-            raise Internal(f"cannot encrypt checkpoint {h.path}: {e}; check free space") from e
+            raise storage_error(
+                e, f"cannot encrypt checkpoint {h.path}", h.proc, "room for the ciphertext"
+            ) from e
     return len(rels)
 
 
@@ -449,7 +451,9 @@ def decrypt_members(
         except (Stopped, DataLoss):
             raise
         except OSError as e:
-            raise Internal(f"cannot decrypt checkpoint {archive} into {d.path}: {e}; check free space") from e
+            raise storage_error(
+                e, f"cannot decrypt checkpoint {archive} into {d.path}", d.proc, "room for the plaintext"
+            ) from e
         finally:
             for k, sub in parents.items():
                 if k:

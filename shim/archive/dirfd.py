@@ -25,7 +25,7 @@ from pathlib import Path
 
 from shim import faults
 from shim.archive.fsutil import DIR_MODE, FILE_MODE, temp_name_for
-from shim.errors import FailedPrecondition, Internal, InvalidArgument, NotFound, ShimError
+from shim.errors import FailedPrecondition, Internal, InvalidArgument, NotFound, ShimError, storage_error
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -193,7 +193,9 @@ class DirHandle:
         try:
             fd = self.create(tmp, mode)
         except OSError as e:
-            raise Internal(f"cannot create a temporary file in {self.path} to write {name}: {e}") from e
+            raise storage_error(
+                e, f"cannot create a temporary file in {self.path} to write {name}", self.proc, "one inode"
+            ) from e
         try:
             try:
                 view = memoryview(data)
@@ -208,8 +210,8 @@ class DirHandle:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self.fd)
             if isinstance(e, OSError):
-                raise Internal(
-                    f"cannot write {self.path / name}: {e}; check free space and permissions"
+                raise storage_error(
+                    e, f"cannot write {self.path / name}", self.proc, f"{len(data)} bytes"
                 ) from e
             raise
         self.fsync()

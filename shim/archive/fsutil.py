@@ -18,7 +18,7 @@ from typing import TypeVar
 
 # one stop signal for all blocking work (shim/aio.py); from shim.errors, so that podshim-runc's
 # restore, which uses this module, does not import asyncio (docs/architecture.md §7 (The runtime wrapper))
-from shim.errors import Internal, InvalidArgument, NotFound
+from shim.errors import InvalidArgument, NotFound, storage_error
 from shim.errors import Stopped as Stopped
 
 T = TypeVar("T")
@@ -69,7 +69,9 @@ def atomic_write(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
     except FileNotFoundError as e:
         raise NotFound(f"cannot write {path}: directory {parent} does not exist; create it first") from e
     except OSError as e:
-        raise Internal(f"cannot create temporary file {tmp} to write {path}: {e}") from e
+        raise storage_error(
+            e, f"cannot create temporary file {tmp} to write {path}", parent, "one inode"
+        ) from e
     try:
         try:
             os.fchmod(fd, mode)  # the umask may have narrowed or the caller asked wider
@@ -87,7 +89,7 @@ def atomic_write(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
         except OSError:
             pass
         if isinstance(e, OSError):
-            raise Internal(f"cannot write {path}: {e}; check free space and permissions") from e
+            raise storage_error(e, f"cannot write {path}", parent, f"{len(data)} bytes") from e
         raise
     fsync_dir(parent)
 
@@ -133,7 +135,7 @@ def fsync_tree(root: Path, workers: int = 1, files: bool = True) -> None:
         for d in dirs:  # bottom-up: a directory after its entries
             fsync_dir(d)
     except OSError as e:
-        raise Internal(f"cannot fsync {root}: {e}; check the disk") from e
+        raise storage_error(e, f"cannot fsync {root} (check the disk)", root) from e
 
 
 @dataclass(frozen=True)
@@ -288,7 +290,7 @@ def make_private_dir(path: Path, exist_ok: bool = True) -> Path:
     except FileExistsError as e:
         raise InvalidArgument(f"cannot create directory {path}: it already exists") from e
     except OSError as e:
-        raise Internal(f"cannot create directory {path}: {e}") from e
+        raise storage_error(e, f"cannot create directory {path}", path.parent, "one inode") from e
     return path
 
 

@@ -46,6 +46,7 @@ from shim.errors import (
     InvalidArgument,
     NotFound,
     ShimError,
+    storage_error,
 )
 
 FORMAT = "podshim.checkpoint.v1"
@@ -404,10 +405,10 @@ def _scan_tree(root: Path, err: Callable[[str], ShimError]) -> dict[str, int]:
             if e.errno == errno.ENAMETOOLONG:  # a tree of long names below the depth limit
                 raise err(f"{root}: {prefix[:120]!r}... is too long a path to read") from None
             raise Internal(f"cannot list {d}: {e}") from e
-        for e in entries:
-            rel = f"{prefix}{e.name}"
+        for entry in entries:
+            rel = f"{prefix}{entry.name}"
             try:
-                st = e.stat(follow_symlinks=False)
+                st = entry.stat(follow_symlinks=False)
             except OSError as ex:
                 raise err(f"{root}: cannot stat {rel[:200]!r}: {ex.strerror}") from None
             if stat.S_ISDIR(st.st_mode):
@@ -416,7 +417,7 @@ def _scan_tree(root: Path, err: Callable[[str], ShimError]) -> dict[str, int]:
                         f"{root}: directories nest deeper than {MAX_TREE_DEPTH} levels "
                         f"({rel[:120]!r}...); a checkpoint is at most {MAX_TREE_DEPTH} deep"
                     )
-                stack.append((Path(e.path), rel + "/", depth + 1))
+                stack.append((Path(entry.path), rel + "/", depth + 1))
             elif stat.S_ISREG(st.st_mode):
                 if rel != MANIFEST_FILE:
                     out[rel] = st.st_size
@@ -471,7 +472,9 @@ def write_manifest(
             try:
                 results = hash_and_flush([tree.path(rel) for rel in rels], workers, stop, hashed_ahead)
             except OSError as e:
-                raise Internal(f"cannot checksum/fsync checkpoint {h.path}: {e}; check the disk") from e
+                raise storage_error(
+                    e, f"cannot checksum/fsync checkpoint {h.path} (check the disk)", h.proc
+                ) from e
             manifest.files = {
                 rel: FileEntry(size=s, sha256=d) for rel, (s, d) in zip(rels, results, strict=True)
             }
@@ -479,7 +482,7 @@ def write_manifest(
             try:
                 tree.fsync_dirs()  # entries of every dir durable before the marker exists
             except OSError as e:
-                raise Internal(f"cannot fsync checkpoint {h.path}: {e}; check the disk") from e
+                raise storage_error(e, f"cannot fsync checkpoint {h.path} (check the disk)", h.proc) from e
         if key is not None:
             manifest.encryption = Encryption(scheme=crypto.SCHEME, key_id=key.key_id)
             manifest.mac_key = key.manifest_key()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE, Stopped, atomic_write
 from shim.archive.paths import NAME_MAX, PATH_MAX, check_member_path
-from shim.errors import DataLoss, FailedPrecondition, Internal, InvalidArgument, NotFound
+from shim.errors import DataLoss, FailedPrecondition, Internal, InvalidArgument, NotFound, storage_error
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
@@ -107,16 +107,18 @@ def _tarinfo(name: str, st: os.stat_result, typ: bytes) -> tarfile.TarInfo:
     ti.mtime = sec
     if nsec and sec >= 0:
         # exact decimal in PAX: a float would round the nanoseconds
-        ti.pax_headers["mtime"] = f"{sec}.{nsec:09d}"
+        ti.pax_headers = {"mtime": f"{sec}.{nsec:09d}"}
     return ti
 
 
 def _add_xattrs(ti: tarfile.TarInfo, xattrs: dict[str, bytes]) -> None:
+    headers = dict(ti.pax_headers)
     for k, v in xattrs.items():
         if k.startswith(_OVERLAY_XATTR_PREFIXES) or k in _SKIPPED_XATTRS:
             continue
         # surrogateescape round-trips binary values (e.g. security.capability) through PAX
-        ti.pax_headers[_XATTR_PAX + k] = v.decode("utf-8", "surrogateescape")
+        headers[_XATTR_PAX + k] = v.decode("utf-8", "surrogateescape")
+    ti.pax_headers = headers
 
 
 class _Capture:
@@ -257,11 +259,11 @@ def capture_rootfs_diff(
         os.close(ufd)
         if isinstance(e, FileExistsError):
             raise FailedPrecondition(f"rootfs diff {out} already exists; refusing to overwrite") from e
-        raise Internal(f"cannot create rootfs diff {out}: {e}") from e
+        raise storage_error(e, f"cannot create rootfs diff {out}", Path(out).parent, "one inode") from e
     try:
         with os.fdopen(tfd, "wb") as raw:
             kw: dict[str, int] = {"compresslevel": 1} if compress else {}
-            with tarfile.open(
+            with tarfile.open(  # type: ignore[call-overload]  # copybufsize: a TarFile argument typeshed's open() lacks
                 fileobj=raw,
                 mode="w:gz" if compress else "w",
                 format=tarfile.PAX_FORMAT,
@@ -280,7 +282,12 @@ def capture_rootfs_diff(
         except OSError:
             pass
         if isinstance(e, OSError):
-            raise Internal(f"cannot capture the rootfs diff of {upper} into {out}: {e}") from e
+            raise storage_error(
+                e,
+                f"cannot capture the rootfs diff of {upper} into {out}",
+                Path(out).parent,
+                "room for the diff",
+            ) from e
         raise
     finally:
         os.close(ufd)
@@ -444,7 +451,7 @@ def _split(name: str) -> tuple[tuple[str, ...], str]:
 @contextmanager
 def _open_tar(path: Path) -> Iterator[tarfile.TarFile]:
     try:
-        tar = tarfile.open(path, mode="r:*", copybufsize=CHUNK_SIZE)
+        tar = tarfile.open(path, mode="r:*", copybufsize=CHUNK_SIZE)  # type: ignore[call-overload]  # copybufsize: a TarFile argument typeshed's open() lacks
     except FileNotFoundError as e:
         raise NotFound(f"rootfs diff {path} does not exist") from e
     except (tarfile.TarError, EOFError, OSError) as e:

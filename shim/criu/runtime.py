@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shim import contract, errors, faults
 from shim.deadlines import (
@@ -78,7 +79,8 @@ class CriuOptions:
         """The options of a restore record (contract.to_record): the named switches on, every
         other one off."""
         on = {name for name in record.split(",") if name}
-        return cls(**{attr: name in on for name, attr in contract.CRIU_SWITCHES.items()})
+        switches: dict[str, Any] = {attr: name in on for name, attr in contract.CRIU_SWITCHES.items()}
+        return cls(**switches)
 
 
 def criu_path_env(criu: str, path: str | None = None) -> dict[str, str]:
@@ -371,19 +373,14 @@ def criu_error_lines(log_path: Path, limit: int = CRIU_LOG_TAIL) -> list[str]:
     return (errs or [line.strip() for line in lines])[-limit:]
 
 
-def _full_fs(image_dir: Path) -> str:
-    """The message's first words when the images' filesystem is full: CRIU's log lies on it too,
-    so CRIU's own "No space left on device" line may never have been written."""
+def _full_fs(image_dir: Path) -> bool:
+    """Whether the images' filesystem is (nearly) out of bytes or inodes: CRIU's log lies on it
+    too, so CRIU's own "No space left on device" line may never have been written."""
     try:
         st = os.statvfs(image_dir)
     except OSError:
-        return ""
-    free = st.f_bavail * st.f_frsize
-    return (
-        f"No space left on device (the checkpoint's filesystem has {free} bytes free); "
-        if free < 1 << 20
-        else ""
-    )
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20 or (st.f_files > 0 and st.f_favail < 16)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -737,11 +734,13 @@ class OciRuntime:
         if proc.returncode != 0:
             log_path = work_dir / "dump.log"
             detail = "; ".join(criu_error_lines(log_path)) or out.decode(errors="replace").strip()[-500:]
-            raise errors.Internal(
+            failed = (
                 f"checkpoint of container {name!r} ({container_id[:13]}) failed: "
-                f"{os.path.basename(self.binary)} exited {proc.returncode}: {_full_fs(image_dir)}{detail} "
-                f"(CRIU log: {log_path}){option_hint(log_path)}"
+                f"{os.path.basename(self.binary)} exited {proc.returncode}: {detail} (CRIU log: {log_path})"
             )
+            if _full_fs(image_dir):
+                raise errors.out_of_space(image_dir, failed, "room for the container's memory images")
+            raise errors.Internal(failed + option_hint(log_path))
         return time.monotonic() - start
 
     def restore_argv(

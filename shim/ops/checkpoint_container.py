@@ -217,7 +217,7 @@ def write_tar(
             ) as tree,
             os.fdopen(fd, "wb") as raw,
         ):
-            with tarfile.open(
+            with tarfile.open(  # type: ignore[call-overload]  # copybufsize: a TarFile argument typeshed's open() lacks
                 fileobj=raw, mode="w", format=tarfile.PAX_FORMAT, copybufsize=fsutil.CHUNK_SIZE
             ) as tar:
                 for rel in _member_order(tree):
@@ -234,7 +234,7 @@ def write_tar(
                         if not ti.isreg():
                             raise errors.Internal(f"unexpected entry {rel} in a container checkpoint")
                         reader = _Reader(f, steps)
-                        tar.addfile(ti, reader)  # type: ignore[arg-type]
+                        tar.addfile(ti, reader)
                     if reader.size != ti.size:
                         raise errors.Internal(f"{rel} changed size while it was archived")
                     files[rel] = manifest.FileEntry(size=reader.size, sha256=reader.sha256.hexdigest())
@@ -265,7 +265,7 @@ def publish(staging: DirHandle, where: DirHandle, name: str) -> Path:
         ) from None
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV):
-            raise errors.Internal(f"cannot create {target}: {e}") from e
+            raise errors.storage_error(e, f"cannot create {target}", Path(target).parent, "one inode") from e
         # a file system without hard links: a rename, after checking the name is free
         if _exists(where, name):
             raise errors.InvalidArgument(f"{target} appeared meanwhile; left alone") from None
@@ -518,6 +518,7 @@ class ContainerCheckpointer:
                 confirm_thawed([cgroup], c.id)  # read back: no dump left to freeze it again
                 taskstate.settle(states, "checkpoint_container", f"container {c.name!r}", container=c.id)
         timings["freeze_window"] = cut.window_seconds
+        timings.update(cut.timings.wall_clock())
         # runc/CRIU wrote through the held descriptors: if the location's directory was replaced
         # meanwhile, fail rather than publish a tar where the caller's path no longer leads
         where.check_in_place("location directory", "the checkpoint")

@@ -72,7 +72,7 @@ def check_archive_file(path: str, allowed_roots: Sequence[str]) -> Path:
 
 def _open_outer(path: Path) -> tarfile.TarFile:
     try:
-        return tarfile.open(path, mode="r:*", copybufsize=fsutil.CHUNK_SIZE)
+        return tarfile.open(path, mode="r:*", copybufsize=fsutil.CHUNK_SIZE)  # type: ignore[call-overload]  # copybufsize: a TarFile argument typeshed's open() lacks
     except (tarfile.TarError, EOFError) as e:
         raise errors.DataLoss(f"checkpoint archive {path} is not a readable tar: {tar_error(e)}") from e
     except OSError as e:
@@ -152,7 +152,12 @@ def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> lis
                         f"checkpoint archive {tar_path} is truncated: {tar_error(e)}"
                     ) from e
                 except OSError as e:
-                    raise errors.Internal(f"cannot extract {m.name!r} of {tar_path}: {e}") from e
+                    raise errors.storage_error(
+                        e,
+                        f"cannot extract {m.name!r} of {tar_path}",
+                        root.proc,
+                        "room for the archive's files",
+                    ) from e
             written.append(rel)
     return written
 
@@ -386,11 +391,11 @@ class ArchiveImporter:
         if want and want != req.image.image:
             mismatch = await images.mismatch(want, recorded)
             if mismatch is not None:
-                checkpoint_id, here = mismatch
+                recorded_id, here = mismatch
                 what = f"is {here} on this node" if here else "is not on this node"
                 raise errors.InvalidArgument(
                     f"container {name!r}: image {want!r} differs from the image of checkpoint {tar_path} "
-                    f"({checkpoint_id}): it {what}; nothing was created"
+                    f"({recorded_id}): it {what}; nothing was created"
                 )
         checkpoint_id = await images.first_id(recorded)
         if checkpoint_id is not None and (await self.upstream.image_status(checkpoint_id)).HasField("image"):
