@@ -5,15 +5,18 @@ a peer of another CA and a peer with the wrong name are refused."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import ssl
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from shim import errors
+from shim.deadlines import MIGRATION_PEER_HANDSHAKE
 from shim.migration import credentials, wire
 
 ADDR = "127.0.0.1"
@@ -92,6 +95,99 @@ def test_authenticated_peer_is_accepted_and_others_refused(creds: dict) -> None:
         assert greeting == {"t": "control", "migration": "m1"}
         assert credentials.peer_names(tls.getpeercert()) >= {"node-a"}
         assert len(refused) == 3, refused
+        tls.close()
+        s.close()
+    finally:
+        listener.close()
+
+
+def test_silent_and_garbage_strangers_do_not_delay_the_expected_peer(creds: dict) -> None:
+    """20 silent TCP connections and 20 clients sending garbage, opened before the expected peer
+    and while it connects: it is accepted as soon as its own handshake is done (not after the
+    strangers' handshakes time out), and every stranger is refused."""
+    addr = free_address()
+    host, port = wire.split_address(addr)
+    listener = wire.Listener(addr, creds["node-b"].server_context())
+    refused: list[str] = []
+    strangers: list[socket.socket] = []
+    try:
+
+        def open_strangers() -> None:
+            for i in range(20):
+                strangers.append(socket.create_connection((host, port)))  # says nothing
+                g = socket.create_connection((host, port))
+                strangers.append(g)
+                with contextlib.suppress(OSError):  # the listener may have refused it already
+                    g.sendall(os.urandom(64) if i % 2 else b"\x16\x03\x01\x00\x05hello")  # not TLS
+
+        open_strangers()
+        got = accept_in_thread(listener, "node-a", refused)
+        more = threading.Thread(target=open_strangers)
+        more.start()
+        start = time.monotonic()
+        s = wire.connect(addr, creds["node-a"].client_context(), {"t": "control", "migration": "m2"}, 5.0)
+        got["thread"].join(10)  # type: ignore[attr-defined]
+        took = time.monotonic() - start
+        more.join()
+        assert "error" not in got, got
+        tls, greeting = got["conn"]  # type: ignore[misc]
+        assert greeting == {"t": "control", "migration": "m2"}
+        # well inside the strangers' own bound: their handshakes never held it up
+        assert took < MIGRATION_PEER_HANDSHAKE, took
+        assert refused, "the garbage clients were not refused"
+        tls.close()
+        s.close()
+    finally:
+        for c in strangers:
+            c.close()
+        listener.close()
+
+
+def test_a_flood_of_silent_connections_past_the_cap_cannot_crowd_out_the_peer(creds: dict) -> None:
+    """More silent connections than the listener takes mid-handshake: the oldest silent ones make
+    room, and the expected peer is accepted."""
+    addr = free_address()
+    host, port = wire.split_address(addr)
+    listener = wire.Listener(addr, creds["node-b"].server_context())
+    refused: list[str] = []
+    flood: list[socket.socket] = []
+    try:
+        got = accept_in_thread(listener, "node-a", refused)
+        for _ in range(wire.MIGRATION_UNAUTHENTICATED_MAX + 16):
+            flood.append(socket.create_connection((host, port)))
+        until = time.monotonic() + 5
+        while len(refused) < 16 and time.monotonic() < until:  # the listener took them all in
+            time.sleep(0.01)
+        assert len(refused) >= 16 and all("sent nothing" in r for r in refused), refused[:3]
+        s = wire.connect(addr, creds["node-a"].client_context(), {"t": "control"}, 5.0)
+        got["thread"].join(10)  # type: ignore[attr-defined]
+        assert "error" not in got, got
+        tls, greeting = got["conn"]  # type: ignore[misc]
+        assert greeting == {"t": "control"}
+        tls.close()
+        s.close()
+    finally:
+        for c in flood:
+            c.close()
+        listener.close()
+
+
+def test_the_greeting_is_read_alone_and_what_follows_stays_for_the_channel(creds: dict) -> None:
+    """The source may send its first message right behind the greeting: the listener reads only
+    the greeting, and the message reaches the channel."""
+    addr = free_address()
+    listener = wire.Listener(addr, creds["node-b"].server_context())
+    try:
+        got = accept_in_thread(listener, "node-a", [])
+        s = wire.connect(addr, creds["node-a"].client_context(), {"t": "control"}, 5.0)
+        s.sendall(wire.encode({"t": "offer", "containers": []}))
+        got["thread"].join(10)  # type: ignore[attr-defined]
+        tls, greeting = got["conn"]  # type: ignore[misc]
+        assert greeting == {"t": "control"}
+        tls.settimeout(5)
+        head = tls.recv(wire.FRAME.size)
+        length, kind = wire.FRAME.unpack(head)
+        assert kind == wire.JSON and b'"offer"' in tls.recv(length)
         tls.close()
         s.close()
     finally:

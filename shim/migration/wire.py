@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shim import errors, logs
+from shim.deadlines import MIGRATION_PEER_HANDSHAKE
 
 log = logs.get("shim.migration.wire")
 
@@ -33,6 +34,10 @@ JSON, BYTES = 0, 1
 MAX_FRAME = 16 << 20  # a frame longer than this is a protocol error
 CHUNK = 1 << 20  # one read; one BYTES frame of a file
 MAX_BUFFERED = 8 << 20  # bytes queued for the peer before a sender of file data waits
+GREETING_MAX = 64 << 10  # a connection's first frame
+# connections mid-handshake at once; past it the oldest that has sent nothing yet makes room (or,
+# if every one has, the newcomer is closed): a flood of silent connections cannot crowd out a peer
+MIGRATION_UNAUTHENTICATED_MAX = 64
 
 
 class LinkLost(Exception):
@@ -79,26 +84,6 @@ def _send(sock: socket.socket, data: bytearray | memoryview) -> int:
         return 0
 
 
-def read_frame_blocking(sock: ssl.SSLSocket, timeout: float) -> dict[str, Any]:
-    """The first frame of a new connection, which must be JSON (a blocking socket)."""
-    sock.settimeout(timeout)
-    head = _read_exactly(sock, FRAME.size)
-    length, kind = FRAME.unpack(head)
-    if kind != JSON or length > 64 << 10:
-        raise LinkLost("the peer's first frame is not a greeting")
-    return json.loads(_read_exactly(sock, length))
-
-
-def _read_exactly(sock: ssl.SSLSocket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise LinkLost("the peer closed the connection")
-        out += chunk
-    return bytes(out)
-
-
 # ---------------------------------------------------------------------- connections
 
 
@@ -127,8 +112,13 @@ def connect(
 class Listener:
     """The destination's listening socket, open only while a migration into this node runs
     (RestorePod with `lazy-migration-from` until the transfer has ended). `accept` hands back
-    connections whose peer completed the TLS handshake with a certificate of the CA and names the
-    expected source; any other peer is refused (logged, counted by the caller's `refused`)."""
+    the connection whose peer completed the TLS handshake with a certificate of the CA naming the
+    expected source; any other peer is refused (logged, counted by the caller's `refused`).
+
+    Handshakes run side by side on one thread (non-blocking sockets, a selector), each within
+    MIGRATION_PEER_HANDSHAKE, at most MIGRATION_UNAUTHENTICATED_MAX at once: whatever else connects
+    (silent TCP, garbage TLS, another node's certificate) the expected peer is served as soon as
+    its own handshake ends."""
 
     def __init__(self, address: str, ctx: ssl.SSLContext) -> None:
         host, port = split_address(address)
@@ -137,54 +127,163 @@ class Listener:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.sock.bind((host, port))
-            self.sock.listen(16)
+            self.sock.listen(128)
         except OSError as e:
             self.sock.close()
             raise errors.Unavailable(f"cannot listen for the migration on {address}: {e.strerror}") from None
         self.ctx = ctx
         self.address = address
+        self._closed = threading.Event()
 
     def accept(
         self, expected_peer: str, timeout: float, refused: Callable[[str], None]
     ) -> tuple[ssl.SSLSocket, dict[str, Any]]:
-        """The next authenticated connection from `expected_peer` and its greeting (blocking, up
+        """The first authenticated connection from `expected_peer` and its greeting (blocking, up
         to `timeout` seconds in all: TimeoutError). Others are closed and reported to `refused`."""
-        from shim.migration.credentials import check_peer
-
         end = time.monotonic() + timeout
+        sel = selectors.DefaultSelector()
+        pending: dict[ssl.SSLSocket, _Handshake] = {}
+        self.sock.setblocking(False)
+        sel.register(self.sock, selectors.EVENT_READ)
+
+        def drop(h: _Handshake, why: str) -> None:
+            with contextlib.suppress(KeyError, ValueError):
+                sel.unregister(h.tls)
+            pending.pop(h.tls, None)
+            with contextlib.suppress(OSError):
+                h.tls.close()
+            refused(f"{h.where}: {why}")
+
+        try:
+            while True:
+                now = time.monotonic()
+                if self._closed.is_set():
+                    raise LinkLost(f"the listener on {self.address} closed")
+                if now >= end:
+                    raise TimeoutError
+                for h in [h for h in pending.values() if now >= h.deadline]:
+                    drop(h, f"no TLS handshake and greeting within {MIGRATION_PEER_HANDSHAKE:g}s")
+                wake = min([end, now + 0.1, *(h.deadline for h in pending.values())])
+                for key, _ in sel.select(max(0.0, wake - now)):
+                    h = key.data
+                    if h is None:  # the listening socket
+                        self._take_new(sel, pending, refused, drop)
+                        continue
+                    try:
+                        done = h.step(expected_peer)
+                    except (errors.ShimError, LinkLost, OSError, ValueError) as e:
+                        drop(h, getattr(e, "message", None) or str(e))
+                        continue
+                    if done is not None:
+                        sel.unregister(h.tls)
+                        del pending[h.tls]
+                        h.tls.setblocking(True)
+                        return h.tls, done
+                    sel.modify(h.tls, h.events, h)
+        finally:
+            for h in list(pending.values()):
+                with contextlib.suppress(OSError):
+                    h.tls.close()
+            sel.close()
+            with contextlib.suppress(OSError):
+                self.sock.setblocking(True)
+
+    def _take_new(
+        self,
+        sel: selectors.BaseSelector,
+        pending: dict[ssl.SSLSocket, _Handshake],
+        refused: Callable[[str], None],
+        drop: Callable[[_Handshake, str], None],
+    ) -> None:
+        """Every connection waiting in the backlog, each started on its handshake."""
         while True:
-            left = end - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            self.sock.settimeout(left)
             try:
                 raw, peer = self.sock.accept()
-            except TimeoutError:
-                raise
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError as e:
                 raise LinkLost(f"the listener on {self.address} closed ({e.strerror})") from None
             where = f"{peer[0]}:{peer[1]}"
+            if len(pending) >= MIGRATION_UNAUTHENTICATED_MAX:
+                silent = [h for h in pending.values() if not h.heard]
+                if not silent:
+                    raw.close()
+                    refused(f"{where}: {MIGRATION_UNAUTHENTICATED_MAX} connections already mid-handshake")
+                    continue
+                drop(min(silent, key=lambda h: h.deadline), "sent nothing; its place was needed")
             try:
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                raw.settimeout(max(0.1, min(left, 10.0)))
-                tls = self.ctx.wrap_socket(raw, server_side=True)
+                raw.setblocking(False)
+                tls = self.ctx.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
             except (OSError, ssl.SSLError) as e:
                 raw.close()
-                refused(f"{where}: TLS handshake failed ({e})")
+                refused(f"{where}: {e}")
                 continue
-            try:
-                check_peer(tls.getpeercert(), expected_peer)
-                greeting = read_frame_blocking(tls, max(0.1, min(end - time.monotonic(), 10.0)))
-            except (errors.ShimError, LinkLost, OSError, ValueError) as e:
-                tls.close()
-                refused(f"{where}: {getattr(e, 'message', None) or e}")
-                continue
-            return tls, greeting
+            h = _Handshake(tls, where, time.monotonic() + MIGRATION_PEER_HANDSHAKE)
+            pending[tls] = h
+            sel.register(tls, h.events, h)
 
     def close(self) -> None:
+        self._closed.set()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+class _Handshake:
+    """One connection to the listener on its way to being authenticated: the TLS handshake, the
+    peer's certificate checked at once (a wrong peer is dropped before anything is read from
+    it), then its greeting frame, all without blocking."""
+
+    def __init__(self, tls: ssl.SSLSocket, where: str, deadline: float) -> None:
+        self.tls = tls
+        self.where = where
+        self.deadline = deadline
+        self.events = selectors.EVENT_READ
+        self.heard = False  # the socket was ready at least once: the peer sent something
+        self.shaken = False
+        self.inbuf = bytearray()
+
+    def step(self, expected_peer: str) -> dict[str, Any] | None:
+        """Advance as far as the socket allows; the greeting once it is whole, else None."""
+        from shim.migration.credentials import check_peer
+
+        self.heard = True
+        if not self.shaken:
+            try:
+                self.tls.do_handshake()
+            except ssl.SSLWantReadError:
+                self.events = selectors.EVENT_READ
+                return None
+            except ssl.SSLWantWriteError:
+                self.events = selectors.EVENT_WRITE
+                return None
+            except ssl.SSLError as e:
+                raise LinkLost(f"TLS handshake failed ({e})") from None
+            self.shaken = True
+            check_peer(self.tls.getpeercert(), expected_peer)
+        self.events = selectors.EVENT_READ
+        while True:  # exactly the greeting's bytes: what follows is the channel's (tls.pending())
+            if len(self.inbuf) < FRAME.size:
+                need = FRAME.size - len(self.inbuf)
+            else:
+                length, kind = FRAME.unpack_from(self.inbuf)
+                if kind != JSON or length > GREETING_MAX:
+                    raise LinkLost("the peer's first frame is not a greeting")
+                need = FRAME.size + length - len(self.inbuf)
+                if need == 0:
+                    break
+            buf = bytearray(need)
+            n = _recv(self.tls, buf)
+            if n is None:
+                return None
+            if n == 0:
+                raise LinkLost("the peer closed the connection before its greeting")
+            self.inbuf += buf[:n]
+        greeting = json.loads(bytes(self.inbuf[FRAME.size :]))
+        if not isinstance(greeting, dict):
+            raise ValueError("the peer's greeting is not an object")
+        return greeting
 
 
 # ---------------------------------------------------------------------- the pump
