@@ -61,6 +61,9 @@ LAZY_CHECK_PAUSE_SECONDS = 10.0
 # ---------------------------------------------------------------------- live migration (§19)
 MIGRATION_CONNECT = 30.0  # the source retries reaching the destination's listener this long
 MIGRATION_STEP = 30.0  # one exchange of the handshake (offer, archive, page connections)
+# a connection to the destination's listener completes its TLS handshake and greeting within this,
+# or is dropped: handshakes run side by side, so a silent stranger delays nobody
+MIGRATION_PEER_HANDSHAKE = 2.0
 MIGRATION_HEARTBEAT = 0.5  # each node sends a ping this often while the link is idle
 # the lease: the destination kills its containers when it has heard nothing from the source this
 # long (after `go`, until `ack`); the source, after losing the link, waits the lease and the
@@ -98,9 +101,11 @@ FRONT_READY_TIMEOUT = 10.0  # for the front to say it listens
 SOCKET_PROBE_TIMEOUT = 1.0  # a live server on podshim's socket path accepts at once, a dead one refuses
 FRONT_EXIT_MARGIN = 2.0  # after its grace, the front is killed if it has not exited
 # a front that died is started again after FRONT_RESTART_FIRST, doubling up to FRONT_RESTART_MAX
-# while it keeps dying; one that ran FRONT_STEADY is started again after FRONT_RESTART_FIRST
-FRONT_RESTART_FIRST = 0.2
-FRONT_RESTART_MAX = 10.0
+# (each jittered by FRONT_RESTART_JITTER) while it keeps dying; one that ran FRONT_STEADY is started
+# again after FRONT_RESTART_FIRST. The node's CRI is down while the front is: the bound is short
+FRONT_RESTART_FIRST = 0.05
+FRONT_RESTART_MAX = 0.25
+FRONT_RESTART_JITTER = 0.2
 FRONT_STEADY = 60.0
 FRONT_METRICS_TIMEOUT = 2.0  # reading the front's metrics at a scrape of podshim's /metrics
 

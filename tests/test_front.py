@@ -12,6 +12,7 @@ before. tests/test_proxy.py and tests/test_metrics.py run through the front too.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -28,7 +29,7 @@ import grpc
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
-from shim.deadlines import PASSTHROUGH_DEADLINE_MARGIN
+from shim.deadlines import FRONT_RESTART_JITTER, FRONT_RESTART_MAX, PASSTHROUGH_DEADLINE_MARGIN
 from shim.server.app import unary_methods
 from testbed import _sys, bed_files, pods
 from testbed.bed import TestBed
@@ -38,6 +39,11 @@ FRONT = REPO / ".venv" / "bin" / "podshim-front"
 RUNTIME = "/runtime.v1.RuntimeService/"
 IMAGE = "/runtime.v1.ImageService/"
 OWN = (RUNTIME + "Version", RUNTIME + "CheckpointPod")
+DAEMON_SAYS_UPSTREAM_DOWN = (
+    "podshim: upstream runtime at unix:///run/containerd/containerd.sock is unavailable (connection error: "
+    'desc = "transport: Error while dialing: dial unix /run/containerd/containerd.sock: connect: no such '
+    'file or directory")'
+)
 
 
 @dataclass
@@ -78,6 +84,8 @@ class Recorder(grpc.GenericRpcHandler):
             if cri.ContainerStatusRequest.FromString(request).container_id == "missing":
                 ctx.set_trailing_metadata((("x-why", "no such container"),))
                 ctx.abort(grpc.StatusCode.NOT_FOUND, f"{self.name}: container missing not found")
+        if method.endswith("/CheckpointPod"):  # the daemon up, its upstream down: its own words
+            ctx.abort(grpc.StatusCode.UNAVAILABLE, DAEMON_SAYS_UPSTREAM_DOWN)
         if method.endswith("/ExecSync"):
             ctx.add_callback(self.gone.set)
             end = time.monotonic() + self.hold
@@ -112,6 +120,7 @@ class Front:
     metrics_socket: Path
     upstream: Recorder
     daemon: Recorder
+    daemon_server: grpc.Server
 
     def call(self, method: str, request: bytes = b"", **kw: Any) -> bytes:
         with grpc.insecure_channel(f"unix://{self.socket}") as ch:
@@ -150,7 +159,7 @@ def front(tmp_path: Path) -> Iterator[Front]:
     servers = [serve(upstream, tmp_path / "up.sock"), serve(daemon, tmp_path / "daemon.sock")]
     proc = start_front(tmp_path, tmp_path / "up.sock", tmp_path / "daemon.sock")
     try:
-        yield Front(proc, tmp_path / "front.sock", tmp_path / "metrics.sock", upstream, daemon)
+        yield Front(proc, tmp_path / "front.sock", tmp_path / "metrics.sock", upstream, daemon, servers[1])
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
@@ -208,6 +217,23 @@ def test_status_message_and_trailers_come_back_unchanged(front: Front) -> None:
     assert e.code() == grpc.StatusCode.NOT_FOUND
     assert e.details() == "upstream: container missing not found"
     assert ("x-why", "no such container") in tuple(e.trailing_metadata())
+
+
+def test_the_daemons_own_unavailable_comes_back_unchanged(front: Front) -> None:
+    """The daemon answers UNAVAILABLE because its upstream is down: its words reach the caller as
+    they are, though they quote a transport error; only when the daemon itself cannot be reached
+    does the front speak for it."""
+    with pytest.raises(grpc.RpcError) as err:
+        front.call(RUNTIME + "CheckpointPod", b"", timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.value.details() == DAEMON_SAYS_UPSTREAM_DOWN
+    front.daemon_server.stop(0)
+    with pytest.raises(grpc.RpcError) as err:
+        front.call(RUNTIME + "CheckpointPod", b"", timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = err.value.details() or ""
+    assert details.startswith("podshim: its daemon at ") and "is unavailable" in details, details
+    assert front.call(RUNTIME + "ListPodSandbox", b"x", timeout=10) == b"x"  # the upstream's calls pass on
 
 
 def test_a_deadline_ends_the_call_behind_it(front: Front) -> None:
@@ -342,9 +368,11 @@ def test_a_graceful_stop_ends_both_and_leaves_no_socket(bed: TestBed, tmp_path: 
 
 @pytest.mark.e2e
 def test_a_front_that_dies_is_started_again(bed: TestBed, tmp_path: Path) -> None:
+    """Killed again and again, the front is started again each time within the bounded back-off
+    (never the doubling to seconds a crash loop would earn): the restart delays the daemon logs
+    stay at or below FRONT_RESTART_MAX (jittered), however often it died."""
+    kills = 8
     with bed.extra_podshim(tmp_path) as (socket, log):
-        first = _front_of(socket)
-        os.kill(first, signal.SIGKILL)
         rt = pods.stubs(socket)[0]
 
         def serving() -> bool:
@@ -353,9 +381,22 @@ def test_a_front_that_dies_is_started_again(bed: TestBed, tmp_path: Path) -> Non
             except grpc.RpcError:
                 return False
 
-        pods.wait_for(serving, timeout=15, what="podshim serving again through a new front")
-        assert _front_of(socket) != first
-        assert "front exited; starting it again" in log.read_text()
+        outages = []
+        for _ in range(kills):
+            first = _front_of(socket)
+            killed = time.monotonic()
+            os.kill(first, signal.SIGKILL)
+            pods.wait_for(lambda f=first: _fronts_of(socket) not in ([], [f]), timeout=15, what="a new front")
+            pods.wait_for(serving, timeout=15, what="podshim serving again through a new front")
+            outages.append(round(time.monotonic() - killed, 3))
+        delays = [
+            json.loads(line)["after_seconds"]
+            for line in log.read_text().splitlines()
+            if "front exited; starting it again" in line
+        ]
+        print(f"\nfront killed {kills} times: restart delays {delays} s, CRI outages {outages} s")
+        assert len(delays) == kills, delays
+        assert max(delays) <= FRONT_RESTART_MAX * (1 + FRONT_RESTART_JITTER), delays
 
 
 @pytest.mark.e2e

@@ -181,31 +181,36 @@ func (p *proxy) streamCall(ctx context.Context, t *target, method string, ss grp
 	}
 }
 
-// Words of a transport failure (the target is not there), as opposed to an UNAVAILABLE status
-// the target itself returned.
-var transportMarkers = []string{
-	"connection error", "error while dialing", "transport is closing", "error reading from server",
-	"connection refused", "no such file", "broken pipe", "connection reset", "socket closed",
+// How gRPC's client words a failure of its own transport (the target is not there): the message
+// starts with one of these. A status the target itself returned is its own words, passed on
+// unchanged, whatever they quote (the daemon's UNAVAILABLE names its upstream's transport error).
+var transportPrefixes = []string{
+	"connection error", "last connection error", "error while dialing", "transport is closing",
+	"error reading from server", "connection closed", "the connection is draining", "name resolver error",
 }
 
 // callError is the status the caller gets: the target's own, unchanged; a transport failure
 // names the target (docs/architecture.md §3 (The proxy)).
 func (t *target) callError(err error) error {
 	st := status.Convert(err)
-	if st.Code() != codes.Unavailable {
+	if st.Code() != codes.Unavailable || !isTransportFailure(st.Message()) {
 		return st.Err()
 	}
-	text := strings.ToLower(st.Message())
-	for _, m := range transportMarkers {
-		if strings.Contains(text, m) {
-			if t.name == "daemon" {
-				return status.Errorf(codes.Unavailable,
-					"podshim: its daemon at %s is unavailable (%s); podshim is starting or stopping", t.endpoint, st.Message())
-			}
-			return status.Errorf(codes.Unavailable,
-				"podshim: upstream runtime at %s is unavailable (%s); check that it is running — podshim reconnects by itself when it is back",
-				t.endpoint, st.Message())
+	if t.name == "daemon" {
+		return status.Errorf(codes.Unavailable,
+			"podshim: its daemon at %s is unavailable (%s); podshim is starting or stopping", t.endpoint, st.Message())
+	}
+	return status.Errorf(codes.Unavailable,
+		"podshim: upstream runtime at %s is unavailable (%s); check that it is running — podshim reconnects by itself when it is back",
+		t.endpoint, st.Message())
+}
+
+func isTransportFailure(message string) bool {
+	text := strings.ToLower(message)
+	for _, p := range transportPrefixes {
+		if strings.HasPrefix(text, p) {
+			return true
 		}
 	}
-	return st.Err()
+	return false
 }

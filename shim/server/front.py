@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import os
+import random
 import socket
 import sys
 import time
@@ -26,6 +27,7 @@ from shim.deadlines import (
     FRONT_METRICS_TIMEOUT,
     FRONT_READY_TIMEOUT,
     FRONT_RESTART_FIRST,
+    FRONT_RESTART_JITTER,
     FRONT_RESTART_MAX,
     FRONT_STEADY,
     PASSTHROUGH_DEADLINE_MARGIN,
@@ -137,8 +139,9 @@ class Front:
                 return
             if time.monotonic() - started > FRONT_STEADY:
                 delay = FRONT_RESTART_FIRST
-            log.error("front exited; starting it again", code=code, after_seconds=delay)
-            await asyncio.sleep(delay)
+            wait = delay * random.uniform(1 - FRONT_RESTART_JITTER, 1 + FRONT_RESTART_JITTER)
+            log.error("front exited; starting it again", code=code, after_seconds=round(wait, 3))
+            await asyncio.sleep(wait)
             delay = min(delay * 2, FRONT_RESTART_MAX)
             if self._stopping:
                 return
