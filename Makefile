@@ -3,6 +3,8 @@
 
 PY := .venv/bin/python
 PYTEST := .venv/bin/pytest
+RUFF := .venv/bin/ruff
+MYPY := .venv/bin/mypy
 
 .PHONY: setup demo test test-core test-matrix test-kubelet test-fast lint proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet
 
@@ -12,13 +14,18 @@ setup:
 demo: setup
 	$(PY) -m testbed.demo
 
-# What CI runs (README, Compatibility): the whole suite on the default upstream (containerd 1.6, the
-# system's; the package's install test included), then the end-to-end core on containerd 2.2, and
-# on the newest runtimes a node runs, containerd 2.4 with runc 1.3 and CRIU 4.2 (with the CRIU
-# patches' tests). The other combinations: `make test-matrix`. All run even when one fails; the
-# target fails if any did.
+# What CI runs (README, Compatibility): the checks of `make lint` first (written out, not a sub-make:
+# make runs a recipe line that calls $(MAKE) even under `make -n`), then the whole suite on the
+# default upstream (containerd 1.6, the system's; the package's install test included), then the
+# end-to-end core on containerd 2.2, and on the newest runtimes a node runs, containerd 2.4 with
+# runc 1.3 and CRIU 4.2 (with the CRIU patches' tests). The other combinations: `make test-matrix`.
+# All run even when one fails; the target fails if any did.
 test: setup
 	@rc=0; \
+	echo "==> lint: ruff check, ruff format --check, mypy"; \
+	$(RUFF) check . || rc=1; \
+	$(RUFF) format --check . || rc=1; \
+	$(MYPY) || rc=1; \
 	echo "==> the whole suite on containerd 1.6"; \
 	PODSHIM_TEST_CONTAINERD=1.6 $(PYTEST) -ra || rc=1; \
 	echo "==> the end-to-end core on containerd 2.2"; \
@@ -66,9 +73,11 @@ test-fast:
 deb: setup
 	bash scripts/build-deb.sh dist
 
+# ruff's checks and format, and mypy over shim/ testbed/ bench/ conformance/ ([tool.mypy]).
 lint:
-	.venv/bin/ruff check .
-	.venv/bin/ruff format --check .
+	$(RUFF) check .
+	$(RUFF) format --check .
+	$(MYPY)
 
 proto:
 	bash scripts/gen_proto.sh

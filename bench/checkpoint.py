@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             if samples:
                 results[key] = samples
 
-    rows = []
+    rows: list[list[Any]] = []
     freeze_ratios, total_ratios, freeze_floor_ratios, total_floor_ratios = [], [], [], []
     parallel_ratios = []
     width = 25

@@ -125,8 +125,8 @@ def machine_summary() -> str:
     return (
         f"host: {os.cpu_count()} cpus, {meminfo_mib('MemTotal')} MiB RAM "
         f"({meminfo_mib()} MiB available), load {load}, kernel {platform.release()}; "
-        f"runc {_first_line([REAL_RUNC, '--version']).removeprefix('runc version ')}, "
-        f"criu {_first_line([CRIU, '--version']).removeprefix('Version: ')}\n{code_summary()}"
+        f"runc {_first_line([str(REAL_RUNC), '--version']).removeprefix('runc version ')}, "
+        f"criu {_first_line([str(CRIU), '--version']).removeprefix('Version: ')}\n{code_summary()}"
     )
 
 
@@ -259,7 +259,7 @@ def bench_bed() -> Iterator[TestBed]:
         say("stopping the test bed")
 
 
-def runtime_stub(socket: str | os.PathLike[str]) -> api_pb2_grpc.RuntimeServiceStub:
+def runtime_stub(socket: str | Path) -> api_pb2_grpc.RuntimeServiceStub:
     return pods.stubs(socket)[0]
 
 
@@ -343,7 +343,7 @@ def checkpoint_pod(
 
 def runc_argv(bed: TestBed, *args: str) -> list[str]:
     """Plain runc on the bed's runc root (the containers containerd runs), with CRIU 4.1."""
-    return [REAL_RUNC, "--root", str(bed.runc_root), "--criu", CRIU, *args]
+    return [str(REAL_RUNC), "--root", str(bed.runc_root), "--criu", str(CRIU), *args]
 
 
 def read_criu_stats(path: Path, kind: str) -> dict[str, int]:

@@ -328,11 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         mig_rows = []
         for i in range(0 if args.skip_migrate else args.repeats):
             say(f"migration #{i + 1}: CheckpointPod on A → push → pull on B → RestorePod + StartContainer")
-            m = migrate(rt_a, rt_b, bed_a, bed_b, reg, pod, args.mem_mib, f"m{i}-{secrets.token_hex(2)}")
+            mig = migrate(rt_a, rt_b, bed_a, bed_b, reg, pod, args.mem_mib, f"m{i}-{secrets.token_hex(2)}")
             mig_rows.append(
-                [f"#{i + 1}", m["checkpoint"], m["push"], m["pull"], m["restore+start"], m["total"]]
+                [f"#{i + 1}", mig["checkpoint"], mig["push"], mig["pull"], mig["restore+start"], mig["total"]]
             )
-            note("migrate", m["total"])
+            note("migrate", mig["total"])
         print()
         print(
             table(["migration", "checkpoint s", "push s", "pull s", "restore+start s", "total s"], mig_rows)

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             for key, value in values.items():  # "runtime.criu=/x/criu": another section than [checkpoint]
                 section, _, name = key.rpartition(".")
                 sections.setdefault(section or "checkpoint", {})[name] = value
-            sock, log = stack.enter_context(bed.extra_podshim(work, env=env, **sections))
+            sock, log = stack.enter_context(bed.extra_podshim(work, failpoints="", env=env, **sections))
             arms[label] = (runtime_stub(sock), log)
         rt = runtime_stub(bed.podshim_socket)
         pod = start_counter_pod(rt, bed, "ab", {f"c{i}": counter_config(f"c{i}", mem) for i in range(n)})

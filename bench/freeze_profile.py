@@ -364,8 +364,7 @@ def profile_podshim(bed: TestBed, pod: Any, tag: str, keep: Path | None) -> str:
     wlog, runc, criu = wrappers(base)
     work = base / f"profile-{tag}"
     work.mkdir()
-    overrides = {"runtime": {"binary": str(runc), "criu": str(criu)}}
-    with bed.extra_podshim(work, **overrides) as (sock, plog):
+    with bed.extra_podshim(work, runtime={"binary": str(runc), "criu": str(criu)}) as (sock, plog):
         rt = runtime_stub(sock)
         out = Path(bed.checkpoint_root) / f"profile-{tag}"
         sync_disk()

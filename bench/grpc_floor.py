@@ -20,7 +20,7 @@ class _Forward(grpc.GenericRpcHandler):
         self.upstream = upstream
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        call = self.upstream.unary_unary(details.method)
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = self.upstream.unary_unary(details.method)
 
         async def forward(request: bytes, context: Any) -> bytes:
             return await call(request)

@@ -128,14 +128,13 @@ def start_gofloor(
     return front
 
 
-def shims(containerd_pid: int) -> list[psutil.Process]:
-    """containerd's runc shims (they outlive their parent: they are found by their argv)."""
+def shims(containerd_socket: str) -> list[psutil.Process]:
+    """containerd's runc shims (they outlive their parent: they are found by their argv, whose
+    -address is containerd's socket)."""
     out = []
     for p in psutil.process_iter(["name", "cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if p.info.get("name", "").startswith("containerd-shim") and any(
-            str(containerd_pid) in a for a in cmd
-        ):
+        if p.info.get("name", "").startswith("containerd-shim") and any(containerd_socket in a for a in cmd):
             out.append(p)
     return out
 

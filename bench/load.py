@@ -84,7 +84,9 @@ def _client(
     """One client process: its own channel; per command, one phase of paced calls."""
     rng = random.Random(seed)
     channel = grpc.insecure_channel(tgt)
-    calls = {m: channel.unary_unary(SERVICE + m) for m in requests}
+    calls: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {
+        m: channel.unary_unary(SERVICE + m) for m in requests
+    }
     methods = list(requests)
     for m, fn in calls.items():  # connect before the first phase
         fn(requests[m], timeout=10)

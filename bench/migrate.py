@@ -159,7 +159,7 @@ def negotiated_cipher(archive: Path) -> str:
     """The AEAD of the pages' TLS, from the dumps' CRIU logs in the source's archive (every dump
     must agree; a suite the floors do not know is an error: they would measure another), with
     where it was found."""
-    found = set()
+    found: set[str] = set()
     for log in archive.rglob("migration-dump.log"):
         found.update(m.decode() for m in HANDSHAKE_RE.findall(log.read_bytes()))
     if not found:
@@ -188,7 +188,7 @@ def floor(n: Nodes, nbytes: int, congestion: str, cipher: str | None = None) -> 
     with tempfile.TemporaryDirectory() as tmp:
         # Python's ssl sets no TLS 1.3 suites before 3.13: OpenSSL's configuration does, both ends
         env = dict(os.environ)
-        if tls:
+        if cipher is not None:
             conf = Path(tmp) / "openssl.cnf"
             conf.write_text(_OPENSSL_CONF.format(suite=TLS_SUITES[cipher][0]))
             env["OPENSSL_CONF"] = str(conf)
@@ -212,7 +212,7 @@ def floor(n: Nodes, nbytes: int, congestion: str, cipher: str | None = None) -> 
     if send.returncode or int(got) < nbytes:
         raise RuntimeError(f"the floor moved {got} of {nbytes} bytes: {send.stderr}")
     start, suite = send.stdout.split()[:2]
-    if tls and suite != "TLSv1.3/" + TLS_SUITES[cipher][0]:
+    if cipher is not None and suite != "TLSv1.3/" + TLS_SUITES[cipher][0]:
         raise RuntimeError(f"the TLS floor negotiated {suite}, not CRIU's TLSv1.3/{TLS_SUITES[cipher][0]}")
     return float(ended) - float(start)
 

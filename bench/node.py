@@ -190,7 +190,7 @@ def measure_calls(
     runs: dict[tuple[str, str], tuple[list[str], dict[str, str]]] = {}
     for kind, (_, real) in KINDS.items():
         for t, binary in targets.items():
-            direct = REAL_RUNC if real else STAND_IN
+            direct = str(REAL_RUNC) if real else STAND_IN
             runs[(kind, t)] = ([binary or direct, *args[kind]], env if real else stand_in_env)
     say(f"wrapper per call: warm-up, then {rounds} rounds x {block} calls per kind and target")
     for argv, e in runs.values():
@@ -245,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         calls = measure_calls(
             beds["podshim-runc"], cids["podshim-runc"], args.call_rounds, args.call_block, args.python
         )
-        for n, p in running.items():
-            pods.remove_pod(stubs[n], p.id)
+        for n, running_pod in running.items():
+            pods.remove_pod(stubs[n], running_pod.id)
         say("stopping the beds")
 
     names = list(binaries)

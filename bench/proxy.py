@@ -85,7 +85,9 @@ def measure_latency(
 ) -> dict[tuple[str, str], list[float]]:
     """Per (method, target): per-call latencies in seconds."""
     channels = {name: grpc.insecure_channel(t) for name, t in targets.items()}
-    calls = {(m, name): ch.unary_unary(SERVICE + m) for m in requests for name, ch in channels.items()}
+    calls: dict[tuple[str, str], grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {
+        (m, name): ch.unary_unary(SERVICE + m) for m in requests for name, ch in channels.items()
+    }
     say(f"latency warm-up: {args.warmup} calls per method and target")
     for (m, _name), fn in calls.items():
         for _ in range(args.warmup):
@@ -127,7 +129,9 @@ def _client(
 ) -> None:
     """One client process: its own channels, runs one trial per command, after the barrier."""
     channels = {name: grpc.insecure_channel(t) for name, t in targets.items()}
-    calls = {name: ch.unary_unary(SERVICE + method) for name, ch in channels.items()}
+    calls: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {
+        name: ch.unary_unary(SERVICE + method) for name, ch in channels.items()
+    }
     for fn in calls.values():  # connect before the first trial
         fn(request, timeout=10)
     results.put(("ready", 0, 0, 0.0))
@@ -232,13 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         python_dir = bed.base_dir / "python-podshim"
         python_dir.mkdir()
         with contextlib.ExitStack() as stack:
-            for proc in procs:
+            for cmd, proc in zip(floors, procs, strict=True):
                 stack.callback(proc.wait, 10)
                 stack.callback(proc.terminate)
                 assert proc.stdout is not None
                 said = proc.stdout.readline().strip()
                 if said != "ready":
-                    raise RuntimeError(f"{proc.args[0]}: {said or 'exited'}")
+                    raise RuntimeError(f"{cmd[0]}: {said or 'exited'}")
             python_socket, _log = stack.enter_context(bed.extra_podshim(python_dir, server={"front": False}))
             targets = {
                 "podshim": target(bed.podshim_socket),
@@ -283,10 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     ratios: dict[str, dict[int, float]] = {name: {} for name in ("podshim", *FLOORS)}
     for c in levels:
-        d = median(rates[c]["direct"])
-        row = [f"ListPodSandbox x{c}", d]
+        direct = median(rates[c]["direct"])
+        row = [f"ListPodSandbox x{c}", direct]
         for name in ratios:
-            ratios[name][c] = ratio(median(rates[c][name]), d)
+            ratios[name][c] = ratio(median(rates[c][name]), direct)
             row += [median(rates[c][name]), ratios[name][c]]
         rows.append(row)
     print()

@@ -7,6 +7,7 @@ explicitly as the merged CRI requires, and leaves nothing behind.
 
 from __future__ import annotations
 
+import functools
 import tarfile
 import time
 from dataclasses import dataclass
@@ -29,8 +30,8 @@ NO_SUCH_HANDLER = "conformance-no-such-handler"
 
 # Pods are shared by the tests that only read them or take checkpoints of them (the pods keep
 # running after a checkpoint); each is made on first use and removed at the end of the run.
-SINGLE = {"workload": None}
-PAIR = {"alpha": None, "beta": None}
+SINGLE: dict[str, list[str] | None] = {"workload": None}
+PAIR: dict[str, list[str] | None] = {"alpha": None, "beta": None}
 
 
 def shared_pod(t: Context, key: str, containers: dict[str, list[str] | None]) -> Pod:
@@ -121,7 +122,7 @@ def restore_start_and_check(
             f"({cst.reason}: {cst.message})"
         )
         log = cst.log_path or str(Path(config.log_directory) / source.configs[name].log_path)
-        first = wait_for(lambda log=log: rt.counts(log), 20, f"output of restored container {name}")[0]
+        first = wait_for(functools.partial(rt.counts, log), 20, f"output of restored container {name}")[0]
         before, after = saved[name]
         assert first >= before, (
             f"restored container {name} printed {first} first, but {before} was printed before the "
@@ -267,7 +268,7 @@ def test_missing_checkpoint_data(t: Context) -> None:
         cc = t.runtime.container_config("workload", config)
         t.expect_error(
             (Code.NOT_FOUND, Code.INVALID_ARGUMENT),
-            lambda path=path, config=config, cc=cc: t.restore_pod(path, config, [cc]),
+            functools.partial(t.restore_pod, path, config, [cc]),
             f"RestorePod of {what} ({path})",
         )
         t.assert_no_sandbox(config, f"after RestorePod of {what}")

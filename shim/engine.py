@@ -9,7 +9,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -378,7 +378,7 @@ class Engine:
 
     async def _recover_record(self, rec: OpRecord, retry: bool = True) -> bool:
         # each operation undoes its own record (shim/ops/); the engine only dispatches
-        recover = {
+        recoverers: dict[str, Callable[[OpRecord], Awaitable[None]]] = {
             "checkpoint": checkpoint_pod.recover,
             "checkpoint-container": checkpoint_container.recover,
             "restore": self.restorer.recover,
@@ -386,7 +386,8 @@ class Engine:
             # docs/architecture.md §21 (Live migration)
             "migration-source": functools.partial(source_recovery.recover, upstream=self.upstream),
             "migration-destination": functools.partial(migration_in.recover, restorer=self.restorer),
-        }[rec.kind]
+        }
+        recover = recoverers[rec.kind]
         try:
             await recover(rec)
         except Exception as e:  # noqa: BLE001 - logged; the record stays, retried in the background

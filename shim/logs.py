@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 import structlog
 
 
-def configure(fmt: str = "json", level: str = "info", stream: object = None) -> None:
+def configure(fmt: str = "json", level: str = "info", stream: TextIO | None = None) -> None:
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
     )

@@ -82,12 +82,12 @@ class CriRecorder(grpc.GenericRpcHandler):
             with self._lock:
                 self.counts[(short, code.name)] += 1
 
-        def metadata(context: grpc.ServicerContext) -> list[tuple[str, str | bytes]]:
-            return [(k, v) for k, v in context.invocation_metadata() if not k.startswith(":")]
+        def metadata(context: grpc.ServicerContext) -> tuple[tuple[str, str | bytes], ...]:
+            return tuple((k, v) for k, v in context.invocation_metadata() if not k.startswith(":"))
 
         def unary(request: bytes, context: grpc.ServicerContext) -> bytes:
             record(request)
-            call = self.upstream.unary_unary(method)
+            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self.upstream.unary_unary(method)
             try:
                 resp: bytes = call(request, timeout=context.time_remaining(), metadata=metadata(context))
             except grpc.RpcError as e:
@@ -98,7 +98,7 @@ class CriRecorder(grpc.GenericRpcHandler):
 
         def stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
             record(request)
-            call = self.upstream.unary_stream(method)
+            call: grpc.UnaryStreamMultiCallable[bytes, bytes] = self.upstream.unary_stream(method)
             try:
                 yield from call(request, timeout=context.time_remaining(), metadata=metadata(context))
             except grpc.RpcError as e:

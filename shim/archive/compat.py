@@ -55,7 +55,7 @@ def per_binary(fn: Callable[..., T], binary: str, *args: Any) -> T:
     key = (fn, binary, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, *args)
     with _memo_lock:
         if key in _memo:
-            return _memo[key]  # type: ignore[no-any-return]
+            return _memo[key]
     value = fn(binary, *args)
     with _memo_lock:
         if len(_memo) >= MEMO_SIZE:

@@ -134,9 +134,9 @@ class TaskStates:
                 os.kill(pid, signal.SIGCONT)  # the whole thread group leaves the stop
         again = []
         for t in stopped:
-            task = _read_task(t.pid, t.tid)
-            if task is not None and task.stopped:
-                again.append(task)
+            now_t = _read_task(t.pid, t.tid)
+            if now_t is not None and now_t.stopped:
+                again.append(now_t)
         return Disturbed(stopped, traced, again)
 
 

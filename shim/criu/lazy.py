@@ -119,7 +119,7 @@ def guard_release(sock: socket.socket) -> None:
 
 def daemon_uffds(pid: int) -> list[int]:
     """The descriptor numbers of the userfaultfds `pid` holds."""
-    out = []
+    out: list[int] = []
     try:
         names = os.listdir(f"/proc/{pid}/fd")
     except OSError:

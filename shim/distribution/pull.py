@@ -132,7 +132,7 @@ class _Blob:
         again; a view, not a copy of the rest: zstd asks for 128 KiB at a time), or everything
         with n < 0; empty at the end."""
         if n < 0:
-            parts = [self.buf]
+            parts: list[bytes | memoryview] = [self.buf]
             while chunk := self._next():
                 parts.append(chunk)
             self.buf = memoryview(b"")
@@ -200,6 +200,7 @@ def _read_all(blob: _Blob) -> bytes:
         blob.finish()
     finally:
         blob.close()
+    assert isinstance(data, bytes)  # read(-1) joins the chunks: bytes, never a view
     return data
 
 
@@ -378,7 +379,7 @@ def _pull_layer(
             import zstandard
 
             source = _Capped(
-                zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True),
+                zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True),  # type: ignore[arg-type]  # any object with read() works; the stub asks for IO[bytes]
                 unit.tar_cap(),
                 what,
             )

@@ -15,6 +15,7 @@ import functools
 import ipaddress
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,7 @@ def scheme_for(host: str, insecure: bool) -> str:
 # ---------------------------------------------------------------------------- credentials
 
 
-def docker_config_path(explicit: str | None = None, env: dict[str, str] | None = None) -> Path | None:
+def docker_config_path(explicit: str | None = None, env: Mapping[str, str] | None = None) -> Path | None:
     env = os.environ if env is None else env
     if explicit:
         return Path(explicit)
@@ -119,7 +120,7 @@ def _host_keys(host: str) -> list[str]:
 
 
 def credentials_for(
-    host: str, config_file: str | None = None, env: dict[str, str] | None = None
+    host: str, config_file: str | None = None, env: Mapping[str, str] | None = None
 ) -> Credentials:
     """The credentials for `host`: $PODSHIM_REGISTRY_AUTH first, then the docker config file
     (an explicit `config_file` must exist and parse). None found: anonymous."""
@@ -174,7 +175,7 @@ class _Auth(oras.auth.token.TokenAuth):
 
     def __init__(self) -> None:
         super().__init__()
-        self._basic_auth: str | None = None  # type: ignore[assignment]
+        self._basic_auth: str | None = None
         self.basic = False
 
     def get_auth_header(self) -> dict[str, str]:
@@ -210,14 +211,14 @@ class RegistryClient(oras.provider.Registry):
         self.creds_source = creds.source
         if creds:
             self.auth.set_basic_auth(creds.username, creds.password)
-        self.session.request = functools.partial(  # type: ignore[method-assign]
+        self.session.request = functools.partial(
             self.session.request, timeout=(REGISTRY_CONNECT_TIMEOUT, REGISTRY_READ_TIMEOUT)
         )
 
     def url(self, path: str) -> str:
         return f"{self.prefix}://{path}"
 
-    def do_request(  # type: ignore[override]
+    def do_request(
         self,
         url: str,
         method: str = "GET",

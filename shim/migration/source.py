@@ -185,6 +185,7 @@ class MigrationSource:
         archive: layout.ArchiveLayout,
         selected: list[Any],
     ) -> manifest.Manifest:
+        assert archive.dir is not None  # output_path held open (checkpoint)
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         s.channel = await self._connect(s, ctx, loop)
@@ -475,6 +476,7 @@ class MigrationSource:
     async def _fail(self, s: _Session, archive: layout.ArchiveLayout, error: errors.ShimError) -> None:
         """Undo: tell the destination, end the dumps (their page servers), wait the destination's lease
         when it may have run (`go` was sent), thaw, clear the partial archive, close the record."""
+        assert archive.dir is not None  # output_path held open (checkpoint)
         metrics.migrations.labels("source", error.code_name).inc()
         _stop(s.heartbeat)
         if s.channel is not None:

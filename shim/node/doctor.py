@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import json
 import os
 import shutil
@@ -538,7 +539,7 @@ def check_private_dir(
 def checks(cfg: Config, kubelet_pids: list[int] | None = None) -> Iterator[Callable[[], list[Result]]]:
     """Every check of the node, in the order they print."""
     for criu in criu_binaries(cfg):
-        yield lambda criu=criu: check_criu_binary(criu)
+        yield functools.partial(check_criu_binary, criu)
     criu = cfg.runtime.criu
     yield lambda: check_criu_kernel(criu)
     yield lambda: check_criu_patches(criu)
@@ -546,7 +547,7 @@ def checks(cfg: Config, kubelet_pids: list[int] | None = None) -> Iterator[Calla
     yield lambda: check_criu_uffd(criu, cfg.lazy_pages)
     yield lambda: check_cgroups(cfg)
     for name, rt in (("runc", cfg.runtime), *cfg.runtimes.items()):
-        yield lambda name=name, rt=rt: check_runtime(name, rt)
+        yield functools.partial(check_runtime, name, rt)
     yield lambda: check_wiring(cfg)
     yield lambda: check_podshim(cfg)
     yield lambda: check_kubelets(cfg, kubelet_pids)

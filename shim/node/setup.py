@@ -287,7 +287,9 @@ def _runtime_notes(ctd: Containerd, now: dict[str, Any], handlers: list[str], cf
     for h in handlers:
         rt = cfg.runtime_for_handler(h)
         table = handler_table(ctd, now, h)
-        options = table.get("options") if isinstance(table.get("options"), dict) else {}
+        options = table.get("options")
+        if not isinstance(options, dict):
+            options = {}
         where = "[runtime]" if rt is cfg.runtime else f"[runtimes.{h}]"
         if rt is None:
             notes.append(f"podshim's config has no [runtimes.{h}]: add binary, root and criu for it")

@@ -285,9 +285,8 @@ class LazyPages:
         gone = bad = ""
         try:
             while not waiter.done():
-                await asyncio.wait(
-                    {waiter, *_pending(d.verify)}, timeout=LAZY_POLL, return_when=asyncio.FIRST_COMPLETED
-                )
+                watched: set[asyncio.Future[Any]] = {waiter, *_pending(d.verify)}
+                await asyncio.wait(watched, timeout=LAZY_POLL, return_when=asyncio.FIRST_COMPLETED)
                 if waiter.done():
                     break
                 self._hold_uffds(d)

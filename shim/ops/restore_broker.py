@@ -259,7 +259,7 @@ class RestoreBroker:
             p.settle(returncode, client_faults.hit)
             try:
                 restore.conclude(p, returncode)
-                reply = ("ok",)
+                reply: tuple[str, ...] = ("ok",)
             except restore.RestoreFailed as e:
                 reply = ("fail", str(e))
             _send(conn, *reply)

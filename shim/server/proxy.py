@@ -28,9 +28,7 @@ def forwarded_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, st
     md = context.invocation_metadata()
     if not md:
         return None
-    kept = tuple(
-        (m.key, m.value) for m in md if m.key not in _HOP_KEYS and not m.key.startswith((":", "grpc-"))
-    )
+    kept = tuple((k, v) for k, v in md if k not in _HOP_KEYS and not k.startswith((":", "grpc-")))
     return kept or None
 
 

@@ -104,10 +104,9 @@ async def decode(req_cls: type[M], raw: bytes, context: grpc.aio.ServicerContext
         raise AssertionError("not reached") from None
 
 
-def typed_handler(
-    name: str, fn: Handler, req_cls: type[Message], resp_cls: type[Message]
-) -> grpc.RpcMethodHandler:
-    """A unary handler that turns podshim's typed errors into their gRPC status, never a traceback."""
+def typed_call(name: str, fn: Handler, req_cls: type[Message]) -> Handler:
+    """`fn` with the request as bytes (from the wire) or decoded (another handler delegating), and
+    podshim's typed errors turned into their gRPC status, never a traceback: typed_handler's behaviour."""
 
     async def handle(raw: bytes | Message, context: grpc.aio.ServicerContext) -> Message:
         # bytes from the wire; a decoded request when another handler delegates (CreateContainer)
@@ -130,7 +129,16 @@ def typed_handler(
             )
         raise AssertionError("not reached")
 
-    return grpc.unary_unary_rpc_method_handler(handle, response_serializer=resp_cls.SerializeToString)
+    return handle
+
+
+def typed_handler(
+    name: str, fn: Handler, req_cls: type[Message], resp_cls: type[Message]
+) -> grpc.RpcMethodHandler:
+    """A unary handler that turns podshim's typed errors into their gRPC status, never a traceback."""
+    return grpc.unary_unary_rpc_method_handler(
+        typed_call(name, fn, req_cls), response_serializer=resp_cls.SerializeToString
+    )
 
 
 def version_answer(up: cri.VersionResponse, runtime_name: str) -> cri.VersionResponse:
@@ -190,12 +198,9 @@ class RuntimeHandlers:
         is a container checkpoint archive (CRI-O's convention; no image reference starts with
         '/'): podshim creates the container from it."""
         forward = self.passthrough.unary(SERVICE + "CreateContainer")
-        from_archive = typed_handler(
-            "CreateContainer",
-            self._engine_call("CreateContainerFromArchive"),
-            cri.CreateContainerRequest,
-            cri.CreateContainerResponse,
-        ).unary_unary
+        from_archive = typed_call(
+            "CreateContainer", self._engine_call("CreateContainerFromArchive"), cri.CreateContainerRequest
+        )
 
         async def create(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             req = await decode(cri.CreateContainerRequest, request, context)

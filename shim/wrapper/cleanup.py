@@ -151,7 +151,7 @@ def detach_mounts_below(dirs: list[Path], held: dict[Path, int], rounds: int = 2
                 mounts = [_unescape(line.split()[4]) for line in f]
         except OSError:
             return
-        targets = set()
+        targets: set[str] = set()
         for via, real in roots:
             prefix = real.rstrip("/") + "/"
             targets.update(via + m[len(real.rstrip("/")) :] for m in mounts if m.startswith(prefix))
