@@ -504,16 +504,16 @@ class PodCheckpointer:
                 pass_fds=(w.images.fd, w.dir.fd),  # /proc/self/fd/N names them in runc/crun too
                 gate=gate,
             )
-        except errors.Internal as e:
+        except (errors.Internal, errors.ResourceExhausted) as e:
             # the failure removes output_path, CRIU log included: keep a copy for the operator
-            # (as the restore hook does) and name that one in the message
+            # (as the restore hook does) and name that one in the message, with the same code
             kept = self._keep_log(w)
             if kept is None:
                 raise
             log_path = str(Path(w.dir.proc) / layout.DUMP_LOG_FILE)
             if log_path in e.message:
-                raise errors.Internal(e.message.replace(log_path, kept)) from None
-            raise errors.Internal(f"{e.message} (CRIU log: {kept})") from None
+                raise type(e)(e.message.replace(log_path, kept)) from None
+            raise type(e)(f"{e.message} (CRIU log: {kept})") from None
         log.info("container dumped", container=w.view.name, seconds=round(w.dump_seconds, 4))
 
     def _keep_log(self, w: _Work) -> str | None:

@@ -210,6 +210,8 @@ def test_checkpoint_filesystem_full(
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
         assert "no space left on its filesystem" in details, details
         assert "'counter'" in details
+        kept = Path(details.rsplit("CRIU log: ", 1)[1].split(")")[0])  # a path that outlives the call
+        assert kept.is_file() and not str(kept).startswith("/proc/"), details
         filler.unlink()
         _after(held_rt, bed, cp, out)
         assert [p.name for p in small_fs.iterdir()] == [out.name]

@@ -224,15 +224,17 @@ def test_podshim_runc_killed_while_the_tasks_are_held_stopped(
     log_root: Path,
     pod_cleanup: list[str],
     path: str,
+    tmp_path: Path,
 ) -> None:
     """An eager restore's tasks are held stopped (CRIU's leave-stopped) until podshim-runc has
-    checked the page images (docs/architecture.md §5 (RestorePod) step 4). Held 4 s
-    (`runc-wrapper.held-stopped=sleep:4`): every process of the container is stopped and silent,
-    then continued, and it counts on. podshim-runc SIGKILLed at that point (`=kill`): its watchdog
-    kills them all, nothing is left stopped or running, the pod can be removed leaving nothing,
-    and the archive restores afterwards."""
+    checked the page images (docs/architecture.md §5 (RestorePod) step 4). Held there until the
+    test lets go (`runc-wrapper.held-stopped=wait:FILE`): every process of the container is
+    stopped and silent, then continued, and it counts on. podshim-runc SIGKILLed at that point
+    (`=kill`): its watchdog kills them all, nothing is left stopped or running, the pod can be
+    removed leaving nothing, and the archive restores afterwards."""
     digest = _digest(archive.path)
-    with containerd_env(bed, {FAILPOINTS_ENV: "runc-wrapper.held-stopped=sleep:4" + path}):
+    release = tmp_path / "release"
+    with containerd_env(bed, {FAILPOINTS_ENV: f"runc-wrapper.held-stopped=wait:{release}" + path}):
         rt = pods.stubs(bed.podshim_socket)[0]
         resp = restore(rt, archive, new_pod)
         pod_cleanup.append(resp.pod_sandbox_id)
@@ -257,6 +259,8 @@ def test_podshim_runc_killed_while_the_tasks_are_held_stopped(
         )
         print(f"\nheld stopped: {held}")
         assert not pods.counts(log), "a held process printed"
+        assert t.is_alive(), "StartContainer answered while its tasks were held"
+        release.touch()
         t.join(30)
         assert started == [None], started
         n = pods.wait_for(lambda: pods.counts(log), 20, what="the continued counter's output")[0]
