@@ -107,6 +107,8 @@ FRONT_RESTART_FIRST = 0.05
 FRONT_RESTART_MAX = 0.25
 FRONT_RESTART_JITTER = 0.2
 FRONT_STEADY = 60.0
+# a front whose daemon's socket has been unreachable this long stops (no daemon came back to adopt it)
+FRONT_ORPHAN_TIMEOUT = 60.0
 FRONT_METRICS_TIMEOUT = 2.0  # reading the front's metrics at a scrape of podshim's /metrics
 
 # ---------------------------------------------------------------------- the upstream

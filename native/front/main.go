@@ -1,20 +1,22 @@
 // podshim-front: podshim's public CRI socket, compiled (docs/architecture.md §3 (The proxy)).
 //
-// `podshim serve` starts it and it lives as long as that daemon does. Every CRI call podshim does
-// not own goes to the upstream runtime byte for byte (the request and response never decoded;
-// metadata, deadline and cancellation carried over; the upstream's status, headers and trailers
-// back unchanged); the methods podshim owns (--own, the daemon's routing table) go to the daemon
-// over its private socket, the same way. The daemon passes everything on the command line:
+// `podshim serve` starts it. Every CRI call podshim does not own goes to the upstream runtime byte
+// for byte (the request and response never decoded; metadata, deadline and cancellation carried
+// over; the upstream's status, headers and trailers back unchanged); the methods podshim owns
+// (--own, the daemon's routing table) go to the daemon over its private socket, the same way. The
+// daemon passes everything on the command line:
 //
-//	podshim-front --listen SOCK --upstream unix:///… [--daemon DAEMON_SOCK] --parent PID
-//	    --own METHOD,… --unary METHOD,… [--metrics-socket SOCK] [--grace 1]
+//	podshim-front --listen SOCK --upstream unix:///… [--daemon DAEMON_SOCK]
+//	    --own METHOD,… --unary METHOD,… [--metrics-socket SOCK] [--grace 1] [--orphan-timeout 60s]
 //	    [--log-format json|console] [--log-level info]
 //
-// It prints one line on stdout: "ready" once it listens, or "error: …" before it exits 1. It stops
-// on SIGTERM, which the daemon sends at its graceful stop and the kernel sends when the daemon
-// dies (PR_SET_PDEATHSIG): no new calls, those in flight get --grace seconds, then it removes its
-// socket (if the path is still the one it bound) and exits. SIGINT is ignored: a terminal's ^C
-// reaches the daemon too, which still passes calls through while it drains.
+// It prints one line on stdout: "ready" once it listens, or "error: …" before it exits 1. It
+// outlives a daemon that dies: the node's CRI keeps working (the upstream's calls pass, the
+// daemon's are UNAVAILABLE) until the next daemon adopts it. It stops on SIGTERM, which the daemon
+// sends at its graceful stop, or once its daemon has been unreachable for --orphan-timeout (none
+// came back): no new calls, those in flight get --grace seconds, then it removes its socket (if
+// the path is still the one it bound) and exits. SIGINT is ignored: a terminal's ^C reaches the
+// daemon too, which still passes calls through while it drains.
 package main
 
 import (
@@ -24,7 +26,6 @@ import (
 	"net"
 	"os"
 	"os/signal"
-	"runtime"
 	"strings"
 	"syscall"
 	"time"
@@ -42,17 +43,10 @@ const maxMessage = 16 << 20 // the kubelet's own CRI limit, as the daemon's
 // so a wake-up of the front and of the upstream per call).
 const window = maxMessage
 
-func init() {
-	// main runs on the process's first thread: the parent-death signal below is set on it, and
-	// that thread never ends before the process does
-	runtime.LockOSThread()
-}
-
 type options struct {
 	listen, upstream, daemon, metricsSocket string
 	own, unary                              string
-	parent                                  int
-	grace, deadlineMargin                   time.Duration
+	grace, deadlineMargin, orphanTimeout    time.Duration
 	logFormat, logLevel                     string
 }
 
@@ -64,7 +58,8 @@ func parseFlags() options {
 	flag.StringVar(&o.metricsSocket, "metrics-socket", "", "serve GET /metrics on this unix socket")
 	flag.StringVar(&o.own, "own", "", "full method names the daemon answers, comma-separated")
 	flag.StringVar(&o.unary, "unary", "", "full method names known to be unary, comma-separated")
-	flag.IntVar(&o.parent, "parent", 0, "the daemon's pid: the front exits if it is not its parent")
+	flag.DurationVar(&o.orphanTimeout, "orphan-timeout", 0,
+		"stop once the daemon's socket has been unreachable this long (0: never)")
 	flag.DurationVar(&o.grace, "grace", time.Second, "calls in flight at a stop get this long")
 	flag.DurationVar(&o.deadlineMargin, "deadline-margin", 100*time.Millisecond,
 		"kept from each caller's deadline when the call is passed on")
@@ -87,12 +82,6 @@ func main() {
 func run(o options, log *slog.Logger) error {
 	if o.listen == "" || o.upstream == "" || (o.daemon == "" && o.own != "") {
 		return fmt.Errorf("--listen, --upstream and --daemon are required")
-	}
-	if err := unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(syscall.SIGTERM), 0, 0, 0); err != nil {
-		return fmt.Errorf("prctl(PR_SET_PDEATHSIG): %w", err)
-	}
-	if o.parent != 0 && os.Getppid() != o.parent {
-		return fmt.Errorf("the daemon (pid %d) is gone", o.parent) // it died before the prctl
 	}
 	signal.Ignore(syscall.SIGINT)
 	stop := make(chan os.Signal, 1)
@@ -141,9 +130,16 @@ func run(o options, log *slog.Logger) error {
 	log.Info("front serving", "socket", o.listen, "upstream", o.upstream, "daemon", o.daemon,
 		"owned_methods", len(p.own))
 
+	orphaned := make(chan struct{})
+	if o.daemon != "" && o.orphanTimeout > 0 {
+		go watchDaemon(o.daemon, o.orphanTimeout, orphaned)
+	}
 	select {
 	case sig := <-stop:
 		log.Info("front stopping", "signal", sig.String(), "grace", o.grace.Seconds())
+	case <-orphaned:
+		log.Warn("front stopping: its daemon has been unreachable too long", "daemon", o.daemon,
+			"seconds", o.orphanTimeout.Seconds())
 	case err := <-served:
 		return fmt.Errorf("serving %s: %w", o.listen, err)
 	}
@@ -156,6 +152,21 @@ func run(o options, log *slog.Logger) error {
 	}
 	log.Info("front stopped")
 	return nil
+}
+
+// watchDaemon closes orphaned once the daemon's socket has refused connections for `timeout`: the
+// daemon died and none came back to adopt the front (a stop whose SIGTERM never reached it).
+func watchDaemon(path string, timeout time.Duration, orphaned chan<- struct{}) {
+	seen := time.Now()
+	for range time.Tick(time.Second) {
+		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+			c.Close()
+			seen = time.Now()
+		} else if time.Since(seen) > timeout {
+			close(orphaned)
+			return
+		}
+	}
 }
 
 func set(list string) map[string]bool {

@@ -17,7 +17,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import cni, logs, metrics
 from shim.config import Config
 from shim.deadlines import PASSTHROUGH_STOP_GRACE, STOP_CLEANUP, STOP_GRACE
-from shim.server import sockets
+from shim.server import front, sockets
 from shim.server.front import Front, FrontError, private_socket
 from shim.server.proxy import CriHandler, Passthrough
 from shim.server.runtime import Engine, RuntimeHandlers
@@ -186,7 +186,9 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
     prepare_state_dir(config.state_dir)
     lock_state_dir(config.state_dir)  # held until the process ends
     reset_scratch_dir(config.scratch_dir)  # this podshim's alone now: a killed one's leftovers go
-    if sockets.serving(config.socket):  # before the recovery, which must not run beside it
+    # before the recovery, which must not run beside another podshim (a front a daemon before this
+    # one left running is this daemon's to adopt: its state dir, locked above, records it)
+    if sockets.serving(config.socket) and not (config.front and front.left_running(config)):
         raise StartupError(f"server.socket {config.socket}: another process serves this socket")
     upstream = Upstream(config.upstream_endpoint, config.upstream_timeout)
     cni.preload()

@@ -1,19 +1,22 @@
 """podshim-front (native/front/), the compiled program that serves podshim's public socket: the
-daemon starts it, starts it again if it dies, stops it, and reads its metrics
-(docs/architecture.md §3 (The proxy)).
+daemon starts it (or adopts the one a daemon before it started), starts it again if it dies,
+stops it, and reads its metrics (docs/architecture.md §3 (The proxy)).
 
 The front passes every CRI call podshim does not own straight to the upstream; the methods the
 daemon owns (its routing table, given on the command line) come to the daemon's private socket
-under the state dir. It dies with the daemon (the kernel's parent-death signal) and removes its
-socket when it stops.
+under the state dir. It outlives a daemon that dies, so the node's CRI stays up; the next daemon
+finds it by the record in the state dir (pid, start time, command line) and adopts it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
+import json
 import os
 import random
+import signal
 import socket
 import sys
 import time
@@ -21,10 +24,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from shim import logs
+from shim.archive import fsutil
 from shim.config import Config
 from shim.deadlines import (
     FRONT_EXIT_MARGIN,
     FRONT_METRICS_TIMEOUT,
+    FRONT_ORPHAN_TIMEOUT,
     FRONT_READY_TIMEOUT,
     FRONT_RESTART_FIRST,
     FRONT_RESTART_JITTER,
@@ -38,6 +43,7 @@ from shim.server import sockets
 log = logs.get("shim.server")
 BINARY = "podshim-front"
 UNIX_PATH_MAX = 107  # sun_path less its NUL
+RECORD = "front.json"  # in the state dir: the running front, for the next daemon to adopt
 
 
 class FrontError(Exception):
@@ -70,22 +76,24 @@ class Front:
             f"--listen={config.socket}",
             f"--upstream={config.upstream_endpoint}",
             f"--daemon={daemon_socket}",
-            f"--parent={os.getpid()}",
             f"--own={','.join(sorted(own))}",
             f"--unary={','.join(sorted(unary))}",
             f"--metrics-socket={self.metrics_socket}",
             f"--grace={PASSTHROUGH_STOP_GRACE}s",
             f"--deadline-margin={PASSTHROUGH_DEADLINE_MARGIN}s",
+            f"--orphan-timeout={FRONT_ORPHAN_TIMEOUT}s",
             f"--log-format={config.log_format}",
             f"--log-level={config.log_level}",
         ]
-        self._proc: asyncio.subprocess.Process | None = None
+        self.record = Path(config.state_dir) / RECORD
+        self._proc: asyncio.subprocess.Process | None = None  # a front this daemon started
+        self._pid: int | None = None  # the front this daemon runs, started or adopted
         self._stopping = False
         self._watch: asyncio.Task[None] | None = None
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._pid
 
     async def start(self) -> None:
         if not os.access(self.binary, os.X_OK):
@@ -93,8 +101,25 @@ class Front:
                 f"server.front: {self.binary} is missing or not executable: build it (make setup), "
                 "set server.front_binary, or set server.front = false"
             )
-        await self._spawn()
+        if not self._adopt():
+            await self._spawn()
         self._watch = asyncio.create_task(self._supervise())
+
+    def _adopt(self) -> bool:
+        """The front a daemon before this one started, if it still runs with this daemon's command
+        line: it keeps serving (its calls in flight, its connections) and becomes this daemon's.
+        One with another command line (an upgrade) is stopped, so that a new one starts."""
+        found = _recorded_front(self.record)
+        if found is None:
+            return False
+        pid, argv = found
+        if argv == self.argv:
+            self._pid = pid
+            log.info("front adopted", pid=pid, socket=self.config.socket)
+            return True
+        log.info("front of another command line stopped", pid=pid)
+        _terminate(pid, PASSTHROUGH_STOP_GRACE + FRONT_EXIT_MARGIN)
+        return False
 
     async def _spawn(self) -> None:
         try:
@@ -103,12 +128,13 @@ class Front:
                 sockets.remove_stale(self.metrics_socket)
         except sockets.SocketInUse as e:
             raise FrontError(f"server.socket {e}") from None
-        # forked from the event loop's thread, the main thread, which lives as long as the daemon:
-        # the front's parent-death signal fires when the daemon ends, not when some thread does
         proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE
         )
         assert proc.stdout is not None
+        # recorded at once: a daemon that dies from here on leaves a front the next one can adopt
+        record = {"pid": proc.pid, "start": _start_ticks(proc.pid), "argv": self.argv}
+        fsutil.atomic_write(self.record, json.dumps(record).encode())
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), FRONT_READY_TIMEOUT)
         except TimeoutError:
@@ -124,7 +150,7 @@ class Front:
             raise FrontError(
                 said.removeprefix("error: ") or f"{BINARY} exited with {code} before it listened"
             )
-        self._proc = proc
+        self._proc, self._pid = proc, proc.pid
         log.info("front started", pid=proc.pid, socket=self.config.socket)
 
     async def _supervise(self) -> None:
@@ -132,9 +158,8 @@ class Front:
         CRI is down meanwhile."""
         delay = FRONT_RESTART_FIRST
         while not self._stopping:
-            assert self._proc is not None
             started = time.monotonic()
-            code = await self._proc.wait()
+            code = await self._exited()
             if self._stopping:
                 return
             if time.monotonic() - started > FRONT_STEADY:
@@ -150,23 +175,50 @@ class Front:
             except (FrontError, OSError) as e:
                 log.error("front did not start again", error=str(e))
 
+    async def _exited(self) -> int | None:
+        """When the front ends: its exit code if this daemon started it, None if it was adopted
+        (a process this daemon cannot wait for: its pidfd says when it is gone)."""
+        if self._proc is not None and self._proc.pid == self._pid:
+            return await self._proc.wait()
+        assert self._pid is not None
+        try:
+            fd = os.pidfd_open(self._pid)
+        except ProcessLookupError:
+            return None
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        loop.add_reader(fd, readable)
+        try:
+            await gone
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        return None
+
     async def stop(self) -> None:
         """The front stops taking calls, gives those in flight PASSTHROUGH_STOP_GRACE, removes its
         socket and exits; killed if it has not after a margin."""
         self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
-        proc = self._proc
-        if proc is not None and proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), PASSTHROUGH_STOP_GRACE + FRONT_EXIT_MARGIN)
-            except TimeoutError:
-                log.warning("front did not stop; killing it", pid=proc.pid)
-                proc.kill()
-                await proc.wait()
-        if proc is not None:
-            sockets.remove_unserved(self.config.socket)  # a front that was killed left it behind
+        if self._pid is None:
+            return
+        with contextlib.suppress(OSError):
+            os.kill(self._pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self._exited(), PASSTHROUGH_STOP_GRACE + FRONT_EXIT_MARGIN)
+        except TimeoutError:
+            log.warning("front did not stop; killing it", pid=self._pid)
+            with contextlib.suppress(OSError):
+                os.kill(self._pid, signal.SIGKILL)
+            await self._exited()
+        self.record.unlink(missing_ok=True)
+        sockets.remove_unserved(self.config.socket)  # a front that was killed left it behind
 
     def metrics_text(self) -> str:
         """The front's /metrics exposition ("" when it cannot be read). Called from the metrics
@@ -183,6 +235,54 @@ class Front:
             return ""
         finally:
             conn.close()
+
+
+def _start_ticks(pid: int) -> int | None:
+    """A running process's start time (clock ticks since boot): with its pid it names one process.
+    None when it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _recorded_front(record: Path) -> tuple[int, list[str]] | None:
+    """The front the record names, if that very process still runs: its pid and command line."""
+    try:
+        doc = json.loads(record.read_text())
+        pid, start = int(doc["pid"]), doc["start"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if start is None or _start_ticks(pid) != start:
+        return None
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except OSError:
+        return None
+    return (pid, argv) if argv and Path(argv[0]).name == BINARY else None
+
+
+def left_running(config: Config) -> bool:
+    """Whether the process serving server.socket is a front a daemon before this one started
+    (recorded in this state dir, still running, listening there): this daemon adopts it, so its
+    socket being served is no other podshim's."""
+    found = _recorded_front(Path(config.state_dir) / RECORD)
+    return found is not None and f"--listen={config.socket}" in found[1]
+
+
+def _terminate(pid: int, wait: float) -> None:
+    """SIGTERM, then SIGKILL after `wait` seconds; returns once the process is gone (blocking:
+    called at start-up, before the daemon serves)."""
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGTERM)
+    end = time.monotonic() + wait
+    while _start_ticks(pid) is not None and time.monotonic() < end:
+        time.sleep(0.02)
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    while _start_ticks(pid) is not None and time.monotonic() < end + 5:
+        time.sleep(0.02)
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
