@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import config, contract, errors, metrics
+from shim import config, contract, errors, metrics, procs
 from shim.config import Config
 from shim.criu import lazy as criu_lazy
 from shim.criu.runtime import CriuOptions, OciRuntime
@@ -235,8 +235,8 @@ def test_uffd_guard_holds_what_it_was_handed_until_released_or_killed(end: str) 
 
 
 def test_process_start_time() -> None:
-    assert criu_lazy.process_start_time(os.getpid()) > 0
-    assert criu_lazy.process_start_time(2**22 + 12345) == 0
+    assert procs.process_start_time(os.getpid()) > 0
+    assert procs.process_start_time(2**22 + 12345) == 0
 
 
 # ---------------------------------------------------------------------------- recovery

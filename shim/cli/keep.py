@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shim.cli.base import CliError
+from shim.procs import running_start_time
 
 MARKER = ".{}.podshim-keep"
 STAMP = r"\d{8}T\d{6}\.\d{6}Z"
@@ -40,16 +41,6 @@ def keep_name(prefix: Path) -> Path:
 
 def marker_of(d: Path) -> Path:
     return d.with_name(MARKER.format(d.name))
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot), or None when it is gone: with the pid
-    it names one run, whatever pid is reused later."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _write_marker(path: Path, doc: dict[str, object], replace: bool) -> None:
@@ -71,7 +62,7 @@ def _write_marker(path: Path, doc: dict[str, object], replace: bool) -> None:
 def begin(path: Path, pod_id: str) -> None:
     """The in-progress marker of this run, before its directory exists."""
     pid = os.getpid()
-    doc = {"pod": pod_id, "state": IN_PROGRESS, "pid": pid, "start": _start_ticks(pid)}
+    doc = {"pod": pod_id, "state": IN_PROGRESS, "pid": pid, "start": running_start_time(pid)}
     try:
         _write_marker(marker_of(path), doc, replace=False)
     except OSError as e:
@@ -109,7 +100,7 @@ def _read_marker(d: Path) -> dict[str, object] | None:
 
 def _run_alive(doc: dict[str, object]) -> bool:
     pid, start = doc.get("pid"), doc.get("start")
-    return isinstance(pid, int) and pid > 0 and _start_ticks(pid) == start
+    return isinstance(pid, int) and pid > 0 and bool(start) and running_start_time(pid) == start
 
 
 def _open_dir(d: Path) -> int:

@@ -64,16 +64,6 @@ def check_runtime(binary: str, handler: str) -> None:
         )
 
 
-def process_start_time(pid: int) -> int:
-    """The start time (clock ticks since boot) of `pid`, 0 if it is gone: with the pid, it names a
-    process across pid reuse."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
 def pidfd_getfd(pidfd: int, fd: int) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long

@@ -55,7 +55,6 @@ from shim.criu.lazy import (
     guard_release,
     in_thread,
     pidfd_getfd,
-    process_start_time,
     restore_pending,
     start_guard,
     stopped,
@@ -70,6 +69,7 @@ from shim.deadlines import (
     LAZY_STARTED_POLL,
     RETRY_MAX,
 )
+from shim.procs import process_start_time
 from shim.state import Journal
 from shim.state.records import LazyPagesRecord
 from shim.upstream import Upstream, is_not_found

@@ -38,6 +38,7 @@ from shim.deadlines import (
     PASSTHROUGH_DEADLINE_MARGIN,
     PASSTHROUGH_STOP_GRACE,
 )
+from shim.procs import running_start_time
 from shim.server import sockets
 
 log = logs.get("shim.server")
@@ -133,7 +134,7 @@ class Front:
         )
         assert proc.stdout is not None
         # recorded at once: a daemon that dies from here on leaves a front the next one can adopt
-        record = {"pid": proc.pid, "start": _start_ticks(proc.pid), "argv": self.argv}
+        record = {"pid": proc.pid, "start": running_start_time(proc.pid), "argv": self.argv}
         fsutil.atomic_write(self.record, json.dumps(record).encode())
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), FRONT_READY_TIMEOUT)
@@ -237,16 +238,6 @@ class Front:
             conn.close()
 
 
-def _start_ticks(pid: int) -> int | None:
-    """A running process's start time (clock ticks since boot): with its pid it names one process.
-    None when it is gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return None if fields[0] in ("Z", "X") else int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _recorded_front(record: Path) -> tuple[int, list[str]] | None:
     """The front the record names, if that very process still runs: its pid and command line."""
     try:
@@ -254,7 +245,7 @@ def _recorded_front(record: Path) -> tuple[int, list[str]] | None:
         pid, start = int(doc["pid"]), doc["start"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if start is None or _start_ticks(pid) != start:
+    if not start or running_start_time(pid) != start:
         return None
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
@@ -277,11 +268,11 @@ def _terminate(pid: int, wait: float) -> None:
     with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGTERM)
     end = time.monotonic() + wait
-    while _start_ticks(pid) is not None and time.monotonic() < end:
+    while running_start_time(pid) and time.monotonic() < end:
         time.sleep(0.02)
     with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGKILL)
-    while _start_ticks(pid) is not None and time.monotonic() < end + 5:
+    while running_start_time(pid) and time.monotonic() < end + 5:
         time.sleep(0.02)
 
 
