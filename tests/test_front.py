@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import stat
 import subprocess
 import threading
 import time
@@ -129,12 +131,17 @@ class Front:
             return ch.unary_unary(method)(request, **kw)  # type: ignore[no-any-return]
 
 
-def start_front(tmp: Path, upstream: Path, daemon: Path) -> subprocess.Popen[bytes]:
+def start_front(
+    tmp: Path, upstream: Path, daemon: Path, listen_fd: int | None = None, *extra: str
+) -> subprocess.Popen[bytes]:
+    """podshim-front on tmp/front.sock: bound by itself, or the socket inherited as listen_fd."""
     assert FRONT.exists(), f"{FRONT} is missing: run make setup"
+    inherited = [] if listen_fd is None else [f"--listen-fd={listen_fd}"]
     proc = subprocess.Popen(
         [
             str(FRONT),
             f"--listen={tmp / 'front.sock'}",
+            *inherited,
             f"--upstream=unix://{upstream}",
             f"--daemon={daemon}",
             f"--own={','.join(OWN)}",
@@ -142,9 +149,11 @@ def start_front(tmp: Path, upstream: Path, daemon: Path) -> subprocess.Popen[byt
             f"--metrics-socket={tmp / 'metrics.sock'}",
             "--grace=1s",
             f"--deadline-margin={PASSTHROUGH_DEADLINE_MARGIN}s",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        pass_fds=() if listen_fd is None else (listen_fd,),
     )
     assert proc.stdout is not None
     line = proc.stdout.readline().decode().strip()
@@ -323,6 +332,99 @@ def test_sigterm_stops_it_and_removes_only_its_own_socket(tmp_path: Path) -> Non
             s.stop(0)
 
 
+def test_an_inherited_socket_outlives_its_front(tmp_path: Path) -> None:
+    """--listen-fd: the front serves a socket its starter bound and holds (as the daemon does).
+    Killed, it leaves the socket listening: a connection made meanwhile is not refused, and a call
+    on it, without wait_for_ready, is answered by the next front given the same descriptor. The
+    socket file is never removed, by a SIGTERM either (the daemon's to remove); a front whose
+    daemon stays unreachable past its orphan timeout removes it (no daemon is left to)."""
+    daemon = Recorder("daemon")
+    servers = [serve(Recorder("upstream"), tmp_path / "up.sock"), serve(daemon, tmp_path / "daemon.sock")]
+    path = tmp_path / "front.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+        listener.listen(64)
+        inode = path.stat().st_ino
+        proc = start_front(tmp_path, tmp_path / "up.sock", tmp_path / "daemon.sock", listener.fileno())
+        version = RUNTIME + "Version"
+        with grpc.insecure_channel(f"unix://{path}") as ch:
+            assert (
+                cri.VersionResponse.FromString(ch.unary_unary(version)(b"", timeout=10)).runtime_name
+                == "daemon"
+            )
+        proc.kill()
+        proc.wait(10)
+        (tmp_path / "metrics.sock").unlink()  # left by the kill (the daemon removes it likewise)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(str(path))  # not refused: it waits in the backlog
+        with grpc.insecure_channel(f"unix://{path}") as ch:
+            waiting = ch.unary_unary(version).future(b"", timeout=30)  # no front to answer it yet
+            proc = start_front(tmp_path, tmp_path / "up.sock", tmp_path / "daemon.sock", listener.fileno())
+            assert cri.VersionResponse.FromString(waiting.result()).runtime_name == "daemon"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(5) == 0
+        assert path.stat().st_ino == inode, "the front removed its daemon's socket"
+        servers.pop().stop(0)  # the daemon gone for good: the next front is orphaned
+        proc = start_front(
+            tmp_path, tmp_path / "up.sock", tmp_path / "daemon.sock", listener.fileno(), "--orphan-timeout=1s"
+        )
+        assert proc.wait(30) == 0
+        assert not path.exists(), "an orphaned front left its socket"
+    finally:
+        listener.close()
+        for s in servers:
+            s.stop(0)
+
+
+def test_the_adopting_daemon_takes_a_copy_of_the_fronts_socket(tmp_path: Path) -> None:
+    """The descriptor a front's record names, taken from it (pidfd_getfd): the very socket the
+    front listens on (a connection to the path reaches the copy), once its starter has closed its
+    own; nothing is taken that is not a socket listening on the path, nor from another process
+    that has the pid now."""
+    from shim.procs import running_start_time
+    from shim.server.front import _take_listener
+
+    path = tmp_path / "front.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+    with open(tmp_path / "file", "w") as f:
+        fd, other = listener.fileno(), f.fileno()
+        holder = subprocess.Popen(["sleep", "60"], pass_fds=(fd, other))
+    listener.close()
+    try:
+        start = running_start_time(holder.pid)
+        took = _take_listener(holder.pid, start, fd, str(path))
+        assert took is not None
+        with took, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(path))
+            took.accept()[0].close()
+        assert _take_listener(holder.pid, start, other, str(path)) is None  # a file
+        assert _take_listener(holder.pid, start, fd, str(tmp_path / "elsewhere.sock")) is None
+        assert _take_listener(holder.pid, start, 1000, str(path)) is None  # not open
+        assert _take_listener(holder.pid, start + 1, fd, str(path)) is None  # another process
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_inherited_descriptor_that_is_not_a_listening_socket_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "front.sock"
+    with open(tmp_path / "file", "w") as f:
+        fd = f.fileno()
+        proc = subprocess.Popen(
+            [str(FRONT), f"--listen={path}", f"--listen-fd={fd}", "--upstream=unix:///x"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(fd,),
+        )
+        out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 1
+    said = out.decode().strip()
+    assert said == f"error: server.socket {path}: cannot listen: --listen-fd {fd} is not a listening socket"
+
+
 # ---------------------------------------------------------------------------- with podshim
 
 
@@ -492,6 +594,93 @@ def test_the_nodes_cri_survives_repeated_kills_of_either_half(bed: TestBed, tmp_
         assert len(delays) == 3 and max(delays) <= FRONT_RESTART_MAX * (1 + FRONT_RESTART_JITTER), delays
         assert checks.freezer_state(pod.config.linux.cgroup_parent) == "THAWED"
         pods.remove_pod(pods.stubs(bed.podshim_socket)[0], pod.id)
+
+
+@pytest.mark.e2e
+def test_a_killed_front_refuses_no_connection_and_keeps_its_socket(bed: TestBed, tmp_path: Path) -> None:
+    """The daemon holds server.socket's listening socket and hands it to each front it starts:
+    while a killed front is started again, connections wait in the socket's backlog. First the
+    daemon is killed and started again, so that the socket is the adopted front's, which the next
+    daemon takes a copy of (pidfd_getfd). Then two clients call Version in a loop (30 s deadline),
+    one with wait_for_ready and one without, while the front is SIGKILLed five times: neither is
+    ever refused a connection (no "failed to connect", no UNAVAILABLE while no front runs), none
+    of their calls reaches its deadline; the only failures are calls that were on the connection
+    the killed front held (its in-flight calls, at most two per kill). The socket file is the same
+    one throughout, and the daemon's graceful stop removes it. Timings: bench/front_kill.py."""
+    from bench.front_kill import Client, cause
+
+    kills = 5
+    with bed.extra_podshim(tmp_path) as (socket, log):
+        st = socket.stat()
+        identity = (st.st_ino, st.st_ctime_ns)
+        assert stat.S_IMODE(st.st_mode) == 0o660, oct(st.st_mode)  # as the front made it when it bound it
+        front = _front_of(socket)
+        daemon = _parent(front)
+        os.kill(daemon, signal.SIGKILL)
+        assert not _sys.wait_gone({daemon}, 5)
+        again = _serve_again(bed, tmp_path)
+        clients = [Client(kind, str(socket), timeout=30) for kind in ("plain", "ready")]
+        threads = [threading.Thread(target=c.run) for c in clients]
+        try:
+            rt = pods.stubs(socket)[0]
+            pods.wait_for(lambda: _version(rt), timeout=30, what="the next daemon")
+            adopted = [json.loads(x) for x in log.read_text().splitlines() if '"front adopted"' in x]
+            assert adopted and adopted[-1]["pid"] == front and adopted[-1]["socket_held"], adopted
+            for t in threads:
+                t.start()
+            for _ in range(kills):
+                steady = time.monotonic()
+                for c in clients:  # a few answers on the connection before each kill
+                    assert c.answered_after(steady, 30, count=20), f"{c.kind}: no answers"
+                front = _front_of(socket)
+                killed = time.monotonic()
+                os.kill(front, signal.SIGKILL)
+                for c in clients:
+                    assert c.answered_after(killed, 60), f"{c.kind}: no answer after the kill"
+                assert _fronts_of(socket) not in ([], [front])
+                st = socket.stat()
+                assert (st.st_ino, st.st_ctime_ns) == identity, "the socket file was replaced"
+        finally:
+            for c in clients:
+                c.stop.set()
+            for t in threads:
+                t.join(40)
+            again.terminate()
+            again.wait(30)
+        assert not any(t.is_alive() for t in threads), "a client's call hung"
+        for c in clients:
+            failed = [(x.code, cause(x), x.details) for x in c.calls if x.code != "OK"]
+            print(f"\n{c.kind}: {len(c.calls)} calls, {len(failed)} failed: {Counter(f[:2] for f in failed)}")
+            assert all(f[:2] == ("UNAVAILABLE", "dropped") for f in failed), failed
+            assert len(failed) <= 2 * kills, failed
+        assert _fronts_of(socket) == [], "the daemon's stop left a front running"
+        assert not socket.exists(), "the daemon's stop left the socket"
+
+
+@pytest.mark.e2e
+def test_a_front_of_another_command_line_is_replaced_on_the_same_socket(bed: TestBed, tmp_path: Path) -> None:
+    """The daemon killed and started again with another front command line (here its log level,
+    as an upgrade would change it): the next daemon takes the old front's socket before it stops
+    it, and the front it starts serves that same socket file."""
+    with bed.extra_podshim(tmp_path) as (socket, log):
+        st = socket.stat()
+        front = _front_of(socket)
+        daemon = _parent(front)
+        os.kill(daemon, signal.SIGKILL)
+        assert not _sys.wait_gone({daemon}, 5)
+        config = tomllib.loads((tmp_path / "podshim.toml").read_text())
+        config["log"]["level"] = "debug"
+        (tmp_path / "podshim.toml").write_text(bed_files.toml_dump(config))
+        again = _serve_again(bed, tmp_path)
+        try:
+            rt = pods.stubs(socket)[0]
+            assert "+podshim." in pods.wait_for(lambda: _version(rt), timeout=30, what="the next daemon")
+            assert _front_of(socket) != front and "front of another command line stopped" in log.read_text()
+            assert (socket.stat().st_ino, socket.stat().st_ctime_ns) == (st.st_ino, st.st_ctime_ns)
+        finally:
+            again.terminate()
+            again.wait(30)
+        assert not socket.exists()
 
 
 @pytest.mark.e2e

@@ -6,17 +6,25 @@
 // (--own, the daemon's routing table) go to the daemon over its private socket, the same way. The
 // daemon passes everything on the command line:
 //
-//	podshim-front --listen SOCK --upstream unix:///… [--daemon DAEMON_SOCK]
+//	podshim-front --listen SOCK [--listen-fd N] --upstream unix:///… [--daemon DAEMON_SOCK]
 //	    --own METHOD,… --unary METHOD,… [--metrics-socket SOCK] [--grace 1] [--orphan-timeout 60s]
 //	    [--log-format json|console] [--log-level info]
+//
+// The daemon binds SOCK itself and passes the listening socket as descriptor N (--listen-fd): it
+// keeps it across the fronts it starts, so while a front that died is started again, new
+// connections wait in the socket's backlog instead of being refused, and the path never goes
+// away. The front keeps N open under that number, for a daemon that adopts it to take a copy
+// (pidfd_getfd). Without --listen-fd it binds SOCK itself (bench/proxy's floor, the tests).
 //
 // It prints one line on stdout: "ready" once it listens, or "error: …" before it exits 1. It
 // outlives a daemon that dies: the node's CRI keeps working (the upstream's calls pass, the
 // daemon's are UNAVAILABLE) until the next daemon adopts it. It stops on SIGTERM, which the daemon
 // sends at its graceful stop, or once its daemon has been unreachable for --orphan-timeout (none
-// came back): no new calls, those in flight get --grace seconds, then it removes its socket (if
-// the path is still the one it bound) and exits. SIGINT is ignored: a terminal's ^C reaches the
-// daemon too, which still passes calls through while it drains.
+// came back): no new calls, those in flight get --grace seconds, then it exits. It removes SOCK
+// (if the path is still the file it was serving) when it bound it itself, and after an orphan
+// timeout (no daemon is left to); a daemon that passed the socket removes it at its own stop.
+// SIGINT is ignored: a terminal's ^C reaches the daemon too, which still passes calls through
+// while it drains.
 package main
 
 import (
@@ -45,6 +53,7 @@ const window = maxMessage
 
 type options struct {
 	listen, upstream, daemon, metricsSocket string
+	listenFD                                int
 	own, unary                              string
 	grace, deadlineMargin, orphanTimeout    time.Duration
 	logFormat, logLevel                     string
@@ -53,6 +62,8 @@ type options struct {
 func parseFlags() options {
 	var o options
 	flag.StringVar(&o.listen, "listen", "", "the public CRI socket path")
+	flag.IntVar(&o.listenFD, "listen-fd", -1,
+		"serve this inherited descriptor, a socket listening on --listen, instead of binding --listen")
 	flag.StringVar(&o.upstream, "upstream", "", "the upstream CRI endpoint (unix:///…)")
 	flag.StringVar(&o.daemon, "daemon", "", "the daemon's private socket path")
 	flag.StringVar(&o.metricsSocket, "metrics-socket", "", "serve GET /metrics on this unix socket")
@@ -111,17 +122,24 @@ func run(o options, log *slog.Logger) error {
 		grpc.InitialWindowSize(window),
 		grpc.InitialConnWindowSize(window),
 	)
-	sock, err := listenUnix(o.listen, 0o660)
+	var sock *ownSocket
+	if o.listenFD >= 0 {
+		sock, err = inheritSocket(o.listenFD, o.listen)
+	} else {
+		sock, err = listenUnix(o.listen, 0o660)
+	}
 	if err != nil {
 		return fmt.Errorf("server.socket %s: cannot listen: %w", o.listen, err)
 	}
-	defer sock.remove(log)
+	// an inherited socket's path is its daemon's (kept for the next front), unless orphaned below
+	removePath := !sock.inherited
+	defer func() { sock.close(log, removePath) }()
 	if o.metricsSocket != "" {
 		ms, err := listenUnix(o.metricsSocket, 0o600)
 		if err != nil {
 			return fmt.Errorf("metrics socket %s: cannot listen: %w", o.metricsSocket, err)
 		}
-		defer ms.remove(log)
+		defer ms.close(log, true)
 		go metrics.serve(ms.l)
 	}
 	served := make(chan error, 1)
@@ -140,6 +158,7 @@ func run(o options, log *slog.Logger) error {
 	case <-orphaned:
 		log.Warn("front stopping: its daemon has been unreachable too long", "daemon", o.daemon,
 			"seconds", o.orphanTimeout.Seconds())
+		removePath = true
 	case err := <-served:
 		return fmt.Errorf("serving %s: %w", o.listen, err)
 	}
@@ -207,9 +226,11 @@ func dial(name, endpoint string, counted bool) (*target, error) {
 // ownSocket is a listening unix socket and the file it bound, removed at the end only while it is
 // still that file: a podshim started after this one's daemon died may have bound the path anew.
 type ownSocket struct {
-	l    *net.UnixListener
-	path string
-	ino  uint64
+	l         *net.UnixListener
+	path      string
+	ino       uint64
+	inherited bool     // passed by the daemon (--listen-fd), not bound here
+	file      *os.File // the inherited descriptor, kept open under its number for pidfd_getfd
 }
 
 func listenUnix(path string, mode os.FileMode) (*ownSocket, error) {
@@ -230,10 +251,41 @@ func listenUnix(path string, mode os.FileMode) (*ownSocket, error) {
 	return &ownSocket{l: l, path: path, ino: st.Ino}, nil
 }
 
-func (s *ownSocket) remove(log *slog.Logger) {
-	s.l.Close()
+// inheritSocket: the socket the daemon bound to path and listens on, passed as descriptor fd.
+func inheritSocket(fd int, path string) (*ownSocket, error) {
+	if on, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || on != 1 {
+		return nil, fmt.Errorf("--listen-fd %d is not a listening socket", fd)
+	}
+	f := os.NewFile(uintptr(fd), "listen-fd")
+	fl, err := net.FileListener(f) // a duplicate: f stays open, for a daemon's pidfd_getfd
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	l, ok := fl.(*net.UnixListener)
+	if !ok || l.Addr().String() != path {
+		fl.Close()
+		f.Close()
+		return nil, fmt.Errorf("--listen-fd %d listens on %s, not on this path", fd, fl.Addr())
+	}
 	var st unix.Stat_t
-	if unix.Stat(s.path, &st) == nil && st.Ino == s.ino {
+	if err := unix.Stat(path, &st); err != nil {
+		l.Close()
+		f.Close()
+		return nil, err
+	}
+	return &ownSocket{l: l, path: path, ino: st.Ino, inherited: true, file: f}, nil
+}
+
+// close stops listening (the daemon's copy of an inherited socket listens on) and, if removePath,
+// removes the path while it is still the file this socket was serving.
+func (s *ownSocket) close(log *slog.Logger, removePath bool) {
+	s.l.Close()
+	if s.file != nil {
+		s.file.Close()
+	}
+	var st unix.Stat_t
+	if removePath && unix.Stat(s.path, &st) == nil && st.Ino == s.ino {
 		if err := os.Remove(s.path); err != nil {
 			log.Warn("cannot remove the socket", "socket", s.path, "error", err.Error())
 		}

@@ -6,6 +6,12 @@ The front passes every CRI call podshim does not own straight to the upstream; t
 daemon owns (its routing table, given on the command line) come to the daemon's private socket
 under the state dir. It outlives a daemon that dies, so the node's CRI stays up; the next daemon
 finds it by the record in the state dir (pid, start time, command line) and adopts it.
+
+The daemon binds the public socket and hands the listening descriptor to each front it starts
+(--listen-fd), holding it meanwhile: while a front that died is started again, new connections
+wait in the socket's backlog (not refused, the path never gone), so a client is not sent into
+gRPC's reconnect back-off (1 s). A daemon that adopts a front takes a copy of the descriptor from
+it (pidfd_getfd, by the number in the record) for the fronts it starts after.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 from shim import logs
 from shim.archive import fsutil
 from shim.config import Config
+from shim.criu.lazy import pidfd_getfd
 from shim.deadlines import (
     FRONT_EXIT_MARGIN,
     FRONT_METRICS_TIMEOUT,
@@ -45,6 +52,9 @@ log = logs.get("shim.server")
 BINARY = "podshim-front"
 UNIX_PATH_MAX = 107  # sun_path less its NUL
 RECORD = "front.json"  # in the state dir: the running front, for the next daemon to adopt
+# server.socket's backlog: the connections made while a front is started again wait in it (the
+# kernel caps it at net.core.somaxconn)
+BACKLOG = 4096
 
 
 class FrontError(Exception):
@@ -72,7 +82,7 @@ class Front:
         self.config = config
         self.binary = binary_path(config)
         self.metrics_socket = private_socket(config, "front-metrics.sock") if config.metrics_address else ""
-        self.argv = [
+        self.argv = [  # --listen-fd follows --listen (command())
             str(self.binary),
             f"--listen={config.socket}",
             f"--upstream={config.upstream_endpoint}",
@@ -88,6 +98,8 @@ class Front:
         ]
         self.record = Path(config.state_dir) / RECORD
         self._proc: asyncio.subprocess.Process | None = None  # a front this daemon started
+        # server.socket listening: bound by this daemon or taken from the front it adopted
+        self._listener: socket.socket | None = None
         self._pid: int | None = None  # the front this daemon runs, started or adopted
         self._stopping = False
         self._watch: asyncio.Task[None] | None = None
@@ -96,6 +108,10 @@ class Front:
     def pid(self) -> int | None:
         return self._pid
 
+    def command(self, listen_fd: int) -> list[str]:
+        """The front's command line, serving the listening socket it inherits as `listen_fd`."""
+        return [*self.argv[:2], f"--listen-fd={listen_fd}", *self.argv[2:]]
+
     async def start(self) -> None:
         if not os.access(self.binary, os.X_OK):
             raise FrontError(
@@ -103,7 +119,13 @@ class Front:
                 "set server.front_binary, or set server.front = false"
             )
         if not self._adopt():
-            await self._spawn()
+            try:
+                await self._spawn()
+            except (FrontError, OSError):
+                if self._listener is not None:  # bound (or taken) here: nobody serves it now
+                    self._close_listener()
+                    sockets.remove_unserved(self.config.socket)
+                raise
         self._watch = asyncio.create_task(self._supervise())
 
     def _adopt(self) -> bool:
@@ -113,10 +135,14 @@ class Front:
         found = _recorded_front(self.record)
         if found is None:
             return False
-        pid, argv = found
-        if argv == self.argv:
+        pid, start, argv, listen_fd = found
+        if listen_fd is not None:  # kept for the front started after it (this one or its successor)
+            self._listener = _take_listener(pid, start, listen_fd, self.config.socket)
+        if listen_fd is not None and argv == self.command(listen_fd):
             self._pid = pid
-            log.info("front adopted", pid=pid, socket=self.config.socket)
+            log.info(
+                "front adopted", pid=pid, socket=self.config.socket, socket_held=self._listener is not None
+            )
             return True
         log.info("front of another command line stopped", pid=pid)
         _terminate(pid, PASSTHROUGH_STOP_GRACE + FRONT_EXIT_MARGIN)
@@ -124,17 +150,21 @@ class Front:
 
     async def _spawn(self) -> None:
         try:
-            sockets.remove_stale(self.config.socket)
+            if self._listener is None:
+                self._listener = _listen(self.config.socket)
             if self.metrics_socket:
                 sockets.remove_stale(self.metrics_socket)
         except sockets.SocketInUse as e:
             raise FrontError(f"server.socket {e}") from None
+        fd = self._listener.fileno()
+        argv = self.command(fd)
         proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, pass_fds=(fd,)
         )
         assert proc.stdout is not None
-        # recorded at once: a daemon that dies from here on leaves a front the next one can adopt
-        record = {"pid": proc.pid, "start": running_start_time(proc.pid), "argv": self.argv}
+        # recorded at once: a daemon that dies from here on leaves a front the next one can adopt;
+        # pass_fds keeps the number, so listen_fd is the front's descriptor too
+        record = {"pid": proc.pid, "start": running_start_time(proc.pid), "argv": argv, "listen_fd": fd}
         fsutil.atomic_write(self.record, json.dumps(record).encode())
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), FRONT_READY_TIMEOUT)
@@ -175,6 +205,9 @@ class Front:
                 await self._spawn()
             except (FrontError, OSError) as e:
                 log.error("front did not start again", error=str(e))
+                # callers are refused meanwhile, not left waiting in a backlog to their deadlines;
+                # the next attempt binds the socket anew
+                self._close_listener()
 
     async def _exited(self) -> int | None:
         """When the front ends: its exit code if this daemon started it, None if it was adopted
@@ -202,11 +235,14 @@ class Front:
         return None
 
     async def stop(self) -> None:
-        """The front stops taking calls, gives those in flight PASSTHROUGH_STOP_GRACE, removes its
-        socket and exits; killed if it has not after a margin."""
+        """The front stops taking calls, gives those in flight PASSTHROUGH_STOP_GRACE and exits;
+        killed if it has not after a margin. Then the socket is removed."""
         self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
+        # first: once the front stops listening too, new connections are refused at once, not
+        # left in a backlog that no front will accept
+        self._close_listener()
         if self._pid is None:
             return
         with contextlib.suppress(OSError):
@@ -219,7 +255,12 @@ class Front:
                 os.kill(self._pid, signal.SIGKILL)
             await self._exited()
         self.record.unlink(missing_ok=True)
-        sockets.remove_unserved(self.config.socket)  # a front that was killed left it behind
+        sockets.remove_unserved(self.config.socket)  # the front leaves it to the daemon
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def metrics_text(self) -> str:
         """The front's /metrics exposition ("" when it cannot be read). Called from the metrics
@@ -238,12 +279,14 @@ class Front:
             conn.close()
 
 
-def _recorded_front(record: Path) -> tuple[int, list[str]] | None:
-    """The front the record names, if that very process still runs: its pid and command line."""
+def _recorded_front(record: Path) -> tuple[int, int, list[str], int | None] | None:
+    """The front the record names, if that very process still runs: its pid, start time, command
+    line and the descriptor it serves (None: a front that bound the socket itself)."""
     try:
         doc = json.loads(record.read_text())
         pid, start = int(doc["pid"]), doc["start"]
-    except (OSError, ValueError, KeyError, TypeError):
+        listen_fd = int(doc["listen_fd"]) if doc.get("listen_fd") is not None else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if not start or running_start_time(pid) != start:
         return None
@@ -251,7 +294,7 @@ def _recorded_front(record: Path) -> tuple[int, list[str]] | None:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
     except OSError:
         return None
-    return (pid, argv) if argv and Path(argv[0]).name == BINARY else None
+    return (pid, start, argv, listen_fd) if argv and Path(argv[0]).name == BINARY else None
 
 
 def left_running(config: Config) -> bool:
@@ -259,7 +302,67 @@ def left_running(config: Config) -> bool:
     (recorded in this state dir, still running, listening there): this daemon adopts it, so its
     socket being served is no other podshim's."""
     found = _recorded_front(Path(config.state_dir) / RECORD)
-    return found is not None and f"--listen={config.socket}" in found[1]
+    return found is not None and f"--listen={config.socket}" in found[2]
+
+
+def _listen(path: str) -> socket.socket:
+    """server.socket bound and listening, 0660 (SocketInUse if a live process serves it)."""
+    sockets.remove_stale(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        try:
+            os.chmod(path, 0o660)  # before listen(): nobody connects before the mode is right
+            sock.listen(BACKLOG)
+        except OSError:
+            os.unlink(path)
+            raise
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _take_listener(pid: int, start: int, fd: int, path: str) -> socket.socket | None:
+    """A copy of the listening socket the front `pid` serves as descriptor `fd`, if it is one
+    on `path`; None if it cannot be had (a kernel before 5.6, no ptrace right): the fronts this
+    daemon starts then bind the path anew."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        if running_start_time(pid) != start:  # the pid was reused before the pidfd was open
+            return None
+        got = pidfd_getfd(pidfd, fd)
+    except OSError as e:
+        log.warning("cannot take the adopted front's socket", pid=pid, fd=fd, error=str(e))
+        return None
+    finally:
+        os.close(pidfd)
+    sock: socket.socket | None = None
+    try:
+        sock = socket.socket(fileno=got)  # OSError if it is no socket at all
+    except OSError:
+        os.close(got)
+    if sock is not None and _listens_on(sock, path):
+        return sock
+    log.warning("the adopted front's descriptor is not its socket", pid=pid, fd=fd)
+    if sock is not None:
+        sock.close()
+    return None
+
+
+def _listens_on(sock: socket.socket, path: str) -> bool:
+    try:
+        return (
+            sock.family == socket.AF_UNIX
+            and sock.type == socket.SOCK_STREAM
+            and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+            and sock.getsockname() == path
+        )
+    except OSError:
+        return False
 
 
 def _terminate(pid: int, wait: float) -> None:
