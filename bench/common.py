@@ -335,8 +335,9 @@ def checkpoint_pod(
 ) -> tuple[float, dict[str, Any]]:
     """CheckpointPod into a fresh ``out`` (0700); returns (wall seconds of the call, manifest)."""
     out.mkdir(mode=0o700, parents=True)
+    req = pods.checkpoint_request(rt, pod_id, out)  # its running containers, listed before the clock
     start = time.perf_counter()
-    rt.CheckpointPod(cri.CheckpointPodRequest(pod_sandbox_id=pod_id, output_path=str(out)), timeout=timeout)
+    rt.CheckpointPod(req, timeout=timeout)
     wall = time.perf_counter() - start
     return wall, json.loads((out / "manifest.json").read_text())
 

@@ -36,7 +36,12 @@ def main() -> int:
         out.mkdir(mode=0o700)
         before = pods.counts(src.log_path("counter"))[-1]  # the frozen counter is past it
         start = time.monotonic()
-        rt.CheckpointPod(cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=120)
+        rt.CheckpointPod(
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=src.id, container_ids=pods.running_ids(rt, src.id), output_path=str(out)
+            ),
+            timeout=120,
+        )
         saved = pods.counts(src.log_path("counter"))[-1]
         manifest = json.loads((out / "manifest.json").read_text())
         size = sum(f["size"] for f in manifest["files"].values())

@@ -213,6 +213,23 @@ def run_pod(
     return Pod(pod_id, config, ids)
 
 
+def running_ids(rt: api_pb2_grpc.RuntimeServiceStub, pod_id: str) -> list[str]:
+    """The pod's running containers, oldest first: a CheckpointPodRequest's container_ids as a
+    kubelet fills it in (the released API takes no empty list). [] for an unknown pod."""
+    f = cri.ContainerFilter(pod_sandbox_id=pod_id, state=cri.ContainerStateValue(state=cri.CONTAINER_RUNNING))
+    listed = rt.ListContainers(cri.ListContainersRequest(filter=f)).containers
+    return [c.id for c in sorted(listed, key=lambda c: c.created_at)]
+
+
+def checkpoint_request(
+    rt: api_pb2_grpc.RuntimeServiceStub, pod_id: str, output_path: str | Path, **fields: Any
+) -> cri.CheckpointPodRequest:
+    """A CheckpointPodRequest of the pod's running containers (running_ids) unless `fields` give
+    container_ids."""
+    fields.setdefault("container_ids", running_ids(rt, pod_id))
+    return cri.CheckpointPodRequest(pod_sandbox_id=pod_id, output_path=str(output_path), **fields)
+
+
 def remove_pod(rt: api_pb2_grpc.RuntimeServiceStub, pod_id: str) -> None:
     """Stop and remove a pod, then its pod-level cgroup (the kubelet's job: containerd leaves it)."""
     parent = ""

@@ -150,7 +150,10 @@ def checkpoint_pod(rt: Stub, bed: TestBed, r: Running, archives: list[Path], tag
         out.mkdir(mode=0o700)
         archives.append(out)
         rt.CheckpointPod(
-            cri.CheckpointPodRequest(pod_sandbox_id=r.pod_id, output_path=str(out)), timeout=RPC_TIMEOUT
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=r.pod_id, container_ids=pods.running_ids(rt, r.pod_id), output_path=str(out)
+            ),
+            timeout=RPC_TIMEOUT,
         )
         assert (out / "manifest.json").is_file()
         return out

@@ -700,7 +700,10 @@ def test_inspect_container_tar_and_pod_checkpoint(
 
     out = new_dir(bed, "inspect-pod")
     rt.CheckpointPod(
-        cri.CheckpointPodRequest(pod_sandbox_id=pod.id, output_path=str(out)), timeout=CALL_TIMEOUT
+        cri.CheckpointPodRequest(
+            pod_sandbox_id=pod.id, container_ids=pods.running_ids(rt, pod.id), output_path=str(out)
+        ),
+        timeout=CALL_TIMEOUT,
     )
     r = podshim("inspect", str(out), "-o", "json", "--verify")
     assert r.returncode == 0, r.stderr

@@ -14,6 +14,7 @@ import re
 import secrets
 import signal
 import stat
+import subprocess
 import tarfile
 import threading
 import time
@@ -36,6 +37,7 @@ from testbed.checks import FREEZER, container_cgroup, expect_error, freezer_stat
 pytestmark = pytest.mark.e2e
 
 CALL_TIMEOUT = 60.0
+PODSHIM = Path(__file__).resolve().parents[1] / ".venv/bin/podshim"
 
 Rt = api_pb2_grpc.RuntimeServiceStub
 
@@ -82,9 +84,9 @@ def checkpoint(
     timeout: float = CALL_TIMEOUT,
     **fields: Any,
 ) -> cri.CheckpointPodResponse:
-    return rt.CheckpointPod(
-        cri.CheckpointPodRequest(pod_sandbox_id=pod_id, output_path=str(out), **fields), timeout=timeout
-    )
+    """CheckpointPod of the pod's running containers (as the kubelet lists them), unless `fields`
+    give container_ids."""
+    return rt.CheckpointPod(pods.checkpoint_request(rt, pod_id, out, **fields), timeout=timeout)
 
 
 def container_state(rt: Rt, container_id: str) -> int:
@@ -667,6 +669,8 @@ def test_bad_container_ids(rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: li
     mine = pod.containers["counter"]
     foreign = other.containers["counter"]
     cases = [
+        # the released API: non-empty; never "all running" (test_empty_container_ids_...)
+        ("empty", grpc.StatusCode.INVALID_ARGUMENT, [], ["container_ids is empty", "running: counter"]),
         ("stopped", grpc.StatusCode.FAILED_PRECONDITION, [mine, gone], ["'gone'", "not running"]),
         ("foreign", grpc.StatusCode.NOT_FOUND, [mine, foreign], [foreign, "not a container of pod"]),
         ("duplicate", grpc.StatusCode.INVALID_ARGUMENT, [mine, mine], [mine, "more than once"]),
@@ -677,6 +681,82 @@ def test_bad_container_ids(rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: li
             rt, bed, pod, out, code, lambda i=ids, o=out: checkpoint(rt, pod.id, o, container_ids=i), *words
         )
     assert_pod_alive(rt, other, ["counter"])
+
+
+def test_empty_container_ids_is_invalid_and_nothing_is_frozen(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    """The released API (k8s.io/cri-api v0.37.2): "The list must be non-empty ... otherwise the
+    runtime must fail the request without producing a checkpoint". An empty container_ids used to
+    checkpoint every running container; it is INVALID_ARGUMENT naming the pod's running ones, with
+    the pod never frozen, output_path empty and nothing journaled. Listed, as the kubelet lists
+    them, the same request succeeds."""
+    pod = start_pod(rt, "empty-ids", log_root, pod_cleanup, {"one": counter("one"), "two": counter("two")})
+    wait_counting(pod, "one", 2)
+    wait_counting(pod, "two", 2)
+    out = empty_dir(bed, "empty-ids")
+    mark = bed.podshim_log.stat().st_size
+    assert_refused_cleanly(
+        rt,
+        bed,
+        pod,
+        out,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: checkpoint(rt, pod.id, out, container_ids=[]),
+        "container_ids is empty",
+        "running: one, two",
+        pod.config.metadata.name,
+        "nothing was frozen or written",
+        counters=("one", "two"),
+    )
+    with open(bed.podshim_log, "rb") as f:
+        f.seek(mark)
+        logged = [line for line in f.read().splitlines() if pod.id.encode() in line]
+    assert not [line for line in logged if b'"pod frozen"' in line or b'"checkpoint prepared"' in line], (
+        logged
+    )
+
+    checkpoint(rt, pod.id, out, container_ids=[pod.containers["one"], pod.containers["two"]])
+    m = verified(bed, out)
+    assert sorted(c.name for c in m.containers) == ["one", "two"]
+    assert_pod_alive(rt, pod, ["one", "two"])
+
+
+def test_cli_without_container_lists_the_running_containers(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    """`podshim checkpointpod POD PATH` needs no container list: the command lists the pod's running
+    containers and sends them (an exited one is recorded, not dumped, as before). With none
+    running it refuses before creating PATH."""
+    pod = start_pod(
+        rt,
+        "cli-ids",
+        log_root,
+        pod_cleanup,
+        {"done": busybox("done", "exit 0"), "counter": counter("counter")},
+    )
+    done = pod.containers["done"]
+    pods.wait_for(lambda: container_state(rt, done) == cri.CONTAINER_EXITED, what="done to exit")
+    wait_counting(pod, "counter", 2)
+    out = Path(bed.checkpoint_root) / f"cli-ids-{secrets.token_hex(4)}"
+    res = podshim_cli(bed, "checkpointpod", pod.id[:12], str(out))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["outputPath"] == str(out)
+    m = verified(bed, out)
+    assert m.container("counter").checkpointed and not m.container("done").checkpointed
+    assert_dumped(out, m, "counter")
+    assert_pod_alive(rt, pod, ["counter"])
+
+    rt.StopContainer(cri.StopContainerRequest(container_id=pod.containers["counter"], timeout=2))
+    none = Path(bed.checkpoint_root) / f"cli-ids-none-{secrets.token_hex(4)}"
+    res = podshim_cli(bed, "checkpointpod", pod.id, str(none))
+    assert res.returncode == 1 and "has no running container to checkpoint" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not none.exists()
+
+
+def podshim_cli(bed: TestBed, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [str(PODSHIM), "-r", f"unix://{bed.podshim_socket}", "-o", "json", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=CALL_TIMEOUT + 30)
 
 
 def test_concurrent_requests_on_one_pod(rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]) -> None:

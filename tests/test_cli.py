@@ -514,9 +514,11 @@ def test_checkpointpod_errors(bed: TestBed, rt: api_pb2_grpc.RuntimeServiceStub,
 
     # outside podshim's allowed roots: the runtime refuses, the created directory goes away
     outside = tmp_path / "not-allowed"
-    pods_list = rt.ListPodSandbox(cri.ListPodSandboxRequest()).items
+    # a pod with a running container: the command lists them before the runtime sees the path
+    running = cri.ContainerFilter(state=cri.ContainerStateValue(state=cri.CONTAINER_RUNNING))
+    pods_list = rt.ListContainers(cri.ListContainersRequest(filter=running)).containers
     if pods_list:
-        res = podshim("checkpointpod", pods_list[0].id, str(outside), endpoint=ep)
+        res = podshim("checkpointpod", pods_list[0].pod_sandbox_id, str(outside), endpoint=ep)
         assert_clean_error(res, 1, "INVALID_ARGUMENT")
         assert not outside.exists()
 

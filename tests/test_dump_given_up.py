@@ -76,7 +76,11 @@ class Call(threading.Thread):
         self.error: grpc.RpcError | None = None
 
     def run(self) -> None:
-        req = cri.CheckpointPodRequest(pod_sandbox_id=self.pod_id, output_path=str(self.out))
+        req = cri.CheckpointPodRequest(
+            pod_sandbox_id=self.pod_id,
+            container_ids=pods.running_ids(self.rt, self.pod_id),
+            output_path=str(self.out),
+        )
         try:
             self.rt.CheckpointPod(req, timeout=self.timeout)
         except grpc.RpcError as e:

@@ -148,7 +148,10 @@ def encrypted(keyed: KeyedPodshim, bed: TestBed) -> Iterator[Encrypted]:
         made.append(out)
         out.mkdir(mode=0o700)
         rt.CheckpointPod(
-            cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=src.id, container_ids=pods.running_ids(rt, src.id), output_path=str(out)
+            ),
+            timeout=RPC_TIMEOUT,
         )
         return out
 

@@ -260,7 +260,10 @@ def take_checkpoint(rt: Stub, bed: TestBed, log_root: Path, mem_mib: int, tag: s
         pods.wait_count(src.log_path("counter"), 3, timeout=120)
         out.mkdir(mode=0o700)
         rt.CheckpointPod(
-            cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=src.id, container_ids=pods.running_ids(rt, src.id), output_path=str(out)
+            ),
+            timeout=RPC_TIMEOUT,
         )
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)

@@ -133,7 +133,12 @@ def test_metrics_move_with_proxied_calls_and_operations(
 
         out = Path(bed.checkpoint_root) / f"metrics-{src.id[:12]}"
         out.mkdir(mode=0o700)
-        rt.CheckpointPod(cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=120)
+        rt.CheckpointPod(
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=src.id, container_ids=pods.running_ids(rt, src.id), output_path=str(out)
+            ),
+            timeout=120,
+        )
         with pytest.raises(grpc.RpcError) as err:
             rt.CheckpointPod(
                 cri.CheckpointPodRequest(pod_sandbox_id="f" * 64, output_path=str(out) + "-x"), timeout=30

@@ -109,10 +109,8 @@ class Migration:
     def start(self, a_timeout: float = RPC_TIMEOUT, b_timeout: float = RPC_TIMEOUT) -> Migration:
         n = self.nodes
         restore = self.restore_request()
-        checkpoint = cri.CheckpointPodRequest(
-            pod_sandbox_id=self.source.id,
-            output_path=str(self.out),
-            options={"lazy-migration": n.link.listen(1)},
+        checkpoint = pods.checkpoint_request(
+            stub(n.a), self.source.id, self.out, options={"lazy-migration": n.link.listen(1)}
         )
 
         def call(key: str, method: Any, req: Any, timeout: float) -> None:
@@ -351,9 +349,7 @@ def migrate_timed(n: Nodes, m: Migration, listening: Callable[[], None]) -> tupl
     listening()
     started = time.monotonic()
     stub(n.a).CheckpointPod(
-        cri.CheckpointPodRequest(
-            pod_sandbox_id=m.source.id, output_path=str(m.out), options={"lazy-migration": n.link.listen(1)}
-        ),
+        pods.checkpoint_request(stub(n.a), m.source.id, m.out, options={"lazy-migration": n.link.listen(1)}),
         timeout=RPC_TIMEOUT,
     )
     t.join(RPC_TIMEOUT)
@@ -535,10 +531,8 @@ def test_refused_by_the_precheck_before_anything_is_frozen(nodes: Nodes) -> None
         answers, t = restore_in_thread(n, restore, 60)
         with pytest.raises(grpc.RpcError) as err:
             stub(n.a).CheckpointPod(
-                cri.CheckpointPodRequest(
-                    pod_sandbox_id=m.source.id,
-                    output_path=str(m.out),
-                    options={"lazy-migration": n.link.listen(1)},
+                pods.checkpoint_request(
+                    stub(n.a), m.source.id, m.out, options={"lazy-migration": n.link.listen(1)}
                 ),
                 timeout=60,
             )
@@ -589,9 +583,7 @@ def test_a_config_for_an_exited_container_is_refused_before_anything_is_frozen(n
         answers, t = restore_in_thread(n, restore, 60)
         with pytest.raises(grpc.RpcError) as err:
             stub(n.a).CheckpointPod(
-                cri.CheckpointPodRequest(
-                    pod_sandbox_id=src.id, output_path=str(out), options={"lazy-migration": n.link.listen(1)}
-                ),
+                pods.checkpoint_request(stub(n.a), src.id, out, options={"lazy-migration": n.link.listen(1)}),
                 timeout=60,
             )
         t.join(60)

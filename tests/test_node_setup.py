@@ -112,7 +112,12 @@ def restore_resumes(b: TestBed) -> None:
     out = b.checkpoint_root / f"setup-{secrets.token_hex(3)}"
     out.mkdir(mode=0o700)
     pods.wait_count(src.log_path("counter"), 10)
-    rt.CheckpointPod(cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=120)
+    rt.CheckpointPod(
+        cri.CheckpointPodRequest(
+            pod_sandbox_id=src.id, container_ids=pods.running_ids(rt, src.id), output_path=str(out)
+        ),
+        timeout=120,
+    )
     saved = pods.counts(src.log_path("counter"))[-1]
     pods.remove_pod(rt, src.id)
     config = pods.pod_config(f"setup-restored-{secrets.token_hex(2)}", log_root)

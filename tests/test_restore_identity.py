@@ -55,7 +55,7 @@ def new_out(bed: TestBed, tag: str, made: list[Path]) -> Path:
 
 def checkpoint(rt: Stub, pod_id: str, out: Path, options: dict[str, str] | None = None) -> None:
     rt.CheckpointPod(
-        cri.CheckpointPodRequest(pod_sandbox_id=pod_id, output_path=str(out), options=options or {}),
+        pods.checkpoint_request(rt, pod_id, out, options=options or {}),
         timeout=RPC_TIMEOUT,
     )
 

@@ -153,7 +153,7 @@ def checkpoint_counters(
     def take() -> Path:
         out = Path(bed.checkpoint_root) / f"{name}-{secrets.token_hex(3)}"
         out.mkdir(mode=0o700)
-        req = cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out), **request)
+        req = pods.checkpoint_request(rt, src.id, out, **request)
         rt.CheckpointPod(req, timeout=RPC_TIMEOUT)
         assert (out / "manifest.json").is_file()
         return out
@@ -659,7 +659,10 @@ def test_listening_server_serves_after_restore(
     out.mkdir(mode=0o700)
     try:
         rt.CheckpointPod(
-            cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=src.id, container_ids=pods.running_ids(rt, src.id), output_path=str(out)
+            ),
+            timeout=RPC_TIMEOUT,
         )
         # the page file goes away in the source: the restored server must serve the checkpoint's
         rt.ExecSync(cri.ExecSyncRequest(container_id=src.containers["web"], cmd=["rm", "/www/index.html"]))
@@ -1487,6 +1490,79 @@ def test_kubelet_pod_restores_by_image_id_digest_or_name(
     expect_failure(
         rt, bed, log_root, pod_cleanup, changed, [cc], grpc.StatusCode.DATA_LOSS, "config.dump", busybox_id
     )
+
+
+def test_user_specified_image_must_name_the_checkpoints_image(
+    rt: Stub, img: ImageStub, bed: TestBed, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    """The image's ID in `image.image` with another image's name in `user_specified_image` (the
+    name the restored container would report) is a config mismatch, INVALID_ARGUMENT naming the
+    container and both images, with nothing created, as the restore from a container tar answers
+    it; the checkpoint's name, its ID, a digest reference of it and the empty value all restore,
+    and the counter resumes."""
+    ck = kubelet_checkpoint(rt, img, bed, log_root, f"kubelet-usi-{secrets.token_hex(2)}", pod_cleanup)
+    scratch.append(ck.path)
+    counter_id = pods.image_id(img, pods.COUNTER_IMAGE)
+    config = pods.pod_config("kubelet-usi-restored", log_root)
+    wrong = pods.kubelet_container_config(img, config, ck.kubelet_root, "counter", args=SMALL_ARGS)
+    assert wrong.image.image == counter_id
+    wrong.image.user_specified_image = pods.BUSYBOX_IMAGE
+    details = expect_failure(
+        rt,
+        bed,
+        log_root,
+        pod_cleanup,
+        ck.path,
+        [wrong],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "container 'counter'",
+        f"user_specified_image {pods.BUSYBOX_IMAGE!r}",
+        pods.COUNTER_IMAGE,
+        counter_id,
+    )
+    assert pods.image_id(img, pods.BUSYBOX_IMAGE) in details, details  # what that name is here
+
+    with pods.digest_reference(bed, pods.COUNTER_IMAGE) as digest_ref:
+        for i, named in enumerate((pods.COUNTER_IMAGE, counter_id, digest_ref, "")):
+            by = pods.pod_config(f"kubelet-usi-ok{i}", log_root)
+            cc = pods.kubelet_container_config(img, by, ck.kubelet_root, "counter", args=SMALL_ARGS)
+            cc.image.user_specified_image = named
+            r = restore(rt, ck.path, by, [cc])
+            pod_cleanup.append(r.pod_sandbox_id)
+            cid = r.restored_containers[0].container_id
+            assert status(rt, cid).status.state == cri.CONTAINER_CREATED, named
+    # the last, restored with no name: it runs the checkpoint's process
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+    resume.assert_exact_resume({"counter": container_log(by, "counter")}, {"counter": ck.first})
+
+
+def test_env_value_not_utf8_restores_with_the_identical_request(
+    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
+) -> None:
+    """A container created with `BIN=\\xff` (the released API's env values are bytes; containerd 1.6
+    keeps the config as JSON, with U+FFFD for the byte, and config.dump records that) restores
+    from its own checkpoint with the very config it was created with, and resumes. A genuinely
+    different value is still INVALID_ARGUMENT naming the env."""
+    name = f"env-bytes-{secrets.token_hex(2)}"
+    cc = counter_config("counter", SMALL_ARGS)
+    cc.envs.append(cri.KeyValue(key="BIN", value=b"\xff"))
+    src = pods.run_pod(rt, name, log_root, {"counter": cc})
+    pod_cleanup.append(src.id)
+    pods.wait_count(src.log_path("counter"), 10)
+    out, first = checkpoint_counters(rt, bed, src, name, ["counter"])
+    scratch.append(out)
+
+    for value in (b"x", b"\xff\xff", b""):
+        other = cri.ContainerConfig()
+        other.CopyFrom(cc)
+        other.envs[-1].value = value
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        expect_failure(rt, bed, log_root, pod_cleanup, out, [other], bad, "'counter'", "env differs")
+
+    config = pods.pod_config(f"{name}-restored", log_root)
+    resp = restore(rt, out, config, [cc], options={"start": "true"})
+    pod_cleanup.append(resp.pod_sandbox_id)
+    resume.assert_exact_resume({"counter": container_log(config, "counter")}, first)
 
 
 def test_kubelet_archive_of_an_older_podshim_restores(

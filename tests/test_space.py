@@ -102,7 +102,12 @@ def test_checkpoint_pod_that_cannot_fit_is_refused_before_freezing(
     mark = bed.podshim_log.stat().st_size
     details = _refused(
         lambda: rt.CheckpointPod(
-            cri.CheckpointPodRequest(pod_sandbox_id=big_pod.id, output_path=str(out)), timeout=60
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=big_pod.id,
+                container_ids=pods.running_ids(rt, big_pod.id),
+                output_path=str(out),
+            ),
+            timeout=60,
         )
     )
     # the numbers: the counter's memory alone is over the file system's size
@@ -172,7 +177,12 @@ def test_every_step_out_of_inodes_is_resource_exhausted(rt: Rt, bed: TestBed, po
     pods.wait_count(pod.log_path("counter"), 3, timeout=60)
 
     def checkpoint(out: Path) -> None:
-        rt.CheckpointPod(cri.CheckpointPodRequest(pod_sandbox_id=pod.id, output_path=str(out)), timeout=60)
+        rt.CheckpointPod(
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=pod.id, container_ids=pods.running_ids(rt, pod.id), output_path=str(out)
+            ),
+            timeout=60,
+        )
 
     with _tmpfs(bed, 10_000) as roomy:
         checkpoint(roomy)

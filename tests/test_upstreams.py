@@ -113,7 +113,9 @@ def test_checkpoint_pod_records_the_runtime_handler(
     out = Path(bed.checkpoint_root) / f"handler-{secrets.token_hex(4)}"
     out.mkdir(mode=0o700)
     archives.append(out)
-    req = cri.CheckpointPodRequest(pod_sandbox_id=pod.id, output_path=str(out))
+    req = cri.CheckpointPodRequest(
+        pod_sandbox_id=pod.id, container_ids=pods.running_ids(rt, pod.id), output_path=str(out)
+    )
     rt.CheckpointPod(req, timeout=CALL_TIMEOUT)
     status = json.loads((out / "sandbox" / "status.json").read_text())
     assert status["runtime_handler"] == "crun", status.get("runtime_handler")

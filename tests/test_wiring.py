@@ -208,7 +208,10 @@ def archives_src(bed: TestBed, rt: Stub, tmp_path_factory: pytest.TempPathFactor
         pods.wait_count(src.log_path("counter"), 5)
         out.mkdir(mode=0o700)
         rt.CheckpointPod(
-            cri.CheckpointPodRequest(pod_sandbox_id=src.id, output_path=str(out)), timeout=RPC_TIMEOUT
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=src.id, container_ids=pods.running_ids(rt, src.id), output_path=str(out)
+            ),
+            timeout=RPC_TIMEOUT,
         )
         work = tmp_path_factory.mktemp("always")
         with bed.extra_podshim(work, checkpoint={"container_checkpoint": "always"}) as (sock, _log):

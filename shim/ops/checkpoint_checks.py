@@ -1,6 +1,6 @@
 """CheckpointPod's checks before anything is frozen (docs/architecture.md §4 (CheckpointPod) step 1):
-the request's `options` parsed over the node's defaults, the containers to capture (running, named
-once, of this pod), what the archive records of the others, and that CRIU can dump each one (no
+the request's `options` parsed over the node's defaults, the containers to capture (listed, running,
+named once, of this pod), what the archive records of the others, and that CRIU can dump each one (no
 process in its cgroup outside its tree). Shared with CheckpointContainer (checkpoint_container.py)
 and the live migration's source (shim/migration/source.py).
 """
@@ -104,14 +104,18 @@ def _scan_paths(value: str) -> tuple[str, ...]:
 
 
 def select_containers(pod: PodView, container_ids: list[str]) -> list[ContainerView]:
-    """The running containers to capture: all running ones when `container_ids` is empty."""
+    """The running containers to capture: exactly those `container_ids` lists. The released API
+    (k8s.io/cri-api v0.37.2) wants the list non-empty, each id once, each a running container of
+    the pod, and the request failed without a checkpoint otherwise: an empty list is never read as
+    "all running", which would capture containers the caller did not select."""
     if not container_ids:
-        selected = [c for c in pod.containers if c.running]
-        if not selected:
-            raise errors.FailedPrecondition(
-                f"pod {pod.name} ({pod.id[:13]}) has no running container to checkpoint"
-            )
-        return selected
+        running = [c.name for c in pod.containers if c.running]
+        raise errors.InvalidArgument(
+            "container_ids is empty: list the running containers to checkpoint, CheckpointPod "
+            f"captures exactly those (pod {pod.name} ({pod.id[:13]}) has "
+            + (f"running: {', '.join(running)}" if running else "none running")
+            + "); nothing was frozen or written"
+        )
     if len(set(container_ids)) != len(container_ids):
         dup = sorted({c for c in container_ids if container_ids.count(c) > 1})
         raise errors.InvalidArgument(f"container_ids lists {', '.join(dup)} more than once")

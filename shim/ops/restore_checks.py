@@ -24,7 +24,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import errors
 from shim.aio import run_to_end
 from shim.archive import compat, config_dump, crypto, layout, manifest, paths
-from shim.checks import cri_strings, mounts
+from shim.checks import cri_strings, env, mounts
 from shim.checks.wiring import Verdict, WiringChecker
 from shim.config import Config
 from shim.criu.lazy import check_runtime
@@ -101,14 +101,19 @@ def config_mismatch(name: str, requested: cri.ContainerConfig, archived: cri.Con
         "command": (list(requested.command), list(archived.command)),
         "args": (list(requested.args), list(archived.args)),
         "working_dir": (requested.working_dir, archived.working_dir),
-        "env": ([(e.key, e.value) for e in requested.envs], [(e.key, e.value) for e in archived.envs]),
+        # as the upstream stored them: a value that is not UTF-8 comes back from config.dump with
+        # U+FFFD in place of each bad byte (shim/checks/env.py); keys in any order: the kubelet
+        # builds a pod's service-link variables from a map, in another order at every attempt (a
+        # key given twice keeps its values' order: the process sees them so)
+        "env": (env.by_key(env.stored_envs(requested.envs)), env.by_key(env.stored_envs(archived.envs))),
         "credentials": (_credentials(requested), _credentials(archived)),
     }
+    shown = {"env": [(e.key, e.value) for e in requested.envs]}  # the request's as it was sent
     for field, (want, have) in checks.items():
         if want != have:
             return (
                 f"container {name!r}: {field} differs from the checkpoint "
-                f"(request {want!r}, checkpoint {have!r})"
+                f"(request {shown.get(field, want)!r}, checkpoint {have!r})"
             )
     return None
 
@@ -297,7 +302,9 @@ class RestoreChecks:
         path = self.config.encryption_key_file
         return crypto.load_key(path) if path else None
 
-    async def check(self, req: cri.RestorePodRequest, pages_from_source: bool = False) -> Checked:
+    async def check(
+        self, req: cri.RestorePodRequest, pages_from_source: bool = False, some: bool = False
+    ) -> Checked:
         """Everything checked before anything is created: the request, the archive's manifest,
         file set, sizes and the members podshim reads itself (config.dump, network.json: read
         once, checksum checked), this host, the container configs against the checkpoint. The
@@ -346,7 +353,7 @@ class RestoreChecks:
         try:
             with phases("plan"):
                 archive = layout.ArchiveLayout(root)
-                plan = await self._plan(req, m, archive, key)
+                plan = await self._plan(req, m, archive, key, some)
                 missing = await self._missing_images(plan)
                 network = await run_to_end(recorded_network, root, m, key)
         except BaseException:
@@ -374,8 +381,11 @@ class RestoreChecks:
         m: manifest.Manifest,
         archive: layout.ArchiveLayout,
         key: crypto.NodeKey | None = None,
+        some: bool = False,
     ) -> list[Planned]:
-        """Match the request's container configs to the checkpoint, exactly, before acting."""
+        """Match the request's container configs to the checkpoint, exactly, before acting.
+        `some`: the configs may name only some of the checkpointed containers (a kubelet creates a
+        restored pod's containers one CreateContainer at a time, shim/kube/restore.py)."""
         dumped = [c for c in m.containers if c.checkpointed]
         recorded_only = {c.name for c in m.containers if not c.checkpointed}
         by_name: dict[str, cri.ContainerConfig] = {}
@@ -386,6 +396,8 @@ class RestoreChecks:
             if name in by_name:
                 raise errors.InvalidArgument(f"container config {name!r} appears twice")
             by_name[name] = cc
+        if some:
+            dumped = [c for c in dumped if c.name in by_name]
         problem = container_set_problem([c.name for c in dumped], recorded_only, list(by_name))
         if problem:
             raise errors.InvalidArgument(problem)
@@ -453,16 +465,26 @@ class RestoreChecks:
     ) -> str | None:
         """The request's image must be the checkpoint's: the same reference, or one this node
         resolves to the checkpoint's image ID (docs/architecture.md §19 (Image identity)); a
-        different image is a config mismatch (INVALID_ARGUMENT). When the checkpoint's image is
-        not on this node, _missing_images says so."""
-        want = requested.image.image
+        different image is a config mismatch (INVALID_ARGUMENT). Both fields are checked:
+        `image.image` (the kubelet's image ID, or a name) and `image.user_specified_image` (the
+        name the restored container reports; empty: the checkpoint's), as a container tar's
+        restore checks them (restore_container.py). When the checkpoint's image is not on this
+        node, _missing_images says so."""
         recorded = [*recorded_images(entry), *(str(record.get(k) or "") for k in ("image_ref", "image_id"))]
-        found = await images.mismatch(want, [r for r in recorded if r])
-        if found is None:
-            return None
-        checkpoint_id, here = found
-        what = f"is {here} on this node" if here else "is not on this node"
-        return (
-            f"container {entry.name!r}: image {want!r} differs from the checkpoint's "
-            f"{entry.image!r} ({checkpoint_id}): it {what}"
-        )
+        recorded = [r for r in recorded if r]
+        spec = requested.image
+        fields = [("image", spec.image)]
+        if spec.user_specified_image and spec.user_specified_image != spec.image:
+            fields.append(("user_specified_image", spec.user_specified_image))
+        for field, want in fields:
+            found = await images.mismatch(want, recorded)
+            if found is None:
+                continue
+            checkpoint_id, here = found
+            what = f"is {here} on this node" if here else "is not on this node"
+            named = entry.image or entry.user_specified_image
+            return (
+                f"container {entry.name!r}: {field} {want!r} differs from the checkpoint's "
+                f"{named!r} ({checkpoint_id}): it {what}"
+            )
+        return None

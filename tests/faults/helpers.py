@@ -248,9 +248,8 @@ def new_output_dir(bed: TestBed, name: str, parent: Path | None = None) -> Path:
 
 
 def checkpoint(rt: Rt, pod_id: str, out: Path, timeout: float = CALL_TIMEOUT, **fields: Any) -> None:
-    rt.CheckpointPod(
-        cri.CheckpointPodRequest(pod_sandbox_id=pod_id, output_path=str(out), **fields), timeout=timeout
-    )
+    """CheckpointPod of the pod's running containers, unless `fields` give container_ids."""
+    rt.CheckpointPod(pods.checkpoint_request(rt, pod_id, out, **fields), timeout=timeout)
 
 
 def assert_thawed_and_counting(rt: Rt, cp: CounterPod, names: tuple[str, ...] = ("counter",)) -> None:

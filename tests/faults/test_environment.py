@@ -25,7 +25,7 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from shim.archive import manifest as mf
-from testbed import _sys
+from testbed import _sys, pods
 from testbed.bed import TestBed
 
 from .helpers import (
@@ -233,7 +233,9 @@ def test_caller_gives_up_mid_dump(
     cp = start_counter_pod(rt, bed, f"gives-up-{how}", pod_cleanup, mem_mib=512 if how == "cancel" else 64)
     out = new_output_dir(bed, f"gives-up-{how}")
     archives.append(out)
-    req = cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(out))
+    req = cri.CheckpointPodRequest(
+        pod_sandbox_id=cp.id, container_ids=pods.running_ids(rt, cp.id), output_path=str(out)
+    )
     if how == "deadline":
         with FailpointPodshim(bed, HOLD_DUMP) as fp, pytest.raises(grpc.RpcError) as err:
             fp.rt.CheckpointPod(req, timeout=HELD_DEADLINE)

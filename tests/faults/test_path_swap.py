@@ -135,7 +135,10 @@ def test_output_path_swapped_mid_checkpoint_pod(
         with FailpointPodshim(bed, f"checkpoint.after-freeze={SLEEP}") as fp, swap:
             code, details = _call(
                 lambda: fp.rt.CheckpointPod(
-                    cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(out)), timeout=120
+                    cri.CheckpointPodRequest(
+                        pod_sandbox_id=cp.id, container_ids=pods.running_ids(rt, cp.id), output_path=str(out)
+                    ),
+                    timeout=120,
                 )
             )
             assert swap.swapped.is_set(), "the watcher never swapped the output path"
@@ -235,7 +238,10 @@ def test_subdirectory_planted_after_the_emptiness_check(
             planter.start()
             code, details = _call(
                 lambda out=out: fp.rt.CheckpointPod(
-                    cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(out)), timeout=120
+                    cri.CheckpointPodRequest(
+                        pod_sandbox_id=cp.id, container_ids=pods.running_ids(rt, cp.id), output_path=str(out)
+                    ),
+                    timeout=120,
                 )
             )
             planter.join(70)

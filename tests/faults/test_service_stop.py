@@ -227,7 +227,12 @@ def test_podshim_terminated_mid_checkpoint(
                 archives.append(other)
                 with pytest.raises(grpc.RpcError) as err:
                     held_rt.CheckpointPod(
-                        cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(other)), timeout=10
+                        cri.CheckpointPodRequest(
+                            pod_sandbox_id=cp.id,
+                            container_ids=pods.running_ids(rt, cp.id),
+                            output_path=str(other),
+                        ),
+                        timeout=10,
                     )
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
                 assert "stopping" in (err.value.details() or "")

@@ -94,7 +94,9 @@ def test_a_task_left_stopped_is_resumed(
         out = new_output_dir(bed, "stopped-left")
         trailer = call_with_trailer(
             fp.rt.CheckpointPod,
-            cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(out)),
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=cp.id, container_ids=pods.running_ids(rt, cp.id), output_path=str(out)
+            ),
             CALL_TIMEOUT,
         )
         stopper.join()
@@ -132,7 +134,10 @@ def test_a_task_left_stopped_at_the_deadline_is_resumed(
         out = new_output_dir(bed, "stopped-deadline")
         with pytest.raises(grpc.RpcError) as err:
             fp.rt.CheckpointPod(
-                cri.CheckpointPodRequest(pod_sandbox_id=cp.id, output_path=str(out)), timeout=HELD_DEADLINE
+                cri.CheckpointPodRequest(
+                    pod_sandbox_id=cp.id, container_ids=pods.running_ids(rt, cp.id), output_path=str(out)
+                ),
+                timeout=HELD_DEADLINE,
             )
         stopper.join()
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()

@@ -50,7 +50,12 @@ def hostile_pods(rt: Rt, bed: TestBed) -> Iterator[tuple[pods.Pod, pods.Pod, Pat
         pods.wait_count(victim.log_path("counter"), 2)
         archive.mkdir(mode=0o700)
         rt.CheckpointPod(
-            cri.CheckpointPodRequest(pod_sandbox_id=victim.id, output_path=str(archive)), timeout=120
+            cri.CheckpointPodRequest(
+                pod_sandbox_id=victim.id,
+                container_ids=pods.running_ids(rt, victim.id),
+                output_path=str(archive),
+            ),
+            timeout=120,
         )
         yield victim, other, archive
     finally:

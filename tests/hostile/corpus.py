@@ -89,7 +89,9 @@ class Ctx:
         return d
 
     def checkpoint(self, output_path: str, **fields: Any) -> Callable[[], Any]:
-        fields.setdefault("pod_sandbox_id", self.victim.id)
+        if "pod_sandbox_id" not in fields:  # the victim, its running counter listed as a kubelet lists it
+            fields["pod_sandbox_id"] = self.victim.id
+            fields.setdefault("container_ids", [self.victim.containers["counter"]])
         req = cri.CheckpointPodRequest(output_path=output_path, **fields)
         return lambda: self.rt.CheckpointPod(req, timeout=60)
 

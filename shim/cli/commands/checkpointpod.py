@@ -18,6 +18,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim.cli import keep, output
 from shim.cli.base import (
     EXIT_OK,
+    CliError,
     client_parser,
     guarded,
     key_value,
@@ -29,16 +30,41 @@ from shim.cli.base import (
     runtime_stub,
     timeout_of,
 )
-from shim.cli.transport import long_call
+from shim.cli.transport import RuntimeStub, long_call
 from shim.deadlines import CLI_SHORT_TIMEOUT
+
+
+def running_containers(stub: RuntimeStub, pod_id: str, timeout: float) -> list[str]:
+    """The ids of the pod's running containers, oldest first: what `checkpointpod` checkpoints when
+    no --container is given. The released API (k8s.io/cri-api v0.37.2) wants the caller to list
+    them (an empty container_ids is INVALID_ARGUMENT), so the command lists them itself. None
+    running: the pod's own status answers first (NOT_FOUND for an unknown pod), else a CliError,
+    before anything is created."""
+    running = cri.ContainerFilter(
+        pod_sandbox_id=pod_id, state=cri.ContainerStateValue(state=cri.CONTAINER_RUNNING)
+    )
+    listed = stub.ListContainers(cri.ListContainersRequest(filter=running), timeout=timeout).containers
+    # the state checked here too: what is sent is exactly the running ones, whatever the filter did
+    ids = [c.id for c in sorted(listed, key=lambda c: c.created_at) if c.state == cri.CONTAINER_RUNNING]
+    if ids:
+        return ids
+    st = stub.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id), timeout=timeout).status
+    md = st.metadata
+    raise CliError(
+        f"pod {md.namespace}/{md.name} ({output.short_id(pod_id)}) has no running container to checkpoint "
+        f"(the pod is {cri.PodSandboxState.Name(st.state)})"
+    )
 
 
 @guarded("checkpointpod")
 def cmd_checkpointpod(args: argparse.Namespace) -> int:
     stub = runtime_stub(args)
     timeout = timeout_of(args, long=True)
-    pod_id = resolve_pod(stub, args.pod_id, min(timeout, CLI_SHORT_TIMEOUT))
-    containers = [resolve_container(stub, c, min(timeout, CLI_SHORT_TIMEOUT)) for c in args.containers or []]
+    short = min(timeout, CLI_SHORT_TIMEOUT)
+    pod_id = resolve_pod(stub, args.pod_id, short)
+    containers = [resolve_container(stub, c, short) for c in args.containers or []]
+    if not containers:  # the command's default, filled in here: the API takes no empty list
+        containers = running_containers(stub, pod_id, short)
     path = Path(os.path.abspath(args.path))
     if args.keep is not None:
         path = keep.keep_name(path)

@@ -45,9 +45,11 @@ DESTINATION_OPTION = "lazy-migration-from"
 
 def pod_request(
     stub: Any, pod_id: str, timeout: float
-) -> tuple[cri.PodSandboxConfig, str, list[cri.ContainerConfig]]:
+) -> tuple[cri.PodSandboxConfig, str, list[cri.ContainerConfig], list[str]]:
     """The running pod's sandbox config, runtime handler and its running containers' configs, as
-    its runtime reports them (verbose status): what the destination's RestorePod is given."""
+    its runtime reports them (verbose status): what the destination's RestorePod is given; and
+    those containers' ids, the CheckpointPod's container_ids (the released API takes no empty
+    list), so that what is checkpointed is what the configs name."""
     st = stub.PodSandboxStatus(
         cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id, verbose=True), timeout=timeout
     )
@@ -58,7 +60,7 @@ def pod_request(
     listed = stub.ListContainers(
         cri.ListContainersRequest(filter=cri.ContainerFilter(pod_sandbox_id=pod_id)), timeout=timeout
     ).containers
-    configs = []
+    configs, ids = [], []
     for c in sorted(listed, key=lambda c: c.created_at):
         if c.state != cri.CONTAINER_RUNNING:
             continue
@@ -74,9 +76,10 @@ def pod_request(
         assert isinstance(cc, cri.ContainerConfig)
         cc.metadata.attempt = 0
         configs.append(cc)
+        ids.append(c.id)
     if not configs:
         raise CliError(f"pod {output.short_id(pod_id)} has no running container to migrate")
-    return config, handler, configs
+    return config, handler, configs, ids
 
 
 def _info(info: Any) -> dict[str, Any]:
@@ -92,7 +95,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     stub = runtime_stub(args)
     timeout = timeout_of(args, long=True)
     pod_id = resolve_pod(stub, args.pod_id, min(timeout, CLI_SHORT_TIMEOUT))
-    config, handler, configs = pod_request(stub, pod_id, min(timeout, CLI_SHORT_TIMEOUT))
+    config, handler, configs, ids = pod_request(stub, pod_id, min(timeout, CLI_SHORT_TIMEOUT))
     if args.log_directory:
         config.log_directory = args.log_directory
     path = Path(os.path.abspath(args.path))
@@ -106,7 +109,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         options={DESTINATION_OPTION: args.from_name},
     )
     checkpoint = cri.CheckpointPodRequest(
-        pod_sandbox_id=pod_id, output_path=str(path), options={SOURCE_OPTION: args.to}
+        pod_sandbox_id=pod_id, output_path=str(path), container_ids=ids, options={SOURCE_OPTION: args.to}
     )
     dest = stub_for(args.to_endpoint)
     answer: dict[str, Any] = {}
