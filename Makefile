@@ -6,13 +6,14 @@ PYTEST := .venv/bin/pytest
 RUFF := .venv/bin/ruff
 MYPY := .venv/bin/mypy
 
-.PHONY: setup demo test test-core test-matrix test-kubelet test-fast lint proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet
+.PHONY: setup demo test test-core test-matrix test-kubelet test-cluster test-fast lint proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet bench-cluster bench-front-kill
 
 setup:
 	bash scripts/setup.sh
 
 demo: setup
 	$(PY) -m testbed.demo
+	$(PY) -m testbed.cluster_demo
 
 # What CI runs (README, Compatibility): the checks of `make lint` first (written out, not a sub-make:
 # make runs a recipe line that calls $(MAKE) even under `make -n`), then the whole suite on the
@@ -65,6 +66,11 @@ test-matrix:
 test-kubelet: setup
 	$(PYTEST) -ra -m kubelet
 
+# A real control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler) and a registered
+# kubelet on podshim: tests/cluster (testbed/cluster.py; also in `make test`).
+test-cluster: setup
+	$(PYTEST) -ra tests/cluster
+
 # Unit tests only (no containerd, no root needed for most).
 test-fast:
 	$(PYTEST) -ra -m "not e2e"
@@ -89,8 +95,9 @@ conformance: setup
 	$(PY) -m conformance.full $(if $(ENDPOINT),--endpoint $(ENDPOINT))
 
 # A private containerd + podshim in the background; prints PODSHIM_SOCKET=… and CONTAINERD_SOCKET=….
+# CLUSTER=1: with a Kubernetes control plane and a kubelet registered as its node; prints KUBECONFIG=….
 up: setup
-	@$(PY) -m testbed up $(if $(BED),--name $(BED))
+	@$(PY) -m testbed up $(if $(BED),--name $(BED)) $(if $(CLUSTER),--cluster)
 
 down:
 	@$(PY) -m testbed down $(if $(BED),--name $(BED))
@@ -125,5 +132,13 @@ bench-migrate: setup
 # (bench/kubelet.py, issue 22 item 11).
 bench-kubelet: setup
 	$(PY) -m bench.kubelet --rounds 2
+
+# What a client of podshim's socket sees while the front is killed and restarted.
+bench-front-kill: setup
+	$(PY) -m bench.front_kill --kills 8
+
+# The cluster API's cost over the CRI calls it makes, beside a cold start (docs/cluster.md).
+bench-cluster: setup
+	$(PY) -m bench.cluster --rounds 3
 
 bench: bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate

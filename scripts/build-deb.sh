@@ -6,7 +6,8 @@
 #   bash scripts/build-deb.sh [OUT_DIR]      (default dist/)
 #
 # What the package holds (one venv for Debian 12's Python 3.11 and Debian 13's 3.13):
-#   /opt/podshim/bin/podshim, podshim-runc-hook     entry scripts on /opt/podshim/bin/python3
+#   /opt/podshim/bin/podshim, podshim-runc-hook,    entry scripts on /opt/podshim/bin/python3
+#     kubectl-podshim
 #   /opt/podshim/bin/python3 -> /usr/bin/python3      the venv's interpreter (pyvenv.cfg next to bin/)
 #   /opt/podshim/lib/python3.11/site-packages,        podshim, its pinned dependencies and pycriu, the
 #   /opt/podshim/lib/python3.13/site-packages         binary wheels of each Python (pip --python-version);
@@ -18,6 +19,8 @@
 #   /opt/podshim/share/podshim/                       examples (containerd drop-in, kubelet flags), CRIU's
 #                                                     patches (GPL: with Debian's criu source they are its source)
 #   /usr/bin/podshim -> /opt/podshim/bin/podshim
+#   /usr/bin/kubectl-podshim -> /opt/podshim/bin/kubectl-podshim   `kubectl podshim`
+#   /usr/share/podshim/deploy/                        the cluster API: kubectl apply -k /usr/share/podshim/deploy
 #   /usr/lib/systemd/system/podshim.service           not enabled, not started by the package
 #   /etc/podshim/config.toml                          conffile
 # Depends only on packages Debian 12 and 13 both ship (CRIU's libraries, python3, iptables).
@@ -80,6 +83,7 @@ entry() {  # NAME MODULE FUNCTION: a console script as pip writes it
 }
 entry podshim shim.cli main
 entry podshim-runc-hook shim.wrapper.main main
+entry kubectl-podshim shim.kube.plugin main
 install -m 0755 "$WRAPPER" "$OPT/bin/podshim-runc"
 install -m 0755 "$FRONT" "$OPT/bin/podshim-front"
 install -m 0755 "$CRIU_DIR/sbin/criu" "$OPT/sbin/criu"
@@ -88,12 +92,15 @@ while IFS= read -r p; do
   cp "$(find "$REPO/scripts/patches/criu" -name "$p" | head -n1)" "$OPT/share/podshim/criu-patches/"
 done <"$CRIU_DIR/share/podshim/criu-patches.list"
 ln -s /opt/podshim/bin/podshim "$ROOT/usr/bin/podshim"
+ln -s /opt/podshim/bin/kubectl-podshim "$ROOT/usr/bin/kubectl-podshim"
 
 echo "==> configuration, unit, examples"
 install -m 0644 systemd/config.toml "$ROOT/etc/podshim/config.toml"
 install -m 0644 systemd/podshim.service "$ROOT/usr/lib/systemd/system/podshim.service"
 install -m 0644 systemd/containerd-podshim.toml systemd/kubelet.env systemd/kubelet-podshim.conf \
   "$OPT/share/podshim/"
+install -d "$ROOT/usr/share/podshim/deploy"
+install -m 0644 deploy/*.yaml "$ROOT/usr/share/podshim/deploy/"
 cat >"$ROOT/usr/share/doc/podshim/copyright" <<EOF
 podshim $VERSION: Apache-2.0 (the project's checkout: LICENSE terms in pyproject.toml).
 /opt/podshim/sbin/criu: CRIU $("$CRIU_DIR/sbin/criu" --version | awk '/^Version:/ { print $2 }'), GPL-2.0-only, built

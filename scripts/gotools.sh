@@ -10,6 +10,11 @@
 # rather than resolve anything new. k8s.io/kubernetes points its ~30 staging modules at local
 # paths; tools/go/kubelet/go.mod replaces each with the same-numbered v0.x release.
 #
+# The control plane of the cluster test bed (testbed/cluster.py): tools/go/controlplane/ is the
+# kubelet's module with the API server, controller manager, scheduler and kubectl as its tools
+# (the same replaces); tools/go/etcd/ is a main of the project's own calling etcdmain (server/v3's
+# go.mod has replaces, so `go install` of it is refused), built without cgo.
+#
 # Output: $PODSHIM_GO_CACHE/bin/<name>/<binary> (default /var/cache/podshim/go), with a stamp
 # next to it. testbed/tools.py finds them there.
 set -euo pipefail
@@ -20,6 +25,7 @@ export GOMODCACHE=$GO_CACHE/mod GOCACHE=$GO_CACHE/build GOTOOLCHAIN=local GOFLAG
 export GOPATH=$GO_CACHE/path CGO_ENABLED=1
 
 # name | module dir | how: build or test (a `go test -c` binary) | package | binary | tags | ldflags
+# [| env: VAR=VALUE ... for this build only]
 TOOLS=(
   "kubelet|kubelet|build|k8s.io/kubernetes/cmd/kubelet|kubelet||-X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37 -X k8s.io/component-base/version.gitTreeState=clean"
   "crictl|cri-tools|build|sigs.k8s.io/cri-tools/cmd/crictl|crictl||-X sigs.k8s.io/cri-tools/pkg/version.Version=1.37.0"
@@ -33,6 +39,11 @@ TOOLS=(
   "containerd-2.4|containerd-2.4|build|github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2|containerd-shim-runc-v2||-X github.com/containerd/containerd/v2/version.Version=2.4.2"
   "containerd-2.4|containerd-2.4|build|github.com/containerd/containerd/v2/cmd/ctr|ctr||-X github.com/containerd/containerd/v2/version.Version=2.4.2"
   "cri-client|cri-client|build|podshim.local/tools/cri-client|cri-client||"
+  "kube-apiserver|controlplane|build|k8s.io/kubernetes/cmd/kube-apiserver|kube-apiserver||-X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37 -X k8s.io/component-base/version.gitTreeState=clean"
+  "kube-controller-manager|controlplane|build|k8s.io/kubernetes/cmd/kube-controller-manager|kube-controller-manager||-X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37 -X k8s.io/component-base/version.gitTreeState=clean"
+  "kube-scheduler|controlplane|build|k8s.io/kubernetes/cmd/kube-scheduler|kube-scheduler||-X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37 -X k8s.io/component-base/version.gitTreeState=clean"
+  "kubectl|controlplane|build|k8s.io/kubernetes/cmd/kubectl|kubectl||-X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37 -X k8s.io/component-base/version.gitTreeState=clean"
+  "etcd|etcd|build|podshim.local/tools/etcd|etcd|||CGO_ENABLED=0"
 )
 
 info() { printf '    %s\n' "$*"; }
@@ -47,7 +58,7 @@ wanted() {
 
 mkdir -p "$GO_CACHE/bin" "$GO_CACHE/logs"
 for entry in "${TOOLS[@]}"; do
-  IFS='|' read -r name dir how pkg binary tags ldflags <<<"$entry"
+  IFS='|' read -r name dir how pkg binary tags ldflags build_env <<<"$entry"
   wanted "$name" || continue
   src=$REPO_ROOT/tools/go/$dir
   out=$GO_CACHE/bin/$name/$binary
@@ -65,10 +76,12 @@ for entry in "${TOOLS[@]}"; do
   t0=$(date +%s)
   args=(-trimpath -o "$out.tmp" -ldflags "-s -w $ldflags")
   [ -n "$tags" ] && args+=(-tags "$tags")
+  # shellcheck disable=SC2206 # build_env is a list of VAR=VALUE words
+  envs=($build_env)
   if [ "$how" = test ]; then
-    cmd=(go test -c "${args[@]}" "$pkg")
+    cmd=(env "${envs[@]}" go test -c "${args[@]}" "$pkg")
   else
-    cmd=(go build "${args[@]}" "$pkg")
+    cmd=(env "${envs[@]}" go build "${args[@]}" "$pkg")
   fi
   if ! (cd "$src" && "${cmd[@]}") >"$log" 2>&1; then
     tail -n 30 "$log" >&2

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_CONFIG_PATH = "/etc/podshim/config.toml"
+KUBELET_KUBECONFIG = "/etc/kubernetes/kubelet.conf"
 KUBELET_CHECKPOINT_ROOTS = ("/var/lib/kubelet/pod-checkpoints", "/var/lib/kubelet/checkpoints")
 RUNTIME_NAMES = ("upstream", "podshim")
 CONFIG_ENV = "PODSHIM_CONFIG"
@@ -89,6 +90,12 @@ class Config:
     # BBR, a common default, paces without the fq qdisc with TCP's internal timers and made the
     # page server CPU-bound (docs/architecture.md §21 (Live migration)).
     migration_tcp_congestion: str = "cubic"
+    # [kubernetes]: the cluster API podshim serves for the pods of its node (docs/cluster.md):
+    # PodCheckpoint objects and Pods that name one to restore from. kubeconfig: the node's
+    # credentials (the kubelet's own, by default); "" or a missing file: off, podshim serves CRI
+    # alone. node_name "": the host name (the kubelet's default node name).
+    kubernetes_kubeconfig: str = KUBELET_KUBECONFIG
+    kubernetes_node_name: str = ""
     log_format: str = "json"
     log_level: str = "info"
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -166,6 +173,10 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
         "key_file": ("migration_key_file", str),
         "ca_file": ("migration_ca_file", str),
         "tcp_congestion": ("migration_tcp_congestion", str),
+    },
+    "kubernetes": {
+        "kubeconfig": ("kubernetes_kubeconfig", str),
+        "node_name": ("kubernetes_node_name", str),
     },
     "log": {"format": ("log_format", str), "level": ("log_level", str)},
 }

@@ -124,6 +124,7 @@ class Engine:
         self._inflight: set[asyncio.Task[object]] = set()  # tasks of the operations running now (stop)
         self._retrying: set[str] = set()  # op ids of records whose recovery is retried (retry_later)
         self._stopping = False  # drain(): no new operations
+        self._checkpointing_pods: dict[str, asyncio.Event] = {}  # sandbox id -> set when its checkpoint ends
         self.restorer.on_kept = self.retry_later  # a restore whose rollback failed: retried
         self.restore_lane = aio.Lane("restore", LANE_WORKERS, LANE_MAX_OPERATIONS)
         self.import_lane = aio.Lane("import", LANE_WORKERS, LANE_MAX_OPERATIONS)
@@ -176,10 +177,46 @@ class Engine:
                 m = await self.migration_out.checkpoint(req, deadline)
             return cri.CheckpointPodResponse()
         with self._operation("checkpoint_pod", keys, pod=req.pod_sandbox_id, path=req.output_path):
-            m = await self.checkpointer.checkpoint(req, deadline)
+            with self._checkpointing(keys[0].removeprefix("pod ")):
+                m = await self.checkpointer.checkpoint(req, deadline)
         metrics.freeze_window.observe(m.timings.get("freeze_window", 0.0))
         metrics.archive_size.labels("checkpoint_pod").observe(sum(f.size for f in m.files.values()))
         return cri.CheckpointPodResponse()
+
+    @contextlib.contextmanager
+    def _checkpointing(self, sandbox_id: str) -> Iterator[None]:
+        """Marks the pod as being checkpointed, for the ExecSyncs that wait it out."""
+        done = asyncio.Event()
+        self._checkpointing_pods[sandbox_id] = done
+        try:
+            yield
+        finally:
+            done.set()
+            if self._checkpointing_pods.get(sandbox_id) is done:
+                del self._checkpointing_pods[sandbox_id]
+
+    @property
+    def checkpointing(self) -> dict[str, asyncio.Event]:
+        """The pods being checkpointed now (sandbox id -> set when the checkpoint ends)."""
+        return self._checkpointing_pods
+
+    async def wait_checkpointed(self, container_id: str, limit: float | None) -> None:
+        """An ExecSync into a container of a pod being checkpointed waits until the checkpoint
+        ends (its processes are stopped for the dump, so a probe asking the app would time out and
+        the kubelet kill the pod), then runs with its full timeout; at most `limit` seconds (the
+        caller's deadline; the kubelet's is the probe's timeout plus two minutes)."""
+        try:
+            found = await self.upstream.list_containers(
+                cri.ContainerFilter(id=container_id), doing="finding the exec's pod", timeout=2.0
+            )
+        except errors.ShimError:
+            return  # the upstream answers the ExecSync itself
+        for c in found:
+            done = self._checkpointing_pods.get(c.pod_sandbox_id)
+            if done is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), None if limit is None else max(0.0, limit - 1.0))
+                return
 
     async def _full_pod_id(self, pod_id: str) -> str:
         """The sandbox's full id as the upstream resolves `pod_id`; `pod_id` itself when the
@@ -208,6 +245,28 @@ class Engine:
         with self._operation("restore_pod", keys, shared, pod=pod, path=req.checkpoint_path):
             with self.restore_lane.enter():
                 return await self.restorer.restore(req, deadline)
+
+    async def restore_container_into(
+        self,
+        req: cri.CreateContainerRequest,
+        checkpoint_path: str,
+        deadline: float | None,
+    ) -> str:
+        """A kubelet's CreateContainer of a container of a Pod that names a checkpoint
+        (shim/kube/restore.py): that container restored from `checkpoint_path` into the sandbox."""
+        md = req.sandbox_config.metadata
+        pod = f"{md.namespace}/{md.name}"
+        with self._operation(
+            "restore_container_into",
+            [],
+            [f"path {checkpoint_path}"],
+            pod=pod,
+            container=req.config.metadata.name,
+        ):
+            with self.restore_lane.enter():
+                return await self.restorer.restore_into(
+                    req.pod_sandbox_id, req.sandbox_config, checkpoint_path, req.config, deadline
+                )
 
     @property
     def container_checkpoint_mode(self) -> str:

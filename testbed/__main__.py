@@ -7,6 +7,12 @@ crictl)).
         PODSHIM_SOCKET=<path>, CONTAINERD_SOCKET=<path>, CHECKPOINT_ROOT=<path> (podshim's allowed
         root) and, unless --no-mirror, REGISTRY_MIRROR=<127.0.0.1:port>: a loopback registry
         holding critest's images, from which the bed's containerd pulls every registry's images
+    python -m testbed up --cluster [--name N] [--dir D] [--no-mirror] ...
+        the same with a Kubernetes control plane (testbed/cluster.py): etcd, kube-apiserver,
+        kube-controller-manager, kube-scheduler and a kubelet registered as a node, its runtime
+        the bed's podshim; prints KUBECONFIG=<the admin's kubeconfig> and NODE_NAME=<the node>
+        first, then the sockets (no CHECKPOINT_ROOT: podshim keeps its stock roots, paths in the
+        node's mount namespace, as under a kubelet)
     python -m testbed env [--name N]     print those lines again
     python -m testbed down [--name N]    stop the bed (and its registry), remove everything
 
@@ -27,7 +33,9 @@ from typing import Any
 
 from testbed import _sys
 from testbed.bed import REPO, TestBed, TestBedError
+from testbed.cluster import ClusterBed
 from testbed.registry import Registry, RegistryError
+from testbed.tools import ToolMissing
 
 STATE_DIR = Path(os.environ.get("PODSHIM_TESTBED_STATE_DIR") or REPO / ".testbed" / "up")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -48,11 +56,15 @@ def load(name: str) -> dict[str, Any] | None:
 def bed_env(record: dict[str, Any]) -> dict[str, str]:
     """What `up` and `env` print: the bed's sockets, its checkpoint root, its registry mirror."""
     bed = record["bed"]
-    env = {
-        "PODSHIM_SOCKET": bed["podshim_socket"],
-        "CONTAINERD_SOCKET": bed["containerd_socket"],
-        "CHECKPOINT_ROOT": str(Path(bed["base_dir"]) / "checkpoints"),
-    }
+    env: dict[str, str] = {}
+    cluster = record.get("cluster")
+    if cluster:
+        env["KUBECONFIG"] = cluster["kubeconfig"]["admin"]
+        env["NODE_NAME"] = cluster["nodes"][0]["name"]
+    env["PODSHIM_SOCKET"] = bed["podshim_socket"]
+    env["CONTAINERD_SOCKET"] = bed["containerd_socket"]
+    if not cluster:
+        env["CHECKPOINT_ROOT"] = str(Path(bed["base_dir"]) / "checkpoints")
     if record.get("registry"):
         env["REGISTRY_MIRROR"] = record["registry"]["host"]
     return env
@@ -70,10 +82,16 @@ def _stop(record: dict[str, Any]) -> None:
         if record.get("registry"):
             Registry.stop_described(record["registry"])
     finally:
-        TestBed.attach(record["bed"]).stop()
+        if record.get("cluster"):
+            ClusterBed.stop_described(record["cluster"])
+        else:
+            TestBed.attach(record["bed"]).stop()
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    if args.cluster and args.no_podshim:
+        print("testbed: --cluster runs its node on podshim (no --no-podshim)", file=sys.stderr)
+        return 2
     record = load(args.name)
     if record is not None:
         pid = record["bed"].get("containerd_pid")
@@ -96,27 +114,36 @@ def cmd_up(args: argparse.Namespace) -> int:
         from conformance.critest import serve_images  # builds and pushes critest's images
 
         registry = serve_images(STATE_DIR)
-    bed = TestBed(
-        args.dir,
-        start_podshim=not args.no_podshim,
-        runc_binary=args.runc_binary,
-        crun_binary=args.crun_binary,
-        timeout=args.timeout,
-        registry_mirror=registry.host if registry else None,
-    )
+    options: dict[str, Any] = {
+        "runc_binary": args.runc_binary,
+        "crun_binary": args.crun_binary,
+        "timeout": args.timeout,
+        "registry_mirror": registry.host if registry else None,
+    }
+    cluster = ClusterBed(args.dir, bed_options=options) if args.cluster else None
+    bed = None if cluster else TestBed(args.dir, start_podshim=not args.no_podshim, **options)
     try:
-        bed.start()
-    except TestBedError as e:
+        if cluster is not None:
+            cluster.start()
+        else:
+            assert bed is not None
+            bed.start()
+    except (TestBedError, ToolMissing) as e:
         if registry is not None:
             registry.stop()
         print(f"testbed: {e}", file=sys.stderr)
         return 1
-    record = {"name": args.name, "bed": bed.describe(), "registry": registry.describe() if registry else None}
+    record = {
+        "name": args.name,
+        "bed": cluster.bed.describe() if cluster else bed.describe() if bed else {},
+        "cluster": cluster.describe() if cluster else None,
+        "registry": registry.describe() if registry else None,
+    }
     tmp = state_file(args.name).with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, state_file(args.name))
-    # containerd, podshim and the registry run in their own sessions with their output in log
-    # files: returning leaves them running.
+    # containerd, podshim, the registry (and the control plane and kubelet) run in their own
+    # sessions with their output in log files: returning leaves them running.
     _print_env(record)
     return 0
 
@@ -156,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start a bed in the background")
     up.add_argument("--dir", help="base directory (default /run/podshim-testbed-<random>)")
     up.add_argument("--no-podshim", action="store_true", help="containerd only")
+    up.add_argument(
+        "--cluster", action="store_true", help="with a Kubernetes control plane and a registered kubelet"
+    )
     up.add_argument("--no-mirror", action="store_true", help="no registry mirror (critest cannot run)")
     up.add_argument("--runc-binary", help="BinaryName of the runc handler")
     up.add_argument("--crun-binary", help="BinaryName of a crun handler (default: none)")

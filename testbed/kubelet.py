@@ -21,6 +21,10 @@ serves its own API (anonymous auth, ``AlwaysAllow``) on a loopback port. It leav
 
 The kubelet removes every pod it did not create within ~2 s (orphans), so a bed with a kubelet
 is for the kubelet's pods only: other CRI clients use their own bed, or stop the kubelet first.
+
+With a ``Registration`` the kubelet registers with an API server instead (testbed/cluster.py):
+it serves on the node's address with a CA-signed cert and authenticates its API's clients by
+certificate and the API server's webhook.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import subprocess
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -76,6 +81,23 @@ class KubeletError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Registration:
+    """What a kubelet registered with an API server needs (testbed/cluster.py): its kubeconfig
+    (the node's credentials), the address it serves on and reports as its InternalIP (not
+    loopback: the kubelet refuses a loopback node IP and the API server's node proxy a loopback
+    node address), a serving cert for that IP, the CA its API trusts for client certs, and a client
+    cert its own API accepts (the tests' and ``api()``'s; authorized by the API server's webhook)."""
+
+    kubeconfig: Path
+    node_ip: str
+    serving_cert: Path
+    serving_key: Path
+    client_ca: Path
+    api_client_cert: Path
+    api_client_key: Path
+
+
 class Kubelet:
     """One kubelet process for ``bed`` (which must have been made with ``node_mounts()``)."""
 
@@ -88,10 +110,13 @@ class Kubelet:
         config: dict[str, Any] | None = None,
         verbosity: int = 2,
         timeout: float = 90.0,
+        registration: Registration | None = None,
     ) -> None:
         """
         endpoint: the CRI socket (default: the bed's podshim, else its containerd).
         config: KubeletConfiguration fields merged over the bed's (e.g. ``{"maxPods": 250}``).
+        registration: register with an API server as a node (default: standalone, static pods
+            only, its API anonymous on loopback).
         """
         if bed.node_mounts is None or "kubelet" not in bed.node_mounts.var_lib:
             raise KubeletError(
@@ -103,6 +128,8 @@ class Kubelet:
         self.extra_config = dict(config or {})
         self.verbosity = verbosity
         self.timeout = timeout
+        self.registration = registration
+        self.api_host = registration.node_ip if registration else "127.0.0.1"
         self.dir = bed.base_dir / "kubelet"
         self.root = self.dir / "root"  # /var/lib/kubelet in the node
         self.manifests = self.dir / "manifests"
@@ -116,6 +143,8 @@ class Kubelet:
         self._ssl = ssl.create_default_context()
         self._ssl.check_hostname = False
         self._ssl.verify_mode = ssl.CERT_NONE  # its self-signed serving cert (in <root>/pki)
+        if registration is not None:  # its API authenticates clients by certificate
+            self._ssl.load_cert_chain(registration.api_client_cert, registration.api_client_key)
 
     # ------------------------------------------------------------------ paths
 
@@ -171,6 +200,24 @@ class Kubelet:
             "containerLogMonitorInterval": "3s",
             "maxPods": 150,
         }
+        reg = self.registration
+        if reg is not None:
+            cfg.update(
+                {
+                    "address": reg.node_ip,
+                    "tlsCertFile": str(reg.serving_cert),
+                    "tlsPrivateKeyFile": str(reg.serving_key),
+                    "rotateCertificates": False,
+                    "serverTLSBootstrap": False,
+                    "authentication": {
+                        "anonymous": {"enabled": False},
+                        "webhook": {"enabled": True},
+                        "x509": {"clientCAFile": str(reg.client_ca)},
+                    },
+                    "authorization": {"mode": "Webhook"},
+                    "registerNode": True,
+                }
+            )
         cfg.update(self.extra_config)
         return cfg
 
@@ -188,6 +235,8 @@ class Kubelet:
             f"--hostname-override={self.node_name}",
             f"--v={self.verbosity}",
         ]
+        if self.registration is not None:
+            argv += [f"--kubeconfig={self.registration.kubeconfig}", f"--node-ip={self.registration.node_ip}"]
         assert self.bed.node_mounts is not None
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "PODSHIM_"))}
         env["PATH"] = KUBELET_PATH
@@ -305,7 +354,7 @@ class Kubelet:
         """One HTTPS request to the kubelet's API; returns (status, body)."""
         if query:
             path += "?" + urllib.parse.urlencode(query, doseq=True)
-        conn = http.client.HTTPSConnection("127.0.0.1", self.port, timeout=timeout, context=self._ssl)
+        conn = http.client.HTTPSConnection(self.api_host, self.port, timeout=timeout, context=self._ssl)
         try:
             conn.request(method, path, body=body)
             resp = conn.getresponse()
@@ -483,12 +532,12 @@ def exec_stream(
     query = urllib.parse.urlencode([("command", c) for c in cmd] + [("output", "1"), ("error", "1")])
     path = f"/exec/{NAMESPACE}/{kubelet.full_name(pod)}/{container}?{query}"
     key = base64.b64encode(os.urandom(16)).decode()
-    raw = socket.create_connection(("127.0.0.1", kubelet.port), timeout=timeout)
-    sock = kubelet._ssl.wrap_socket(raw, server_hostname="127.0.0.1")
+    raw = socket.create_connection((kubelet.api_host, kubelet.port), timeout=timeout)
+    sock = kubelet._ssl.wrap_socket(raw, server_hostname=kubelet.api_host)
     try:
         sock.sendall(
             (
-                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{kubelet.port}\r\nConnection: Upgrade\r\n"
+                f"GET {path} HTTP/1.1\r\nHost: {kubelet.api_host}:{kubelet.port}\r\nConnection: Upgrade\r\n"
                 f"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {key}\r\n"
                 f"Sec-WebSocket-Protocol: {WS_PROTOCOLS}\r\n\r\n"
             ).encode()

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 GO_CACHE = Path(os.environ.get("PODSHIM_GO_CACHE") or "/var/cache/podshim/go")
+# the cluster test bed's control plane (testbed/cluster.py): TOOLS entries named like their binary
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 
 
 class ToolMissing(RuntimeError):
@@ -20,3 +22,8 @@ def go_tool(name: str, binary: str | None = None) -> Path:
     if not os.access(path, os.X_OK):
         raise ToolMissing(f"{path} is missing: run the set-up (scripts/gotools.sh {name})")
     return path
+
+
+def missing(names: tuple[str, ...] | list[str]) -> list[str]:
+    """Which of the TOOLS entries ``names`` (each built as the binary of the same name) are not built."""
+    return [n for n in names if not os.access(GO_CACHE / "bin" / n / n, os.X_OK)]

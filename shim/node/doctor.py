@@ -536,6 +536,14 @@ def check_private_dir(
 # ---------------------------------------------------------------------------- all of it
 
 
+def check_cluster(cfg: Config) -> list[Result]:
+    """The cluster API (docs/cluster.md): reachable, served, the node's rights."""
+    from shim.kube import doctor as kube_doctor  # lightkube only when doctor runs
+
+    made = {"ok": ok, "warn": warn, "fail": fail}
+    return [made[status](check, detail) for status, check, detail in kube_doctor.check_cluster(cfg)]
+
+
 def checks(cfg: Config, kubelet_pids: list[int] | None = None) -> Iterator[Callable[[], list[Result]]]:
     """Every check of the node, in the order they print."""
     for criu in criu_binaries(cfg):
@@ -551,6 +559,7 @@ def checks(cfg: Config, kubelet_pids: list[int] | None = None) -> Iterator[Calla
     yield lambda: check_wiring(cfg)
     yield lambda: check_podshim(cfg)
     yield lambda: check_kubelets(cfg, kubelet_pids)
+    yield lambda: check_cluster(cfg)
     yield lambda: check_allowed_roots(cfg)
     yield lambda: check_free_space(cfg)
     note = " (podshim narrows it to 0700 at start)"

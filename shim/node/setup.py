@@ -266,7 +266,22 @@ def plan_setup(
             plan.changes.append(Change(config_path, main.text, text, f"imports {drop_in.parent}/*.toml"))
     plan.notes += _runtime_notes(ctd, now, handlers, cfg)
     plan.notes += kubelet.endpoint_notes("unix://" + cfg.socket)
+    plan.notes.append(cluster_note(cfg))
     return plan
+
+
+def cluster_note(cfg: Config) -> str:
+    """Whether podshim will serve the cluster API (docs/cluster.md) with the node's credentials."""
+    path = cfg.kubernetes_kubeconfig
+    if path and os.path.isfile(path):
+        return (
+            f"the cluster API (PodCheckpoint, restore-from Pods) is served with the node's credentials "
+            f"{path}; install its objects once per cluster: kubectl apply -k /usr/share/podshim/deploy"
+        )
+    return (
+        f"no cluster API: [kubernetes] kubeconfig {path!r} names no file (the kubelet's credentials, "
+        "once it has joined a cluster); podshim serves CRI alone until it does and podshim restarts"
+    )
 
 
 def _parse(path: Path) -> dict[str, Any]:

@@ -238,6 +238,57 @@ class PodRestorer:
             ],
         )
 
+    async def restore_into(
+        self,
+        sandbox_id: str,
+        sandbox_config: cri.PodSandboxConfig,
+        checkpoint_path: str,
+        config: cri.ContainerConfig,
+        deadline: float | None,
+    ) -> str:
+        """One checkpointed container, created in a sandbox its caller made (a kubelet restoring a
+        Pod that names a checkpoint: shim/kube/restore.py): the same checks as RestorePod for that
+        container, its members' checksums, its rootfs diff, then CreateContainer with `config`
+        unchanged but for the restore annotations (the kubelet's own labels and hash stay, so it
+        neither restarts nor kills the container). Its process comes back at StartContainer."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + (deadline if deadline is not None else DEFAULT_DEADLINE) - CHECK_MARGIN
+        req = cri.RestorePodRequest(
+            config=sandbox_config, checkpoint_path=checkpoint_path, container_configs=[config]
+        )
+        try:
+            async with asyncio.timeout_at(end):
+                checked = await self.checks.check(req, some=True)
+                m, p = checked.manifest, checked.plan[0]
+                if m.encryption is not None:
+                    raise errors.FailedPrecondition(
+                        f"checkpoint {checked.root} is encrypted: restore it with RestorePod "
+                        "(podshim restorepod), which holds the node key's plaintext in its own directory"
+                    )
+                rels = [r for r in checked.unverified if r.startswith(p.entry.dir + "/")]
+                stop = threading.Event()
+                try:
+                    await run_to_end(manifest.verify_digests, checked.root, m, rels, 2, stop)
+                    await run_to_end(check_rootfs_diffs, [p], stop)
+                finally:
+                    stop.set()
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"the caller's deadline passed while verifying {checkpoint_path}; nothing was created"
+            ) from None
+        cc = cri.ContainerConfig()
+        cc.CopyFrom(config)
+        cc.annotations[RESTORE_ANNOTATION] = str(p.dir)
+        cc.annotations[RESTORE_OPTIONS_ANNOTATION] = contract.to_record(m.options)
+        container_id = await self.upstream.create_container(
+            cri.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=cc, sandbox_config=sandbox_config),
+            doing=f"creating restored container {p.entry.name!r}",
+        )
+        if self.restored is not None:  # StartContainer confirms its restore ran
+            await run_to_end(self.restored.add, container_id)
+        log.info("restore container created", container=p.entry.name, id=container_id, sandbox=sandbox_id)
+        return container_id
+
     async def _verify_rest(self, checked: Checked, run: _Run) -> None:
         """What reads the whole archive, in a task beside RunPodSandbox (docs/architecture.md §5
         (RestorePod) step 1): the sha256 of every member _check did not read, then (encrypted

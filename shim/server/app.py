@@ -17,6 +17,8 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import cni, logs, metrics
 from shim.config import Config
 from shim.deadlines import PASSTHROUGH_STOP_GRACE, STOP_CLEANUP, STOP_GRACE
+from shim.kube import service as kube_service
+from shim.kube.service import ClusterApi
 from shim.server import front, sockets
 from shim.server.front import Front, FrontError, private_socket
 from shim.server.proxy import CriHandler, Passthrough
@@ -83,12 +85,16 @@ class StartupError(Exception):
 
 class Server:
     def __init__(
-        self, config: Config, engine: Engine | None = None, upstream: Upstream | None = None
+        self,
+        config: Config,
+        engine: Engine | None = None,
+        upstream: Upstream | None = None,
+        cluster: ClusterApi | None = None,
     ) -> None:
         self.config = config
         self.upstream = upstream or Upstream(config.upstream_endpoint, config.upstream_timeout)
         passthrough = Passthrough(self.upstream)
-        self.handlers = RuntimeHandlers(passthrough, engine, config.runtime_name)
+        self.handlers = RuntimeHandlers(passthrough, engine, config.runtime_name, cluster)
         own = self.handlers.handlers()
         self.grpc = grpc.aio.server(
             options=[
@@ -144,7 +150,7 @@ class Server:
         if engine is not None:
             await engine.stop(cleanup)
         await self.upstream.close()
-        sockets.remove_unserved(self.listen)  # the front removes server.socket when it stops
+        sockets.remove_unserved(self.listen)  # Front.stop removes server.socket
 
 
 STATE_LOCK_FILE = "podshim.lock"
@@ -195,8 +201,12 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
     engine = engine_factory(config, upstream)
     await engine.recover()
     await engine.startup()  # the wiring check runs in the background
-    server = Server(config, engine, upstream)
+    # the cluster API (shim/kube/): its watch starts once the node's CRI is served
+    cluster = kube_service.from_config(config, engine, upstream)
+    server = Server(config, engine, upstream, cluster)
     await server.start()
+    if cluster is not None:
+        cluster.start()
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -208,5 +218,9 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: log.warning("already stopping"))
     log.info("stopping", grace=STOP_GRACE)
+    if cluster is not None:  # no new PodCheckpoint is taken; the ones in flight may finish
+        await cluster.stop_watching()
     await server.stop(STOP_GRACE, engine, STOP_CLEANUP)
+    if cluster is not None:
+        await cluster.stop()
     log.info("stopped")

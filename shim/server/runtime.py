@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -15,7 +15,11 @@ from google.protobuf.message import DecodeError, Message
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, contract, errors, logs
 from shim.checks import cri_strings
+from shim.kube.restore import restore_from
 from shim.server.proxy import Passthrough
+
+if TYPE_CHECKING:
+    from shim.kube.service import ClusterApi
 
 log = logs.get("shim.server")
 SERVICE = "/runtime.v1.RuntimeService/"
@@ -57,6 +61,11 @@ class Engine(Protocol):
 
     @property
     def restores_pending(self) -> bool: ...  # some container created for a restore is not started yet
+
+    @property
+    def checkpointing(self) -> dict[str, Any]: ...  # sandbox id -> its checkpoint's end (an asyncio.Event)
+
+    async def wait_checkpointed(self, container_id: str, limit: float | None) -> None: ...
 
     def restored_id(self, container_id: str) -> str | None: ...  # created for a restore, not started
 
@@ -166,11 +175,16 @@ class RuntimeHandlers:
     """Builds the handlers of the RuntimeService methods podshim owns or corrects."""
 
     def __init__(
-        self, passthrough: Passthrough, engine: Engine | None, runtime_name: str = "upstream"
+        self,
+        passthrough: Passthrough,
+        engine: Engine | None,
+        runtime_name: str = "upstream",
+        cluster: ClusterApi | None = None,
     ) -> None:
         self.passthrough = passthrough
         self.engine = engine
         self.runtime_name = runtime_name  # [server] runtime_name: "upstream" or "podshim"
+        self.cluster = cluster  # [kubernetes]: Pods that name a checkpoint (shim/kube/restore.py)
 
     async def version(
         self, req: cri.VersionRequest, context: grpc.aio.ServicerContext
@@ -217,6 +231,13 @@ class RuntimeHandlers:
             if req.config.image.image.startswith("/"):
                 resp = await from_archive(req, context)
                 return resp.SerializeToString()
+            if self.cluster is not None and restore_from(req.sandbox_config.annotations):
+                try:
+                    cid = await self.cluster.restores.create_container(req, context.time_remaining())
+                except errors.ShimError as e:
+                    await context.abort(grpc.StatusCode[e.code_name], fit_message(e.message))
+                if cid is not None:
+                    return cri.CreateContainerResponse(container_id=cid).SerializeToString()
             return await forward(request, context)
 
         return grpc.unary_unary_rpc_method_handler(create)
@@ -231,7 +252,9 @@ class RuntimeHandlers:
             req = await decode(cri.RunPodSandboxRequest, request, context)
             try:
                 cri_strings.check_sandbox_config(req.config)
-            except errors.InvalidArgument as e:
+                if self.cluster is not None and restore_from(req.config.annotations):
+                    await self.cluster.restores.run_sandbox(req)
+            except errors.ShimError as e:
                 await context.abort(grpc.StatusCode[e.code_name], fit_message(e.message))
             return await forward(request, context)
 
@@ -259,6 +282,8 @@ class RuntimeHandlers:
             response = await forward_restored(request, context)
             try:
                 await engine.confirm_restored(cid)
+                if self.cluster is not None:
+                    self.cluster.restores.started(cid)
             except errors.ShimError as e:
                 await context.abort(grpc.StatusCode[e.code_name], fit_message(e.message))
             except Exception as e:  # a bug: say so without a traceback
@@ -270,6 +295,24 @@ class RuntimeHandlers:
             return response
 
         return grpc.unary_unary_rpc_method_handler(start)
+
+    def exec_sync(self) -> grpc.RpcMethodHandler:
+        """ExecSync: forwarded as bytes; into a pod podshim is checkpointing, only once the
+        checkpoint has ended (Engine.wait_checkpointed): a probe survives the freeze."""
+        forward = self.passthrough.unary(SERVICE + "ExecSync")
+
+        async def exec_sync(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            engine = self.engine
+            if engine is not None and engine.checkpointing:
+                try:
+                    cid = cri.ExecSyncRequest.FromString(request).container_id
+                except DecodeError:
+                    cid = ""  # the upstream answers a malformed request itself
+                if cid:
+                    await engine.wait_checkpointed(cid, context.time_remaining())
+            return await forward(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(exec_sync)
 
     def checkpoint_container(self) -> grpc.RpcMethodHandler:
         """CheckpointContainer: the upstream's when it has one (forwarded first, as bytes);
@@ -301,6 +344,8 @@ class RuntimeHandlers:
 
         async def remove(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             response = await forward(request, context)
+            if self.cluster is not None and method == "RemovePodSandbox":
+                self.cluster.restores.forget(cri.RemovePodSandboxRequest.FromString(request).pod_sandbox_id)
             if self.engine is not None:
                 try:
                     await self.engine.forget_container(container_id(request))
@@ -330,6 +375,7 @@ class RuntimeHandlers:
             SERVICE + "CreateContainer": self.guarded_create(),
             SERVICE + "RunPodSandbox": self.guarded_run_sandbox(),
             SERVICE + "StartContainer": self.start_container(),
+            SERVICE + "ExecSync": self.exec_sync(),
             SERVICE + "CheckpointContainer": self.checkpoint_container(),
             SERVICE + "RemoveContainer": self.cleanup_after(
                 "RemoveContainer", lambda raw: cri.RemoveContainerRequest.FromString(raw).container_id
