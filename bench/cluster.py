@@ -1,8 +1,9 @@
 """bench/cluster: what the cluster API path costs over the CRI calls it makes (docs/cluster.md).
 
-    python -m bench.cluster [--rounds 3] [--mem-mib 256]
+    python -m bench.cluster [--rounds 3] [--mem-mib 256] [--init-seconds 10]
 
-A real cluster (testbed/cluster.py) runs a counter pod. Each round, in the same run:
+A real cluster (testbed/cluster.py) runs a counter pod that, like a slow service, works for
+--init-seconds before its first count (a restore skips that). Each round, in the same run:
 
 * api checkpoint: a PodCheckpoint created (kubectl's request) until the object reads Ready=True;
   beside it, the CheckpointPod podshim ran for it (its own "checkpoint_pod done" log line, the
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import shutil
 import time
 import uuid
@@ -44,13 +44,11 @@ from testbed.cluster import ClusterBed, pod_manifest
 POLL = 0.02  # the API's answer is read this often (a watch's latency is the API server's own)
 
 
-def counter(mem_mib: int) -> dict[str, Any]:
-    return {
-        "name": "app",
-        "image": COUNTER_IMAGE,
-        "imagePullPolicy": "Never",
-        "args": ["--mem-mib", str(mem_mib), "--interval-ms", "100"],
-    }
+def counter(mem_mib: int, init_seconds: int) -> dict[str, Any]:
+    args = ["--mem-mib", str(mem_mib), "--interval-ms", "100"]
+    if init_seconds:  # a service that initialises before it serves: what a restore skips
+        args += ["--init-seconds", str(init_seconds)]
+    return {"name": "app", "image": COUNTER_IMAGE, "imagePullPolicy": "Never", "args": args}
 
 
 def pod_from(doc: dict[str, Any]) -> Pod:
@@ -109,12 +107,21 @@ def direct_checkpoint(cb: ClusterBed, rt: Any, pod_uid: str, tag: str) -> float:
 def direct_restore(cb: ClusterBed, rt: Any, archive: str, tag: str) -> float:
     """RestorePod + StartContainer of the archive straight on the node's socket, with the
     checkpoint's own container config (its mounts are the source pod's, which still runs), until
-    the first count: wall seconds. The kubelet removes the pod, which it did not make, soon
-    after; it is removed here too."""
+    the first count: wall seconds. The kubelet is stopped meanwhile: it removes within seconds
+    any pod it did not make."""
     host = cb.kubelet.host_path(archive)
     record = json.loads(layout.ArchiveLayout(host).container("app").config_dump.read_text())
     cc = archived_config(record)
     config = pods.pod_config(f"cri-{tag}", Path(cb.bed.pod_logs_dir))
+    cb.kubelet.stop()
+    try:
+        return _restore(rt, archive, config, cc)
+    finally:
+        cb.kubelet.start()
+        cb.wait_node_ready(cb.node_name)
+
+
+def _restore(rt: Any, archive: str, config: cri.PodSandboxConfig, cc: cri.ContainerConfig) -> float:
     t0 = time.perf_counter()
     resp = rt.RestorePod(
         cri.RestorePodRequest(checkpoint_path=archive, config=config, container_configs=[cc]), timeout=300
@@ -122,29 +129,33 @@ def direct_restore(cb: ClusterBed, rt: Any, archive: str, tag: str) -> float:
     for c in resp.restored_containers:
         rt.StartContainer(cri.StartContainerRequest(container_id=c.container_id))
     seen, _ = CriLog(Path(config.log_directory) / cc.log_path).wait(COUNT_RE, 300, POLL)
-    with contextlib.suppress(Exception):  # the kubelet may have removed it already
-        pods.remove_pod(rt, resp.pod_sandbox_id)
+    pods.remove_pod(rt, resp.pod_sandbox_id)
     return seen - t0
 
 
 def logged_checkpoint_seconds(log: Path, since: int) -> float:
     """The seconds of the last "checkpoint_pod done" podshim logged after byte `since`."""
-    text = log.read_bytes()[since:]
-    found = re.findall(rb'"checkpoint_pod done".*?"seconds": ([0-9.]+)', text)
-    return float(found[-1]) if found else float("nan")
+    found = float("nan")
+    for line in log.read_bytes()[since:].splitlines():
+        with contextlib.suppress(ValueError):
+            doc = json.loads(line)
+            if isinstance(doc, dict) and doc.get("event") == "checkpoint_pod done":
+                found = float(doc["seconds"])
+    return found
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mem-mib", type=int, default=256)
+    ap.add_argument("--init-seconds", type=int, default=10, help="the service's start-up work (default 10)")
     args = ap.parse_args()
     say(machine_summary())
     rows: list[list[Any]] = []
     with ClusterBed() as cb:
         cb.kubectl("apply", "-k", str(REPO / "deploy"))
         client = Client(KubeConfig.from_file(cb.kubeconfig["admin"]), field_manager="bench")
-        cb.apply(pod_manifest("source", [counter(args.mem_mib)]))
+        cb.apply(pod_manifest("source", [counter(args.mem_mib, args.init_seconds)]))
         src = cb.wait_pod_running("source")
         CriLog(log_of(cb, src)).wait(COUNT_RE, 300)
         node_rt = cb.bed.runtime_stub(cb.bed.podshim_socket)

@@ -55,8 +55,9 @@ class RestoreGate:
         self.engine = engine
         self.upstream = upstream
         self.guards = guards
-        # sandbox id -> its checkpoint's archive and the Pod's init container names (a cache only)
+        # pod UID -> its checkpoint's archive and the Pod's init container names (a cache only)
         self._checked: dict[str, tuple[str, set[str]]] = {}
+        self._sandbox_pods: dict[str, str] = {}  # sandbox id -> its pod's UID (for forget)
         # restored container id -> its sandbox and pod, until its StartContainer
         self._made: dict[str, tuple[str, cri.PodSandboxMetadata]] = {}
         self._events: set[asyncio.Task[None]] = set()
@@ -72,13 +73,16 @@ class RestoreGate:
         init containers; raises Refused."""
         md = config.metadata
         name = restore_from(config.annotations)
-        pod = await self.kube.pod(md.namespace, md.name)
+        # the three reads at once: a restore waits for the slowest, not for their sum
+        pod, missing_policy, obj = await asyncio.gather(
+            self.kube.pod(md.namespace, md.name),
+            self.kube.restore_policy_enforcing(),
+            self.kube.get_checkpoint(md.namespace, name),
+        )
         if pod is not None and (pod.get("metadata") or {}).get("uid") != md.uid:
             pod = None  # another Pod of the same name: not the one being started
-        missing_policy = await self.kube.restore_policy_enforcing()
         if missing_policy:
             raise await self._refuse(pod, md, api.POLICY_MISSING, missing_policy)
-        obj = await self.kube.get_checkpoint(md.namespace, name)
         if obj is None:
             raise await self._refuse(
                 pod, md, api.NOT_READY, f"PodCheckpoint {md.namespace}/{name} does not exist"
@@ -123,8 +127,10 @@ class RestoreGate:
         return str(archive), inits
 
     async def run_sandbox(self, req: cri.RunPodSandboxRequest) -> None:
-        """Before the kubelet's RunPodSandbox of a Pod that names a checkpoint."""
-        await _api_errors(self.check(req.config))
+        """Before the kubelet's RunPodSandbox of a Pod that names a checkpoint; what it found
+        serves the CreateContainers that follow (by the Pod's UID: the sandbox id is not known
+        yet)."""
+        self._checked[req.config.metadata.uid] = await _api_errors(self.check(req.config))
 
     async def create_container(self, req: cri.CreateContainerRequest, deadline: float | None) -> str | None:
         """The kubelet's CreateContainer in a restoring Pod's sandbox: the container id made here,
@@ -133,10 +139,12 @@ class RestoreGate:
         if req.config.metadata.attempt != 0:
             return None
         md = req.sandbox_config.metadata
-        checked = self._checked.get(req.pod_sandbox_id)
-        if checked is None:
+        uid = md.uid
+        checked = self._checked.get(uid)
+        if checked is None:  # a podshim restarted since the RunPodSandbox: checked again
             checked = await _api_errors(self.check(req.sandbox_config))
-            self._checked[req.pod_sandbox_id] = checked
+            self._checked[uid] = checked
+        self._sandbox_pods[req.pod_sandbox_id] = uid
         archive, inits = checked
         name = req.config.metadata.name
         if name in inits:  # it ran to completion in the source pod
@@ -209,8 +217,9 @@ class RestoreGate:
         return image
 
     def forget(self, sandbox_id: str) -> None:
-        """After RemovePodSandbox: its containers never started are not coming back."""
-        self._checked.pop(sandbox_id, None)
+        """After RemovePodSandbox: its containers never started are not coming back, and its
+        Pod's check is made again by a next sandbox."""
+        self._checked.pop(self._sandbox_pods.pop(sandbox_id, ""), None)
         for cid in [cid for cid, (sid, _md) in self._made.items() if sid == sandbox_id]:
             del self._made[cid]
 

@@ -265,7 +265,11 @@ class PodRestorer:
                         f"checkpoint {checked.root} is encrypted: restore it with RestorePod "
                         "(podshim restorepod), which holds the node key's plaintext in its own directory"
                     )
-                rels = [r for r in checked.unverified if r.startswith(p.entry.dir + "/")]
+                # the page images: checksummed by podshim-runc beside CRIU's restore, as RestorePod
+                # does (when the annotations are known to reach it)
+                deferred = deferred_pages(m, p.entry.dir) if checked.defer_pages else {}
+                later = {f"{p.entry.dir}/{r}" for r in deferred}
+                rels = [r for r in checked.unverified if r.startswith(p.entry.dir + "/") and r not in later]
                 stop = threading.Event()
                 try:
                     await run_to_end(manifest.verify_digests, checked.root, m, rels, 2, stop)
@@ -280,10 +284,20 @@ class PodRestorer:
         cc.CopyFrom(config)
         cc.annotations[RESTORE_ANNOTATION] = str(p.dir)
         cc.annotations[RESTORE_OPTIONS_ANNOTATION] = contract.to_record(m.options)
-        container_id = await self.upstream.create_container(
-            cri.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=cc, sandbox_config=sandbox_config),
-            doing=f"creating restored container {p.entry.name!r}",
-        )
+        if deferred:
+            cc.annotations[contract.PAGE_DIGESTS_ANNOTATION] = contract.page_digests_record(deferred)
+            self.page_checks.start(p.dir, deferred)
+        try:
+            container_id = await self.upstream.create_container(
+                cri.CreateContainerRequest(
+                    pod_sandbox_id=sandbox_id, config=cc, sandbox_config=sandbox_config
+                ),
+                doing=f"creating restored container {p.entry.name!r}",
+            )
+        except BaseException:
+            if deferred:
+                self.page_checks.discard(p.dir, deferred)
+            raise
         if self.restored is not None:  # StartContainer confirms its restore ran
             await run_to_end(self.restored.add, container_id)
         log.info("restore container created", container=p.entry.name, id=container_id, sandbox=sandbox_id)

@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
+from shim.config import Config
 from shim.kube import api
+from shim.kube import doctor as kube_doctor
 from testbed import resume
 from testbed.bed import BUSYBOX_IMAGE, COUNTER_IMAGE, REPO
 from testbed.cluster import ClusterBed, pod_manifest
@@ -439,3 +441,20 @@ def test_twenty_pods_checkpointed_through_twenty_objects_at_once(cluster: Cluste
         )
     for n in names:
         cluster.kubectl("delete", "pod", n, "--wait=false")
+
+
+def test_doctor_sees_the_api_server_the_api_and_each_node_right(cluster: ClusterBed) -> None:
+    """`podshim doctor`'s cluster checks with the node's credentials pass; with a user's who has
+    no rights they name what is missing and what to install."""
+    node = Config(
+        kubernetes_kubeconfig=str(cluster.kubeconfig["node"]), kubernetes_node_name=cluster.node_name
+    )
+    results = kube_doctor.check_cluster(node)
+    assert [r[0] for r in results] == ["ok", "ok", "ok"], results
+    nobody = Config(kubernetes_kubeconfig=str(cluster.user_kubeconfig(unique("nobody"))))
+    results = kube_doctor.check_cluster(nobody)
+    assert results[0][0] == "ok", results  # the API server answers anyone it authenticates
+    assert results[1][0] == "fail" and "may not get podcheckpoints" in results[1][2], results
+    assert "kubectl apply -k" in results[1][2], results
+    off = Config(kubernetes_kubeconfig="")
+    assert [r[0] for r in kube_doctor.check_cluster(off)] == ["warn"]
