@@ -6,7 +6,7 @@ PYTEST := .venv/bin/pytest
 RUFF := .venv/bin/ruff
 MYPY := .venv/bin/mypy
 
-.PHONY: setup demo test test-core test-matrix test-kubelet test-cluster test-fast lint proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet bench-cluster bench-front-kill
+.PHONY: setup demo test test-core test-matrix test-kubelet test-cluster test-fast lint docs proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet bench-cluster bench-front-kill
 
 setup:
 	bash scripts/setup.sh
@@ -15,7 +15,7 @@ demo: setup
 	$(PY) -m testbed.demo
 	$(PY) -m testbed.cluster_demo
 
-# What CI runs (README, Compatibility): the checks of `make lint` first (written out, not a sub-make:
+# What CI runs (docs/testing.md, Compatibility): the checks of `make lint` first (written out, not a sub-make:
 # make runs a recipe line that calls $(MAKE) even under `make -n`), then the whole suite on the
 # default upstream (containerd 1.6, the system's; the package's install test included), then the
 # end-to-end core on containerd 2.2, and on the newest runtimes a node runs, containerd 2.4 with
@@ -45,7 +45,7 @@ test-core: setup
 	PODSHIM_TEST_CONTAINERD=$(CONTAINERD) PODSHIM_TEST_RUNC=$(RUNC) PODSHIM_TEST_CRIU=$(CRIU) \
 		$(PYTEST) -ra -m "$(if $(filter 4.1,$(CRIU)),core,core or criu)"
 
-# What CI leaves to a weekly run (README, Compatibility): the core on the other combinations, one
+# What CI leaves to a weekly run (docs/testing.md, Compatibility): the core on the other combinations, one
 # runtime changed at a time, and the package installed on Debian 13 (trixie). All run even when one
 # fails; the target fails if any did.
 MATRIX := 1.7:1.1:4.1 2.1:1.1:4.1 2.4:1.1:4.1 1.6:1.3:4.1 1.6:1.1:4.2
@@ -75,7 +75,7 @@ test-cluster: setup
 test-fast:
 	$(PYTEST) -ra -m "not e2e"
 
-# The node's package: dist/podshim_<version>_amd64.deb (scripts/build-deb.sh; README, Installing a node).
+# The node's package: dist/podshim_<version>_amd64.deb (scripts/build-deb.sh; docs/install.md).
 deb: setup
 	bash scripts/build-deb.sh dist
 
@@ -84,6 +84,11 @@ lint:
 	$(RUFF) check .
 	$(RUFF) format --check .
 	$(MYPY)
+
+# docs/reference/ (config.md, cli.md, metrics.md) from the code (shim/docgen.py); tests/test_reference_docs.py
+# fails when a page is stale.
+docs:
+	$(PY) -m shim.docgen
 
 proto:
 	bash scripts/gen_proto.sh
@@ -118,18 +123,18 @@ bench-load: setup
 bench-node: setup
 	$(PY) -m bench.node
 
-# a pod checkpoint through an OCI registry: push/pull vs cp+sync, checkpoint on A → running on B (issue 17)
+# a pod checkpoint through an OCI registry: push/pull vs cp+sync, checkpoint on A → running on B
 bench-distribution: setup
 	$(PY) -m bench.distribution
 
-# live migration between two nodes: downtime, total, the wire floor, the registry path (issue 27);
+# live migration between two nodes: downtime, total, the wire floor, the registry path;
 # a short run: make bench-migrate MIGRATE_ARGS="--sizes 64 --skip-registry"
 MIGRATE_ARGS ?=
 bench-migrate: setup
 	$(PY) -m bench.migrate $(MIGRATE_ARGS)
 
 # A full node under a real kubelet (100 static pods), pointed at podshim and straight at containerd
-# (bench/kubelet.py, issue 22 item 11).
+# (bench/kubelet.py).
 bench-kubelet: setup
 	$(PY) -m bench.kubelet --rounds 2
 

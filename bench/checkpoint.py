@@ -1,4 +1,4 @@
-"""bench/checkpoint: CheckpointPod vs plain ``runc checkpoint`` of the same containers (issue 3).
+"""bench/checkpoint: CheckpointPod vs plain ``runc checkpoint`` of the same containers.
 
 For pods of N counter containers x M MiB resident memory each (default 1,2,4 x 64,256,1024, and
 2 x 4096: 8 GiB, `--cells`; `--only 4x1024 --repeat 9`: that cell alone), in one run, per repeat:
@@ -41,10 +41,10 @@ no implementation could avoid here:
   takes to hold what they wrote), + 0.2 s. CheckpointPod's archive is fsynced before it is marked
   complete; a raw ``runc checkpoint`` leaves its images in the page cache.
 
-Targets (issue 16; reported, not enforced): freeze window <= 1.3 x the freeze floor and total <=
+Targets (reported, not enforced): freeze window <= 1.3 x the freeze floor and total <=
 1.1 x the durable floor in every cell. Ends with ``RESULT freeze_vs_floor=…
 total_vs_durable_floor=…`` (worst cell of each); the table also gives freeze / slowest raw dump
-and total / (raw sum + 0.2 s), the ratios of issue 3.
+and total / (raw sum + 0.2 s).
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ from bench.common import (
 from testbed import pods
 from testbed.bed import TestBed
 
-RAW_SLACK = 0.2  # seconds allowed on top of the sum of raw dumps (issue 3)
-FREEZE_TARGET = 1.3  # freeze window / max(slowest raw dump, CPU floor) (issue 16)
-TOTAL_TARGET = 1.1  # total / (raw dumps + sync + 0.2 s) (issue 16)
+RAW_SLACK = 0.2  # seconds allowed on top of the sum of raw dumps
+FREEZE_TARGET = 1.3  # freeze window / max(slowest raw dump, CPU floor)
+TOTAL_TARGET = 1.1  # total / (raw dumps + sync + 0.2 s)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -535,11 +535,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cell {key[0]} x {key[1]} MiB: {why}")
     print()
     print(
-        f"worst cell, issue 3's ratios: freeze/slowest {worst(freeze_ratios):.3f}, "
+        f"worst cell, against the raw dumps: freeze/slowest {worst(freeze_ratios):.3f}, "
         f"total/(sum+0.2) {worst(total_ratios):.3f}"
     )
     print(
-        f"targets (issue 16, every cell): freeze/floor <= {FREEZE_TARGET}, "
+        f"targets (every cell): freeze/floor <= {FREEZE_TARGET}, "
         f"total/(sum+sync+0.2) <= {TOTAL_TARGET}; run time {time.monotonic() - run_start:.0f}s"
     )
     figures = {

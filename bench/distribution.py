@@ -1,4 +1,4 @@
-"""bench/distribution: a pod checkpoint through an OCI registry (issue 17).
+"""bench/distribution: a pod checkpoint through an OCI registry.
 
 Two nodes (two test beds: containerd + podshim each) and a private registry (Debian's
 docker-registry, basic auth, on a loopback port; testbed/registry.py), all on this machine's disk.

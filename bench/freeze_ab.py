@@ -1,4 +1,4 @@
-"""bench/freeze_ab: one cell of bench/checkpoint.py, podshim configurations side by side (issue 25).
+"""bench/freeze_ab: one cell of bench/checkpoint.py, podshim configurations side by side.
 
 For one pod (``--cell NxMiB``, default 4x1024), each repeat dumps it with plain runc one container
 after the other (the floor, as bench/checkpoint.py) and checkpoints it once through each variant:

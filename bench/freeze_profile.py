@@ -1,4 +1,4 @@
-"""bench/freeze_profile: where CheckpointPod's freeze window goes (issue 16).
+"""bench/freeze_profile: where CheckpointPod's freeze window goes.
 
 For a pod of N counter containers x M MiB (default 4 x 64 and 4 x 1024), one CheckpointPod through
 a second podshim of the bed whose runc and CRIU are thin wrappers that record, in wall-clock time,
@@ -20,8 +20,8 @@ The same containers are then dumped alone, one after the other, by plain runc (t
 floor) through the same wrappers, so each phase can be compared with its cost when nothing else
 runs. ``--no-podshim`` / ``--no-raw`` leave one side out; ``--keep DIR`` keeps every dump.log.
 
-Through the window (and through the raw dumps), the page cache as the kernel's writeback sees it
-(issue 25): /proc/vmstat's dirty and writeback pages against its two thresholds every 20 ms, the
+Through the window (and through the raw dumps), the page cache as the kernel's writeback sees it:
+/proc/vmstat's dirty and writeback pages against its two thresholds every 20 ms, the
 pages dirtied and written back; the writeback podshim started during the dumps (its log;
 docs/architecture.md §4.1 (The freeze window)); CRIU's memwrite per dump; and, with tracefs at
 /sys/kernel/tracing, every pause balance_dirty_pages imposed on a writer (trace event

@@ -1,4 +1,4 @@
-"""bench/kubelet: what a full node costs (issue 22 item 11), under a real kubelet.
+"""bench/kubelet: what a full node costs, under a real kubelet.
 
     python -m bench.kubelet [--pods 100] [--probed 0.5] [--window 60] [--rounds 1]
 

@@ -1,4 +1,4 @@
-"""bench/load: proxied CRI latency under load, with and without a 1 GiB CheckpointPod (issue 6).
+"""bench/load: proxied CRI latency under load, with and without a 1 GiB CheckpointPod.
 
 16 client processes (spawned, one gRPC channel each) call ListPodSandbox and ContainerStatus
 alternately through podshim's socket, each paced at one call per ``--interval-ms`` (a schedule,
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Proxied latency, ms ({load_text}, {args.rounds} rounds)")
     print(table(["phase / method", "calls", "errors", "calls/s", "p50", "p90", "p99", "max"], rows))
     print()
-    print(f"target (issue 6): p99 <= {TARGET_P99_MS:g} ms during the checkpoint (reported, not enforced)")
+    print(f"target: p99 <= {TARGET_P99_MS:g} ms during the checkpoint (reported, not enforced)")
     print(result_line(p99_idle_ms=p99["idle"], p99_during_checkpoint_ms=p99["during"]), flush=True)
     return 0
 

@@ -1,5 +1,5 @@
-"""bench/migrate: live migration of a pod between two nodes (issue 27; docs/architecture.md §21
-(Live migration)).
+"""bench/migrate: live migration of a pod between two nodes (docs/architecture.md §21 (Live
+migration)).
 
 Two test nodes (testbed/nodes.py: two beds whose podshims run in network namespaces of their own,
 joined by a veth pair) and, for the registry path, Debian's docker-registry on a loopback port.

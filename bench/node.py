@@ -1,4 +1,4 @@
-"""bench/node: what podshim costs a node's ordinary containers (issue 12, "node tax").
+"""bench/node: what podshim costs a node's ordinary containers (the "node tax").
 
 Private containerds, no podshim in front (containerd alone: what every ordinary pod of a node
 pays for the wrapper, whether or not podshim serves the CRI), same machine, same run:
@@ -8,7 +8,7 @@ pays for the wrapper, whether or not podshim serves the CRI), same machine, same
 * ``runc-2``, the floor: a second bed with plain runc, measured like the others, so the
   ``runc-2``/``runc`` ratios show what the machine's noise alone gives (``--no-floor``: without);
 * ``python`` (with ``--python``), for reference: the Python hook as ``BinaryName``, i.e. what
-  podshim-runc was before issue 12 (slow: it makes the run several times longer).
+  podshim-runc was before the compiled wrapper (slow: it makes the run several times longer).
 
 Measured, after a warm-up, in rounds that alternate the beds (the order rotates per round):
 
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             f"FLOOR runc-2/runc (plain runc in both): pod_start_ratio={floor_start:.3f} "
             f"exec_ratio={floor_exec:.3f}"
         )
-    print("targets (issue 12): pod_start_ratio <= 1.05, exec_ratio <= 1.05, wrapper_overhead_ms <= 2")
+    print("targets: pod_start_ratio <= 1.05, exec_ratio <= 1.05, wrapper_overhead_ms <= 2")
     print(
         result_line(
             pod_start_ratio=ratio(percentile(starts["podshim-runc"], 50), percentile(starts["runc"], 50)),

@@ -1,4 +1,4 @@
-"""bench/proxy: what podshim's proxy adds to a unary CRI call (issue 2).
+"""bench/proxy: what podshim's proxy adds to a unary CRI call.
 
 * Latency: ListPodSandbox (with a few pods present), ContainerStatus (of a running container)
   and Version, podshim vs containerd direct, after warm-up, in interleaved blocks (the order of
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "containerd; floor: the smallest Python gRPC passthrough (bench/grpc_floor.py); same run"
     )
     print()
-    print("targets (issue 2): p50 added <= 0.3 ms, p99 added <= 2 ms, throughput >= 0.70 of direct at 16")
+    print("targets: p50 added <= 0.3 ms, p99 added <= 2 ms, throughput >= 0.70 of direct at 16")
     beside: dict[str, float] = {}
     for f in FLOORS:
         beside[f"{f}_p50_added_ms"] = worst(floor_added[f])

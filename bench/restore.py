@@ -1,4 +1,4 @@
-"""bench/restore: warm start through RestorePod, and restore time vs plain ``runc restore`` (issue 4).
+"""bench/restore: warm start through RestorePod, and restore time vs plain ``runc restore``.
 
 1. Warm start. A counter that spends ``--init-seconds`` (10) initialising ``--warm-mem`` (512)
    MiB. Cold: from the RunPodSandbox request (then CreateContainer, StartContainer, as a kubelet
@@ -19,17 +19,17 @@
    made); the disk is synced before each measurement. CRIU's own ``restore_time`` (from the
    ``stats-restore`` each restore leaves in its work dir) is shown for both. Parts 2 and 4 start
    with an uncounted plain restore (warm_up_restore): the first after the checkpoint is slower.
-3. Replicas (issue 14): ``--replicas`` (4) restores of ONE archive (a ``--replica-mem`` (64) MiB
+3. Replicas: ``--replicas`` (4) restores of ONE archive (a ``--replica-mem`` (64) MiB
    counter) at once, against one alone: from the requests (RestorePod + StartContainer, each in a
    thread of its own) until every restored counter printed its next ``count=`` line. Restores of
    one archive run side by side (they hold its path shared).
    ``--skip-grid --skip-eager`` runs this part alone.
-4. Eager overhead (issue 15 item 3, measure_eager_overhead): RestorePod + StartContainer of a
+4. Eager overhead (measure_eager_overhead): RestorePod + StartContainer of a
    ``--eager-mem`` (256) MiB counter against the floor of a plain ``runc restore`` of the same
    images plus a plain RunPodSandbox straight through containerd, alternating, in one run; with
    the median per-phase seconds from podshim's "restore done" log line. Prints
    ``eager_overhead_ratio=… (restore+start …s, floor runc restore …s + RunPodSandbox …s)``.
-5. The restore grid (issue 15 item 4, bench/restore_grid.py): ``--grid-mem`` (256,1024,4096) MiB
+5. The restore grid (bench/restore_grid.py): ``--grid-mem`` (256,1024,4096) MiB
    × eager / lazy (RestorePod option ``lazy-pages=true``, when podshim takes it) / plain runc
    restore (the floor) × warm / cold page cache: first output, fully resident (the counter's
    pattern check passed), the first count; and the cold start of a ``--cold-mem`` (1024) MiB
@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-seconds", type=int, default=10, help="its initialisation time (10)")
     p.add_argument("--mem", default="64,256,1024", help="sizes for podshim vs runc restore (MiB)")
     p.add_argument("--repeat", type=int, default=3, help="repeats of every measurement (default 3)")
-    # Parts 1 and 2 (issue 4) run on demand: the grid (part 5) measures the same at 256 MiB-4 GiB.
+    # Parts 1 and 2 run on demand: the grid (part 5) measures the same at 256 MiB-4 GiB.
     p.add_argument("--skip-warm", action="store_true", default=True, help="skip part 1 (the default)")
     p.add_argument("--warm", dest="skip_warm", action="store_false", help="run part 1 (warm start)")
     p.add_argument("--skip-sizes", action="store_true", default=True, help="skip part 2 (the default)")
@@ -283,7 +283,7 @@ def size_sweep(rt: api_pb2_grpc.RuntimeServiceStub, bed: TestBed, args: argparse
 
 # ---------------------------------------------------------------------------- eager overhead
 
-EAGER_OVERHEAD_TARGET = 1.3  # issue 15 item 3
+EAGER_OVERHEAD_TARGET = 1.3  # restore+start / (runc restore + RunPodSandbox)
 
 
 def measure_eager_overhead(
@@ -295,7 +295,7 @@ def measure_eager_overhead(
     repeat: int,
     tag: str = "eo",
 ) -> dict:
-    """podshim's own eager restore overhead (issue 15 item 3), measured in one run: RestorePod +
+    """podshim's own eager restore overhead, measured in one run: RestorePod +
     StartContainer of every container (until both calls returned) against the floor of a plain
     ``runc restore --detach`` of the same images (raw_restore) plus a plain RunPodSandbox of an
     empty pod straight through containerd (not through podshim). The three alternate, `repeat`
@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     elif eager:
         print(f"eager overhead: {eager['error']}")
     print()
-    print(f"target (issue 4): restored/cold <= {WARM_TARGET}")
+    print(f"target: restored/cold <= {WARM_TARGET}")
     older = result_line(warm_start_ratio=warm_ratio, restore_ratio_vs_runc=worst(ratios), **extra)
     if grid is None:
         print(older, flush=True)
@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     grid_report, values = grid
     print()
     print(grid_report)
-    if "eager_overhead_ratio" in extra:  # part 4's figure, issue 15 item 3's own measurement
+    if "eager_overhead_ratio" in extra:  # part 4's figure, its own measurement
         values["eager_overhead_ratio"] = extra["eager_overhead_ratio"]
     print(restore_grid.targets_line(values))
     print(result_line(**values), flush=True)

@@ -1,4 +1,4 @@
-"""bench/restore_grid: warm start in constant time? The restore grid of issue 15 (``make bench-restore``).
+"""bench/restore_grid: warm start in constant time? The restore grid (``make bench-restore``).
 
 For each size of ``--grid-mem`` (256,1024,4096 MiB) one counter pod (``--interval-ms 10``) is
 checkpointed with CheckpointPod, then every repeat measures, in alternating order, six cells:
@@ -304,8 +304,8 @@ def report(g: GridResult) -> str:
 
 
 def targets_line(values: dict[str, float]) -> str:
-    """The targets of issue 15 beside the RESULT values."""
-    return "targets (issue 15): " + ", ".join(
+    """The grid's targets beside the RESULT values."""
+    return "targets: " + ", ".join(
         f"{k} <= {t}" + ("" if math.isnan(values.get(k, math.nan)) else f" ({values[k]:.3f})")
         for k, t in TARGETS.items()
     )

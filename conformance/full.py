@@ -17,7 +17,7 @@ It ends with one line `RESULT critest_podshim_failed=N critest_direct_failed=N
 critest_regressions=N checkpoint_suite_failed=N crictl_tour_failed=N` (regressions: specs that
 pass straight at containerd and fail through podshim) and exits 1 when there is a regression or a
 failure of the checkpoint suite or the tour. critest's specs that fail offline everywhere are
-listed in README.md (Conformance).
+listed in docs/testing.md (Conformance).
 """
 
 from __future__ import annotations

@@ -323,8 +323,8 @@ def build_all(out_dir: Path, force: bool = False) -> list[BuiltImage]:
         base = busybox_layer()
         counter_layer = Layer()
         counter_layer.add_file("counter", counter, 0o755)
-        counter_layer.add_file("ticker", ticker, 0o755)  # periodic timers (tests of issue 14)
-        counter_layer.add_file("sharer", sharer, 0o755)  # state shared between containers (issue 14)
+        counter_layer.add_file("ticker", ticker, 0o755)  # periodic timers (tests of restored timers)
+        counter_layer.add_file("sharer", sharer, 0o755)  # state shared between containers
         specs = [
             ImageSpec(PAUSE_IMAGE, "pause.tar", [pause_layer], entrypoint=["/pause"]),
             ImageSpec(BUSYBOX_IMAGE, "busybox.tar", [base], cmd=["sh"]),

@@ -73,7 +73,7 @@ APT_PACKAGES=(
   python3-protobuf
   # crun 1.21 build dependencies (upstream tarball: vendored libocispec, no go-md2man)
   libseccomp-dev libyajl-dev libsystemd-dev gperf automake autoconf libtool
-  # checkpoints through an OCI registry (issue 17): the tests' registry and htpasswd -B for its basic auth
+  # checkpoints through an OCI registry: the tests' registry and htpasswd -B for its basic auth
   docker-registry apache2-utils
   # the package's install test (tests/test_package.py): a fresh Debian root per run
   debootstrap

@@ -26,80 +26,51 @@ class ConfigError(Exception):
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """One OCI runtime the upstream uses (runc or crun) and where its state lives."""
+    """One OCI runtime the upstream uses (runc or crun) and where its state lives; each key's meaning
+    is KEY_DOCS["runtime.<key>"]."""
 
     binary: str = "/usr/sbin/runc"
-    # The runc --root the upstream's shim passes (containerd: <runc Root option>/<namespace>).
     root: str = "/run/containerd/runc/k8s.io"
     criu: str = "criu"
 
 
 @dataclass(frozen=True)
 class Config:
+    """The effective configuration. Each field is a key of _SCHEMA (a section's key, by its TOML
+    name), whose meaning is KEY_DOCS["<section>.<key>"]; `runtime` and `runtimes` are the [runtime]
+    and [runtimes.<handler>] tables."""
+
     socket: str = "/run/podshim/podshim.sock"
     state_dir: str = "/var/lib/podshim"
     metrics_address: str = ""
-    # What Version answers as runtime_name: "upstream" (the upstream's, so a kubelet shows
-    # containerd://<id> and node agents keyed on it keep working; podshim is in runtime_version)
-    # or "podshim" (runtime_name podshim, runtime_version <podshim>+<upstream>-<version>)
     runtime_name: str = "upstream"
-    # podshim-front, the compiled program that serves `socket` (docs/architecture.md §3 (The
-    # proxy)): every call podshim does not own goes from it straight to the upstream, the rest to
-    # this daemon over <state_dir>/daemon.sock. false: the daemon serves `socket` itself (pure
-    # Python: slower, for debugging and comparison). front_binary "": podshim-front beside the
-    # interpreter podshim runs on (the venv's or the package's bin/).
     front: bool = True
     front_binary: str = ""
     upstream_endpoint: str = "unix:///run/containerd/containerd.sock"
-    # Timeout for upstream calls made by podshim itself when the caller set no deadline.
     upstream_timeout: float = 120.0
-    # the kubelet's checkpoint API writes into <root-dir>/checkpoints; pod checkpoints go into
-    # pod-checkpoints by the project's convention
     allowed_roots: tuple[str, ...] = KUBELET_CHECKPOINT_ROOTS
-    # CheckpointContainer: "fallback" asks the upstream first and checkpoints itself only when
-    # the upstream answers UNIMPLEMENTED; "always" never asks the upstream.
     container_checkpoint: str = "fallback"
-    # Node key (32 random bytes, a root-owned 0600 file) encrypting CheckpointPod archives; "": none.
     encryption_key_file: str = ""
-    # CheckpointPod: write the page images back while the pod is frozen ("auto": when the dumps
-    # would otherwise meet the kernel's dirty-page throttling; docs/architecture.md §4.1 (The
-    # freeze window)), "always", or "never" (the kernel's own writeback only).
     writeback_ahead: str = "auto"
-    # [checkpoint]: the node's default of each CheckpointPod option (the kubelet sends none;
-    # option_defaults gives them in the options' own vocabulary)
     file_locks: bool = True
     tcp_established: bool = False
     ext_unix_sk: bool = False
     shell_job: bool = False
     rootfs_compression: str = "none"
-    # "auto": sized before the freeze from the deleted files the pod holds open, up to
-    # ghost_limit_max; or a size (bytes, K/M/G)
     ghost_limit: str = "auto"
     ghost_limit_max: str = "64M"
     irmap_scan_paths: tuple[str, ...] = ()
-    # RestorePod's default for its `lazy-pages` option (docs/architecture.md §5.1 (Lazy restore))
     lazy_pages: bool = False
-    # Live migration (docs/architecture.md §21 (Live migration)): where this node listens while a
-    # pod migrates into it (HOST:PORT; "": it accepts none), and its node credentials (PEM files)
     migration_listen: str = ""
     migration_cert_file: str = ""
     migration_key_file: str = ""
     migration_ca_file: str = ""
-    # The TCP congestion control of the pages' connections (CRIU's page server and lazy-pages
-    # daemon, patch 0010: set per socket, not for the host); "" keeps the host's default. cubic:
-    # BBR, a common default, paces without the fq qdisc with TCP's internal timers and made the
-    # page server CPU-bound (docs/architecture.md §21 (Live migration)).
     migration_tcp_congestion: str = "cubic"
-    # [kubernetes]: the cluster API podshim serves for the pods of its node (docs/cluster.md):
-    # PodCheckpoint objects and Pods that name one to restore from. kubeconfig: the node's
-    # credentials (the kubelet's own, by default); "" or a missing file: off, podshim serves CRI
-    # alone. node_name "": the host name (the kubelet's default node name).
     kubernetes_kubeconfig: str = KUBELET_KUBECONFIG
     kubernetes_node_name: str = ""
     log_format: str = "json"
     log_level: str = "info"
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    # Extra runtime handlers by CRI runtime_handler name (e.g. "crun"); "" and "runc" mean `runtime`.
     runtimes: dict[str, RuntimeConfig] = field(default_factory=dict)
 
     def option_defaults(self) -> dict[str, str]:
@@ -181,6 +152,139 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
     "log": {"format": ("log_format", str), "level": ("log_level", str)},
 }
 _RUNTIME_KEYS: dict[str, type] = {f.name: str for f in fields(RuntimeConfig)}
+
+# What each section and key means: the one description of the configuration, which
+# docs/reference/config.md is generated from (`make docs`, shim/docgen.py; tests/test_reference_docs.py
+# fails when a key of _SCHEMA or RuntimeConfig has none here).
+SECTION_DOCS: dict[str, str] = {
+    "server": "The socket podshim serves and the files it keeps.",
+    "upstream": "The CRI runtime behind podshim (containerd or CRI-O).",
+    "checkpoint": (
+        "Where checkpoints may be written and read, and each CheckpointPod option's node default "
+        "(the kubelet sends none; a request's options override them)."
+    ),
+    "restore": "RestorePod's node defaults.",
+    "migration": (
+        "Live migration between nodes (docs/architecture.md §21 (Live migration)); set on both nodes."
+    ),
+    "kubernetes": (
+        "The cluster API podshim serves for the pods of its node (docs/cluster.md): PodCheckpoint "
+        "objects and Pods that name one to restore from."
+    ),
+    "log": "podshim's log on stderr.",
+    "runtime": "The real OCI runtime behind podshim-runc (runtime handler runc, the default one).",
+    "runtimes": (
+        "Further runtime handlers by CRI runtime_handler name (`[runtimes.crun]`), told apart by their "
+        "root; the same keys as `[runtime]`, each defaulting as there. No environment variables."
+    ),
+}
+KEY_DOCS: dict[str, str] = {
+    "server.socket": (
+        "The CRI socket podshim serves (the kubelet's --container-runtime-endpoint); an absolute path."
+    ),
+    "server.state_dir": (
+        "The journal of in-flight operations, kept CRIU logs and scratch/ (emptied at every start). "
+        "One podshim per state dir: a second exits 1 before it touches anything."
+    ),
+    "server.metrics_address": (
+        "HOST:PORT of the Prometheus /metrics endpoint (`:PORT` for all addresses, `[::1]:PORT` for "
+        'IPv6); "": none (docs/reference/metrics.md).'
+    ),
+    "server.runtime_name": (
+        'What Version answers as runtime_name: "upstream" (the upstream\'s, so a kubelet shows '
+        "containerd://<id> and node agents keyed on it keep working; podshim is in runtime_version) "
+        'or "podshim" (runtime_version <podshim>+<upstream>-<version>).'
+    ),
+    "server.front": (
+        "podshim-front, the compiled program, serves `socket`: every call podshim does not own goes "
+        "from it straight to the upstream, the rest to the daemon over <state_dir>/daemon.sock "
+        "(docs/architecture.md §3 (The proxy)). false: the daemon serves `socket` itself (pure "
+        "Python: slower, for debugging and comparison)."
+    ),
+    "server.front_binary": (
+        'The podshim-front to run; "": the one beside the interpreter podshim runs on (bin/ of the '
+        "venv or the package). An absolute path."
+    ),
+    "upstream.endpoint": "The upstream's CRI socket, a unix socket URL (unix:///path).",
+    "upstream.timeout_seconds": (
+        "The deadline of each call podshim makes on its own when the caller set none (passed-through "
+        "calls keep their deadline, less 0.1 s); positive."
+    ),
+    "checkpoint.allowed_roots": (
+        "Absolute directories that output_path, checkpoint_path and location must be inside. The "
+        "kubelet's checkpoint API writes into <root-dir>/checkpoints; pod checkpoints go into "
+        "pod-checkpoints by convention."
+    ),
+    "checkpoint.container_checkpoint": (
+        'CheckpointContainer: "fallback" asks the upstream first and checkpoints in podshim only '
+        'when the upstream answers UNIMPLEMENTED; "always" never asks the upstream.'
+    ),
+    "checkpoint.encryption_key_file": (
+        "The node key (32 random bytes, a root-owned 0600 file) CheckpointPod archives are "
+        'encrypted with (docs/encryption.md); "": plaintext archives.'
+    ),
+    "checkpoint.writeback_ahead": (
+        "CheckpointPod writes the page images back while the pod is frozen: "
+        '"auto" when the dumps would otherwise meet the kernel\'s dirty-page throttling '
+        '(docs/architecture.md §4.1 (The freeze window)), "always", or "never" (the kernel\'s own '
+        "writeback only)."
+    ),
+    "checkpoint.file_locks": (
+        "The default of CheckpointPod's `file-locks` option: checkpoint held file locks."
+    ),
+    "checkpoint.tcp_established": (
+        "The default of CheckpointPod's `tcp-established` option: dump established TCP connections "
+        "(else CRIU refuses pods with open connections)."
+    ),
+    "checkpoint.ext_unix_sk": (
+        "The default of CheckpointPod's `ext-unix-sk` option: allow unix sockets connected to a peer "
+        "outside the checkpointed containers."
+    ),
+    "checkpoint.shell_job": (
+        "The default of CheckpointPod's `shell-job` option: allow containers attached to a terminal."
+    ),
+    "checkpoint.rootfs_compression": (
+        'The default of CheckpointPod\'s `rootfs-compression` option: "none" or "gzip" (compress '
+        "rootfs-diff.tar)."
+    ),
+    "checkpoint.ghost_limit": (
+        "The default of CheckpointPod's `ghost-limit` option, the largest deleted-but-open file CRIU "
+        'copies into the images: "auto" (sized before the freeze from the deleted files the pod holds '
+        "open, up to ghost_limit_max) or a size (bytes, K/M/G suffix, up to 1T)."
+    ),
+    "checkpoint.ghost_limit_max": 'The cap of an "auto" ghost_limit; a size (bytes, K/M/G suffix, up to 1T).',
+    "checkpoint.irmap_scan_paths": (
+        "The default of CheckpointPod's `irmap-scan-paths` option: absolute directories, as the "
+        "containers see them, where CRIU looks for the path of a watched file it cannot open by "
+        "handle; podshim adds the watched files' own directories to these."
+    ),
+    "restore.lazy_pages": (
+        "RestorePod's default for its `lazy-pages` option (docs/architecture.md §5.1 (Lazy restore))."
+    ),
+    "migration.listen": 'HOST:PORT this node listens on while a pod migrates into it; "": it accepts none.',
+    "migration.cert_file": "This node's certificate (PEM; it names the node: its node name, its address).",
+    "migration.key_file": "The key of cert_file (PEM).",
+    "migration.ca_file": "The CA every node's certificate is signed by (PEM).",
+    "migration.tcp_congestion": (
+        "The TCP congestion control of the pages' connections (CRIU's page server and lazy-pages "
+        'daemon, patch 0010: set per socket, not for the host); "": the host\'s default. Not BBR '
+        "without the fq qdisc: its pacing made the page server CPU-bound. One the kernel lacks "
+        "(tcp_available_congestion_control) is refused at start-up."
+    ),
+    "kubernetes.kubeconfig": (
+        "The node's credentials for the cluster API (the kubelet's own, by default); \"\" or a "
+        "missing file: off, podshim serves CRI alone."
+    ),
+    "kubernetes.node_name": "The node's name; \"\": the host name (the kubelet's default node name).",
+    "log.format": '"json" or "console".',
+    "log.level": '"debug", "info", "warning" or "error".',
+    "runtime.binary": "The OCI runtime's binary (runc or crun).",
+    "runtime.root": (
+        "The runtime's --root as the upstream's shim passes it (containerd: <runc Root option>/"
+        "<namespace>); a fallback: podshim reads the root from containerd."
+    ),
+    "runtime.criu": "The CRIU binary the runtime runs.",
+}
 _LOG_FORMATS = ("json", "console")
 CONTAINER_CHECKPOINT_MODES = ("fallback", "always")
 WRITEBACK_AHEAD_MODES = ("auto", "always", "never")

@@ -141,6 +141,31 @@ wiring_ok = Gauge(
     ["handler"],
 )
 
+# The values each label takes, for docs/reference/metrics.md (shim/docgen.py).
+LABEL_DOCS: dict[str, str] = {
+    "operation": (
+        "`checkpoint_pod`, `restore_pod`, `checkpoint_container`, `restore_container` (CreateContainer "
+        "from a container checkpoint tar); podshim_checkpoint_tasks_resumed_total: `checkpoint_pod`, "
+        "`checkpoint_container`"
+    ),
+    "result": (
+        "`OK`, the gRPC code name, `CANCELLED` when the caller went away first; for an operation a "
+        "crashed podshim left: `RECOVERED`, or `RECOVERY_FAILED` for each failed attempt (it is retried "
+        "in the background, 0.5 s doubling to 30 s, while podshim runs)"
+    ),
+    "method": "the CRI method name",
+    "code": "the gRPC code name of the upstream's answer",
+    "reason": (
+        "podshim_lazy_restore_failures_total: `killed` (the lazy-pages daemon died of a signal), `exit` "
+        "(it failed), `podshim-restart` (podshim restarted while it served), `checksum` (a page image "
+        "differed from the manifest or could not be read); podshim_migration_killed_total: `link`, "
+        "`lease`, `abort`, `deadline`"
+    ),
+    "role": "`source`, `destination`",
+    "version": "podshim's version",
+    "handler": "the upstream's runtime handler (checked at start-up and at each restore)",
+}
+
 
 def split_address(address: str) -> tuple[str, int]:
     """HOST:PORT, :PORT (all addresses) or [IPv6]:PORT -> (host, port)."""

@@ -1,4 +1,4 @@
-"""A private OCI registry for the tests (issue 17): Debian's `docker-registry` (distribution 2.8)
+"""A private OCI registry for the tests: Debian's `docker-registry` (distribution 2.8)
 on a loopback port chosen at run time, basic auth (htpasswd -B) unless ``auth=False``, storage in
 a directory of its own; stopped by its pid. Nothing of it is written outside that directory.
 

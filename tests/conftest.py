@@ -128,7 +128,7 @@ def crun_handler(bed: TestBed) -> str:
 
 
 def require_crun() -> None:
-    """crun with CRIU is part of the set-up (issue 3): its absence fails the crun variants, so a
+    """crun with CRIU is part of the set-up: its absence fails the crun variants, so a
     broken crun build cannot pass unnoticed. PODSHIM_TESTS_WITHOUT_CRUN=1 skips them instead."""
     why = "crun with CRIU is not installed (scripts/setup.sh builds it)"
     if os.environ.get("PODSHIM_TESTS_WITHOUT_CRUN") == "1":

@@ -1,4 +1,4 @@
-"""Encryption at rest of pod checkpoints (shim/archive/crypto.py, issue 6 item 5), without a bed:
+"""Encryption at rest of pod checkpoints (shim/archive/crypto.py), without a bed:
 the chunked AEAD file format (round trip; wrong key, flipped byte, truncation, swapped chunks,
 renamed file, appended data → DATA_LOSS), the authenticated manifest through load_and_verify,
 the decrypted dirs, and the node key file checks of the config."""

@@ -1,4 +1,4 @@
-"""Unit tests (no bed) of issue 11 items 3 and 6: an archive podshim must refuse before reading it
+"""Unit tests (no bed) of the archive limits: an archive podshim must refuse before reading it
 (sparse members, members larger than their file system, directories nested past the limit, a
 container missing a member its checkpoint has), verification that stops when told, the lanes
 that keep restores off the threads checkpoints use, and CRI strings the upstream cannot undo."""

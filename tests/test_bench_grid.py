@@ -105,7 +105,7 @@ def test_report() -> None:
 
 def test_targets_line() -> None:
     line = rg.targets_line({**rg.summarize(grid()), "eager_overhead_ratio": 2.5})
-    assert line.startswith("targets (issue 15): lazy_first_output_4g_s <= 0.3 (0.330), ")
+    assert line.startswith("targets: lazy_first_output_4g_s <= 0.3 (0.330), ")
     assert "eager_overhead_ratio <= 1.3 (2.500)" in line
     assert "warm_start_ratio_lazy <= 0.05 (" in line
     assert rg.targets_line({}).endswith("warm_start_ratio_lazy <= 0.05")

@@ -1,4 +1,4 @@
-"""Chains of checkpoints and restores (issue 23), end to end with runc and crun: a restored pod is
+"""Chains of checkpoints and restores, end to end with runc and crun: a restored pod is
 checkpointed again, and that checkpoint restored, for three generations, each restore checked to
 continue the count where its checkpoint left it and to hold the counter's whole memory pattern,
 and each checkpointed pod checked to keep running afterwards with no task left stopped.

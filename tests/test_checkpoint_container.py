@@ -1,4 +1,4 @@
-"""CheckpointContainer (KEP-2008) and restore of its tar through CreateContainer (issue 5), end to end.
+"""CheckpointContainer (KEP-2008) and restore of its tar through CreateContainer, end to end.
 
 containerd 1.6 and 1.7 answer CheckpointContainer with UNIMPLEMENTED, so every call here goes
 through podshim's own checkpoint (the default `container_checkpoint = "fallback"`); containerd 2.x

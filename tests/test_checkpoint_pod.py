@@ -1,7 +1,7 @@
 """CheckpointPod end to end: podshim's socket in front of the test bed's containerd + runc + CRIU.
 
 Every test runs real pods (the counter workload of images/counter.c), calls CheckpointPod
-through podshim like a kubelet would, and checks what the issue asks: the archive on disk, the
+through podshim like a kubelet would, and checks what a checkpoint must give: the archive on disk, the
 pod still running and unfrozen, the freeze being one pod-wide cut, and each refusal with its
 gRPC code, a message naming the problem, the pod untouched and the output directory empty.
 """

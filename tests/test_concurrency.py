@@ -1,4 +1,4 @@
-"""Concurrency (issue 6 item 3), end to end through podshim.
+"""Concurrency, end to end through podshim.
 
 * checkpoints of 8 different pods at once all succeed, each archive verifies, every pod runs on;
 * a second request on a pod (or an output path) in flight gets ABORTED and touches nothing;

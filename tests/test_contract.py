@@ -1,5 +1,5 @@
 """The restore contract (shim/contract.py): one spelling for the daemon, the Python wrapper and the
-compiled wrapper, and the layering it stands for (issue 13)."""
+compiled wrapper, and the layering it stands for."""
 
 from __future__ import annotations
 

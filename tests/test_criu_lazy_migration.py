@@ -1,5 +1,5 @@
-"""CRIU's lazy migration on this node (issue 27's first step, docs/architecture.md §18 (This machine
-(Debian 12, kernel 6.18))): a process dumped with `--lazy-pages` serves its memory from its own
+"""CRIU's lazy migration on this node (live migration's first step, docs/architecture.md §18
+(This machine (Debian 12, kernel 6.18))): a process dumped with `--lazy-pages` serves its memory from its own
 page server, a `criu lazy-pages --page-server` daemon fetches it for `criu restore --lazy-pages`.
 
 Plain CRIU, no container: what podshim's migration (shim/migration/) is built on. Without the

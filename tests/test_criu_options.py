@@ -1,4 +1,4 @@
-"""CheckpointPod's CRIU options without runc/crun flags (issue 14): ghost-limit and
+"""CheckpointPod's CRIU options without runc/crun flags: ghost-limit and
 irmap-scan-paths are parsed strictly, reach CRIU through a config file, and a CRIU log that one of
 them would fix makes the failure name it."""
 

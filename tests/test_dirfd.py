@@ -1,6 +1,6 @@
 """Directories held open (shim/archive/dirfd.py): once podshim holds a directory, replacing its
 path by a symlink to somewhere else changes nothing about where podshim writes, chmods, lists or
-removes (issue 11 item 2). The end-to-end proof with CRIU is tests/faults/test_path_swap.py."""
+removes. The end-to-end proof with CRIU is tests/faults/test_path_swap.py."""
 
 from __future__ import annotations
 

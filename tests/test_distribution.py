@@ -1,4 +1,4 @@
-"""Checkpoints that travel (issue 17): a pod checkpoint pushed to a real OCI registry (Debian's
+"""Checkpoints that travel: a pod checkpoint pushed to a real OCI registry (Debian's
 docker-registry, basic auth, on a loopback port: testbed/registry.py), pulled on another node
 (a second TestBed: its own containerd + podshim and roots) and restored there; hostile pulls
 refused with the documented code and nothing left behind.

@@ -1,4 +1,4 @@
-"""shim/distribution without a registry (issue 17): the layer tars, the pulled manifest's shape,
+"""shim/distribution without a registry: the layer tars, the pulled manifest's shape,
 credentials and transport rules. End to end: tests/test_distribution.py."""
 
 from __future__ import annotations

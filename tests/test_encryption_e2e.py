@@ -1,4 +1,4 @@
-"""Encrypted pod checkpoints end to end (issue 6 item 5): a podshim with a node key in front of the
+"""Encrypted pod checkpoints end to end: a podshim with a node key in front of the
 session bed's containerd + runc + CRIU.
 
 The bed's own podshim has no key, so this module starts a second podshim (as tests/test_metrics.py

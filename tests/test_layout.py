@@ -2,7 +2,7 @@
 gRPC only at its seams, the upstream client only in the daemon's top (server, engine, operations,
 live migration),
 the podshim-runc hook process free of the daemon, and the protocols the mechanisms declare satisfied
-by the upstream client (issue 26).
+by the upstream client.
 
 Every import counts, one in a function or under TYPE_CHECKING too: a circle hidden in a function
 is still a circle of the design."""

@@ -1,5 +1,5 @@
 """OperationLocks (shim/engine.py): one operation per pod or path; restores of one archive share
-its path (issue 14: N replicas from one checkpoint at once), a checkpoint into it excludes them."""
+its path (N replicas from one checkpoint at once), a checkpoint into it excludes them."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from testbed.bed import TestBed
 REPO = Path(__file__).resolve().parents[1]
 PODSHIM = REPO / ".venv" / "bin" / "podshim"
 
-# name -> type, as documented in the README's metrics section
+# name -> type, as docs/reference/metrics.md lists them
 EXPECTED = {
     "podshim_operations": "counter",
     "podshim_operation_duration_seconds": "histogram",

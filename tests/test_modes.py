@@ -1,4 +1,4 @@
-"""Modes of what podshim and podshim-runc keep on the node (issue 11 item 9): server.state_dir is
+"""Modes of what podshim and podshim-runc keep on the node: server.state_dir is
 0700 whatever the unit or the umask, and the restore CRIU logs podshim-runc keeps there are 0600
 in a 0700 directory although podshim-runc runs with containerd's umask (022)."""
 

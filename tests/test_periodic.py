@@ -1,4 +1,4 @@
-"""Periodic checkpoints of one pod (issue 23 item 4): a counter pod checkpointed every 5 s for
+"""Periodic checkpoints of one pod: a counter pod checkpointed every 5 s for
 2 minutes with `podshim checkpointpod --keep N PREFIX` (a new directory each time, the oldest
 removed once the new one is complete). The pod keeps running with no gap in its output longer than
 the checkpoint's freeze window plus 0.2 s (plus the output's own lateness away from any

@@ -1,4 +1,4 @@
-"""Work that outlives its caller (issue 11, item 3), end to end through podshim's socket.
+"""Work that outlives its caller, end to end through podshim's socket.
 
 The slow archive: a real checkpoint plus 96 hard links to one 512 MiB file of non-zero data,
 each listed in the manifest with its size and sha256: 48 GiB to hash for RestorePod, 512 MiB on
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.e2e
 
 BIG_MIB = 512
 LINKS = 96
-SLOW = 7  # the issue's seven restores
+SLOW = 7  # seven restores at once
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A restored pod is the pod that was checkpointed (issue 14), end to end on the real containerd,
+"""A restored pod is the pod that was checkpointed, end to end on the real containerd,
 runc/crun and CRIU: the new pod keeps its own identity (hostname, domain name), periodic timers
 keep firing, and more. Each test runs with runc and with crun (the `runtime_handler` fixture).
 """

@@ -1,4 +1,4 @@
-"""podshim's own eager-restore overhead (issue 15 item 3), the parts a unit test can pin: what
+"""podshim's own eager-restore overhead, the parts a unit test can pin: what
 RestorePod and StartContainer no longer ask the upstream or a subprocess, and the checksum pass
 split so that it can run beside the new sandbox (docs/architecture.md §5 (RestorePod) step 1).
 The figures themselves live in bench/restore.py (eager_overhead_ratio); no timing here."""

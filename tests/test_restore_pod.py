@@ -1,4 +1,4 @@
-"""RestorePod end to end (issue 4): through podshim's socket, on the real containerd + runc + CRIU.
+"""RestorePod end to end: through podshim's socket, on the real containerd + runc + CRIU.
 
 A checkpoint is taken with CheckpointPod from a running counter pod, then restored into new pods
 (new uid, name, cgroup parent and log directory) the way a kubelet does it: RestorePod returns
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.e2e
 Stub = api_pb2_grpc.RuntimeServiceStub
 ImageStub = api_pb2_grpc.ImageServiceStub
 
-BIG_ARGS = ["--mem-mib", "64", "--interval-ms", "50"]  # the warm-start workload of the issue
+BIG_ARGS = ["--mem-mib", "64", "--interval-ms", "50"]  # the warm-start workload
 SMALL_ARGS = ["--mem-mib", "4", "--interval-ms", "50"]
 SOURCE_ATTEMPT = 2  # the source container's restart count, which a restore must continue
 RPC_TIMEOUT = 120

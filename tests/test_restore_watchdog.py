@@ -1,5 +1,5 @@
 """podshim-runc's watchdog detaches the mounts CRIU left below the bundle's work dir although the
-upstream renamed the bundle meanwhile (issue 11 item 7): it holds the directory by an O_PATH
+upstream renamed the bundle meanwhile: it holds the directory by an O_PATH
 descriptor and detaches through /proc/self/fd, shortest mount first, until none is left."""
 
 from __future__ import annotations

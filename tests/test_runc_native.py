@@ -441,7 +441,7 @@ def test_the_test_beds_config_takes_the_fast_path(node: Node, bed: TestBed) -> N
 
 
 def test_the_hook_is_found_next_to_the_real_path_of_a_symlinked_wrapper(node: Node) -> None:
-    """The README links /usr/local/bin/podshim-runc to the venv's: the hook is the venv's."""
+    """A symlinked wrapper (/usr/local/bin/podshim-runc to the venv's): its hook is the venv's."""
     elsewhere = node.tmp / "usr-local-bin"
     elsewhere.mkdir()
     (elsewhere / "podshim-runc").symlink_to(node.wrapper)

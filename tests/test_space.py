@@ -1,4 +1,4 @@
-"""Know before freezing that it will fit (issue 11 item 8): a checkpoint whose estimated size (the
+"""Know before freezing that it will fit: a checkpoint whose estimated size (the
 containers' resident memory and writable layers, plus a margin) exceeds the free space of the
 output file system is refused with RESOURCE_EXHAUSTED before anything is frozen or written."""
 

@@ -1,4 +1,4 @@
-"""The pieces of issue 23 that need no test bed: the task states read before a freeze and settled
+"""The task-state pieces that need no test bed: the task states read before a freeze and settled
 after the thaw (shim/checks/taskstate.py), on real processes, and the CRIU config file runc would hand a
 dump (shim/criu/rpc_config.py), on a runc state dir laid out here."""
 

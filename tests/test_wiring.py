@@ -1,4 +1,4 @@
-"""podshim checks its own wiring (issue 12; docs/architecture.md §8 (Wiring check)).
+"""podshim checks its own wiring (docs/architecture.md §8 (Wiring check)).
 
 Unit tests of the pure parts (containerd's filepath.Match, the verdict from a verbose Status,
 the restore marker, the persisted ids), then end to end: test beds whose containerd is wired

@@ -1,4 +1,4 @@
-"""Encryption at rest of pod checkpoints: memory images hold secrets (issue 6, item 5).
+"""Encryption at rest of pod checkpoints: memory images hold secrets.
 
 With `[checkpoint] encryption_key_file` (32 random bytes, a root-owned 0600 file: the node key),
 CheckpointPod encrypts every file of the archive after the pod is thawed and before the manifest

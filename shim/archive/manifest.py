@@ -94,7 +94,7 @@ class HostInfo:
     runtime_version: str = ""
     kernel: str = field(default_factory=lambda: platform.release())
     arch: str = field(default_factory=lambda: platform.machine())
-    # recorded since issue 17 (shim/archive/compat.py); "" in older manifests: not compared
+    # the compatibility record (shim/archive/compat.py); "" in older manifests: not compared
     cgroup_version: str = ""  # "1" (v1 or hybrid) or "2"
     cpuinfo: str = ""  # base64 of `criu cpuinfo dump`'s cpuinfo.img
 

@@ -6,7 +6,7 @@ spec's annotations with the container, as labels in its state.json), `/etc/criu/
 there is none, nothing when it is empty; CRIU parses that file last, over runc's own flags and over
 the CRIU_CONFIG_FILE podshim's dump options travel in (criu/cr-service.c, criu/config.c). So:
 
-* a restore config a podshim before issue 23 left named there (`<bundle>/podshim-restore/criu.conf`,
+* a restore config an older podshim left named there (`<bundle>/podshim-restore/criu.conf`,
   or `criu.conf` in a lazy restore's work dir: `tcp-close`, `leave-stopped`) is removed: CRIU
   ignores a file that is missing, and the dump runs with podshim's options alone;
 * any other file that sets an option podshim decides for a dump refuses the checkpoint

@@ -41,7 +41,7 @@ _HARMLESS = ("Can't setup RLIMIT_NOFILE for self",)
 
 @dataclass(frozen=True)
 class CriuOptions:
-    """CRIU behaviour podshim exposes (CheckpointPod `options`, documented in the README)."""
+    """CRIU behaviour podshim exposes (CheckpointPod `options`, documented in docs/checkpoint-restore.md)."""
 
     file_locks: bool = True  # as CRI-O: a locked file would otherwise fail the dump
     tcp_established: bool = False

@@ -165,7 +165,7 @@ def json_member(root: Path, path: Path, m: manifest.Manifest, key: crypto.NodeKe
 
 def recorded_images(entry: manifest.ContainerEntry) -> list[str]:
     """The references manifest.json records for a container's image (docs/architecture.md §19
-    (Image identity)): its ID and user-specified name (since issue 22), the name the upstream
+    (Image identity)): its ID and user-specified name (absent from older manifests), the name the upstream
     reported."""
     return [r for r in (entry.image_id, entry.image, entry.user_specified_image) if r]
 

@@ -1,4 +1,4 @@
-"""A crash in the middle of an atomic write (issue 11 item 5): the temporary file it leaves.
+"""A crash in the middle of an atomic write: the temporary file it leaves.
 
 * manifest.json is written twice by CheckpointPod (then rewritten with the final timings): a
   crash during the rewrite left `.manifest.json.tmp-*` beside a complete archive, which

@@ -1,5 +1,5 @@
-"""A caller's directory replaced by a symlink to somewhere else while podshim checkpoints into it
-(issue 11 item 2): podshim holds the directory it validated open and writes, chmods, lists and
+"""A caller's directory replaced by a symlink to somewhere else while podshim checkpoints into it:
+podshim holds the directory it validated open and writes, chmods, lists and
 removes only through that descriptor, so nothing outside the allowed roots is touched and the
 call fails instead of answering OK for an archive the caller's path does not hold.
 
@@ -198,8 +198,8 @@ PLANTS = (
 def test_subdirectory_planted_after_the_emptiness_check(
     rt: Rt, bed: TestBed, pod_cleanup: list[str], tmp_path: Path
 ) -> None:
-    """A sub-directory planted in output_path between the emptiness check and the dump (issue 23
-    item 5): FAILED_PRECONDITION every time, never INTERNAL; the pod thawed, output_path left
+    """A sub-directory planted in output_path between the emptiness check and the dump:
+    FAILED_PRECONDITION every time, never INTERNAL; the pod thawed, output_path left
     empty, nothing written elsewhere."""
     cp = start_counter_pod(rt, bed, "plant", pod_cleanup)
     # each failpoint holds the checkpoint (on podshim's loop) until its file exists: the planter

@@ -1,4 +1,4 @@
-"""Journal replay (issue 6 item 1).
+"""Journal replay.
 
 Unit level (real freezer cgroups and files, a fake upstream; root, no containerd): what
 Engine.recover() does with each kind of record a crashed podshim can leave, and that no record

@@ -1,4 +1,4 @@
-"""Sandboxes nobody removed (issue 11 item 4): a recovery that fails is retried with backoff while
+"""Sandboxes nobody removed: a recovery that fails is retried with backoff while
 podshim runs, and a sandbox a restore created without podshim learning its id is found by its
 metadata.
 

@@ -1,5 +1,5 @@
-"""The task-state invariant after every checkpoint (issue 23 item 2; docs/architecture.md §4.2 (Task
-states after a checkpoint)): a task the checkpoint left stopped is resumed by podshim, and the
+"""The task-state invariant after every checkpoint (docs/architecture.md §4.2 (Task states
+after a checkpoint)): a task the checkpoint left stopped is resumed by podshim, and the
 answer, the log and the metric say so, on success and on the deadline's error alike.
 
 The leftover stop is injected the way a stray `leave-stopped` or a signal landing inside the freeze

@@ -1,4 +1,4 @@
-"""Inputs that got the wrong answer (issue 11, item 6), end to end through podshim's socket:
+"""Inputs that got the wrong answer, end to end through podshim's socket:
 
 * CRI strings containerd + CNI cannot undo (a NUL or ';' in the pod's name/namespace/uid: the
   upstream creates the sandbox, its CNI set-up fails, and RemovePodSandbox never removes it) in
@@ -9,7 +9,7 @@
 * a plaintext archive whose rootfs-diff.tar and deleted.files were removed with their manifest
   entries: DATA_LOSS naming them (not a restore without the writable layer);
 * a config.dump naming another image than manifest.json: DATA_LOSS at RestorePod;
-* a manifest-consistent archive with a 64 GiB sparse member: DATA_LOSS at once (issue 11 item 3).
+* a manifest-consistent archive with a 64 GiB sparse member: DATA_LOSS at once.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`podshim push DIR REF`, `podshim pull REF DIR` and the pull of `podshim restorepod --from REF`
-(shim/distribution; README "Checkpoints through a registry").
+(shim/distribution; docs/registries.md).
 
 Credentials: $PODSHIM_REGISTRY_AUTH=USER:PASSWORD, else the docker config file named by
 --registry-config, else $DOCKER_CONFIG/config.json, else ~/.docker/config.json; never a
