@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from api.runtime.v1 import api_pb2 as cri
 from testbed import _sys, pods, resume
@@ -26,6 +28,7 @@ from testbed.kubelet import (
     ROOT_IN_NODE,
     Kubelet,
     KubeletBed,
+    KubeletError,
     exec_stream,
     pod_manifest,
 )
@@ -238,6 +241,43 @@ def test_stats_summary(kubelet: Kubelet, static_pods: list[str]) -> None:
     assert p["cpu"]["usageCoreNanoSeconds"] > 0 and p["ephemeral-storage"]["usedBytes"] > 0
 
 
+def kubelet_samples(kubelet: Kubelet, path: str = "/metrics") -> list[Sample]:
+    """The samples of the kubelet's metrics endpoint `path` (/metrics, /metrics/probes)."""
+    status, body = kubelet.api("GET", path)
+    if status != 200:
+        raise KubeletError(f"GET {path}: {status} {body[:300]!r}")
+    return [s for fam in text_string_to_metric_families(body.decode()) for s in fam.samples]
+
+
+def pleg_last_seen(kubelet: Kubelet) -> float:
+    """When the PLEG's last successful relist began (Unix seconds, whole: never after it began)."""
+    (value,) = [s.value for s in kubelet_samples(kubelet) if s.name == "kubelet_pleg_last_seen_seconds"]
+    return value
+
+
+def pod_syncs(kubelet: Kubelet) -> float:
+    """Pod syncs the kubelet's pod workers finished (periodic or for a PLEG event), all pods."""
+    return sum(
+        s.value
+        for s in kubelet_samples(kubelet)
+        if s.name == "kubelet_pod_worker_duration_seconds_count" and s.labels.get("operation_type") == "sync"
+    )
+
+
+def probes_passed(kubelet: Kubelet, pod: str) -> dict[tuple[str, str], float]:
+    """(container, probe type) -> the runs of that probe of `pod` that passed."""
+    out: dict[tuple[str, str], float] = {}
+    for s in kubelet_samples(kubelet, "/metrics/probes"):
+        if (
+            s.name == "prober_probe_total"
+            and s.labels.get("pod") == kubelet.full_name(pod)
+            and s.labels.get("result") == "successful"
+        ):
+            key = (s.labels["container"], s.labels["probe_type"])
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
 def _running_ids(kubelet: Kubelet, pod: str) -> dict[str, tuple[str, int]]:
     return {n: (s["containerID"], s["restartCount"]) for n, s in kubelet.container_statuses(pod).items()}
 
@@ -261,7 +301,16 @@ def test_kubelet_and_podshim_restarts_keep_pods(
 
     kb.bed.kill_podshim(signal.SIGTERM)
     kb.bed.start_podshim_again()
-    time.sleep(3)  # a PLEG relist and a sync loop against the new podshim
+    up = time.time()  # the new podshim answers: what the kubelet lists from now on is its answer
+    # a PLEG relist begun since then (any difference in what it lists is an event of that relist),
+    # then one begun after that one was seen (so that one ended, its events sent to the sync loop),
+    # then two syncs of the pod (the only one) after that: the second began after any event's
+    # cache update, and its status is what the kubelet reports below
+    kubelet.wait_for("a PLEG relist of the new podshim", lambda: pleg_last_seen(kubelet) >= up)
+    seen = time.time()
+    kubelet.wait_for("the next PLEG relist", lambda: pleg_last_seen(kubelet) >= seen)
+    syncs = pod_syncs(kubelet)
+    kubelet.wait_for("two syncs of the pod since", lambda: pod_syncs(kubelet) >= syncs + 2, timeout=90)
     kubelet.wait_running("steady", ["app", "side"])
     assert _running_ids(kubelet, "steady") == before
     assert kubelet.api("GET", "/healthz")[0] == 200
@@ -293,6 +342,9 @@ def test_checkpoint_api_with_the_stock_config(
     pods.wait_count(log, n + 2)  # the container kept running (the wait raises otherwise)
     assert _running_ids(kubelet, "ckpt")["app"][1] == 0
     tar.unlink()
+
+
+PROBED = {("app", "Liveness"), ("app", "Readiness"), ("side", "Readiness")}  # the probes of "probed"
 
 
 def test_checkpoint_pod_while_probes_keep_passing(
@@ -336,10 +388,17 @@ def test_checkpoint_pod_while_probes_keep_passing(
                 timeout=120,
             )
             assert (out / "manifest.json").is_file()
-            for _ in range(6):  # the probes run on, every second
+            passed = probes_passed(kubelet, "probed")
+
+            def probed_on(passed: dict[tuple[str, str], float] = passed) -> bool:
                 st = kubelet.container_statuses("probed")
-                assert all(s["ready"] for s in st.values()), st
-                time.sleep(0.5)
+                assert all(s["ready"] for s in st.values()), st  # Ready all along
+                now = probes_passed(kubelet, "probed")
+                return all(now.get(k, 0.0) >= passed.get(k, 0.0) + 3 for k in PROBED)
+
+            # the probes run on: each passes 3 more times (its failureThreshold: as many failures
+            # would have made the pod unready or restarted it), whatever time that takes
+            kubelet.wait_for("every probe passing 3 more times", probed_on, every=0.2)
         assert _running_ids(kubelet, "probed") == before, "no probe failure restarted anything"
         log = log_file(kubelet, "probed", "app")
         n = pods.counts(log)[-1]

@@ -1,14 +1,17 @@
-"""Lazy restore end to end (issue 15 items 1 and 2; docs/architecture.md §5.1 (Lazy restore)): RestorePod
+"""Lazy restore end to end (docs/architecture.md §5.1 (Lazy restore)): RestorePod
 with `lazy-pages=true` on the real containerd + runc + CRIU, the container's memory delivered by a
 `criu lazy-pages` daemon podshim starts and supervises.
 
 Checked: the counter's full-memory pattern check passes after a lazy restore at 256 MiB, 1 GiB and
-4 GiB (plain) and at 256 MiB and 1 GiB (encrypted), and counting continues; the decrypted copy and
-the daemon's work dir are gone once the daemon is done, the archive unchanged; crun (no lazy
-restore) is refused with FAILED_PRECONDITION; a daemon SIGKILLed mid-transfer, or an image that
-became unreadable, kills the container (never running on with missing memory), with the reason in
-its log and podshim_lazy_restore_failures_total counted; a podshim SIGKILLed while a daemon serves
-handles the daemon's journal record at its next start.
+4 GiB (plain) and at 256 MiB and 1 GiB (encrypted), and counting continues exactly from the cut;
+each of those restores was lazy (its first output came while a daemon served its memory, none of it
+resident yet, and the daemon delivered it all afterwards), and an eager one (lazy-pages=false) of
+the same archive started no daemon and had all its memory resident at its first output; the
+decrypted copy and the daemon's work dir are gone once the daemon is done, the archive unchanged;
+crun (no lazy restore) is refused with FAILED_PRECONDITION; a daemon SIGKILLed mid-transfer, or an
+image that became unreadable, kills the container (never running on with missing memory), with the
+reason in its log and podshim_lazy_restore_failures_total counted; a podshim SIGKILLed while a
+daemon serves handles the daemon's journal record at its next start.
 
 A second podshim (with a node key and /metrics) in front of the bed's containerd serves this
 module; its state dir lies in the bed's checkpoint root so that the bed's podshim-runc accepts its
@@ -16,7 +19,10 @@ module; its state dir lies in the bed's checkpoint root so that the bed's podshi
 
 The tests that act while a daemon still owes pages hold it by construction: a library preloaded
 into podshim (so into the daemons it starts; DaemonHold) makes a daemon stop itself the instant
-the restore told it that it finished, before its background transfer begins.
+the restore told it that it finished, before its background transfer begins. The same library's
+gate lets the pattern tests' daemons serve faults but hold their background transfer back until
+the restored counter's first output was seen, so that lazy and eager differ there whatever the
+machine's speed (unheld, a 256 MiB restore had 12-32 % of its memory in place at that moment).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -31,7 +38,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
-from testbed import pods
+from testbed import pods, resume
 from testbed.bed import TestBed
 from testbed.checks import lacks_room
 
@@ -51,18 +58,27 @@ Stub = api_pb2_grpc.RuntimeServiceStub
 RPC_TIMEOUT = 300
 LAZY = {"lazy-pages": "true"}
 UFFD = "anon_inode:[userfaultfd]"
+SMAPS_MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s*(\S*)")  # a mapping's first line
 
 
 # ---------------------------------------------------------------------------- the daemon's hold
 
 # Preloaded into podshim (and so into the `criu lazy-pages` daemons it starts, which inherit its
-# environment): with PODSHIM_LAZY_HOLD=<dir> and <dir>/hold present, a lazy-pages daemon stops
+# environment), two controls under PODSHIM_LAZY_HOLD=<dir>.
+#
+# The hold: with <dir>/hold present, a lazy-pages daemon stops
 # itself (SIGSTOP) right after it received the restore's "restore finished" message, having written
 # <dir>/held-<its pid>. At that instant it holds every userfaultfd of the restored process and has
 # answered at most the few faults made until then, none of its background transfer, which begins
 # only after that message (criu/uffd.c: lazy_sk_read_event sets restore_finished, handle_requests
 # waits for it); the restore never waits for the daemon after sending it. Any other recv, or
 # process, is left alone.
+#
+# The gate: with <dir>/gate present when the restore's "restore finished" reaches a daemon, the
+# daemon does not see it (its epoll_wait drops the events of the restore's connection, found as the
+# one it accepted) until the gate is removed, having written <dir>/gated-<its pid>. Meanwhile it
+# serves every fault (handle_requests answers faults before that message, and only starts its
+# background transfer after it): the restored process runs, with just the pages it touched.
 DAEMON_HOLD_SOURCE = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -73,6 +89,7 @@ DAEMON_HOLD_SOURCE = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -124,13 +141,81 @@ ssize_t recv(int fd, void *buf, size_t len, int flags)
     errno = saved;
     return ret;
 }
+
+typedef int (*accept_fn)(int, struct sockaddr *, socklen_t *);
+typedef int (*epoll_wait_fn)(int, struct epoll_event *, int, int);
+static int restore_sk = -1; /* the restore's connection: the one fd a daemon accepts */
+static int let_through;     /* the gate was found open: nothing is held back any more */
+
+int accept(int fd, struct sockaddr *addr, socklen_t *len)
+{
+    static accept_fn real;
+    if (!real)
+        real = (accept_fn)dlsym(RTLD_NEXT, "accept");
+    int ret = real(fd, addr, len);
+    if (ret >= 0 && restore_sk < 0 && getenv("PODSHIM_LAZY_HOLD")) {
+        int saved = errno;
+        if (lazy_pages_daemon())
+            restore_sk = ret;
+        errno = saved;
+    }
+    return ret;
+}
+
+/* whether the restore's end is to be held back now; the first time, says so in <dir>/gated-<pid> */
+static int gate_closed(void)
+{
+    static int marked;
+    char path[4096];
+    const char *dir = getenv("PODSHIM_LAZY_HOLD");
+    snprintf(path, sizeof(path), "%s/gate", dir ? dir : "");
+    if (!dir || access(path, F_OK) != 0) {
+        let_through = 1;
+        return 0;
+    }
+    if (!marked) {
+        marked = 1;
+        snprintf(path, sizeof(path), "%s/gated-%d", dir, (int)getpid());
+        int out = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        if (out >= 0)
+            close(out);
+    }
+    return 1;
+}
+
+int epoll_wait(int epfd, struct epoll_event *evs, int max, int timeout)
+{
+    static epoll_wait_fn real;
+    if (!real)
+        real = (epoll_wait_fn)dlsym(RTLD_NEXT, "epoll_wait");
+    for (;;) {
+        int n = real(epfd, evs, max, timeout);
+        if (n <= 0 || restore_sk < 0 || let_through)
+            return n;
+        int saved = errno, kept = 0, dropped = 0;
+        for (int i = 0; i < n; i++) {
+            /* CRIU registers a struct epoll_rfd, whose first member is the fd (criu/include/util.h) */
+            const int *rfd = evs[i].data.ptr;
+            if (rfd && *rfd == restore_sk && gate_closed()) {
+                dropped = 1;
+                continue;
+            }
+            evs[kept++] = evs[i];
+        }
+        errno = saved;
+        if (kept || !dropped || timeout == 0)
+            return kept;
+        usleep(1000); /* only the restore's end (level-triggered) was ready: look again shortly */
+    }
+}
 """
 
 
 @dataclass
 class DaemonHold:
     """The control directory of the preloaded hold (DAEMON_HOLD_SOURCE): `armed()` makes the daemon
-    that receives its restore's end meanwhile stop itself; `held(pid)` tells that it did."""
+    that receives its restore's end meanwhile stop itself; `held(pid)` tells that it did. `gate()`
+    and `gated(pid)` the same for the gate."""
 
     dir: Path
     library: Path
@@ -149,6 +234,19 @@ class DaemonHold:
 
     def held(self, pid: int) -> bool:
         return (self.dir / f"held-{pid}").exists()
+
+    @contextlib.contextmanager
+    def gate(self) -> Iterator[None]:
+        """A daemon that receives its restore's end meanwhile serves faults only, with no background
+        transfer, until the gate opens (DAEMON_HOLD_SOURCE)."""
+        (self.dir / "gate").touch()
+        try:
+            yield
+        finally:
+            (self.dir / "gate").unlink(missing_ok=True)
+
+    def gated(self, pid: int) -> bool:
+        return (self.dir / f"gated-{pid}").exists()
 
 
 @pytest.fixture(scope="module")
@@ -245,9 +343,11 @@ def log_text(path: Path) -> str:
         return ""
 
 
-def take_checkpoint(rt: Stub, bed: TestBed, log_root: Path, mem_mib: int, tag: str) -> Path:
+def take_checkpoint(rt: Stub, bed: TestBed, log_root: Path, mem_mib: int, tag: str) -> tuple[Path, int]:
     """A running counter of `mem_mib` MiB, checkpointed through `rt` (the module's podshim makes
-    encrypted archives, the bed's plain ones); the source pod is removed at once (memory)."""
+    encrypted archives, the bed's plain ones) until the source's log places the cut
+    (testbed/resume.py); the archive and the count every restore of it must print first. The source
+    pod is removed at once (memory)."""
     args = ["--mem-mib", str(mem_mib), "--interval-ms", "50"]
     src = pods.run_pod(
         rt,
@@ -255,23 +355,24 @@ def take_checkpoint(rt: Stub, bed: TestBed, log_root: Path, mem_mib: int, tag: s
         log_root,
         {"counter": pods.container_config("counter", args=args)},
     )
-    out = Path(bed.checkpoint_root) / f"lazy-{tag}-{secrets.token_hex(3)}"
+
+    def take() -> Path:
+        out = Path(bed.checkpoint_root) / f"lazy-{tag}-{secrets.token_hex(3)}"
+        out.mkdir(mode=0o700)
+        try:
+            rt.CheckpointPod(pods.checkpoint_request(rt, src.id, out), timeout=RPC_TIMEOUT)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
+        return out
+
     try:
         pods.wait_count(src.log_path("counter"), 3, timeout=120)
-        out.mkdir(mode=0o700)
-        rt.CheckpointPod(
-            cri.CheckpointPodRequest(
-                pod_sandbox_id=src.id, container_ids=pods.running_ids(rt, src.id), output_path=str(out)
-            ),
-            timeout=RPC_TIMEOUT,
-        )
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
+        out, first = resume.checkpoint_exactly(take, {"counter": src.log_path("counter")})
     finally:
         with contextlib.suppress(Exception):
             pods.remove_pod(rt, src.id)
-    return out
+    return out, first["counter"]
 
 
 @dataclass
@@ -283,8 +384,9 @@ class Restored:
 
 
 def lazy_restore(
-    rt: Stub, path: Path, log_root: Path, mem_mib: int, cleanup: list[str], start: bool = True
+    rt: Stub, path: Path, log_root: Path, mem_mib: int, cleanup: list[str], options: dict[str, str] = LAZY
 ) -> Restored:
+    """RestorePod of a counter archive (lazily by default); the container is not started."""
     config = pods.pod_config(f"lazy-{mem_mib}-{secrets.token_hex(3)}", log_root)
     args = ["--mem-mib", str(mem_mib), "--interval-ms", "50"]
     resp = rt.RestorePod(
@@ -292,24 +394,161 @@ def lazy_restore(
             checkpoint_path=str(path),
             config=config,
             container_configs=[pods.container_config("counter", args=args)],
-            options=LAZY,
+            options=options,
         ),
         timeout=RPC_TIMEOUT,
     )
     cleanup.append(resp.pod_sandbox_id)
     cid = resp.restored_containers[0].container_id
     log = Path(config.log_directory) / "counter" / "0.log"
-    r = Restored(resp.pod_sandbox_id, cid, log, mem_mib)
-    if start:
-        t0 = time.monotonic()
-        rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=RPC_TIMEOUT)
-        t1 = time.monotonic()
-        pods.wait_for(
-            lambda: pods.counts(log), timeout=60, interval=0.002, what="the restored counter's output"
+    return Restored(resp.pod_sandbox_id, cid, log, mem_mib)
+
+
+# ---------------------------------------------------------------------------- lazy or eager
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The counter's --mem-mib mapping (its largest anonymous one), from /proc/<pid>/smaps."""
+
+    size_kib: int
+    resident_kib: int
+    uffd: bool  # registered for missing-page faults with a userfaultfd (VmFlags "um")
+
+
+def counter_memory(pid: int) -> Memory:
+    best = Memory(0, 0, False)
+    size = rss = 0
+    anon = False
+    flags: list[str] = []
+
+    def close() -> None:
+        nonlocal best
+        if anon and size > best.size_kib:
+            best = Memory(size, rss, "um" in flags)
+
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        m = SMAPS_MAPPING.match(line)
+        if m:
+            close()
+            size, rss, flags, anon = 0, 0, [], not m.group(1)  # no path: anonymous
+        elif head and head[0] == "Size:":
+            size = int(head[1])
+        elif head and head[0] == "Rss:":
+            rss = int(head[1])
+        elif head and head[0] == "VmFlags:":
+            flags = head[1:]
+    close()
+    return best
+
+
+@dataclass(frozen=True)
+class FirstOutput:
+    """A restored counter the moment the test saw its first output."""
+
+    mem_mib: int
+    memory: Memory
+    daemons_started: int  # "lazy-pages daemon serving" lines of podshim's log since its RestorePod
+    daemon_serving: bool  # its daemon's journal record open and its process not ended
+    seconds: float  # from StartContainer to the first output
+
+
+def why_not_lazy(o: FirstOutput) -> list[str]:
+    """What, at its first output, says a restore did not deliver the memory lazily ([]: nothing).
+    Lazily, the output came while a daemon served the memory, nearly none of it resident yet (the
+    gate held the background transfer back): an eager restore has all of it resident, no daemon."""
+    out = []
+    if not o.daemons_started:
+        out.append("podshim started no lazy-pages daemon for the restore")
+    if not o.daemon_serving:
+        out.append("no lazy-pages daemon was serving the container at its first output")
+    if not o.memory.uffd:
+        out.append("its memory was not registered with a userfaultfd")
+    if o.memory.resident_kib * 16 > o.mem_mib * 1024:  # the counter never touches it between verifies
+        out.append(
+            f"{o.memory.resident_kib} KiB of its {o.mem_mib} MiB were resident at its first output: "
+            "delivered before it"
         )
-        first = time.monotonic() - t0
-        print(f"\nlazy restore {mem_mib} MiB: StartContainer {t1 - t0:.3f} s, first output {first:.3f} s")
-    return r
+    return out
+
+
+def why_not_eager(o: FirstOutput) -> list[str]:
+    """What, at its first output, says a restore did not put all the memory in place before it ran
+    ([]: nothing)."""
+    out = []
+    if o.daemons_started:
+        out.append(f"podshim started {o.daemons_started} lazy-pages daemon(s) for the restore")
+    if o.daemon_serving:
+        out.append("a lazy-pages daemon was serving the container at its first output")
+    if o.memory.uffd:
+        out.append("its memory was registered with a userfaultfd")
+    if o.memory.resident_kib < o.mem_mib * 1024:
+        out.append(
+            f"only {o.memory.resident_kib} KiB of its {o.mem_mib} MiB were resident at its first output"
+        )
+    return out
+
+
+def podshim_lines(log: Path, event: str) -> list[dict]:
+    """podshim's JSON log lines of `event`."""
+    out = []
+    for line in log_text(log).splitlines():
+        with contextlib.suppress(ValueError):
+            doc = json.loads(line)
+            if isinstance(doc, dict) and doc.get("event") == event:
+                out.append(doc)
+    return out
+
+
+def counter_pid(rt: Stub, cid: str) -> int:
+    info = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=True)).info["info"]
+    return int(json.loads(info)["pid"])
+
+
+def restore_observed(
+    lp: LazyPodshim,
+    hold: DaemonHold,
+    path: Path,
+    log_root: Path,
+    mem_mib: int,
+    cleanup: list[str],
+    options: dict[str, str] = LAZY,
+) -> tuple[Restored, FirstOutput]:
+    """RestorePod and StartContainer with the daemons' gate closed (DAEMON_HOLD_SOURCE: a daemon
+    serves faults but transfers nothing in the background), and what the counter looked like at its
+    first output; the gate opens before this returns. An eager restore meets the same gate, and no
+    daemon."""
+    started = len(podshim_lines(lp.log, "lazy-pages daemon serving"))
+    r = lazy_restore(lp.rt, path, log_root, mem_mib, cleanup, options)
+    with hold.gate():
+        t0 = time.monotonic()
+        lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
+        pods.wait_for(
+            lambda: pods.counts(r.log), timeout=60, interval=0.002, what="the restored counter's output"
+        )
+        seconds = time.monotonic() - t0
+        memory = counter_memory(counter_pid(lp.rt, r.cid))
+        daemon = [d for d in lp.daemon_records() if d["data"].get("container_id") == r.cid]
+        serving = bool(daemon) and proc_state(int(daemon[0]["data"]["pid"])) not in ("Z", "gone")
+        if serving:  # (else the lazy checks below say what is wrong)
+            pid = int(daemon[0]["data"]["pid"])
+            assert hold.gated(pid), "the daemon's gate did not hold it back"
+            (hold.dir / f"gated-{pid}").unlink()  # a later daemon may get the same pid
+    started = len(podshim_lines(lp.log, "lazy-pages daemon serving")) - started
+    assert memory.size_kib >= mem_mib * 1024, f"no {mem_mib} MiB mapping in the counter: {memory}"
+    o = FirstOutput(mem_mib, memory, started, serving, seconds)
+    how = "lazy" if options.get("lazy-pages") == "true" else "eager"
+    print(f"\n{how} restore {mem_mib} MiB: first output {seconds:.3f} s after StartContainer, {memory}")
+    return r, o
+
+
+def delivered_pages(lp: LazyPodshim, cid: str) -> int | None:
+    """The pages the container's daemon delivered through the userfaultfd, from podshim's "lazy
+    restore complete" line (the daemon's own count: CRIU patch 0014); None: no such line."""
+    done = [d for d in podshim_lines(lp.log, "lazy restore complete") if d.get("container") == cid]
+    pages = done[-1].get("transfer", {}).get("pages") if done else None
+    return None if pages is None else int(pages)
 
 
 def verify_memory(rt: Stub, r: Restored) -> None:
@@ -406,35 +645,37 @@ def start_held(rt: Stub, cid: str, hold: DaemonHold, lp_pids: list[int], pid: in
 # ---------------------------------------------------------------------------- archives (module-scoped)
 
 
+class Archives(dict[int, Path]):
+    """Counter archives by memory size, each taken on first use (`take`); `first[mem]`: the count
+    every restore of that archive must print first (testbed/resume.py)."""
+
+    def __init__(self, take: Callable[[int], tuple[Path, int]]) -> None:
+        super().__init__()
+        self.take = take
+        self.first: dict[int, int] = {}
+
+    def __missing__(self, mem: int) -> Path:
+        self[mem], self.first[mem] = self.take(mem)
+        return self[mem]
+
+
 @pytest.fixture(scope="module")
-def plain(rt: Stub, bed: TestBed) -> Iterator[dict[int, Path]]:
+def plain(rt: Stub, bed: TestBed) -> Iterator[Archives]:
     """Plain archives by size, taken on demand (a 4 GiB one only when its test runs)."""
-    made: dict[int, Path] = {}
     log_root = Path(bed.base_dir) / "pod-logs"
     log_root.mkdir(exist_ok=True)
-
-    class Lazy(dict):
-        def __missing__(self, mem: int) -> Path:
-            made[mem] = self[mem] = take_checkpoint(rt, bed, log_root, mem, f"plain{mem}")
-            return made[mem]
-
-    yield Lazy()  # type: ignore[misc]
+    made = Archives(lambda mem: take_checkpoint(rt, bed, log_root, mem, f"plain{mem}"))
+    yield made
     for p in made.values():
         shutil.rmtree(p, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def encrypted(lp: LazyPodshim, bed: TestBed) -> Iterator[dict[int, Path]]:
-    made: dict[int, Path] = {}
+def encrypted(lp: LazyPodshim, bed: TestBed) -> Iterator[Archives]:
     log_root = Path(bed.base_dir) / "pod-logs"
     log_root.mkdir(exist_ok=True)
-
-    class Lazy(dict):
-        def __missing__(self, mem: int) -> Path:
-            made[mem] = self[mem] = take_checkpoint(lp.rt, bed, log_root, mem, f"enc{mem}")
-            return made[mem]
-
-    yield Lazy()  # type: ignore[misc]
+    made = Archives(lambda mem: take_checkpoint(lp.rt, bed, log_root, mem, f"enc{mem}"))
+    yield made
     for p in made.values():
         shutil.rmtree(p, ignore_errors=True)
 
@@ -476,21 +717,43 @@ def wait_daemon_done(lp: LazyPodshim) -> None:
 # ---------------------------------------------------------------------------- integrity
 
 
+def assert_lazy(o: FirstOutput) -> None:
+    """The restore was lazy: its first output came with its memory still to be delivered (and so
+    the restore is not an eager one: why_not_eager has something to say)."""
+    assert not why_not_lazy(o), f"not a lazy restore: {'; '.join(why_not_lazy(o))} ({o})"
+    assert why_not_eager(o), o
+
+
+def assert_delivered_lazily(lp: LazyPodshim, r: Restored) -> None:
+    """After its daemon is done: the daemon delivered at least the whole --mem-mib memory through
+    the userfaultfd, all of it after the first output (the gate held every page the process did
+    not touch until then)."""
+    pages = delivered_pages(lp, r.cid)
+    assert pages is not None, f"podshim logged no `lazy restore complete` with a page count for {r.cid}"
+    assert pages >= r.mem_mib * 256, f"the daemon delivered {pages} pages, fewer than {r.mem_mib} MiB"
+
+
 @pytest.mark.parametrize("mem_mib", [256, 1024, 4096])
 def test_lazy_restore_plain_pattern_intact(
-    lp: LazyPodshim, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], mem_mib: int
+    lp: LazyPodshim,
+    plain: Archives,
+    log_root: Path,
+    lp_cleanup: list[str],
+    mem_mib: int,
+    daemon_hold: DaemonHold,
 ) -> None:
     skip_without_room(lp, mem_mib, copies=1)
     path = plain[mem_mib]
     before = fingerprint(path)
-    r = lazy_restore(lp.rt, path, log_root, mem_mib, lp_cleanup)
-    first = pods.counts(r.log)[0]
-    assert first > 0, "the counter restarted instead of resuming"
-    assert "ready mem_mib" not in log_text(r.log), "the restored process ran its start-up again"
+    r, first_output = restore_observed(lp, daemon_hold, path, log_root, mem_mib, lp_cleanup)
+    assert_lazy(first_output)
+    # from exactly the count after the cut, then on one by one (never its start-up again)
+    resume.assert_exact_resume({"counter": r.log}, {"counter": plain.first[mem_mib]})
     verify_memory(lp.rt, r)
     pods.wait_count(r.log, pods.counts(r.log)[-1] + 5)  # it keeps counting
     assert state(lp.rt, r.cid) == cri.CONTAINER_RUNNING
     wait_daemon_done(lp)
+    assert_delivered_lazily(lp, r)
     assert state(lp.rt, r.cid) == cri.CONTAINER_RUNNING
     verify_memory(lp.rt, r)  # and after the daemon is gone
     assert fingerprint(path) == before, "the restore modified the archive"
@@ -502,16 +765,23 @@ def test_lazy_restore_plain_pattern_intact(
 
 @pytest.mark.parametrize("mem_mib", [256, 1024, 4096])
 def test_lazy_restore_encrypted_pattern_intact(
-    lp: LazyPodshim, encrypted: dict[int, Path], log_root: Path, lp_cleanup: list[str], mem_mib: int
+    lp: LazyPodshim,
+    encrypted: Archives,
+    log_root: Path,
+    lp_cleanup: list[str],
+    mem_mib: int,
+    daemon_hold: DaemonHold,
 ) -> None:
     skip_without_room(lp, mem_mib, copies=2)  # the archive and its decrypted copy
     path = encrypted[mem_mib]
     before = fingerprint(path)
-    r = lazy_restore(lp.rt, path, log_root, mem_mib, lp_cleanup)
-    assert pods.counts(r.log)[0] > 0
+    r, first_output = restore_observed(lp, daemon_hold, path, log_root, mem_mib, lp_cleanup)
+    assert_lazy(first_output)
+    resume.assert_exact_resume({"counter": r.log}, {"counter": encrypted.first[mem_mib]})
     verify_memory(lp.rt, r)
     # the plaintext copy the daemon served goes once the daemon is done, not before the restore
     wait_daemon_done(lp)
+    assert_delivered_lazily(lp, r)
     pods.wait_count(r.log, pods.counts(r.log)[-1] + 5)
     verify_memory(lp.rt, r)
     assert fingerprint(path) == before, "the restore modified the archive"
@@ -521,16 +791,36 @@ def test_lazy_restore_encrypted_pattern_intact(
         shutil.rmtree(path, ignore_errors=True)  # 4 GiB of disk
 
 
+def test_eager_restore_runs_no_daemon(
+    lp: LazyPodshim, plain: Archives, log_root: Path, lp_cleanup: list[str], daemon_hold: DaemonHold
+) -> None:
+    """The same archive and podshim with lazy-pages=false: no daemon is started (the gate closed
+    as for the lazy tests holds nothing), its whole memory is resident at its first output and not
+    registered with a userfaultfd, no page is delivered lazily; it resumes exactly as the lazy
+    restores do."""
+    r, first_output = restore_observed(
+        lp, daemon_hold, plain[256], log_root, 256, lp_cleanup, options={"lazy-pages": "false"}
+    )
+    assert not why_not_eager(first_output), f"not an eager restore: {'; '.join(why_not_eager(first_output))}"
+    assert why_not_lazy(first_output), first_output  # the lazy tests' check refuses it
+    resume.assert_exact_resume({"counter": r.log}, {"counter": plain.first[256]})
+    verify_memory(lp.rt, r)
+    assert not lp.daemon_records() and not lp.lazy_dirs()
+    assert delivered_pages(lp, r.cid) is None, "a daemon delivered pages to the eager restore"
+    pods.remove_pod(lp.rt, r.pod_id)
+    lp_cleanup.remove(r.pod_id)
+
+
 def test_decrypted_copy_kept_while_the_daemon_serves(
     lp: LazyPodshim,
-    encrypted: dict[int, Path],
+    encrypted: Archives,
     log_root: Path,
     lp_cleanup: list[str],
     daemon_hold: DaemonHold,
 ) -> None:
     """After `runc restore` returned, the daemon still reads the decrypted images: they stay until it
     has delivered every page (podshim-runc removes them at once after an eager restore)."""
-    r = lazy_restore(lp.rt, encrypted[1024], log_root, 1024, lp_cleanup, start=False)
+    r = lazy_restore(lp.rt, encrypted[1024], log_root, 1024, lp_cleanup)
     assert len(lp.decrypted_dirs()) == 1 and len(lp.lazy_dirs()) == 1
     pid = daemon_pid(lp.daemon_records(), r.cid)
     lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
@@ -548,7 +838,7 @@ def test_decrypted_copy_kept_while_the_daemon_serves(
 
 
 def test_crun_is_refused_with_failed_precondition(
-    lp: LazyPodshim, plain: dict[int, Path], log_root: Path, crun_handler: str
+    lp: LazyPodshim, plain: Archives, log_root: Path, crun_handler: str
 ) -> None:
     config = pods.pod_config(f"lazy-crun-{secrets.token_hex(3)}", log_root)
     with pytest.raises(grpc.RpcError) as err:
@@ -569,9 +859,7 @@ def test_crun_is_refused_with_failed_precondition(
     assert not lp.daemon_records() and not lp.lazy_dirs()
 
 
-def test_bad_option_value_is_invalid_argument(
-    lp: LazyPodshim, plain: dict[int, Path], log_root: Path
-) -> None:
+def test_bad_option_value_is_invalid_argument(lp: LazyPodshim, plain: Archives, log_root: Path) -> None:
     config = pods.pod_config(f"lazy-bad-{secrets.token_hex(3)}", log_root)
     with pytest.raises(grpc.RpcError) as err:
         lp.rt.RestorePod(
@@ -589,7 +877,7 @@ def test_bad_option_value_is_invalid_argument(
 
 def test_daemon_killed_mid_transfer_kills_the_container(
     lp: LazyPodshim,
-    plain: dict[int, Path],
+    plain: Archives,
     log_root: Path,
     lp_cleanup: list[str],
     bed: TestBed,
@@ -601,7 +889,7 @@ def test_daemon_killed_mid_transfer_kills_the_container(
     kernel unregisters them when the daemon dies and the fault reads a zero page: `verify FAILED`).
     Once podshim runs again it kills the container and says why."""
     before = lp.failures("killed")
-    r = lazy_restore(lp.rt, plain[1024], log_root, 1024, lp_cleanup, start=False)
+    r = lazy_restore(lp.rt, plain[1024], log_root, 1024, lp_cleanup)
     pid = daemon_pid(lp.daemon_records(), r.cid)
     lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
     assert lp_pids, "the module's podshim process was not found"
@@ -638,7 +926,7 @@ def test_daemon_killed_mid_transfer_kills_the_container(
 
 def test_unreadable_image_kills_the_container(
     lp: LazyPodshim,
-    plain: dict[int, Path],
+    plain: Archives,
     log_root: Path,
     lp_cleanup: list[str],
     bed: TestBed,
@@ -651,7 +939,7 @@ def test_unreadable_image_kills_the_container(
     shutil.copytree(plain[1024], copy)
     try:
         before = lp.failures("exit") + lp.failures("checksum")
-        r = lazy_restore(lp.rt, copy, log_root, 1024, lp_cleanup, start=False)
+        r = lazy_restore(lp.rt, copy, log_root, 1024, lp_cleanup)
         pid = daemon_pid(lp.daemon_records(), r.cid)
         lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
         start_held(lp.rt, r.cid, daemon_hold, lp_pids, pid)
@@ -675,7 +963,7 @@ def test_unreadable_image_kills_the_container(
 
 
 def test_corrupt_page_image_kills_the_lazy_container(
-    lp: LazyPodshim, plain: dict[int, Path], log_root: Path, lp_cleanup: list[str], bed: TestBed
+    lp: LazyPodshim, plain: Archives, log_root: Path, lp_cleanup: list[str], bed: TestBed
 ) -> None:
     """A plain archive's page images are checksummed while the daemon serves, not before the lazy
     restore: one flipped byte in a copy's pages image kills the container (before or after it ran,
@@ -692,7 +980,7 @@ def test_corrupt_page_image_kills_the_lazy_container(
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b[0] ^ 0xFF]))
         before = lp.failures("checksum")
-        r = lazy_restore(lp.rt, copy, log_root, 256, lp_cleanup, start=False)
+        r = lazy_restore(lp.rt, copy, log_root, 256, lp_cleanup)
         # the mismatch may be found before the start (it then fails: the daemon is gone) or after
         with contextlib.suppress(grpc.RpcError):
             lp.rt.StartContainer(cri.StartContainerRequest(container_id=r.cid), timeout=RPC_TIMEOUT)
@@ -765,7 +1053,7 @@ def bed_podshim_held(rt: Stub, bed: TestBed, daemon_hold: DaemonHold) -> Iterato
 def test_podshim_killed_while_a_daemon_serves(
     rt: Stub,
     bed: TestBed,
-    plain: dict[int, Path],
+    plain: Archives,
     log_root: Path,
     pod_cleanup: list[str],
     daemon: str,
@@ -778,7 +1066,7 @@ def test_podshim_killed_while_a_daemon_serves(
     podshim's next start the journal's record is handled: the container, whose daemon's result can
     no longer be known, is killed with the reason in its log; an alive daemon and the guard are
     ended; the record and work dir go."""
-    r = lazy_restore(rt, plain[1024], log_root, 1024, pod_cleanup, start=False)
+    r = lazy_restore(rt, plain[1024], log_root, 1024, pod_cleanup)
     pid = daemon_pid(bed_daemon_records(bed), r.cid)
     podshim = bed.podshim_pid
     assert podshim
@@ -820,7 +1108,7 @@ def test_podshim_killed_while_a_daemon_serves(
 def test_containerd_restart_while_a_daemon_serves(
     lp: LazyPodshim,
     bed: TestBed,
-    plain: dict[int, Path],
+    plain: Archives,
     log_root: Path,
     lp_cleanup: list[str],
     daemon: str,
@@ -830,7 +1118,7 @@ def test_containerd_restart_while_a_daemon_serves(
     finishes meanwhile leaves an intact, running container; one killed meanwhile has its container
     killed once containerd answers again (podshim retries; the faults stay blocked until then)."""
     before = lp.failures("killed")
-    r = lazy_restore(lp.rt, plain[1024], log_root, 1024, lp_cleanup, start=False)
+    r = lazy_restore(lp.rt, plain[1024], log_root, 1024, lp_cleanup)
     pid = daemon_pid(lp.daemon_records(), r.cid)
     lp_pids = podshim_pids("lazy-podshim")  # its config lies in the tmp dir lazy-podshim<N>
     start_held(lp.rt, r.cid, daemon_hold, lp_pids, pid)
