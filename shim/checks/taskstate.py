@@ -41,11 +41,16 @@ class Task:
 
 
 def _read_task(pid: int, tid: int) -> Task | None:
+    # status (its pending signals) before stat (its state): a task that takes a queued stop signal
+    # dequeues it and enters TASK_STOPPED under its sighand lock, which status's pending read
+    # takes too. Read in this order, the signal is seen pending, or else the stop is already set
+    # when stat is read. The other order misses a stop that lands between the two reads: the
+    # state read still running, the signal already gone from the pending set.
     try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-            stat = f.read()
         with open(f"/proc/{pid}/task/{tid}/status", "rb") as f:
             status = f.read()
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            stat = f.read()
     except OSError:
         return None  # gone meanwhile
     fields = stat[stat.rfind(b")") + 2 :].split()
