@@ -232,6 +232,17 @@ def wait_gone(pids: set[int], timeout: float) -> set[int]:
         time.sleep(0.05)
 
 
+def stop_child(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
+    """SIGTERM a child this process started, SIGKILL after `timeout` seconds; reaped either way."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def terminate(pids: set[int], timeout: float = 10.0) -> set[int]:
     """SIGTERM, wait up to ``timeout``, then SIGKILL; returns the pids still alive after that."""
     for pid in pids:

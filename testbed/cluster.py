@@ -42,7 +42,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -303,14 +302,7 @@ class Daemon:
         return None
 
     def stop(self, timeout: float = 20.0) -> None:
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        _sys.stop_child(self._proc, timeout)
         self._proc = None
         self.pid = None
 

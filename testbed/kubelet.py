@@ -34,7 +34,6 @@ import contextlib
 import http.client
 import json
 import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -311,14 +310,7 @@ class Kubelet:
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the kubelet (its pods keep running, as on a node), SIGKILL after ``timeout``."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        _sys.stop_child(self._proc, timeout)
         self._proc = None
         self.pid = None
 
