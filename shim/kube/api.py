@@ -13,6 +13,13 @@ VERSION = "v1alpha1"
 KIND = "PodCheckpoint"
 PLURAL = "podcheckpoints"
 CRD_NAME = f"{PLURAL}.{GROUP}"
+# podshim's CRD lists this category (deploy/crd.yaml): discovery tells it from the built-in type
+CRD_CATEGORY = "podshim"
+
+# Who serves PodCheckpoint (served_by)
+SERVED_BY_PODSHIM = "podshim's CRD"
+SERVED_BUILT_IN = "built-in"
+NOT_SERVED = ""
 
 PodCheckpoint = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
 
@@ -46,6 +53,8 @@ WRONG_NODE = "CheckpointWrongNode"
 DATA_MISSING = "CheckpointDataMissing"
 SPEC_MISMATCH = "PodSpecMismatch"
 POLICY_MISSING = "RestorePolicyMissing"  # podshim's own: its admission policy is not enforcing
+# podshim's own: the cluster serves PodCheckpoint itself, the kubelet restores (spec.restoreFrom)
+BUILT_IN_API = "PodCheckpointBuiltIn"
 RESTORE_SUCCEEDED = "RestoreSucceeded"
 
 # podshim's admission policy and binding (deploy/policies.yaml): a restore needs the `restore` verb
@@ -106,3 +115,14 @@ def archive_path(obj: dict[str, Any]) -> str:
 def archive_dir_name(pod: str, namespace: str, stamp: str) -> str:
     """checkpoint-<pod>_<namespace>-<timestamp>, the KEP's layout under the checkpoint root."""
     return f"checkpoint-{pod}_{namespace}-{stamp}"
+
+
+def served_by(resources: dict[str, Any] | None) -> str:
+    """Who serves PodCheckpoint, from the discovery document of GROUP/VERSION (an APIResourceList,
+    None when the group version is not served): podshim's CRD (it carries CRD_CATEGORY), a type
+    that is not podshim's (built in, or another's definition: the kubelet acts on those objects,
+    and podshim stands aside so that no object is acted on twice), or nothing."""
+    for res in (resources or {}).get("resources") or []:
+        if isinstance(res, dict) and res.get("name") == PLURAL:
+            return SERVED_BY_PODSHIM if CRD_CATEGORY in (res.get("categories") or []) else SERVED_BUILT_IN
+    return NOT_SERVED

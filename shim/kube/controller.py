@@ -134,6 +134,9 @@ class CheckpointController:
         self.in_flight = InFlight(Path(state_dir) / "kubernetes" / "in-flight")
         self._active: dict[str, asyncio.Task[None]] = {}  # object uid -> its task
         self._recovered = False
+        # the cluster serves PodCheckpoint as a type not podshim's: the kubelet acts on its objects
+        self.standing_aside = False
+        self._aside_seen: set[str] = set()  # object uids logged as left to the kubelet
 
     async def cancel(self) -> None:
         """End what is still in flight (the engine has undone its checkpoints by now)."""
@@ -147,7 +150,8 @@ class CheckpointController:
         delay = WATCH_RETRY[0]
         while True:
             try:
-                if not self._recovered:
+                await self._check_served_by()
+                if not self._recovered and not self.standing_aside:
                     await self._recover()
                     self._recovered = True
                 version = await self._resync()
@@ -159,6 +163,23 @@ class CheckpointController:
                 log.warning("PodCheckpoint watch interrupted; listing again", error=why(e), retry_in=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, WATCH_RETRY[1])
+
+    async def _check_served_by(self) -> None:
+        """Stand aside while the cluster serves PodCheckpoint as a type that is not podshim's CRD
+        (the built-in type: the kubelet acts on those objects, and one object is never acted on
+        twice); checked before each list, so a change is followed within a resync."""
+        aside = await self.kube.api_served_by() == api.SERVED_BUILT_IN
+        if aside != self.standing_aside:
+            self.standing_aside = aside
+            self._aside_seen.clear()
+            if aside:
+                log.warning(
+                    "the cluster serves PodCheckpoint as its own type, not podshim's CRD: the kubelet "
+                    "acts on those objects; podshim stands aside and serves the kubelet's "
+                    "CheckpointPod and RestorePod"
+                )
+            else:
+                log.info("PodCheckpoint is served by podshim's CRD: podshim acts on its objects")
 
     async def _resync(self) -> str:
         objs = self.kube.client.list(api.PodCheckpoint, namespace=ALL_NS)
@@ -182,6 +203,14 @@ class CheckpointController:
         md = obj.get("metadata") or {}
         uid = str(md.get("uid") or "")
         if not uid or uid in self._active:
+            return
+        if self.standing_aside:
+            if uid not in self._aside_seen:
+                self._aside_seen.add(uid)
+                log.info(
+                    "PodCheckpoint left to the kubelet: the cluster serves the type itself",
+                    checkpoint=f"{md.get('namespace')}/{md.get('name')}",
+                )
             return
         status = obj.get("status") or {}
         mine = status.get("nodeName") == self.node

@@ -74,13 +74,24 @@ class RestoreGate:
         md = config.metadata
         name = restore_from(config.annotations)
         # the three reads at once: a restore waits for the slowest, not for their sum
-        pod, missing_policy, obj = await asyncio.gather(
+        pod, missing_policy, obj, served_by = await asyncio.gather(
             self.kube.pod(md.namespace, md.name),
             self.kube.restore_policy_enforcing(),
             self.kube.get_checkpoint(md.namespace, name),
+            self.kube.api_served_by(),
         )
         if pod is not None and (pod.get("metadata") or {}).get("uid") != md.uid:
             pod = None  # another Pod of the same name: not the one being started
+        if served_by == api.SERVED_BUILT_IN:
+            # the kubelet restores from the built-in type's objects (spec.restoreFrom, RestorePod);
+            # a Pod naming one by podshim's annotation is refused rather than started afresh
+            raise await self._refuse(
+                pod,
+                md,
+                api.BUILT_IN_API,
+                f"the cluster serves {api.KIND} as its own type: name the checkpoint in the Pod's "
+                f"spec.restoreFrom, not the {api.RESTORE_FROM_ANNOTATION} annotation",
+            )
         if missing_policy:
             raise await self._refuse(pod, md, api.POLICY_MISSING, missing_policy)
         if obj is None:

@@ -255,25 +255,31 @@ def test_a_restore_waits_for_its_checkpoint_then_succeeds(cluster: ClusterBed) -
     assert first["app"] < later_first["app"]
 
 
-def test_a_spec_that_differs_from_the_template_is_refused(cluster: ClusterBed) -> None:
+def test_a_spec_that_differs_from_the_template_is_refused_until_it_matches(cluster: ClusterBed) -> None:
+    """A Pod whose spec differs from the checkpointed template stays Pending with PodSpecMismatch;
+    once the Pod is changed to match (a container's image is the one field a Pod may change), the
+    kubelet's next attempt restores it."""
     pod = unique("spec")
     running_counter(cluster, pod, [counter()])
-    ck, _ = take(cluster, pod, ["app"])
+    ck, first = take(cluster, pod, ["app"])
     new = unique("spec-restored")
     containers = [dict(c) for c in ck["status"]["checkpointedPodTemplate"]["spec"]["containers"]]
-    containers[0]["env"] = [{"name": "EXTRA", "value": "1"}]
+    containers[0]["image"] = BUSYBOX_IMAGE
     restore_pod(cluster, ck, new, containers=containers)
     cluster.wait_for(
         "PodSpecMismatch on the Pod", lambda: api.SPEC_MISMATCH in events_of(cluster, new), timeout=120
     )
     pod_now = cluster.pod(new) or {}
     assert pod_now["status"]["phase"] == "Pending", pod_now["status"]
+    fix = [{"op": "replace", "path": "/spec/containers/0/image", "value": COUNTER_IMAGE}]
+    cluster.kubectl("patch", "pod", new, "-n", NS, "--type=json", "-p", json.dumps(fix))
+    wait_restored(cluster, new, first)
 
 
-def test_a_missing_archive_is_checkpoint_data_missing(cluster: ClusterBed) -> None:
+def test_a_missing_archive_is_checkpoint_data_missing_until_it_is_back(cluster: ClusterBed) -> None:
     pod = unique("gone")
     running_counter(cluster, pod, [counter()])
-    ck, _ = take(cluster, pod, ["app"])
+    ck, first = take(cluster, pod, ["app"])
     archive = host_archive(cluster, ck)
     (archive / "manifest.json").rename(archive / "manifest.json.away")
     new = unique("gone-restored")
@@ -282,6 +288,57 @@ def test_a_missing_archive_is_checkpoint_data_missing(cluster: ClusterBed) -> No
         "CheckpointDataMissing", lambda: api.DATA_MISSING in events_of(cluster, new), timeout=120
     )
     assert (cluster.pod(new) or {})["status"]["phase"] == "Pending"
+    (archive / "manifest.json.away").rename(archive / "manifest.json")
+    wait_restored(cluster, new, first)
+
+
+def set_crd_categories(cb: ClusterBed, categories: list[str]) -> None:
+    doc = {"spec": {"names": {"categories": categories}}}
+    cb.kubectl("patch", "crd", api.CRD_NAME, "--type=merge", "-p", json.dumps(doc))
+
+
+def test_podshim_stands_aside_when_the_cluster_serves_its_own_podcheckpoint(cluster: ClusterBed) -> None:
+    """While discovery shows PodCheckpoint without podshim's category (as the built-in type shows),
+    podshim acts on no object and restores no Pod that names one by its annotation (the kubelet
+    does both), and `podshim doctor` says so; with the category back, both go ahead."""
+    pod = unique("aside")
+    running_counter(cluster, pod, [counter()])
+    ck, first = take(cluster, pod, ["app"])
+    log = cluster.bed.podshim_log
+    start = log.stat().st_size
+    name, new = unique("aside-ck"), unique("aside-restored")
+
+    def logged(*words: str) -> bool:
+        with open(log, errors="replace") as f:
+            f.seek(start)
+            return any(all(w in line for w in words) for line in f)
+
+    set_crd_categories(cluster, [])
+    try:
+        cluster.wait_for("podshim stands aside", lambda: logged("stands aside"), timeout=60)
+        cluster.apply(checkpoint_object(name, pod))
+        cluster.wait_for(
+            "the object left to the kubelet",
+            lambda: logged("left to the kubelet", f"{NS}/{name}"),
+            timeout=60,
+        )
+        assert not (get_checkpoint(cluster, name) or {}).get("status"), get_checkpoint(cluster, name)
+        restore_pod(cluster, ck, new)
+        cluster.wait_for(
+            "PodCheckpointBuiltIn on the Pod",
+            lambda: api.BUILT_IN_API in events_of(cluster, new),
+            timeout=120,
+        )
+        assert (cluster.pod(new) or {})["status"]["phase"] == "Pending"
+        node = Config(
+            kubernetes_kubeconfig=str(cluster.kubeconfig["node"]), kubernetes_node_name=cluster.node_name
+        )
+        served = kube_doctor.check_cluster(node)[-1]
+        assert served[0] == "ok" and "stands aside" in served[2], served
+    finally:
+        set_crd_categories(cluster, [api.CRD_CATEGORY])
+    assert reason(wait_checkpoint(cluster, name)) == api.COMPLETED
+    wait_restored(cluster, new, first)
 
 
 class failpoints:

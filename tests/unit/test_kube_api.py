@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from shim.kube import api, controller
 
@@ -98,3 +99,21 @@ def test_the_in_flight_markers_survive_and_go(tmp_path: Path) -> None:
     marks.end("uid-1")
     marks.end("uid-1")  # twice: a crash between the two writes
     assert list(marks.left()) == []
+
+
+def test_who_serves_podcheckpoint_from_discovery() -> None:
+    ours = {"name": api.PLURAL, "kind": api.KIND, "categories": [api.CRD_CATEGORY]}
+    status = {"name": f"{api.PLURAL}/status", "kind": api.KIND}
+    built_in = {"name": api.PLURAL, "kind": api.KIND, "verbs": ["get", "list", "watch"]}
+    assert api.served_by({"resources": [status, ours]}) == api.SERVED_BY_PODSHIM
+    assert api.served_by({"resources": [built_in, status]}) == api.SERVED_BUILT_IN
+    assert api.served_by({"resources": [{**built_in, "categories": ["all"]}]}) == api.SERVED_BUILT_IN
+    assert api.served_by({"resources": [status]}) == api.NOT_SERVED
+    assert api.served_by({}) == api.NOT_SERVED
+    assert api.served_by(None) == api.NOT_SERVED
+
+
+def test_the_crd_carries_podshims_category() -> None:
+    crd = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "crd.yaml").read_text())
+    assert crd["metadata"]["name"] == api.CRD_NAME
+    assert api.CRD_CATEGORY in crd["spec"]["names"]["categories"]
