@@ -129,10 +129,13 @@ DOCTOR_CRIU_TIMEOUT = 30.0  # each CRIU run of its checks (criu check, the dump 
 DOCTOR_RPC_TIMEOUT = 5.0  # each call to containerd or podshim
 
 # The cluster API (shim/kube/): each request to the API server (a watch is re-opened by the
-# controller's loop); how often non-terminal PodCheckpoints are looked at again (a pod becoming
-# ready sends no event on them); a PodCheckpoint's deadline when spec.timeoutSeconds is nil or 0
+# controller's loop); how often PodCheckpoints are listed again while one waits on its source pod
+# (a pod becoming ready or scheduled sends no event on them), and otherwise (a list catches what a
+# watch missed; each node lists every object, so rarely); a PodCheckpoint's deadline when
+# spec.timeoutSeconds is nil or 0
 KUBE_REQUEST_TIMEOUT = 10.0
 KUBE_RESYNC = 5.0
+KUBE_RESYNC_IDLE = 300.0
 KUBE_CHECKPOINT_DEFAULT_TIMEOUT = 600.0
 # `kubectl podshim ... --wait`: how long it waits by default, and beyond a checkpoint's own
 # timeoutSeconds (the node must first see the object)

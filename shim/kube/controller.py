@@ -25,7 +25,7 @@ from lightkube.core.exceptions import NotReadyError
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors, logs
-from shim.deadlines import KUBE_CHECKPOINT_DEFAULT_TIMEOUT, KUBE_RESYNC
+from shim.deadlines import KUBE_CHECKPOINT_DEFAULT_TIMEOUT, KUBE_RESYNC, KUBE_RESYNC_IDLE
 from shim.kube import api
 from shim.kube.client import Kube
 from shim.kube.template import sanitise_template
@@ -137,6 +137,9 @@ class CheckpointController:
         # the cluster serves PodCheckpoint as a type not podshim's: the kubelet acts on its objects
         self.standing_aside = False
         self._aside_seen: set[str] = set()  # object uids logged as left to the kubelet
+        # object uids waiting on their source pod (not yet scheduled, or not ready): while any
+        # waits, the objects are listed again every KUBE_RESYNC, else every KUBE_RESYNC_IDLE
+        self._waiting: set[str] = set()
 
     async def cancel(self) -> None:
         """End what is still in flight (the engine has undone its checkpoints by now)."""
@@ -182,6 +185,7 @@ class CheckpointController:
                 log.info("PodCheckpoint is served by podshim's CRD: podshim acts on its objects")
 
     async def _resync(self) -> str:
+        self._waiting.clear()  # who still waits says so again when looked at
         objs = self.kube.client.list(api.PodCheckpoint, namespace=ALL_NS)
         async for obj in objs:
             self._consider(obj.to_dict())
@@ -191,13 +195,23 @@ class CheckpointController:
             return ""
 
     async def _watch(self, version: str) -> None:
-        """Watch events until the resync is due (a timeout ends the watch quietly)."""
-        watch = self.kube.client.watch(api.PodCheckpoint, namespace=ALL_NS, resource_version=version or None)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(KUBE_RESYNC):
-                async for kind, obj in watch:
-                    if kind in ("ADDED", "MODIFIED"):
-                        self._consider(obj.to_dict())
+        """Watch events until the next list is due: soon while an object waits on its pod, else
+        after KUBE_RESYNC_IDLE. The watch is re-opened from the last version seen every
+        KUBE_RESYNC, so a waiting object is noticed that soon."""
+        loop = asyncio.get_running_loop()
+        relist_at = loop.time() + KUBE_RESYNC_IDLE
+        while True:
+            watch = self.kube.client.watch(
+                api.PodCheckpoint, namespace=ALL_NS, resource_version=version or None
+            )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(KUBE_RESYNC):
+                    async for kind, obj in watch:
+                        version = str(obj.metadata.resourceVersion or version) if obj.metadata else version
+                        if kind in ("ADDED", "MODIFIED"):
+                            self._consider(obj.to_dict())
+            if self._waiting or loop.time() >= relist_at:
+                return
 
     def _consider(self, obj: dict[str, Any]) -> None:
         md = obj.get("metadata") or {}
@@ -235,6 +249,9 @@ class CheckpointController:
         try:
             pod = await self.kube.pod(ns, pod_name) if pod_name else None
             claimed = (obj.get("status") or {}).get("nodeName") == self.node
+            if pod is not None and not (pod.get("spec") or {}).get("nodeName"):
+                self._waiting.add(md["uid"])  # not scheduled yet: it may come here
+                return
             if pod is None or (pod.get("spec") or {}).get("nodeName") != self.node:
                 if claimed:  # ours, and the pod is gone from this node
                     await self._fail(obj, api.SOURCE_POD_REPLACED, f"source pod {ns}/{pod_name} is gone")
@@ -280,6 +297,7 @@ class CheckpointController:
             return
         await self.kube.add_finalizer(ns, name)
         if not _ready(pod):
+            self._waiting.add(uid)
             await self.kube.patch_status(
                 ns,
                 name,
