@@ -6,7 +6,7 @@ PYTEST := .venv/bin/pytest
 RUFF := .venv/bin/ruff
 MYPY := .venv/bin/mypy
 
-.PHONY: setup demo test test-core test-matrix test-kubelet test-cluster test-fast lint docs proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet bench-cluster bench-front-kill
+.PHONY: setup demo test test-core test-matrix test-kubelet test-cluster test-fast lint docs proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet bench-cluster bench-front-kill bench-report
 
 setup:
 	bash scripts/setup.sh
@@ -145,5 +145,9 @@ bench-front-kill: setup
 # The cluster API's cost over the CRI calls it makes, beside a cold start (docs/cluster.md).
 bench-cluster: setup
 	$(PY) -m bench.cluster --rounds 3
+
+# docs/performance.md and its plots from the latest bench/results/*.json (bench/report.py)
+bench-report: setup
+	$(PY) -m bench.report
 
 bench: bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate

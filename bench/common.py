@@ -12,10 +12,11 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,9 @@ def say(msg: str) -> None:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain-text table: first column left-aligned, the others right-aligned."""
+    """A plain-text table: first column left-aligned, the others right-aligned. The run's results
+    file keeps it too, as rows of header -> value (`write_results`)."""
+    RUN.tables.append({"headers": [str(h) for h in headers], "rows": [_row(headers, r) for r in rows]})
     cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
@@ -65,10 +68,176 @@ def _cell(v: Any) -> str:
 
 
 def result_line(**values: float) -> str:
+    """The RESULT line; run as `python -m bench.<name>`, it also writes bench/results/<name>.json."""
     parts = []
     for k, v in values.items():
         parts.append(f"{k}=" + ("n/a" if math.isnan(v) else f"{v:.3f}"))
+    RUN.result.update(values)
+    name = running_bench()
+    if name:
+        write_results(name)
     return "RESULT " + " ".join(parts)
+
+
+# ---------------------------------------------------------------------------- results as data
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SCHEMA = 1
+LOADED_PER_CPU = 0.5  # a run whose 1-minute load passed this per core at its start is marked loaded
+LOADED_END_PER_CPU = 1.5  # ... or this at its end (which holds the bench's own work too)
+
+# Each bench's targets, RESULT key -> (op, value): reported beside the figures, never enforced.
+TARGETS: dict[str, dict[str, tuple[str, float]]] = {
+    "proxy": {"p50_added_ms": ("<=", 0.3), "p99_added_ms": ("<=", 2.0), "throughput_ratio_16": (">=", 0.70)},
+    "checkpoint": {"freeze_vs_floor": ("<=", 1.3), "total_vs_durable_floor": ("<=", 1.1)},
+    "restore": {
+        "warm_start_ratio": ("<=", 0.15),
+        "lazy_first_output_4g_s": ("<=", 0.3),
+        "lazy_slope_s_per_gib": ("<=", 0.03),
+        "eager_overhead_ratio": ("<=", 1.3),
+        "warm_start_ratio_lazy": ("<=", 0.05),
+    },
+    "load": {"p99_during_checkpoint_ms": ("<=", 50.0)},
+    "node": {"pod_start_ratio": ("<=", 1.05), "exec_ratio": ("<=", 1.05), "wrapper_overhead_ms": ("<=", 2.0)},
+    "distribution": {"push_vs_curl": ("<=", 1.1), "pull_vs_curl": ("<=", 1.15)},
+    "migrate": {
+        "migrate_downtime_4g_s": ("<=", 1.0),
+        "downtime_slope_s_per_gib": ("<=", 0.05),
+        "total_vs_wire_floor": ("<=", 1.3),
+    },
+    "kubelet": {
+        "podshim_cpu_vs_containerd": ("<=", 0.10),
+        "podshim_rss_mib": ("<=", 100.0),
+        "pod_start_ratio": ("<=", 1.05),
+    },
+    "cluster": {"api_checkpoint_overhead_s": ("<=", 0.3), "api_restore_overhead_s": ("<=", 0.3)},
+    "front_kill": {"plain_span_max_s": ("<=", 0.5)},  # seconds of UNAVAILABLE per kill
+}
+
+
+def loadavg() -> list[float]:
+    """The 1, 5 and 15-minute load averages."""
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+class Run:
+    """What one bench run has to write: the tables it printed, named rows it recorded, its RESULT
+    values, the command line, and the load when it started (this module's import)."""
+
+    def __init__(self) -> None:
+        self.load_start = loadavg()
+        self.argv = list(sys.argv[1:])
+        self.tables: list[dict[str, Any]] = []
+        self.series: dict[str, list[dict[str, Any]]] = {}
+        self.result: dict[str, float] = {}
+
+
+RUN = Run()
+
+
+def record(name: str, rows: Sequence[dict[str, Any]]) -> None:
+    """Rows of a named series for the results file (what a plot needs beyond the tables)."""
+    RUN.series[name] = [{k: _json_value(v) for k, v in r.items()} for r in rows]
+
+
+def finish() -> None:
+    """Write the results file of a bench that prints no RESULT line (its tables alone)."""
+    name = running_bench()
+    if name:
+        write_results(name)
+
+
+def running_bench() -> str | None:
+    """`name` when `python -m bench.<name>` runs; None otherwise (tests, imports)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    mod = getattr(spec, "name", "") or ""
+    return mod.removeprefix("bench.") if mod.startswith("bench.") else None
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, float):
+        return None if math.isnan(v) or math.isinf(v) else v
+    if v is None or isinstance(v, bool | int | str):
+        return v
+    return str(v)
+
+
+def _row(headers: Sequence[str], row: Sequence[Any]) -> dict[str, Any]:
+    return {str(h): _json_value(v) for h, v in zip(headers, row, strict=False)}
+
+
+def machine_facts() -> dict[str, Any]:
+    """The machine a run measured: cores, kernel, memory, cgroup mode."""
+    cgroup = "v2" if Path("/sys/fs/cgroup/cgroup.controllers").exists() else "v1"
+    return {
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "mem_total_mib": meminfo_mib("MemTotal"),
+        "mem_available_mib": meminfo_mib(),
+        "cgroup": cgroup,
+    }
+
+
+def git_commit() -> dict[str, Any]:
+    """HEAD's commit and whether shim/ api/ testbed/ bench/ had uncommitted changes."""
+    repo = Path(__file__).resolve().parent.parent
+    head = _first_line(["git", "-C", str(repo), "rev-parse", "HEAD"])
+    dirty = _first_line(
+        ["git", "-C", str(repo), "status", "--porcelain", "--", "shim", "api", "testbed", "bench"]
+    )
+    return {"commit": head, "dirty": dirty != "unknown"}
+
+
+def results_doc(
+    bench: str,
+    run: Run,
+    *,
+    now: datetime,
+    machine: dict[str, Any],
+    code: dict[str, Any],
+    load_end: list[float],
+) -> dict[str, Any]:
+    """The results file's content: one run of one bench."""
+    targets = TARGETS.get(bench, {})
+    figures = []
+    for k, v in run.result.items():
+        fig: dict[str, Any] = {"figure": k, "value": _json_value(float(v))}
+        if k in targets:
+            fig["op"], fig["target"] = targets[k]
+        figures.append(fig)
+    return {
+        "schema": SCHEMA,
+        "bench": bench,
+        "date": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": code.get("commit"),
+        "dirty": bool(code.get("dirty")),
+        "argv": run.argv,
+        "machine": machine,
+        "load": {"start": run.load_start, "end": load_end},
+        "result": {k: _json_value(float(v)) for k, v in run.result.items()},
+        "targets": {k: {"op": op, "value": t} for k, (op, t) in targets.items()},
+        "figures": figures,
+        "tables": run.tables,
+        "series": run.series,
+    }
+
+
+def write_results(bench: str, run: Run | None = None, out_dir: Path | None = None) -> Path:
+    """Write (overwrite) `<out_dir>/<bench>.json` with this run's results; returns its path."""
+    doc = results_doc(
+        bench,
+        run or RUN,
+        now=datetime.now(UTC),
+        machine=machine_facts(),
+        code=git_commit(),
+        load_end=loadavg(),
+    )
+    out = (out_dir or RESULTS_DIR) / f"{bench}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    tmp.replace(out)
+    return out
 
 
 # ---------------------------------------------------------------------------- statistics

@@ -33,6 +33,7 @@ from bench.common import (
     bench_bed,
     checkpoint_pod,
     counter_config,
+    finish,
     machine_summary,
     median,
     remove_pod,
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
     )
+    finish()
     return 0
 
 

@@ -47,6 +47,7 @@ from bench.common import (
     bench_bed,
     checkpoint_pod,
     counter_config,
+    finish,
     machine_summary,
     podshim_events,
     read_criu_stats,
@@ -489,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(flush=True)
             finally:
                 remove_pod(rt, pod.id)
+    finish()
     return 0
 
 

@@ -49,6 +49,7 @@ from bench.common import (
     median,
     percentile,
     ratio,
+    record,
     remove_pod,
     result_line,
     runtime_stub,
@@ -264,6 +265,17 @@ def main(argv: list[str] | None = None) -> int:
         for pid in pod_ids:
             remove_pod(rt, pid)
 
+    # the latency distribution per method and target, for the page's plot (bench/report.py)
+    record(
+        "latency_ms",
+        [
+            {"method": m, "target": t, "q": q, "ms": percentile(lat[(m, t)], q) * 1e3}
+            for m in requests
+            for t in ("direct", "podshim", *FLOORS)
+            if lat.get((m, t))
+            for q in (1, 5, 10, 25, 50, 75, 90, 95, 99)
+        ],
+    )
     rows = []
     p50_added: list[float] = []
     p99_added: list[float] = []
