@@ -31,11 +31,12 @@ CORE_MODULES = (
     "test_node_setup.py",
     "test_doctor.py",
     "test_distribution.py",
+    "test_nonroot.py",
     "faults/",
 )
 # The tests of podshim's CRIU patches (scripts/patches/criu): also run on another CRIU than the
 # default (`make test-core CRIU=4.2`)
-CRIU_MODULES = ("test_restore_identity.py",)
+CRIU_MODULES = ("test_restore_identity.py", "test_nonroot.py")
 TESTS_DIR = Path(__file__).resolve().parent
 
 

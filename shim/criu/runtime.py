@@ -37,6 +37,7 @@ CRIU_LOG_TAIL = 6
 # Error lines CRIU prints on every run of this kind of host without failing because of them
 # (no CAP_SYS_RESOURCE to raise its own RLIMIT_NOFILE): kept out of error messages.
 _HARMLESS = ("Can't setup RLIMIT_NOFILE for self",)
+_CRIU_ERROR = re.compile(r"\bError \(")
 
 
 @dataclass(frozen=True)
@@ -365,10 +366,10 @@ def criu_error_lines(log_path: Path, limit: int = CRIU_LOG_TAIL) -> list[str]:
             lines = f.read().splitlines()
     except OSError:
         return []
+    # CRIU's pr_err lines only ("Error (file:line): ..."): a debug line can hold "error" too, e.g.
+    # "Handling VMA" naming /usr/lib/.../libgpg-error.so.0
     errs = [
-        line.strip()
-        for line in lines
-        if ("Error" in line or "error" in line) and not any(n in line for n in _HARMLESS)
+        line.strip() for line in lines if _CRIU_ERROR.search(line) and not any(n in line for n in _HARMLESS)
     ]
     return (errs or [line.strip() for line in lines])[-limit:]
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from shim.checks import rlimits
 from shim.config import Config, RuntimeConfig
 from shim.deadlines import DOCTOR_CRIU_TIMEOUT, DOCTOR_RPC_TIMEOUT
 from shim.node import kubelet
@@ -54,6 +55,7 @@ CRIU_PATCH_MARKERS: dict[str, bytes | None] = {
     "0013-page-xfer-close-a-corked-connection-uncorked.patch": b"Uncorking the page server connection",
     "0014-uffd-log-where-the-lazy-pages-daemon-time-goes.patch": b"page transfer time split: ",
     "0015-uffd-copy-background-pages-on-copier-threads.patch": b"Background pages are copied by %d copier",
+    rlimits.PATCH: rlimits.MARKER,
 }
 # What the round trip dumps: a process listening on a TCP socket (the socket options CRIU reads
 # of it fail on Linux >= 6.16 without the 4.1 patch), its stdio closed once it reports ready.

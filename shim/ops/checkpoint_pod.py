@@ -31,7 +31,7 @@ from shim.aio import run_to_end, wait_out
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff, writeback
 from shim.archive.dirfd import DirHandle, clear_dir_contents, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
-from shim.checks import openfiles, space, taskstate
+from shim.checks import openfiles, rlimits, space, taskstate
 from shim.checks.sharing import check_shared_state
 from shim.checks.taskstate import TaskStates
 from shim.config import Config, parse_size
@@ -151,6 +151,7 @@ class PodCheckpointer:
         """The CRIU config file runc would hand this container's dump: a restore's leftover is
         removed, a file overriding podshim's dump options refused (shim/criu/rpc_config.py)."""
         rt = self.runtime_for(c)
+        rlimits.check(c.name, c.pid, rt.criu or "criu")  # a non-root task CRIU cannot dump here
         removed = rpc_config.check_before_dump(rt.root, rt.is_runc, c.id, c.name)
         if removed:
             log.warning(

@@ -1,0 +1,185 @@
+"""shim/archive/volumes.py: a pod's emptyDirs found from its containers' mounts, tarred with
+their holes, owners and links, refused over the node's limit, and applied without following a
+symlink (unit tests on a real file system)."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.runtime.v1 import api_pb2 as cri
+from shim import errors
+from shim.archive import volumes
+
+UID = "0c9f3a8e-5b1d-4c7e-9f2a-1d3e5f7a9b0c"
+KUBELET = "/var/lib/kubelet"
+
+
+def empty_dir(name: str, uid: str = UID) -> str:
+    return f"{KUBELET}/pods/{uid}/volumes/kubernetes.io~empty-dir/{name}"
+
+
+def bind(source: str, dest: str) -> dict[str, object]:
+    return {"destination": dest, "type": "bind", "source": source, "options": ["rbind", "rw"]}
+
+
+def test_finds_the_pods_empty_dirs_only() -> None:
+    """A bind mount from the pod's own kubernetes.io~empty-dir/<name> is an emptyDir; another
+    pod's, a configMap's or a plain host path is not; two containers of one volume are one."""
+    specs: list[tuple[str, dict[str, Any]]] = [
+        ("init", {"mounts": [bind(empty_dir("work"), "/work")]}),
+        (
+            "app",
+            {
+                "mounts": [
+                    bind(empty_dir("work"), "/data"),
+                    bind(empty_dir("cache") + "/", "/cache"),
+                    bind(empty_dir("other", uid="another-pod"), "/other"),
+                    bind(f"{KUBELET}/pods/{UID}/volumes/kubernetes.io~configmap/cfg", "/cfg"),
+                    bind("/srv/data", "/srv"),
+                    {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"},
+                ]
+            },
+        ),
+    ]
+    found = volumes.find_empty_dirs(specs, UID)
+    assert [(d.name, d.host_path, d.mounts) for d in found] == [
+        ("cache", empty_dir("cache"), (("app", "/cache"),)),
+        ("work", empty_dir("work"), (("init", "/work"), ("app", "/data"))),
+    ]
+
+
+def make_tree(root: Path) -> None:
+    (root / "sub").mkdir()
+    (root / "msg").write_text("rendered config\n")
+    os.chown(root / "msg", 1000, 2000)
+    os.chmod(root / "msg", 0o640)
+    os.symlink("msg", root / "link")
+    os.link(root / "msg", root / "sub" / "hard")
+    with open(root / "sparse", "wb") as f:  # 64 MiB with 2 small data segments
+        f.truncate(64 << 20)
+        f.seek(20 << 20)
+        f.write(b"middle")
+        f.seek((64 << 20) - 3)
+        f.write(b"end")
+    os.mkfifo(root / "fifo")
+    os.chmod(root, 0o1777)
+
+
+def test_capture_and_apply_keep_content_owners_links_and_holes(tmp_path: Path) -> None:
+    src, dst, tar = tmp_path / "src", tmp_path / "dst", tmp_path / "work.tar"
+    src.mkdir()
+    dst.mkdir()
+    make_tree(src)
+    got = volumes.capture(src, tar)
+    assert (got.files, got.symlinks, got.hardlinks, got.fifos, got.sparse_files) == (2, 1, 1, 1, 1)
+    # the holes are not stored: the tar is far smaller than the 64 MiB file
+    assert tar.stat().st_size < 1 << 20
+    volumes.check_tar(tar)
+    volumes.apply(tar, dst)
+    assert stat.S_IMODE(dst.stat().st_mode) == 0o1777
+    st = (dst / "msg").stat()
+    assert ((dst / "msg").read_text(), st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (
+        "rendered config\n",
+        1000,
+        2000,
+        0o640,
+    )
+    assert os.readlink(dst / "link") == "msg"
+    assert (dst / "sub" / "hard").stat().st_ino == st.st_ino
+    assert stat.S_ISFIFO((dst / "fifo").lstat().st_mode)
+    restored = dst / "sparse"
+    assert restored.read_bytes() == (src / "sparse").read_bytes()
+    assert restored.stat().st_blocks * 512 < 1 << 20, "the holes were written out"
+    # GNU tar reads the sparse member too
+    with tarfile.open(tar) as t:
+        names = {m.name for m in t.getmembers()}
+    assert {"msg", "sparse", "link", "sub/hard"} <= names
+
+
+def test_apply_refuses_a_filled_target(tmp_path: Path) -> None:
+    src, dst, tar = tmp_path / "src", tmp_path / "dst", tmp_path / "t.tar"
+    src.mkdir()
+    dst.mkdir()
+    (src / "a").write_text("x")
+    volumes.capture(src, tar)
+    (dst / "leftover").write_text("y")
+    with pytest.raises(errors.FailedPrecondition, match="not empty"):
+        volumes.apply(tar, dst)
+
+
+def hostile_tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes]]) -> None:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as t:
+        for ti, data in members:
+            ti.size = len(data)
+            t.addfile(ti, io.BytesIO(data))
+
+
+def info(name: str, typ: bytes = tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.linkname, ti.mode = typ, linkname, 0o644
+    return ti
+
+
+@pytest.mark.parametrize(
+    ("members", "why"),
+    [
+        ([(info("../escape"), b"x")], "'..'"),
+        ([(info("/etc/passwd"), b"x")], "absolute"),
+        ([(info("out", tarfile.SYMTYPE, "/etc"), b""), (info("out/passwd"), b"x")], "symlink"),
+        ([(info("dev", tarfile.CHRTYPE), b"")], "unsupported type"),
+    ],
+)
+def test_a_hostile_tar_is_refused_before_anything_is_written(
+    tmp_path: Path, members: list[tuple[tarfile.TarInfo, bytes]], why: str
+) -> None:
+    tar, dst = tmp_path / "bad.tar", tmp_path / "dst"
+    dst.mkdir()
+    hostile_tar(tar, members)
+    with pytest.raises(errors.InvalidArgument, match=why):
+        volumes.check_tar(tar)
+    with pytest.raises(errors.InvalidArgument, match=why):
+        volumes.apply(tar, dst)
+    assert list(dst.iterdir()) == []
+
+
+def test_a_pod_over_the_limit_is_refused_with_its_size_and_the_key(tmp_path: Path) -> None:
+    """The sum of the emptyDirs counts; the message names the total, the largest and the key."""
+    d = tmp_path / "big"
+    d.mkdir()
+    (d / "data").write_bytes(b"\1" * (3 << 20))
+    with open(d / "holes", "wb") as f:  # 1 GiB of holes counts nothing
+        f.truncate(1 << 30)
+    sizes = {"big": volumes.tree_bytes(d), "small": 4096}
+    assert 3 << 20 < sizes["big"] < 4 << 20
+    volumes.check_limit(sizes, 8 << 20, "checkpoint.empty_dir_limit")
+    with pytest.raises(errors.FailedPrecondition) as e:
+        volumes.check_limit(sizes, 2 << 20, "checkpoint.empty_dir_limit")
+    msg = e.value.message
+    assert "'big'" in msg and "3.0 MiB" in msg and "checkpoint.empty_dir_limit" in msg, msg
+    assert "nothing was frozen" in msg, msg
+
+
+def test_targets_are_the_new_pods_paths_of_the_same_names() -> None:
+    new = "1e2d3c4b-0000-4000-8000-000000000000"
+    cc = cri.ContainerConfig(
+        mounts=[
+            cri.Mount(host_path=empty_dir("work", uid=new), container_path="/data"),
+            cri.Mount(host_path="/srv", container_path="/srv"),
+        ]
+    )
+    assert volumes.targets(["work"], [cc], new) == {"work": empty_dir("work", uid=new)}
+    with pytest.raises(errors.FailedPrecondition, match="'cache'"):
+        volumes.targets(["work", "cache"], [cc], new)
+    rec = volumes.record_bytes(
+        [volumes.EmptyDir("work", empty_dir("work"), (("app", "/data"),))], {"work": volumes.Summary()}
+    )
+    assert volumes.parse_record(rec, "empty-dirs.json") == ["work"]
+    with pytest.raises(errors.DataLoss):
+        volumes.parse_record(b"{}", "empty-dirs.json")
