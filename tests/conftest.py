@@ -37,6 +37,17 @@ CORE_MODULES = (
 # The tests of podshim's CRIU patches (scripts/patches/criu): also run on another CRIU than the
 # default (`make test-core CRIU=4.2`)
 CRIU_MODULES = ("test_restore_identity.py", "test_nonroot.py")
+# One test of each feature whose path differs on the newest runtimes a node runs (containerd 2.4,
+# runc 1.3, CRIU 4.2): also in `make test`'s pass on those, the rest of their modules in `make
+# test-matrix`
+NEWEST = (
+    "test_lazy_restore.py::test_lazy_restore_plain_pattern_intact[256]",  # CRIU 4.2's lazy-pages
+    "test_migration.py::test_migrates_a_counter_with_its_memory[256]",
+    "test_encryption_e2e.py::test_restore_resumes_and_leaves_no_plaintext",  # runc 1.3 and --criu
+    "test_chains.py::test_container_checkpoint_links[runc]",  # 2.4 dropped its own tar restore
+    "test_dump_given_up.py::test_the_deadline_while_a_large_container_is_cured[runc]",
+    "hostile/test_rootfs_diff.py::test_restore_with_hostile_diff[write-under-an-image-file]",
+)
 TESTS_DIR = Path(__file__).resolve().parent
 
 
@@ -50,6 +61,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "package: the package installed in a fresh Debian root (tests/test_package.py)"
     )
     config.addinivalue_line("markers", "criu: the tests of podshim's CRIU patches (tests/conftest.py)")
+    config.addinivalue_line(
+        "markers", "newest: also run on containerd 2.4, runc 1.3 and CRIU 4.2 (tests/conftest.py NEWEST)"
+    )
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
@@ -58,6 +72,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.core)
     if rel in CRIU_MODULES:
         item.add_marker(pytest.mark.criu)
+    if f"{rel}::{item.name}" in NEWEST:
+        item.add_marker(pytest.mark.newest)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
