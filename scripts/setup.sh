@@ -27,7 +27,7 @@
 #      and the modules of podshim-front (native/front/) fetched into the same module cache.
 #   3d. pristine Debian roots (debootstrap, bookworm; PODSHIM_DEBROOTS="bookworm trixie" adds 13)
 #      in /var/cache/podshim/debroot/<release> for the package's install test.
-#   4. Python: .venv, `pip install -e '.[dev]'` when pyproject.toml changed, and pycriu
+#   4. Python: .venv, `pip install -e '.[dev,docs]'` when pyproject.toml changed, and pycriu
 #      (from CRIU's source, *_pb2 regenerated with the venv's grpc_tools) into the venv;
 #      the compiled runtime wrapper native/podshim-runc.c as .venv/bin/podshim-runc (its
 #      Python hook is the console script .venv/bin/podshim-runc-hook), and podshim-front (the
@@ -606,10 +606,12 @@ step_python() {
   # compat: the editable install is a plain path in a .pth file, not setuptools' import finder,
   # which cost every Python start here (podshim-runc's restore hook at each StartContainer of a
   # restored container among them) about 18 ms.
-  want="$(sha256sum pyproject.toml | cut -d' ' -f1) editable_mode=compat"
+  # The extras: dev (tests, lint), docs (`make docs`: man pages, the site).
+  local extras=dev,docs
+  want="$(sha256sum pyproject.toml | cut -d' ' -f1) editable_mode=compat extras=$extras"
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    info "pip install -e '.[dev]' (pyproject.toml or the install mode changed since last install)"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[dev]' \
+    info "pip install -e '.[$extras]' (pyproject.toml, the extras or the install mode changed since last install)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[$extras]" \
       --config-settings editable_mode=compat
     printf '%s\n' "$want" >"$stamp"
   else
