@@ -134,6 +134,26 @@ def _lines(
     return bool(xs)
 
 
+def _plot(
+    path: Path,
+    points: dict[str, list[tuple[float, float]]],
+    floors: set[str],
+    labels: tuple[str, str, str],
+    group: Callable[[str], str] | None = None,
+    memory_axis: bool = True,
+) -> bool:
+    """`points` drawn into the PNG `path` (floors dashed, `labels`: x, y and title); False, and no
+    file, when nothing was measured."""
+    plt, fig, ax = _figure()
+    if not _lines(ax, points, floors, group):
+        plt.close(fig)
+        return False
+    if memory_axis:
+        _mib_axis(ax, points)
+    _save(plt, fig, ax, path, *labels)
+    return True
+
+
 def _mib_axis(ax: Any, points: dict[str, list[tuple[float, float]]]) -> None:
     """A log2 memory axis ticked at the sizes measured, in plain MiB."""
     xs = sorted({p[0] for pts in points.values() for p in pts if not math.isnan(p[0])})
@@ -152,13 +172,9 @@ def plot_checkpoint(doc: dict[str, Any], path: Path) -> bool:
         k = f"{n.group(1) if n else 1} container(s)"
         points.setdefault(f"freeze, {k}", []).append((mib, _num(r.get("freeze"))))
         points.setdefault(f"floor, {k}", []).append((mib, _num(r.get("freeze floor"))))
-    plt, fig, ax = _figure()
-    if not _lines(ax, points, {k for k in points if k.startswith("floor")}, lambda k: k.split(", ", 1)[-1]):
-        plt.close(fig)
-        return False
-    _mib_axis(ax, points)
-    _save(plt, fig, ax, path, "pod memory, MiB", "seconds", "Freeze window against pod memory")
-    return True
+    floors = {k for k in points if k.startswith("floor")}
+    labels = ("pod memory, MiB", "seconds", "Freeze window against pod memory")
+    return _plot(path, points, floors, labels, lambda k: k.split(", ", 1)[-1])
 
 
 def plot_restore(doc: dict[str, Any], path: Path) -> bool:
@@ -171,15 +187,9 @@ def plot_restore(doc: dict[str, Any], path: Path) -> bool:
         if mib is None or (cache and r.get("cache") != cache):
             continue
         points.setdefault(f"{mode}", []).append((mib, _num(r.get("first output"))))
-    plt, fig, ax = _figure()
     floors = {k for k in points if k.startswith("runc")}
-    if not _lines(ax, points, floors):
-        plt.close(fig)
-        return False
-    _mib_axis(ax, points)
     title = "Restore to first output: lazy versus eager" + (f" ({cache} cache)" if cache else "")
-    _save(plt, fig, ax, path, "pod memory, MiB", "seconds", title)
-    return True
+    return _plot(path, points, floors, ("pod memory, MiB", "seconds", title))
 
 
 def plot_migrate(doc: dict[str, Any], path: Path) -> bool:
@@ -191,13 +201,8 @@ def plot_migrate(doc: dict[str, Any], path: Path) -> bool:
         if mib is not None:
             for c in cols:
                 points.setdefault(c.removesuffix(" s"), []).append((mib, _num(r.get(c))))
-    plt, fig, ax = _figure()
-    if not _lines(ax, points, {"wire floor", "TLS floor", "memory floor"}):
-        plt.close(fig)
-        return False
-    _mib_axis(ax, points)
-    _save(plt, fig, ax, path, "pod memory, MiB", "seconds", "Live migration: downtime and total")
-    return True
+    labels = ("pod memory, MiB", "seconds", "Live migration: downtime and total")
+    return _plot(path, points, {"wire floor", "TLS floor", "memory floor"}, labels)
 
 
 def plot_proxy(doc: dict[str, Any], path: Path) -> bool:
@@ -207,12 +212,8 @@ def plot_proxy(doc: dict[str, Any], path: Path) -> bool:
     for r in rows:
         t = str(r.get("target"))
         points.setdefault(names.get(t, t), []).append((_num(r.get("q")), _num(r.get("ms"))))
-    plt, fig, ax = _figure()
-    if not _lines(ax, points, set(names.values())):
-        plt.close(fig)
-        return False
-    _save(plt, fig, ax, path, "percentile", "ms per call", "ListPodSandbox latency distribution")
-    return True
+    labels = ("percentile", "ms per call", "ListPodSandbox latency distribution")
+    return _plot(path, points, set(names.values()), labels, memory_axis=False)
 
 
 PLOTS: dict[str, tuple[str, Callable[[dict[str, Any], Path], bool]]] = {

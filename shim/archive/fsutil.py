@@ -47,6 +47,36 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(".") and _TMP_MARK in name
 
 
+TAR_ENTRY_BYTES = 1536  # a tar header with a PAX record, per entry
+
+
+def tar_tree_bytes(
+    root: str | os.PathLike[str],
+    file_bytes: Callable[[os.stat_result], int],
+    stop: threading.Event | None = None,
+) -> int:
+    """What a tar of the entries under `root` takes: a header per entry plus `file_bytes` of each
+    regular file. Symlinks are not followed; a directory that vanishes is skipped."""
+    total = 0
+    stack = [os.fspath(root)]
+    while stack:
+        if stop is not None and stop.is_set():
+            break
+        d = stack.pop()
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    st = e.stat(follow_symlinks=False)
+                    total += TAR_ENTRY_BYTES
+                    if stat.S_ISREG(st.st_mode):
+                        total += file_bytes(st)
+                    elif stat.S_ISDIR(st.st_mode):
+                        stack.append(e.path)
+        except OSError:
+            continue
+    return total
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory so that entries created, renamed or removed in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE, Stopped
+from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE, TAR_ENTRY_BYTES, Stopped, tar_tree_bytes
 from shim.archive.paths import check_component
 from shim.archive.rootfs_diff import (
     _add_xattrs,
@@ -50,7 +50,6 @@ EMPTY_DIRS_FILE = "empty-dirs.json"  # sandbox/empty-dirs.json: what was recorde
 RECORD_VERSION = 1
 # <root-dir>/pods/<uid>/volumes/kubernetes.io~empty-dir/<name>: the kubelet's layout
 _HOST_PATH = re.compile(r"/pods/([^/]+)/volumes/kubernetes\.io~empty-dir/([^/]+)/?$")
-TAR_ENTRY_BYTES = 1536  # a header with a PAX record, per entry (as shim/checks/space.py counts)
 # ustar's size field (11 octal digits): a sparse member's stored size must fit in it, as the
 # sparse map in the PAX header is read only without a PAX "size" record
 _USTAR_MAX_SIZE = 8**11 - 1
@@ -125,26 +124,9 @@ def _data_bytes(st: os.stat_result) -> int:
 
 
 def tree_bytes(root: str | Path, stop: threading.Event | None = None) -> int:
-    """What the tar of the directory `root` takes: the data of its regular files (holes not
-    counted) plus a header per entry. Symlinks are not followed; what vanishes is skipped."""
-    total = TAR_ENTRY_BYTES
-    stack = [os.fspath(root)]
-    while stack:
-        if stop is not None and stop.is_set():
-            break
-        d = stack.pop()
-        try:
-            with os.scandir(d) as it:
-                for e in it:
-                    st = e.stat(follow_symlinks=False)
-                    total += TAR_ENTRY_BYTES
-                    if stat.S_ISREG(st.st_mode):
-                        total += _data_bytes(st)
-                    elif stat.S_ISDIR(st.st_mode):
-                        stack.append(e.path)
-        except OSError:
-            continue
-    return total
+    """What the tar of the directory `root` takes: its own header, and the data of its regular
+    files (holes not counted) plus a header per entry."""
+    return TAR_ENTRY_BYTES + tar_tree_bytes(root, _data_bytes, stop)
 
 
 def check_limit(sizes: Mapping[str, int], limit: int, key: str) -> None:

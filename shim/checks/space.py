@@ -10,20 +10,18 @@ with RESOURCE_EXHAUSTED when the file system of the directory podshim holds has 
 
 from __future__ import annotations
 
-import os
-import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from shim import errors
+from shim.archive import fsutil
 from shim.archive.dirfd import DirHandle
 from shim.cgroups import cgroup_procs
 from shim.sandbox import ContainerView
 
 MARGIN_FRACTION = 0.10  # of the estimate: CRIU's own images, logs, the manifest, tar headers
 MARGIN_BYTES = 64 << 20  # and a floor: a pod of tiny processes still needs some room
-TAR_ENTRY_BYTES = 1536  # a tar header with a PAX record, per entry of a writable layer
 MiB = 1 << 20
 
 
@@ -53,27 +51,10 @@ def memory_bytes(c: ContainerView) -> int:
 
 def layer_bytes(upper: Path | None, stop: threading.Event | None = None) -> int:
     """What the rootfs diff of the overlay upper dir `upper` takes: regular files' sizes plus a
-    header per entry. Symlinks are not followed; a directory that vanishes is skipped."""
+    header per entry."""
     if upper is None:
         return 0
-    total = 0
-    stack = [os.fspath(upper)]
-    while stack:
-        if stop is not None and stop.is_set():
-            break
-        d = stack.pop()
-        try:
-            with os.scandir(d) as it:
-                for e in it:
-                    st = e.stat(follow_symlinks=False)
-                    total += TAR_ENTRY_BYTES
-                    if stat.S_ISREG(st.st_mode):
-                        total += st.st_size
-                    elif stat.S_ISDIR(st.st_mode):
-                        stack.append(e.path)
-        except OSError:
-            continue
-    return total
+    return fsutil.tar_tree_bytes(upper, lambda st: st.st_size, stop)
 
 
 def estimate(containers: list[ContainerView], stop: threading.Event | None = None) -> Estimate:

@@ -117,6 +117,19 @@ def archive_dir_name(pod: str, namespace: str, stamp: str) -> str:
     return f"checkpoint-{pod}_{namespace}-{stamp}"
 
 
+# The group version's discovery document, which every authenticated client may read (served_by)
+DISCOVERY_PATH = f"/apis/{GROUP}/{VERSION}"
+
+
+def served_by_answer(resp: Any) -> str:
+    """served_by of the API server's HTTP answer to DISCOVERY_PATH (404: the group version is not
+    served); another error status raises."""
+    if resp.status_code == 404:
+        return NOT_SERVED
+    resp.raise_for_status()
+    return served_by(resp.json())
+
+
 def served_by(resources: dict[str, Any] | None) -> str:
     """Who serves PodCheckpoint, from the discovery document of GROUP/VERSION (an APIResourceList,
     None when the group version is not served): podshim's CRD (it carries CRD_CATEGORY), a type

@@ -70,11 +70,7 @@ class Kube:
         # lightkube has no call for a discovery document: its HTTP client, configured with the
         # node's credentials, asks for it
         http = self.client._client._client  # noqa: SLF001
-        resp = await http.get(f"/apis/{api.GROUP}/{api.VERSION}")
-        if resp.status_code == 404:
-            return api.NOT_SERVED
-        resp.raise_for_status()
-        return api.served_by(resp.json())
+        return api.served_by_answer(await http.get(api.DISCOVERY_PATH))
 
     async def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The pod, None when it does not exist (or the node may not read it)."""

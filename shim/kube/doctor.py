@@ -65,11 +65,7 @@ def _served(kc: Client) -> Result:
     check = "PodCheckpoint API"
     try:
         # lightkube has no call for a discovery document (see Kube.api_served_by)
-        resp = kc._client._client.get(f"/apis/{api.GROUP}/{api.VERSION}")  # noqa: SLF001
-        if resp.status_code == 404:
-            return ("fail", check, f"{api.CRD_NAME} is not served: {INSTALL}")
-        resp.raise_for_status()
-        by = api.served_by(resp.json())
+        by = api.served_by_answer(kc._client._client.get(api.DISCOVERY_PATH))  # noqa: SLF001
     except Exception as e:  # noqa: BLE001 - refused, a timeout
         return ("fail", check, f"cannot read the discovery of {api.GROUP}/{api.VERSION}: {_why(e)}")
     if by == api.SERVED_BY_PODSHIM:
@@ -81,7 +77,7 @@ def _served(kc: Client) -> Result:
             f"{api.GROUP}/{api.VERSION} {api.PLURAL} is the cluster's own type: the kubelet acts on "
             "PodCheckpoints; podshim stands aside and serves the kubelet's CheckpointPod/RestorePod",
         )
-    return ("fail", check, f"{api.GROUP}/{api.VERSION} serves no {api.PLURAL}: {INSTALL}")
+    return ("fail", check, f"{api.CRD_NAME} is not served: {INSTALL}")
 
 
 def _reviewer(kc: Client) -> Callable[[str, str, str, str, str], bool]:

@@ -73,7 +73,7 @@ class RestoreGate:
         init containers; raises Refused."""
         md = config.metadata
         name = restore_from(config.annotations)
-        # the three reads at once: a restore waits for the slowest, not for their sum
+        # the reads at once: a restore waits for the slowest, not for their sum
         pod, missing_policy, obj, served_by = await asyncio.gather(
             self.kube.pod(md.namespace, md.name),
             self.kube.restore_policy_enforcing(),

@@ -148,10 +148,12 @@ class PodCheckpointer:
         return replace(opts, criu=criu)
 
     def check_criu_config(self, c: ContainerView) -> None:
-        """The CRIU config file runc would hand this container's dump: a restore's leftover is
-        removed, a file overriding podshim's dump options refused (shim/criu/rpc_config.py)."""
+        """What this container's dump needs of CRIU, checked before the freeze: that it can read
+        the limits of a non-root task on this node (shim/checks/rlimits.py), and the CRIU config
+        file runc would hand it: a restore's leftover is removed, a file overriding podshim's dump
+        options refused (shim/criu/rpc_config.py)."""
         rt = self.runtime_for(c)
-        rlimits.check(c.name, c.pid, rt.criu or "criu")  # a non-root task CRIU cannot dump here
+        rlimits.check(c.name, c.pid, rt.criu or "criu")
         removed = rpc_config.check_before_dump(rt.root, rt.is_runc, c.id, c.name)
         if removed:
             log.warning(
