@@ -14,8 +14,8 @@ output is deleted and the disk synced, and the order (podshim first / raw first)
 between repeats and cells, so neither side inherits the other's page cache or writeback. Each
 cell starts with one raw arm that is not counted, so that every counted arm, the first one
 included, follows the removal of another's output: this VM hands freed memory back to its host,
-and the first arm after the pod started met memory the host had taken back (docs/architecture.md
-§4.1 (The freeze window)). Each repeat also gives the CPU seconds of the dumps: podshim's runc
+and the first arm after the pod started met memory the host had taken back (docs/design/checkpoint-pod.md
+(The freeze window)). Each repeat also gives the CPU seconds of the dumps: podshim's runc
 and CRIU (manifest timings.dump_cpu), the raw runc and CRIU, and the containers' own (CRIU's
 parasite runs in them).
 
@@ -25,7 +25,7 @@ the page cache and the disk, as podshim's do; run first in each repeat), a floor
 the two below: the table's `raw at once` and `freeze/at once`, RESULT's `freeze_vs_raw_at_once`
 (worst cell). Each repeat also reports how many MiB of page images podshim wrote back during its
 dumps (its log), and what the machine's cores did in podshim's freeze window and in the raw dumps'
-at once (/proc/stat: busy, idle, iowait, and steal, the host's; docs/architecture.md §4.1 (The
+at once (/proc/stat: busy, idle, iowait, and steal, the host's; docs/design/checkpoint-pod.md (The
 freeze window)).
 
 Per cell: freeze_window / slowest single raw dump, and total / (sum of raw dumps + 0.2 s)
@@ -276,7 +276,7 @@ def dumpee_cpu(pids: list[int]) -> float:
 def prime(bed: TestBed, pod: pods.Pod) -> None:
     """One raw arm, not counted, before a cell's first: every counted arm then follows the removal
     of another arm's output, the first one too (this VM hands freed memory back to its host, and
-    writing into memory it took back costs several times the CPU: docs/architecture.md §4.1 (The
+    writing into memory it took back costs several times the CPU: docs/design/checkpoint-pod.md (The
     freeze window))."""
     base = Path(bed.checkpoint_root) / f"prime-{secrets.token_hex(4)}"
     raw_dumps(bed, list(pod.containers.values()), base)
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         "raw in ctrs / in ctrs: the containers' own CPU seconds during the raw dumps / podshim's (CRIU's "
         "parasite runs in them; not in the cpu floor).\n"
         "ahead MiB: page images podshim wrote back during its dumps (0: left to the kernel; "
-        "docs/architecture.md §4.1 (The freeze window));\n"
+        "docs/design/checkpoint-pod.md (The freeze window));\n"
         "raw at once: the same plain runc dumps started together (the slowest's end; cells with more "
         "containers than cores, or --parallel-floor); idle, steal: core-seconds of podshim's freeze "
         "window\nwith nothing to run (idle + iowait) and taken by the host (/proc/stat); at once idle: "

@@ -314,7 +314,7 @@ class CpuTimes:
     `interval` seconds by a thread while in the `with` block; `window(t0, t1)` gives the core-seconds
     of each state between the samples around two CLOCK_MONOTONIC instants. Idle and iowait are
     cores with nothing to run (iowait: while a task that last ran there waits for the disk),
-    steal is time the host gave the vCPU to someone else (docs/architecture.md §4.1 (The freeze
+    steal is time the host gave the vCPU to someone else (docs/design/checkpoint-pod.md (The freeze
     window))."""
 
     FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")

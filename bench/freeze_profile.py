@@ -23,7 +23,7 @@ runs. ``--no-podshim`` / ``--no-raw`` leave one side out; ``--keep DIR`` keeps e
 Through the window (and through the raw dumps), the page cache as the kernel's writeback sees it:
 /proc/vmstat's dirty and writeback pages against its two thresholds every 20 ms, the
 pages dirtied and written back; the writeback podshim started during the dumps (its log;
-docs/architecture.md §4.1 (The freeze window)); CRIU's memwrite per dump; and, with tracefs at
+docs/design/checkpoint-pod.md (The freeze window)); CRIU's memwrite per dump; and, with tracefs at
 /sys/kernel/tracing, every pause balance_dirty_pages imposed on a writer (trace event
 writeback:balance_dirty_pages, in a private trace instance), summed per CRIU. The window's
 CLOCK_MONOTONIC bounds are printed for ``perf record -k mono`` profiles (``perf report --time``).

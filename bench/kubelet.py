@@ -7,7 +7,7 @@ pause sandbox plus one small busybox container (``sleep``), an exec liveness and
 every 10 s on the given fraction of them. The same batch runs, each in a fresh bed, the order
 rotating each round, with the kubelet pointed at
 
-* ``podshim``: podshim as on a node, podshim-front serving its socket (docs/architecture.md §3
+* ``podshim``: podshim as on a node, podshim-front serving its socket (docs/design/proxy.md
   (The proxy)); its CPU and RSS are the daemon's and the front's together;
 * ``direct``: containerd;
 * ``python`` (``--modes``): podshim with ``[server] front = false``, the daemon serving the socket;

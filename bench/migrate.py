@@ -1,4 +1,4 @@
-"""bench/migrate: live migration of a pod between two nodes (docs/architecture.md §21 (Live
+"""bench/migrate: live migration of a pod between two nodes (docs/design/migration.md (Live
 migration)).
 
 Two test nodes (testbed/nodes.py: two beds whose podshims run in network namespaces of their own,

@@ -1,4 +1,4 @@
-"""`make conformance`: every conformance suite through podshim, offline (docs/architecture.md §20.4
+"""`make conformance`: every conformance suite through podshim, offline (docs/design/testbed.md
 (critest and crictl)).
 
     python -m conformance.full [--endpoint unix:///…] [--direct-endpoint unix:///…]

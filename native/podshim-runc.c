@@ -1,7 +1,7 @@
 /*
  * podshim-runc: the OCI runtime binary the upstream's runc handler calls (BinaryName).
  *
- * docs/architecture.md §7 (The runtime wrapper): every call is an execv of the real runtime (runc or
+ * docs/design/runtime-wrapper.md (The runtime wrapper): every call is an execv of the real runtime (runc or
  * crun) with the same argv, environment and file descriptors, except
  *   - `create` of a container whose bundle config.json carries podshim's restore annotation,
  * which asks the running podshim first (its restore broker, shim/ops/restore_broker.py): a
@@ -824,7 +824,7 @@ static int bundle_verdict(const char *bundle) {
 
 /* ------------------------------------------------------------------------------ restore broker */
 
-/* docs/architecture.md §7 (The runtime wrapper): podshim prepares the restore, this process runs
+/* docs/design/runtime-wrapper.md (The runtime wrapper): podshim prepares the restore, this process runs
  * it (so the restored init stays in the shim's process tree) and podshim settles it. Protocol: one
  * SOCK_SEQPACKET packet per message, every field NUL-terminated, the first one the verb. */
 
@@ -1163,7 +1163,7 @@ int main(int argc, char **argv) {
     if (create) {
         static const char *const bundle_flags[] = {"--bundle", "-b", NULL};
         int verdict = bundle_verdict(arg_value(rest, n_rest, bundle_flags));
-        /* tests/faults (docs/architecture.md §12 (Fault injection)): the hook's path, as without podshim */
+        /* tests/faults (docs/design/crash-safety.md (Fault injection)): the hook's path, as without podshim */
         const char *points = getenv("PODSHIM_FAILPOINTS");
         int no_broker = points && strstr(points, "runc-wrapper.broker=off");
         if (verdict == JSON_RESTORE && !no_broker)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `make deb`: podshim_<version>_amd64.deb from this checkout, with dpkg-deb (docs/architecture.md
-# §22 (Installing a node)). Run after the set-up (`make setup`): it takes the compiled wrapper and
+# `make deb`: podshim_<version>_amd64.deb from this checkout, with dpkg-deb (docs/design/install.md
+# (Installing a node)). Run after the set-up (`make setup`): it takes the compiled wrapper and
 # the private CRIU 4.2 build (with podshim's patches) from it; the only network it uses is PyPI.
 #
 #   bash scripts/build-deb.sh [OUT_DIR]      (default dist/)

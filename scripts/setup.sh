@@ -533,7 +533,7 @@ step_crun() {
 }
 
 # ---------------------------------------------------------------------------------------
-# podshim-runc, the compiled runtime wrapper (native/; docs/architecture.md §7 (The runtime
+# podshim-runc, the compiled runtime wrapper (native/; docs/design/runtime-wrapper.md (The runtime
 # wrapper)): $VENV/bin/podshim-runc, next to the Python hook $VENV/bin/podshim-runc-hook (a
 # console script). make rebuilds it when native/ changed; it is checked, then renamed into
 # place, so the name works at every moment for a containerd that is using it.

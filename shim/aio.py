@@ -17,8 +17,8 @@ T = TypeVar("T")
 
 
 class Lane:
-    """A bounded share of podshim's worker threads for one kind of operation (docs/architecture.md
-    §11 (Cancellation)): the blocking steps of every operation entered here run on this lane's own
+    """A bounded share of podshim's worker threads for one kind of operation (docs/design/crash-safety.md
+    (Cancellation)): the blocking steps of every operation entered here run on this lane's own
     `workers` threads, so a flood of slow restores (an archive that takes minutes to hash) queues
     behind itself instead of taking every thread of the loop's default executor, where a healthy
     CheckpointPod's steps run. At most `max_operations` operations may be inside (running or

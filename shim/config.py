@@ -74,8 +74,8 @@ class Config:
     runtimes: dict[str, RuntimeConfig] = field(default_factory=dict)
 
     def option_defaults(self) -> dict[str, str]:
-        """The CheckpointPod options a request leaves out, as option values (docs/architecture.md
-        §4.3 (What the kubelet sends))."""
+        """The CheckpointPod options a request leaves out, as option values (docs/design/checkpoint-pod.md
+        (What the kubelet sends))."""
         return {
             "file-locks": str(self.file_locks).lower(),
             "tcp-established": str(self.tcp_established).lower(),
@@ -165,7 +165,7 @@ SECTION_DOCS: dict[str, str] = {
     ),
     "restore": "RestorePod's node defaults.",
     "migration": (
-        "Live migration between nodes (docs/architecture.md §21 (Live migration)); set on both nodes."
+        "Live migration between nodes (docs/design/migration.md (Live migration)); set on both nodes."
     ),
     "kubernetes": (
         "The cluster API podshim serves for the pods of its node (docs/cluster.md): PodCheckpoint "
@@ -198,7 +198,7 @@ KEY_DOCS: dict[str, str] = {
     "server.front": (
         "podshim-front, the compiled program, serves `socket`: every call podshim does not own goes "
         "from it straight to the upstream, the rest to the daemon over <state_dir>/daemon.sock "
-        "(docs/architecture.md §3 (The proxy)). false: the daemon serves `socket` itself (pure "
+        "(docs/design/proxy.md (The proxy)). false: the daemon serves `socket` itself (pure "
         "Python: slower, for debugging and comparison)."
     ),
     "server.front_binary": (
@@ -226,7 +226,7 @@ KEY_DOCS: dict[str, str] = {
     "checkpoint.writeback_ahead": (
         "CheckpointPod writes the page images back while the pod is frozen: "
         '"auto" when the dumps would otherwise meet the kernel\'s dirty-page throttling '
-        '(docs/architecture.md §4.1 (The freeze window)), "always", or "never" (the kernel\'s own '
+        '(docs/design/checkpoint-pod.md (The freeze window)), "always", or "never" (the kernel\'s own '
         "writeback only)."
     ),
     "checkpoint.file_locks": (
@@ -259,7 +259,7 @@ KEY_DOCS: dict[str, str] = {
         "handle; podshim adds the watched files' own directories to these."
     ),
     "restore.lazy_pages": (
-        "RestorePod's default for its `lazy-pages` option (docs/architecture.md §5.1 (Lazy restore))."
+        "RestorePod's default for its `lazy-pages` option (docs/design/restore-pod.md (Lazy restore))."
     ),
     "migration.listen": 'HOST:PORT this node listens on while a pod migrates into it; "": it accepts none.',
     "migration.cert_file": "This node's certificate (PEM; it names the node: its node name, its address).",

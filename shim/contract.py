@@ -1,5 +1,5 @@
 """The restore contract between podshim (the daemon) and podshim-runc (the OCI runtime wrapper):
-every name both sides must spell the same (docs/architecture.md §7 (The runtime wrapper)).
+every name both sides must spell the same (docs/design/runtime-wrapper.md (The runtime wrapper)).
 
 The daemon creates a container with RESTORE_ANNOTATION (the checkpoint directory) and
 RESTORE_OPTIONS_ANNOTATION (the CRIU option record); the wrapper restores it at `create` and
@@ -32,7 +32,7 @@ IMPORTS_DIR = "imports"
 # removes the plaintext after the restore, telling such a dir by it (without importing crypto).
 DECRYPTED_DIR = "decrypted"
 DECRYPTED_MARKER = ".podshim-decrypted"
-# Lazy restore (docs/architecture.md §5.1 (Lazy restore)): the daemon sets LAZY_PAGES_ANNOTATION to the
+# Lazy restore (docs/design/restore-pod.md (Lazy restore)): the daemon sets LAZY_PAGES_ANNOTATION to the
 # work dir <state_dir>/lazy/<random>/ of the container's `criu lazy-pages`, which listens on
 # LAZY_PAGES_SOCKET there; the wrapper restores with `--lazy-pages --work-path` that dir.
 LAZY_PAGES_ANNOTATION = "podshim.restore.lazy-pages-dir"
@@ -41,7 +41,7 @@ LAZY_PAGES_SOCKET = "lazy-pages.socket"
 # written by podshim in place of the socket when the lazy restore failed before the container started
 LAZY_PAGES_FAILED = "lazy-pages.failed"
 
-# Eager restore of a plain archive (docs/architecture.md §5 (RestorePod) step 4): RestorePod leaves
+# Eager restore of a plain archive (docs/design/restore-pod.md (RestorePod) step 4): RestorePod leaves
 # the CRIU page images (checkpoint/pages-*.img) unverified and hands their sha256 to the wrapper as
 # JSON {member path relative to the container's checkpoint dir: sha256 hex}; the wrapper restores
 # the tasks stopped, hashes the images meanwhile and continues the tasks only when all match.
@@ -102,5 +102,5 @@ def parse_page_digests(value: str) -> dict[str, str]:
 
 def is_page_mismatch(details: str) -> bool:
     """Whether an upstream's error message carries the wrapper's failure for a page image whose
-    sha256 differs (docs/architecture.md §5 (RestorePod) step 4)."""
+    sha256 differs (docs/design/restore-pod.md (RestorePod) step 4)."""
     return PAGE_MISMATCH + "checkpoint/" in details

@@ -1,6 +1,7 @@
 """Every deadline, timeout, grace period and retry interval of podshim, in seconds, in one place
-(docs/architecture.md §11 (Cancellation), §16 (Crash safety)). The modules that use one import it
-from here; this module imports nothing, so the CLI and the runtime wrapper may use it too."""
+(docs/design/crash-safety.md (Cancellation), docs/design/crash-safety.md (Crash safety)). The
+modules that use one import it from here; this module imports nothing, so the CLI and the runtime
+wrapper may use it too."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ KILL_WAIT = 10.0  # for SIGKILLed runc/CRIU processes to disappear
 # finish, and then detaches them, for at most DUMP_FINISH_WAIT; past it, it is taken for hung and
 # killed. DUMP_STOP_CONFIRM: for the dump's processes to stop (SIGSTOP) before podshim looks
 # whether CRIU's code runs in any task; DUMP_LOOK_INTERVAL: between two such looks while it is let
-# go on (docs/architecture.md §11 (Cancellation)).
+# go on (docs/design/crash-safety.md (Cancellation)).
 DUMP_FINISH_WAIT = 60.0
 DUMP_STOP_CONFIRM = 2.0
 DUMP_LOOK_INTERVAL = 0.25
@@ -45,7 +46,7 @@ NETLOCK_TIMEOUT = 10.0  # for one iptables-restore of the pod's netns lock (tcp-
 EXEC_SESSION_WAIT = 3.0
 EXEC_SESSION_POLL = 0.02
 
-# ---------------------------------------------------------------------- lazy restore (§5.1)
+# ------------------------------------------------- lazy restore (docs/design/restore-pod.md (Lazy restore))
 LAZY_READY_TIMEOUT = 30.0  # for a lazy-pages daemon to listen (it reads the images' metadata first)
 LAZY_POLL = 0.02  # between two looks for new userfaultfds in the daemon
 LAZY_CONTAINER_CHECK = 2.0  # between two looks at the container (gone: the daemon goes too)
@@ -54,11 +55,11 @@ GUARD_EXIT_WAIT = 5.0  # for a released userfaultfd guard to exit (shim/criu/uff
 # (a stop of a created container is a no-op: it is killed once it runs)
 LAZY_STARTED_POLL = 0.05
 # the longest the page images' background checksum pass waits, from its start, for the container
-# to be restored (it takes the CPU the restore path needs on a small node; docs/architecture.md
-# §5.1 (Lazy restore))
+# to be restored (it takes the CPU the restore path needs on a small node; docs/design/restore-pod.md
+# (Lazy restore))
 LAZY_CHECK_PAUSE_SECONDS = 10.0
 
-# ---------------------------------------------------------------------- live migration (§19)
+# ---------------------------------------------- live migration (docs/design/migration.md (Live migration))
 MIGRATION_CONNECT = 30.0  # the source retries reaching the destination's listener this long
 MIGRATION_STEP = 30.0  # one exchange of the handshake (offer, archive, page connections)
 # a connection to the destination's listener completes its TLS handshake and greeting within this,
@@ -96,7 +97,7 @@ STOP_GRACE = 15.0
 STOP_CLEANUP = DUMP_FINISH_WAIT + 10.0
 PASSTHROUGH_STOP_GRACE = 1.0  # passed-through calls and streams are cancelled within this
 
-# ---------------------------------------------------------------------- podshim-front (§3)
+# ----------------------------------------------------------- podshim-front (docs/design/proxy.md (The proxy))
 FRONT_READY_TIMEOUT = 10.0  # for the front to say it listens
 SOCKET_PROBE_TIMEOUT = 1.0  # a live server on podshim's socket path accepts at once, a dead one refuses
 FRONT_EXIT_MARGIN = 2.0  # after its grace, the front is killed if it has not exited

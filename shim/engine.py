@@ -1,6 +1,6 @@
 """The checkpoint/restore engine behind the gRPC layer: one lock per pod, the journal,
-metrics and logs around each operation, and crash recovery at start (docs/architecture.md
-§16 (Crash safety))."""
+metrics and logs around each operation, and crash recovery at start (docs/design/crash-safety.md
+(Crash safety))."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ log = logs.get("shim.engine")
 _CHECKPOINT_KINDS = ("checkpoint", "checkpoint-container")
 # Worker threads and operations (running or waiting for a thread) of the lanes RestorePod and
 # CreateContainer-from-a-tar run in: their archives, the caller's data, may take long to verify
-# or extract, and must not take the threads checkpoints need (docs/architecture.md §11 (Cancellation)).
+# or extract, and must not take the threads checkpoints need (docs/design/crash-safety.md (Cancellation)).
 LANE_WORKERS = 2
 LANE_MAX_OPERATIONS = 32
 
@@ -111,12 +111,13 @@ class Engine:
         self.journal = Journal(Path(config.state_dir))
         self.locks = OperationLocks()
         self.checkpointer = PodCheckpointer(config, upstream, self.journal)
-        # the wiring check and the containers created for a restore (docs/architecture.md §8 (Wiring check))
+        # the wiring check and the containers created for a restore (docs/design/runtime-wrapper.md
+        # (Wiring check))
         self.wiring = WiringChecker(upstream)
         self.restored = RestoredContainers(config.state_dir)
         self.restorer = PodRestorer(config, upstream, self.journal, self.wiring, self.restored)
         self.broker = RestoreBroker(config, self.restorer.page_checks)
-        # live migration (docs/architecture.md §21 (Live migration)): CheckpointPod and RestorePod
+        # live migration (docs/design/migration.md (Live migration)): CheckpointPod and RestorePod
         # with their migration options
         self.migration_out = migration_out.MigrationSource(config, upstream, self.journal)
         self.migration_in = migration_in.MigrationDestination(config, upstream, self.journal, self.restorer)
@@ -285,7 +286,7 @@ class Engine:
         self, req: cri.CheckpointContainerRequest, deadline: float | None
     ) -> cri.CheckpointContainerResponse:
         """KEP-2008 in podshim: one tar at `location`, the container left running
-        (docs/architecture.md §6 (CheckpointContainer))."""
+        (docs/design/checkpoint-container.md (CheckpointContainer))."""
         hold = functools.partial(self.locks.hold, "checkpoint_container")
         # the pod and path locks are taken inside, once the container's pod is known
         with self._operation("checkpoint_container", [], container=req.container_id, path=req.location):
@@ -321,7 +322,8 @@ class Engine:
         check the wiring of every runtime handler podshim restores with, in the background (a log
         line and the podshim_wiring_ok gauge for each; the upstream may not be up yet)."""
         self.restored.load()
-        # podshim-runc's restores, prepared and settled here (docs/architecture.md §7 (The runtime wrapper))
+        # podshim-runc's restores, prepared and settled here (docs/design/runtime-wrapper.md (The
+        # runtime wrapper))
         self.broker.start()
         handlers = ["", *self.config.runtimes]
 
@@ -371,7 +373,7 @@ class Engine:
 
     async def stop(self, timeout: float) -> None:
         """Graceful stop, after the server stopped taking calls and cancelled those left
-        (docs/architecture.md §16 (Crash safety)): wait up to `timeout` for the operations still
+        (docs/design/crash-safety.md (Crash safety)): wait up to `timeout` for the operations still
         undoing their work (thaw, clear output_path, remove a restore's sandbox, close the
         journal record), then stop the background recoveries (their records stay for the next
         start)."""
@@ -389,7 +391,7 @@ class Engine:
         self.broker.stop()  # a restore it serves now ends with podshim: podshim-runc undoes it
 
     async def recover(self) -> None:
-        """Undo what a crashed podshim left (docs/architecture.md §16 (Crash safety)): thaw pods, remove
+        """Undo what a crashed podshim left (docs/design/crash-safety.md (Crash safety)): thaw pods, remove
         partial archives, remove half-restored sandboxes, and log each recovery.
 
         A record that cannot be recovered now is logged and kept for the next start: it never
@@ -441,8 +443,8 @@ class Engine:
             "checkpoint": checkpoint_pod.recover,
             "checkpoint-container": checkpoint_container.recover,
             "restore": self.restorer.recover,
-            "lazy-pages": self.restorer.lazy.recover,  # docs/architecture.md §5.1 (Lazy restore)
-            # docs/architecture.md §21 (Live migration)
+            "lazy-pages": self.restorer.lazy.recover,  # docs/design/restore-pod.md (Lazy restore)
+            # docs/design/migration.md (Live migration)
             "migration-source": functools.partial(source_recovery.recover, upstream=self.upstream),
             "migration-destination": functools.partial(migration_in.recover, restorer=self.restorer),
         }
@@ -541,8 +543,8 @@ def _holds(pid: int, path: str, prefix: str) -> bool:
 def _processes_under(path: str) -> list[psutil.Process]:
     """Live processes whose argv names `path` or a path below it (CRIU's `criu: dump ... -D
     <path>/...`), or that were given a directory of it as `/proc/self/fd/N` and hold it (the
-    runc/crun `checkpoint --image-path /proc/self/fd/N` of a crashed podshim: docs/architecture.md
-    §13 (Path confinement)), with their descendants."""
+    runc/crun `checkpoint --image-path /proc/self/fd/N` of a crashed podshim: docs/design/archive.md
+    (Path confinement)), with their descendants."""
     prefix = path.rstrip("/") + "/"
     found: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["cmdline"]):

@@ -1,5 +1,5 @@
 """Typed errors of podshim's own operations, each carrying its gRPC status code
-(docs/architecture.md §15 (Errors)).
+(docs/design/errors.md (Errors)).
 
 Plain modules raise these; the gRPC layer turns them into a status with the same message.
 """

@@ -37,7 +37,7 @@ proxy_latency = Histogram(
 class ProxyCalls(Collector):
     """podshim_proxy_*: the daemon's own samples plus podshim-front's (native/front/metrics.go:
     the same names, labels and buckets), read from the front when /metrics is scraped and added
-    sample by sample (docs/architecture.md §3 (The proxy))."""
+    sample by sample (docs/design/proxy.md (The proxy))."""
 
     def __init__(self) -> None:
         self.front: Callable[[], str] | None = None

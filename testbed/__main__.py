@@ -1,4 +1,4 @@
-"""Command line for the test bed: `make up` / `make down` (docs/architecture.md §20.4 (critest and
+"""Command line for the test bed: `make up` / `make down` (docs/design/testbed.md (critest and
 crictl)).
 
     python -m testbed up [--name N] [--dir D] [--no-podshim] [--no-mirror] [--crun-binary PATH]

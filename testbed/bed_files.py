@@ -140,7 +140,7 @@ def containerd_toml(
     4), whose CRI is split into the plugins io.containerd.cri.v1.runtime (runtimes, CNI, OOM,
     SELinux/AppArmor) and io.containerd.cri.v1.images (snapshotter, the pause image as
     pinned_images.sandbox), the streaming server staying in io.containerd.grpc.v1.cri
-    (docs/architecture.md §17 (containerd, runc and CRIU versions)). `runtimes`: (handler name,
+    (docs/design/versions.md (containerd, runc and CRIU versions)). `runtimes`: (handler name,
     BinaryName, Root); `runc_criu`: containerd 1.x's CriuPath of the runc handler, if any; a
     `registry_mirror` of 2.x gets its hosts file in `hosts_dir`."""
     v3 = version.startswith("2.")

@@ -4,7 +4,7 @@
  * system call CRIU injected into it. compel (CRIU's infection library) swaps a `syscall; int3`
  * into the task's first executable page, sets the task's registers to the call, PTRACE_CONTs it
  * and, once the task trapped, puts registers and code back. CRIU killed in between: the task,
- * no longer traced, runs into the int3 and dies of SIGTRAP (docs/architecture.md §16 (Crash
+ * no longer traced, runs into the int3 and dies of SIGTRAP (docs/design/crash-safety.md (Crash
  * safety)). Or in the middle of the task's memory images, where ending CRIU harms nothing: for a
  * test that acts while CRIU still dumps, ending CRIU or not ("pages", below).
  *

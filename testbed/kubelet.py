@@ -7,7 +7,7 @@
 
 The kubelet has no API server (no kubeconfig): it runs the pods of its ``staticPodPath`` and
 serves its own API (anonymous auth, ``AlwaysAllow``) on a loopback port. It leaves the host alone
-(docs/architecture.md §20.1 (The kubelet in the test bed)):
+(docs/design/testbed.md (The kubelet in the test bed)):
 
 * the bed's containerd, podshim and the kubelet share a private mount namespace
   (testbed/mntns.py) in which ``/var/lib/kubelet`` is the bed's ``kubelet/root``: the kubelet

@@ -1,4 +1,4 @@
-"""Two test nodes for live migration (docs/architecture.md §21 (Live migration)): two TestBeds
+"""Two test nodes for live migration (docs/design/migration.md (Live migration)): two TestBeds
 (containerd + podshim each) whose podshims run in network namespaces of their own, joined by a
 veth pair, with node credentials of one CA. Node-to-node traffic (the migration's control channel
 and page relays, and the dumps' page servers and lazy-pages daemons podshim starts) stays inside

@@ -1,4 +1,4 @@
-"""shim/aio.py: waits that never end before the work they wait for (docs/architecture.md §11
+"""shim/aio.py: waits that never end before the work they wait for (docs/design/crash-safety.md
 (Cancellation))."""
 
 from __future__ import annotations

@@ -416,7 +416,7 @@ def test_upstream_enums() -> None:
 # (c) the whole schema against the released API ----------------------------------------
 
 # the released proto the set-up fetched with the Go modules (k8s.io/cri-api v0.37.2, required by
-# tools/go/cri-client and the kubelet's module): docs/architecture.md §20.3 (The released API's Go
+# tools/go/cri-client and the kubelet's module): docs/design/testbed.md (The released API's Go
 # client)
 RELEASED = GO_CACHE / "mod/k8s.io/cri-api@v0.37.2/pkg/apis/runtime/v1/api.proto"
 EXTENSIONS = {  # podshim's own, on field numbers the released API leaves free

@@ -13,7 +13,7 @@ restored from a container tar; CheckpointPod of a pod restored with `start=true`
 The bug this guards against: podshim-runc's restore handed CRIU its options (`tcp-close`,
 `leave-stopped`) through a file the container's `org.criu.config` named, which runc keeps with the
 container and passes to every later dump: the next CheckpointPod answered OK and left every task
-of the pod stopped (docs/architecture.md §4.2 (Task states after a checkpoint)).
+of the pod stopped (docs/design/checkpoint-pod.md (Task states after a checkpoint)).
 """
 
 from __future__ import annotations

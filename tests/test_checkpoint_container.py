@@ -463,7 +463,7 @@ def test_what_the_kubelet_sends_is_enough(
     open over CRIU's 1 MiB ghost-file limit and an inotify watch on a file of the container's
     rootfs (overlayfs: CRIU cannot reopen it by handle) checkpoint as they do with CheckpointPod:
     the node's defaults, ghost-limit and irmap-scan-path fitted before the freeze
-    (docs/architecture.md §6 (CheckpointContainer)); the tar restores both (the file's content,
+    (docs/design/checkpoint-container.md (CheckpointContainer)); the tar restores both (the file's content,
     a watch that still reports a write)."""
     script = (
         "dd if=/dev/zero of=/tmp/big bs=1024 count=2048 2>/dev/null && exec 3</tmp/big && rm /tmp/big "
@@ -550,7 +550,7 @@ def rewrite_tar(src: Path, dst: Path, member: str, change: Callable[[Any], None]
 def test_a_kubelet_container_tar_restores_its_image_by_identity(
     rt: Rt, img: api_pb2_grpc.ImageServiceStub, bed: TestBed, log_root: Path, pod_cleanup: list[str]
 ) -> None:
-    """docs/architecture.md §19 (Image identity): the tar of a container the kubelet made (image by
+    """docs/design/archive.md (Image identity): the tar of a container the kubelet made (image by
     ID, user_specified_image) records the image's ID and name, as a pod checkpoint does. Restored,
     its container is created with that ID; an image the request names (user_specified_image) may
     be it by ID, digest reference or name, another image is a config mismatch (INVALID_ARGUMENT);

@@ -201,7 +201,7 @@ def test_single_counter_pod(
     assert m.post_checkpoint_state == "RUNNING"
     assert_dumped(out, m, "counter")
     # the runtime's /dev (a tmpfs with mounts on it) read through a detached copy, not a temporary
-    # directory whose removal waits for a discard (CRIU patch 0012; docs/architecture.md §4.1
+    # directory whose removal waits for a discard (CRIU patch 0012; docs/design/checkpoint-pod.md
     # (The freeze window))
     assert b"by open_tree" in (out / "containers" / "counter" / "dump.log").read_bytes()
     for f in ("sandbox/config.json", "sandbox/status.json", "sandbox/network.json"):
@@ -228,7 +228,7 @@ def test_page_images_written_back_while_frozen(
     rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], tmp_path: Path
 ) -> None:
     # `writeback_ahead = "always"`: a thread starts the writeback of the page images while CRIU
-    # writes them (docs/architecture.md §4.1 (The freeze window)); the archive is the same
+    # writes them (docs/design/checkpoint-pod.md (The freeze window)); the archive is the same
     c = {"a": counter("a", mem_mib=48), "b": counter("b", mem_mib=48)}
     pod = start_pod(rt, "ahead", log_root, pod_cleanup, c)
     wait_counting(pod, "a", 2, timeout=60)
@@ -251,7 +251,7 @@ def test_failure_with_images_written_back(
     rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], tmp_path: Path
 ) -> None:
     # a failure after the dumps while the writeback thread may still be in its last look (it is
-    # joined after the thaw, docs/architecture.md §4.1 (The freeze window)): INTERNAL, output_path
+    # joined after the thaw, docs/design/checkpoint-pod.md (The freeze window)): INTERNAL, output_path
     # left empty, the pod thawed and running
     c = {"a": counter("a", mem_mib=48)}
     pod = start_pod(rt, "ahead-fail", log_root, pod_cleanup, c)
@@ -273,7 +273,7 @@ def test_page_images_hashed_during_the_dumps(
     rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], tmp_path: Path
 ) -> None:
     # one dump on a node of two or more cores: the page image is hashed by the follower as CRIU
-    # writes it (docs/architecture.md §4.1 (The freeze window)), and the manifest's digest is the
+    # writes it (docs/design/checkpoint-pod.md (The freeze window)), and the manifest's digest is the
     # file's (every file read again by load_and_verify)
     c = {"a": counter("a", mem_mib=48)}
     pod = start_pod(rt, "hashed-ahead", log_root, pod_cleanup, c)
@@ -417,7 +417,7 @@ def test_three_containers_frozen_in_one_cut(
     # call's answer, which comes after it
     thaw = cut.window - frozen
     assert 0 <= thaw and cut.window <= took, (cut, took)
-    # no container's CRIU locked the pod's shared netns (docs/architecture.md §4.1 (The freeze
+    # no container's CRIU locked the pod's shared netns (docs/design/checkpoint-pod.md (The freeze
     # window)): nothing established to keep still, so each dump's inventory says "skip"
     for n in names:
         assert inventory(out, n).get("network_lock_method") == NETWORK_LOCK_SKIP, inventory(out, n)

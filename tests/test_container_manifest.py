@@ -1,7 +1,7 @@
 """The container checkpoint tar's manifest, podshim-manifest.json (shim/archive/manifest.py
 ContainerTarManifest): the format the previous podshim wrote reads and writes back byte for byte,
 and the one set of checks serves CreateContainer-from-a-tar (restore_container.load_imported) and
-`podshim inspect --verify` (docs/architecture.md §6 (CheckpointContainer))."""
+`podshim inspect --verify` (docs/design/checkpoint-container.md (CheckpointContainer))."""
 
 from __future__ import annotations
 

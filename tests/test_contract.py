@@ -66,7 +66,7 @@ def _imports(path: Path) -> set[str]:
 
 def test_the_daemon_imports_the_wrapper_only_from_its_broker() -> None:
     """podshim runs podshim-runc's restores through its restore broker, shim/ops/restore_broker.py
-    (docs/architecture.md §7 (The runtime wrapper)), with the hook's own restore code; nothing else
+    (docs/design/runtime-wrapper.md (The runtime wrapper)), with the hook's own restore code; nothing else
     of the daemon reaches into the wrapper."""
     for path in SHIM.rglob("*.py"):
         if path.parent.name == "wrapper" or path == SHIM / "ops" / "restore_broker.py":

@@ -1,4 +1,4 @@
-"""CRIU's lazy migration on this node (live migration's first step, docs/architecture.md §18
+"""CRIU's lazy migration on this node (live migration's first step, docs/design/versions.md
 (This machine (Debian 12, kernel 6.18))): a process dumped with `--lazy-pages` serves its memory from its own
 page server, a `criu lazy-pages --page-server` daemon fetches it for `criu restore --lazy-pages`.
 

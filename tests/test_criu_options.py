@@ -59,7 +59,7 @@ def test_failure_names_the_option_that_would_help(tmp_path: Path) -> None:
 
 def test_dump_skips_criu_network_lock() -> None:
     """Each container's CRIU would lock the pod's shared netns with iptables-restore before its
-    dump and unlock it after, inside the freeze window (docs/architecture.md §4.1 (The freeze
+    dump and unlock it after, inside the freeze window (docs/design/checkpoint-pod.md (The freeze
     window)): the dump's config file turns that off; with tcp-established CheckpointPod takes the
     same lock once for the pod (NetnsLock)."""
     assert CriuOptions().dump_config_lines() == ["network-lock skip"]
@@ -166,8 +166,8 @@ def _wait_ready(gate: DumpGate) -> None:
 
 
 def test_dump_gate_holds_criu_until_opened() -> None:
-    """A dump started before the cut waits in CRIU's pre-dump action script (docs/architecture.md
-    §4.1 (The freeze window)): it says it is there, goes on (exit 0) only once the gate opens, and
+    """A dump started before the cut waits in CRIU's pre-dump action script (docs/design/checkpoint-pod.md
+    (The freeze window)): it says it is there, goes on (exit 0) only once the gate opens, and
     the gate's line names the script in the dump's CRIU config file."""
     gate = DumpGate()
     try:
@@ -225,7 +225,7 @@ def test_a_gated_dumps_criu_config_file_is_removed_with_its_gate(tmp_path: Path)
     """A gated dump's CRIU config file lives in the gate's directory and outlasts the dump: it is
     removed with the gate, after the checkpoint, not as each dump ends (where the file system
     discards freed blocks, the unlink waits for the disk's queue and held the event loop, and so
-    the thaw, for 0.05-0.25 s per dump: docs/architecture.md §4.1 (The freeze window))."""
+    the thaw, for 0.05-0.25 s per dump: docs/design/checkpoint-pod.md (The freeze window))."""
     scratch = tmp_path / "scratch"
     gate = DumpGate(str(scratch))
     try:

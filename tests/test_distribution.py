@@ -651,7 +651,7 @@ def test_incompatible_node_is_refused_naming_each_mismatch(
     shutil.copytree(source.path, edited)
     dump = edited / "containers/counter/config.dump"
     record = json.loads(dump.read_text())
-    other_image = "sha256:" + "0" * 64  # recorded as the image's ID (docs/architecture.md §19)
+    other_image = "sha256:" + "0" * 64  # recorded as the image's ID (docs/design/archive.md (Image identity))
     record["image_ref"] = record["image_id"] = other_image
     dump.write_text(json.dumps(record))
     doc = json.loads((edited / "manifest.json").read_text())

@@ -306,8 +306,8 @@ def test_a_pulled_file_is_hashed_written_and_its_writeback_started_as_it_arrives
 def test_pulled_file_writes_end_on_write_size_boundaries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No write covers an aligned 2 MiB of the file (a 2 MiB page-cache folio: docs/architecture.md
-    §18 (This machine)), whatever the chunks the tar hands out; the bytes and the hash are whole."""
+    """No write covers an aligned 2 MiB of the file (a 2 MiB page-cache folio: docs/design/versions.md
+    (This machine)), whatever the chunks the tar hands out; the bytes and the hash are whole."""
     writes: list[tuple[int, int]] = []
     real_write = os.write
 

@@ -1,4 +1,4 @@
-"""`podshim doctor` (shim/node/doctor.py, docs/architecture.md §22 (Installing a node)): it passes on
+"""`podshim doctor` (shim/node/doctor.py, docs/design/install.md (Installing a node)): it passes on
 the session's bed (wired right, podshim serving, a kubelet pointed at it) and fails on that node
 broken one way at a time, naming the check that broke and only that one."""
 

@@ -1,4 +1,4 @@
-"""A dump podshim gives up on never kills the container it dumps (docs/architecture.md §11
+"""A dump podshim gives up on never kills the container it dumps (docs/design/crash-safety.md
 (Cancellation)), on runc and crun.
 
 CRIU makes each task it dumps run system calls it injects (compel: while it infects the task,

@@ -1,4 +1,4 @@
-"""podshim-front (native/front/), the compiled server of podshim's socket (docs/architecture.md §3
+"""podshim-front (native/front/), the compiled server of podshim's socket (docs/design/proxy.md
 (The proxy)).
 
 First the program alone, between two recording gRPC servers standing in for the upstream and the

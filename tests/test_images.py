@@ -1,4 +1,4 @@
-"""Image identity (docs/architecture.md §19 (Image identity)) against a node's images (a fake
+"""Image identity (docs/design/archive.md (Image identity)) against a node's images (a fake
 ImageStatus): what RestorePod and a container tar's restore decide from the references an archive
 records and a request gives, and the image a tar restore creates its container with."""
 

@@ -1,6 +1,6 @@
 """Typed journal records (shim/state/records.py): a record written by the podshim before them
 (untyped dicts, commit 6296e57) is read, recovered and written back in the same format, and a record
-this podshim writes is what the previous one wrote (docs/architecture.md §16 (Crash safety))."""
+this podshim writes is what the previous one wrote (docs/design/crash-safety.md (Crash safety))."""
 
 from __future__ import annotations
 

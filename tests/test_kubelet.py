@@ -451,7 +451,7 @@ def test_restore_pod_of_a_kubelet_pod_with_the_released_api(
     kb: KubeletBed, kubelet: Kubelet, static_pods: list[str]
 ) -> None:
     """RestorePod of the checkpoint of a pod the kubelet made, called as the kubelet's KEP-5823
-    code will (docs/architecture.md §20.3 (The released API's Go client)): the new pod's own uid,
+    code will (docs/design/testbed.md (The released API's Go client)): the new pod's own uid,
     name, log dir, /etc/hosts, termination logs and emptyDir, each image by its ID plus the name
     the spec gives; StartContainer; the counter resumes where it was. The same image by a digest
     reference or by name restores too; another image is a config mismatch (INVALID_ARGUMENT),

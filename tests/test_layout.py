@@ -1,4 +1,4 @@
-"""The layout holds (docs/architecture.md §2 (Shape)): no import circle in shim/, bench/ or testbed/,
+"""The layout holds (docs/design/index.md (Shape)): no import circle in shim/, bench/ or testbed/,
 gRPC only at its seams, the upstream client only in the daemon's top (server, engine, operations,
 live migration),
 the podshim-runc hook process free of the daemon, and the protocols the mechanisms declare satisfied
@@ -195,7 +195,7 @@ def _reached(start: str) -> set[str]:
 
 def test_the_hook_process_never_loads_the_daemon() -> None:
     """podshim-runc-hook (shim/wrapper/) runs apart from podshim: nothing it imports, however
-    deep, is the daemon's (docs/architecture.md §7 (The runtime wrapper))."""
+    deep, is the daemon's (docs/design/runtime-wrapper.md (The runtime wrapper))."""
     daemon = (
         "shim.ops",
         "shim.migration",

@@ -1,4 +1,4 @@
-"""Unit tests of lazy restore's edges (docs/architecture.md §5.1 (Lazy restore)): the RestorePod option
+"""Unit tests of lazy restore's edges (docs/design/restore-pod.md (Lazy restore)): the RestorePod option
 and the node default, the runtime check, the runc argv, the wrapper's acceptance of a daemon's
 work dir, the userfaultfd duplicate podshim holds, and recovery of a daemon's journal record with
 a fake upstream. The end-to-end behaviour is tests/test_lazy_restore.py."""

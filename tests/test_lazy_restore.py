@@ -1,4 +1,4 @@
-"""Lazy restore end to end (docs/architecture.md §5.1 (Lazy restore)): RestorePod
+"""Lazy restore end to end (docs/design/restore-pod.md (Lazy restore)): RestorePod
 with `lazy-pages=true` on the real containerd + runc + CRIU, the container's memory delivered by a
 `criu lazy-pages` daemon podshim starts and supervises.
 
@@ -969,7 +969,7 @@ def test_corrupt_page_image_kills_the_lazy_container(
     restore: one flipped byte in a copy's pages image kills the container (before or after it ran,
     whichever comes first) with the checksum reason in its log, counted as `checksum`, and the
     work dir and record go. The eager restore of the same copy fails before its process runs
-    (RestorePod start=true: DATA_LOSS naming the image, docs/architecture.md §5 (RestorePod) step 4)."""
+    (RestorePod start=true: DATA_LOSS naming the image, docs/design/restore-pod.md (RestorePod) step 4)."""
     copy = Path(bed.checkpoint_root) / f"lazy-corrupt-{secrets.token_hex(3)}"
     shutil.copytree(plain[256], copy)
     try:

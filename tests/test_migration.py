@@ -1,4 +1,4 @@
-"""Live migration between two test nodes (docs/architecture.md §21 (Live migration)):
+"""Live migration between two test nodes (docs/design/migration.md (Live migration)):
 two beds whose podshims run in network namespaces of their own joined by a veth pair
 (testbed/nodes.py), each with node credentials of one CA.
 

@@ -1,4 +1,4 @@
-"""The live migration's failure paths with the upstream seam's fakes (docs/architecture.md §21 (Live
+"""The live migration's failure paths with the upstream seam's fakes (docs/design/migration.md (Live
 migration)): races made deterministic, which the e2e failure matrix (tests/test_migration.py)
 meets only now and then."""
 

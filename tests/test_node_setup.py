@@ -1,4 +1,4 @@
-"""`podshim node setup` (shim/node/setup.py, docs/architecture.md §22 (Installing a node)): on the
+"""`podshim node setup` (shim/node/setup.py, docs/design/install.md (Installing a node)): on the
 containerd the suite runs against (PODSHIM_TEST_CONTAINERD), a bed wired like a node without
 podshim (the plain runc as BinaryName, podshim's annotations not passed) is wired by it, containerd
 restarted, and a pod checkpointed there restores; a second run changes nothing; --undo puts the

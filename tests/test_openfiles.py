@@ -1,6 +1,6 @@
 """shim/checks/openfiles.py against real processes (no bed): the deleted files a process holds open or
 mapped (CRIU's ghost files) and the files it watches with inotify, found in /proc before the freeze,
-and the CRIU options fitted to them (docs/architecture.md §4.3 (What the kubelet sends))."""
+and the CRIU options fitted to them (docs/design/checkpoint-pod.md (What the kubelet sends))."""
 
 from __future__ import annotations
 

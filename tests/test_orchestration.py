@@ -300,7 +300,7 @@ async def test_deadline_while_a_decrypted_dir_is_made_still_removes_it(
         await task
     left = list(crypto.decrypted_root(cfg.state_dir).iterdir())
     assert left == [], f"plaintext dirs left behind: {left}"
-    # the new sandbox is created beside the decryption (docs/architecture.md §5 (RestorePod) step 1):
+    # the new sandbox is created beside the decryption (docs/design/restore-pod.md (RestorePod) step 1):
     # it is removed again, after the decryption stopped
     assert not up.sandboxes, "the sandbox created beside the decryption was left behind"
     assert up.names()[-3:] == ["StopPodSandbox", "RemovePodSandbox", "PodSandboxStatus"]
@@ -329,7 +329,7 @@ def _with_member(r: PodRestorer, rel: str, data: bytes, recorded: bytes) -> None
 
 
 async def test_a_corrupt_member_found_beside_the_sandbox_removes_it(cfg: Config, up: FakeUpstream) -> None:
-    """The checksums run beside RunPodSandbox (docs/architecture.md §5 (RestorePod) step 1): a
+    """The checksums run beside RunPodSandbox (docs/design/restore-pod.md (RestorePod) step 1): a
     member that differs fails the restore with DATA_LOSS naming it before any container is
     created, and the sandbox created meanwhile is removed, the journal record closed."""
     r, kept = _restorer(cfg, up)

@@ -1,4 +1,4 @@
-"""The package installed as an operator installs it (docs/architecture.md §22 (Installing a
+"""The package installed as an operator installs it (docs/design/install.md (Installing a
 node)): `make deb`'s package in a fresh Debian root (testbed/debroot.py: an overlay on the set-up's
 debootstrapped root, in namespaces of its own), on a node whose containerd runs: `apt-get install`
 changes no running service, `podshim node setup` wires containerd, `podshim doctor` passes, the

@@ -1,4 +1,4 @@
-"""An eager restore's page images checked beside CRIU's restore (docs/architecture.md §5 (RestorePod)
+"""An eager restore's page images checked beside CRIU's restore (docs/design/restore-pod.md (RestorePod)
 steps 1 and 4): the contract annotation, which members RestorePod leaves to podshim-runc, and the
 wrapper's check and its decision (continue the held tasks, or kill them), on real processes. The
 end-to-end cases are in tests/test_restore_pod.py and tests/faults/test_restore_crash.py."""

@@ -1,6 +1,6 @@
 """The released CRI API on the wire: tools/go/cri-client (k8s.io/cri-api v0.37.2's generated Go
 stubs, the kubelet's CRI client code) against podshim and straight at containerd. podshim's
-api/runtime/v1/api.proto must read whatever the released stubs write (docs/architecture.md §20.3
+api/runtime/v1/api.proto must read whatever the released stubs write (docs/design/testbed.md
 (The released API's Go client))."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The restore broker's protocol edges (shim/ops/restore_broker.py, docs/architecture.md §7 (The runtime
-wrapper)), with a Python client in podshim-runc's place. The restores themselves, through the real
-podshim-runc, containerd, runc/crun and CRIU, are in tests/test_restore_broker_e2e.py."""
+"""The restore broker's protocol edges (shim/ops/restore_broker.py, docs/design/runtime-wrapper.md
+(The runtime wrapper)), with a Python client in podshim-runc's place. The restores themselves,
+through the real podshim-runc, containerd, runc/crun and CRIU, are in
+tests/test_restore_broker_e2e.py."""
 
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ def slow_copy(bed: TestBed, s: Slow, made: list[Path]) -> Path:
     c = doc["containers"][0]
     for i in range(LINKS):
         # not named as a page image: an eager restore checks those beside CRIU's restore, not
-        # before (docs/architecture.md §5 (RestorePod) step 4); every other member up front
+        # before (docs/design/restore-pod.md (RestorePod) step 4); every other member up front
         name = f"checkpoint/slow-{900 + i}.img"
         os.link(s.big, d / c["dir"] / name)
         doc["files"][f"{c['dir']}/{name}"] = entry

@@ -409,7 +409,7 @@ def test_deleted_open_file_over_a_mib_checkpoints_without_options(
 ) -> None:
     """A deleted but open 2 MiB file (a rotated log held open), over CRIU's 1 MiB ghost-file
     limit: CheckpointPod without options (as the kubelet sends it) sizes ghost-limit before the
-    freeze (docs/architecture.md §4.3 (What the kubelet sends)) and the restore has the file's
+    freeze (docs/design/checkpoint-pod.md (What the kubelet sends)) and the restore has the file's
     content. Over the node's cap ([checkpoint] ghost_limit_max) it is FAILED_PRECONDITION before
     anything is frozen; an explicit ghost-limit too small fails in CRIU naming the option."""
     tag = f"ghost-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"

@@ -1,6 +1,6 @@
 """podshim's own eager-restore overhead, the parts a unit test can pin: what
 RestorePod and StartContainer no longer ask the upstream or a subprocess, and the checksum pass
-split so that it can run beside the new sandbox (docs/architecture.md §5 (RestorePod) step 1).
+split so that it can run beside the new sandbox (docs/design/restore-pod.md (RestorePod) step 1).
 The figures themselves live in bench/restore.py (eager_overhead_ratio); no timing here."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_the_restore_hook_imports_no_asyncio_logging_or_crypto() -> None:
     """podshim-runc-hook runs on every restore's StartContainer before `runc restore`: what its
     restore() imports (shim/wrapper/restore.py) must not pull in asyncio (and ssl, socket),
     structlog, concurrent.futures, random or shim/archive/crypto (~50-100 ms of start-up on this
-    VM; docs/architecture.md §7 (The runtime wrapper))."""
+    VM; docs/design/runtime-wrapper.md (The runtime wrapper))."""
     import subprocess
     import sys
 

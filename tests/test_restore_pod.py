@@ -392,12 +392,12 @@ def test_warm_start_resumes_from_checkpoint(
     wait_counting(new_log, first + 10)  # it keeps counting
     assert status(rt, cid).status.state == cri.CONTAINER_RUNNING
     # its page images were checked by podshim-runc while CRIU restored it, the tasks held stopped
-    # meanwhile (docs/architecture.md §5 (RestorePod) step 4), with runc and crun alike
+    # meanwhile (docs/design/restore-pod.md (RestorePod) step 4), with runc and crun alike
     page_check = json.loads((task_dir(bed, cid) / "podshim-restore" / "page-check.json").read_text())
     print(f"\npage check beside the restore ({runtime_handler or 'runc'}): {page_check}")
     assert page_check["ok"] and page_check["files"] >= 1 and page_check["bytes"] >= 64 << 20, page_check
     # podshim prepared and settled the restore for podshim-runc (its broker), no Python hook ran
-    # (docs/architecture.md §7 (The runtime wrapper))
+    # (docs/design/runtime-wrapper.md (The runtime wrapper))
     lines = bed.podshim_log.read_text().splitlines()
     served = [json.loads(line) for line in lines if "restore served" in line and cid in line]
     assert served and served[-1]["ok"], served
@@ -713,7 +713,7 @@ def test_established_tcp_connection_is_closed_on_restore(
     pods.wait_count(src.log_path("counter"), 5)
     out, first = checkpoint_counters(rt, bed, src, "tcp", ["counter"], options={"tcp-established": "true"})
     # podshim locked the pod's netns once for both dumps, not each CRIU on its own
-    # (docs/architecture.md §4.1 (The freeze window)), and unlocked it: no CRIU chain is left
+    # (docs/design/checkpoint-pod.md (The freeze window)), and unlocked it: no CRIU chain is left
     import pycriu
 
     for name in containers:
@@ -956,7 +956,7 @@ def test_corrupted_page_image_fails_the_start_before_the_process_runs(
     scratch: list[Path],
 ) -> None:
     """The page images of an eager restore are checked by podshim-runc while CRIU restores, the
-    tasks held stopped (docs/architecture.md §5 (RestorePod) step 4): one flipped byte lets
+    tasks held stopped (docs/design/restore-pod.md (RestorePod) step 4): one flipped byte lets
     RestorePod create the container, and StartContainer fails DATA_LOSS naming the member; the process never
     ran (no count printed), none of it is left, stopped or not, and the archive is unchanged.
     RestorePod start=true answers DATA_LOSS and removes the pod."""
@@ -1436,7 +1436,7 @@ def test_kubelet_pod_needs_the_checkpoint_bind_mounts(
 def test_kubelet_pod_restores_by_image_id_digest_or_name(
     rt: Stub, img: ImageStub, bed: TestBed, log_root: Path, pod_cleanup: list[str], scratch: list[Path]
 ) -> None:
-    """docs/architecture.md §19 (Image identity): the checkpoint of a pod a kubelet made (its
+    """docs/design/archive.md (Image identity): the checkpoint of a pod a kubelet made (its
     containers created with the image ID) records the image's ID and name, and RestorePod takes
     the same image by its ID (the kubelet's container_configs), a digest reference or its name;
     the restored counter resumes. Another image is a config mismatch, INVALID_ARGUMENT, and

@@ -1,4 +1,4 @@
-"""The compiled podshim-runc (native/podshim-runc.c, docs/architecture.md §7 (The runtime wrapper)):
+"""The compiled podshim-runc (native/podshim-runc.c, docs/design/runtime-wrapper.md (The runtime wrapper)):
 which calls it execs the real runtime with, which it hands to the Python hook, and its side of
 podshim's restore broker (a FakeBroker speaking the protocol, not shim/ops/restore_broker.py).
 

@@ -1,4 +1,4 @@
-"""One podshim per socket and per state dir (docs/architecture.md §3 (The proxy)): a dead run's
+"""One podshim per socket and per state dir (docs/design/proxy.md (The proxy)): a dead run's
 socket is taken over, a live one is not; at the stop a socket is removed only when nobody serves
 it; the state dir's lock keeps a second podshim from replaying the journal of a running one."""
 

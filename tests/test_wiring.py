@@ -1,4 +1,4 @@
-"""podshim checks its own wiring (docs/architecture.md §8 (Wiring check)).
+"""podshim checks its own wiring (docs/design/runtime-wrapper.md (Wiring check)).
 
 Unit tests of the pure parts (containerd's filepath.Match, the verdict from a verbose Status,
 the restore marker, the persisted ids), then end to end: test beds whose containerd is wired
@@ -618,7 +618,7 @@ class _CallContext(_Context):
 async def test_start_of_a_restored_container_failed_for_a_page_image_is_data_loss(
     details: str, code: grpc.StatusCode
 ) -> None:
-    """docs/architecture.md §5 (RestorePod) step 4: the real passthrough of a restored container's
+    """docs/design/restore-pod.md (RestorePod) step 4: the real passthrough of a restored container's
     StartContainer gives a page-image mismatch DATA_LOSS (same message), anything else unchanged."""
     from shim.server.proxy import Passthrough
     from shim.server.runtime import RuntimeHandlers

@@ -145,7 +145,7 @@ def test_the_thread_starts_and_stops(tmp_path: Path, calls: list[tuple[str, int,
 
 def test_stop_soon_does_not_wait_for_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the pod is thawed while the thread's last writeback request still waits for the disk's
-    # queue (docs/architecture.md §4.1 (The freeze window)); stop() after the thaw waits for it
+    # queue (docs/design/checkpoint-pod.md (The freeze window)); stop() after the thaw waits for it
     entered, release = threading.Event(), threading.Event()
 
     def stuck(fd: int, offset: int, nbytes: int) -> bool:

@@ -1,4 +1,4 @@
-// podshim-front: podshim's public CRI socket, compiled (docs/architecture.md §3 (The proxy)).
+// podshim-front: podshim's public CRI socket, compiled (docs/design/proxy.md (The proxy)).
 //
 // `podshim serve` starts it. Every CRI call podshim does not own goes to the upstream runtime byte
 // for byte (the request and response never decoded; metadata, deadline and cancellation carried

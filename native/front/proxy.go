@@ -190,7 +190,7 @@ var transportPrefixes = []string{
 }
 
 // callError is the status the caller gets: the target's own, unchanged; a transport failure
-// names the target (docs/architecture.md §3 (The proxy)).
+// names the target (docs/design/proxy.md (The proxy)).
 func (t *target) callError(err error) error {
 	st := status.Convert(err)
 	if st.Code() != codes.Unavailable || !isTransportFailure(st.Message()) {

@@ -1,7 +1,7 @@
-"""Can this node restore that checkpoint? (docs/architecture.md §5 (RestorePod) step 1,
-§10 (Checkpoints through a registry)). RestorePod compares what the archive recorded of the checkpointing node
-(manifest.json `host`) with this node, before anything is created, and refuses with ONE
-FAILED_PRECONDITION naming every mismatch:
+"""Can this node restore that checkpoint? (docs/design/restore-pod.md (RestorePod) step 1,
+docs/design/distribution.md (Checkpoints through a registry)). RestorePod compares what the archive
+recorded of the checkpointing node (manifest.json `host`) with this node, before anything is
+created, and refuses with ONE FAILED_PRECONDITION naming every mismatch:
 
 * CPU architecture: must be the same.
 * CPU features: CRIU's own check (`criu cpuinfo check`) of the `cpuinfo.img` recorded at checkpoint

@@ -1,7 +1,7 @@
 """The CRI container config a checkpoint records in `config.dump` (`config`): the upstream's own
 JSON of it, from its verbose container status, kept as it is. containerd 1.6, 1.7 and 2.1 write
 environment values there as text; the released CRI API types them `bytes`, whose protobuf JSON
-is base64, so they are read here, as text (docs/architecture.md §20.3 (The released API's Go
+is base64, so they are read here, as text (docs/design/testbed.md (The released API's Go
 client))."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The container checkpoint tar (CheckpointContainer, KEP-2008): its format name, the names of its
-members, the limits a reader applies and its manifest, podshim-manifest.json (docs/architecture.md
-§6 (CheckpointContainer)). Shared by the daemon (shim/ops/checkpoint_container.py,
-restore_container.py) and `podshim inspect` (shim/cli/commands/inspect.py)."""
+members, the limits a reader applies and its manifest, podshim-manifest.json
+(docs/design/checkpoint-container.md (CheckpointContainer)). Shared by the daemon
+(shim/ops/checkpoint_container.py, restore_container.py) and `podshim inspect`
+(shim/cli/commands/inspect.py)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def tar_error(e: BaseException) -> str:
 @dataclass
 class ContainerTarManifest:
     """podshim-manifest.json, the last member of a container checkpoint tar (CheckpointContainer,
-    docs/architecture.md §6 (CheckpointContainer); the tar's member names above):
+    docs/design/checkpoint-container.md (CheckpointContainer); the tar's member names above):
     what was checkpointed, on which host, its timings, CRIU stats and options, and size + sha256
     of every other member. Written by shim/ops/checkpoint_container.py, checked by
     shim/ops/restore_container.py and `podshim inspect`."""

@@ -4,7 +4,7 @@ A path is checked once (shim/archive/paths.py) and then opened once, every compo
 O_NOFOLLOW; from then on every write, chmod, listing and removal inside it goes through that
 descriptor (openat-style: `dir_fd=`), never through the path string again, so replacing the
 directory (or one of its subdirectories) by a symlink while podshim works cannot make it
-touch anything outside (docs/architecture.md §13 (Path confinement)).
+touch anything outside (docs/design/archive.md (Path confinement)).
 
 Code that only takes a path (runc/crun's `--image-path`, tarfile, the encryption helpers) is
 given `/proc/self/fd/<fd>/<name>`: the magic link resolves to the directory podshim holds,

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TypeVar
 
 # one stop signal for all blocking work (shim/aio.py); from shim.errors, so that podshim-runc's
-# restore, which uses this module, does not import asyncio (docs/architecture.md §7 (The runtime wrapper))
+# restore, which uses this module, does not import asyncio (docs/design/runtime-wrapper.md (The
+# runtime wrapper))
 from shim.errors import InvalidArgument, NotFound, storage_error
 from shim.errors import Stopped as Stopped
 
@@ -30,7 +31,7 @@ CHUNK_SIZE = 1 << 20  # 1 MiB: large enough to amortise syscalls, small enough t
 # when the cores are otherwise idle; a busy node's pods, and the pod just thawed, come first.
 BACKGROUND_NICE = 10
 
-FILE_MODE = 0o600  # memory images hold secrets (docs/architecture.md §14 (Archive layout))
+FILE_MODE = 0o600  # memory images hold secrets (docs/design/archive.md (Archive layout))
 DIR_MODE = 0o700
 
 _TMP_MARK = ".tmp-"
@@ -330,7 +331,7 @@ def write_private_file(path: Path, data: bytes) -> None:
 
 
 def make_tree_private(root: Path) -> None:
-    """Files 0600, directories 0700 (docs/architecture.md §14 (Archive layout)): runc and CRIU create
+    """Files 0600, directories 0700 (docs/design/archive.md (Archive layout)): runc and CRIU create
     theirs with the umask's 0644/0755. Symlinks are left alone (write_manifest refuses them)."""
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames:

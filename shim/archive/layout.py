@@ -1,4 +1,4 @@
-"""The on-disk layout of a pod checkpoint (docs/architecture.md §14 (Archive layout)): one place for
+"""The on-disk layout of a pod checkpoint (docs/design/archive.md (Archive layout)): one place for
 every name.
 
 Per-container file names are those of checkpointctl (`lib/metadata.go`) and go-criu, so a

@@ -75,7 +75,8 @@ REQUIRED_MEMBERS = (
 )
 
 POST_CHECKPOINT_RUNNING = "RUNNING"
-PAGES_OPTION, PAGES_SERVED_BY_SOURCE = "pages", "served-by-source"  # a live migration's archive (§21)
+# a live migration's archive (docs/design/migration.md (Live migration))
+PAGES_OPTION, PAGES_SERVED_BY_SOURCE = "pages", "served-by-source"
 POST_CHECKPOINT_STOPPED = "STOPPED"
 
 
@@ -122,7 +123,7 @@ class ContainerEntry:
     # the files of a checkpointed container, relative to `dir` (write_manifest fills it); None in
     # manifests written before it existed (then REQUIRED_MEMBERS is what is checked)
     members: list[str] | None = None
-    # the image's ID and its name as the pod spec gives it (docs/architecture.md §19 (Image
+    # the image's ID and its name as the pod spec gives it (docs/design/archive.md (Image
     # identity)); "" in manifests written before they existed
     image_id: str = ""
     user_specified_image: str = ""
@@ -635,7 +636,7 @@ def check_allocated(root: Path, sizes: dict[str, int], stop: threading.Event | N
     """Refuse (DataLoss), before reading a byte, a member larger than the file system holding it
     or mostly holes (over MAX_HOLE_BYTES and over half its size): a sparse file reads back as
     gigabytes of zeros that podshim never wrote, and hashing them would only burn the caller's
-    deadline (docs/architecture.md §5 (RestorePod))."""
+    deadline (docs/design/restore-pod.md (RestorePod))."""
     try:
         vfs = os.statvfs(root)
         capacity = vfs.f_blocks * vfs.f_frsize

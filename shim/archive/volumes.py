@@ -1,4 +1,4 @@
-"""A pod's emptyDir volumes in its checkpoint (docs/architecture.md §14 (Archive layout)).
+"""A pod's emptyDir volumes in its checkpoint (docs/design/archive.md (Archive layout)).
 
 An emptyDir is the kubelet's directory `<root-dir>/pods/<uid>/volumes/kubernetes.io~empty-dir/<name>`
 (disk-backed, or a tmpfs mounted there for `medium: Memory`), bind-mounted into the containers

@@ -1,5 +1,5 @@
-"""Writeback started from the first MiB (docs/architecture.md §4.1 (The freeze window) and §10
-(Checkpoints through a registry)).
+"""Writeback started from the first MiB (docs/design/checkpoint-pod.md (The freeze window) and
+docs/design/distribution.md (Checkpoints through a registry)).
 
 Linux writes dirty page cache back on its own only once dirty pages pass
 `vm.dirty_background_ratio` of the dirtyable memory (or after `dirty_expire_centisecs`), and it
@@ -17,7 +17,7 @@ and what reports an I/O error.
 
 The same thread can hash CRIU's page images as they grow (`hash_pages`), when the dumps leave a
 core idle: the archive phase then finds their sha256 taken and only hashes what was appended after
-the thread's last look (docs/architecture.md §4.1 (The freeze window)). A page image is written
+the thread's last look (docs/design/checkpoint-pod.md (The freeze window)). A page image is written
 once, front to back, so bytes hashed as they arrive are the file's; a digest counts only for the
 very file it was taken of, unchanged since (device, inode, size, mtime), and is taken again
 otherwise.
@@ -192,7 +192,7 @@ class ImagesWriteback:
     def stop_soon(self) -> None:
         """Tell the thread to end without waiting for it: its last look (the writeback of what
         was appended since the one before) may wait for the disk's queue, and the pod must not
-        wait for that while frozen (docs/architecture.md §4.1 (The freeze window))."""
+        wait for that while frozen (docs/design/checkpoint-pod.md (The freeze window))."""
         self._stop.set()
 
     def stop(self) -> None:

@@ -1,6 +1,6 @@
 """cgroup freezer (v1 and v2), cgroup path resolution, and the pod-wide "freeze in one cut".
 
-The cut (docs/architecture.md §4 (CheckpointPod) step 5): freeze the pod's parent cgroup, which stops
+The cut (docs/design/checkpoint-pod.md (CheckpointPod) step 5): freeze the pod's parent cgroup, which stops
 every process of the pod at once; freeze each container's own cgroup; thaw the parent. Each
 container then stays frozen by its own cgroup, and CRIU never runs under a frozen ancestor (it would
 hang: its thaw of the container cgroup has no effect there).

@@ -1,4 +1,4 @@
-"""CRI strings the upstream accepts but cannot undo (docs/architecture.md §15 (Errors)).
+"""CRI strings the upstream accepts but cannot undo (docs/design/errors.md (Errors)).
 
 containerd 1.6 takes a PodSandboxConfig whose name, namespace or uid holds a NUL, a ';' or a
 '=' (or is over 128 KiB) and creates the sandbox, then fails its network set-up: CNI gets them in

@@ -1,5 +1,5 @@
-"""Environment values as the upstream stores them, for RestorePod's env check (docs/architecture.md
-§5 (RestorePod) step 1).
+"""Environment values as the upstream stores them, for RestorePod's env check (docs/design/restore-pod.md
+(RestorePod) step 1).
 
 The released CRI API types KeyValue.value `bytes`: a value need not be UTF-8 (`BIN=\\xff`). containerd
 1.6 keeps a container's config as JSON text, where Go's encoding/json turns every byte that is not

@@ -1,8 +1,9 @@
-"""The bind mounts a restore must be given (docs/architecture.md §6 (CheckpointContainer) and §5
-(RestorePod) step 1): CRIU restores a container's checkpointed mount namespace and needs a source
-for every bind mount its spec.dump holds; without one it fails deep in StartContainer ("mnt: No
-mapping for …"). Both restores (RestorePod, CreateContainer from a container tar) refuse such a
-request up front, with the same code and wording, before anything is created.
+"""The bind mounts a restore must be given (docs/design/checkpoint-container.md
+(CheckpointContainer) and docs/design/restore-pod.md (RestorePod) step 1): CRIU restores a
+container's checkpointed mount namespace and needs a source for every bind mount its spec.dump
+holds; without one it fails deep in StartContainer ("mnt: No mapping for …"). Both restores
+(RestorePod, CreateContainer from a container tar) refuse such a request up front, with the same
+code and wording, before anything is created.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def refuse_missing(missing: Mapping[str, Sequence[str]], checkpoint: str) -> Non
     """FAILED_PRECONDITION naming, per container, every bind mount of `checkpoint` its config lacks
     (as CRI-O's restore: "expects following bind mounts defined"); nothing when none is missing.
 
-    FAILED_PRECONDITION, not INVALID_ARGUMENT (docs/architecture.md §15 (Errors)): the request is
+    FAILED_PRECONDITION, not INVALID_ARGUMENT (docs/design/errors.md (Errors)): the request is
     a valid config, and mounts are restore-time settings the caller may change (a new host path);
     what is missing is a source the checkpointed process needs, as the image a node lacks."""
     named = [f"container {name!r}: {', '.join(dests)}" for name, dests in missing.items() if dests]

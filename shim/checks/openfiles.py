@@ -1,6 +1,6 @@
 """What the processes to checkpoint hold that CRIU refuses with its defaults, read from /proc
 before the freeze, so that a CheckpointPod without options (the kubelet's) still succeeds
-(docs/architecture.md §4.3 (What the kubelet sends)):
+(docs/design/checkpoint-pod.md (What the kubelet sends)):
 
 * deleted files held open or mapped: CRIU copies each into the images as a "ghost file", up to its
   ghost-limit (1 MiB by default); the limit is sized to the largest one, up to the node's cap;

@@ -1,5 +1,5 @@
-"""State shared between a pod's containers that podshim cannot carry over (docs/architecture.md
-§4 (CheckpointPod), step 1): refused before anything is frozen, naming the object and the containers.
+"""State shared between a pod's containers that podshim cannot carry over (docs/design/checkpoint-pod.md
+(CheckpointPod), step 1): refused before anything is frozen, naming the object and the containers.
 
 Each container is dumped by its own CRIU run and restored by its own `runc/crun restore`, so
 what two containers share is captured twice and restored twice, or not at all:

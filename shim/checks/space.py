@@ -2,7 +2,7 @@
 
 A full disk is handled cleanly, but only after the pod was frozen and dumped: that freeze is
 the cost the workload pays for nothing. So CheckpointPod and CheckpointContainer estimate the
-archive first (docs/architecture.md §4 (CheckpointPod) step 1): the resident memory of the
+archive first (docs/design/checkpoint-pod.md (CheckpointPod) step 1): the resident memory of the
 selected containers' processes (what CRIU writes, file-backed pages overcounted a little) plus
 their writable layers (the overlay upper dirs the rootfs diff tars), plus a margin, and refuse
 with RESOURCE_EXHAUSTED when the file system of the directory podshim holds has less free.

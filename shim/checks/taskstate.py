@@ -1,5 +1,5 @@
 """Every task of a checkpointed container ends in the scheduling state it had before the freeze
-(docs/architecture.md §4.2 (Task states after a checkpoint)).
+(docs/design/checkpoint-pod.md (Task states after a checkpoint)).
 
 The freezer being thawed does not say the tasks run: a CRIU told `leave-stopped` (or killed at the
 wrong instant, or a signal that landed while the tasks were frozen) leaves them in TASK_STOPPED

@@ -1,4 +1,4 @@
-"""podshim checks its own wiring (docs/architecture.md §8 (Wiring check)).
+"""podshim checks its own wiring (docs/design/runtime-wrapper.md (Wiring check)).
 
 A restore only restores when the upstream's runtime handler runs podshim-runc as its OCI runtime
 and passes podshim's `podshim.*` annotations to it; otherwise the containers start from scratch

@@ -1,4 +1,4 @@
-"""Pod network facts (docs/architecture.md §4 (CheckpointPod) step 4): the interfaces, addresses and
+"""Pod network facts (docs/design/checkpoint-pod.md (CheckpointPod) step 4): the interfaces, addresses and
 routes of a pod's network namespace, read with pyroute2. CheckpointPod records them in
 `sandbox/network.json` (beside the CNI result the upstream recorded); RestorePod checks the new
 pod's namespace against them.

@@ -1,4 +1,4 @@
-"""`criu lazy-pages`, the mechanisms (docs/architecture.md §5.1 (Lazy restore)): whether a runtime
+"""`criu lazy-pages`, the mechanisms (docs/design/restore-pod.md (Lazy restore)): whether a runtime
 restores lazily, the daemon as a process (its start time, its status fd, its exit through a pidfd,
 the userfaultfds it holds and their duplicates, the guard process that holds them beyond podshim),
 and the background check of the page images it serves against the manifest. The daemons'
@@ -35,7 +35,7 @@ UFFD_LINK = "anon_inode:[userfaultfd]"
 PAGE_IMAGES = "pages-*.img"  # CRIU's memory contents: what is checksummed while the daemon serves
 CHECK_READ = 8 << 20  # the background checksum pass's read size
 # its thread's nice value: on a busy node the restore path (containerd, runc, CRIU, the process's
-# first faults) goes first; the pass takes the CPU they leave (docs/architecture.md §5.1)
+# first faults) goes first; the pass takes the CPU they leave (docs/design/restore-pod.md (Lazy restore))
 CHECK_NICE = 10
 
 
@@ -201,7 +201,7 @@ def error_lines(path: Path, limit: int = 3) -> str:
     return "; ".join(bad[-limit:])
 
 
-# The daemon's account of its page transfer (CRIU patches 0014, 0015; docs/architecture.md §21 (Live
+# The daemon's account of its page transfer (CRIU patches 0014, 0015; docs/design/migration.md (Live
 # migration)), once per thread at its end: "uffd: page transfer time split: pages=N wall=S wait=S ..."
 # (the thread that receives) and "uffd: copier time split: copy=S idle=S ..." (the copier).
 _SPLIT_RE = re.compile(rb"uffd: (page transfer|copier) time split: ([^\n]*)")

@@ -1,5 +1,5 @@
 """The CRIU config file runc hands CRIU at a container's dump, checked before the freeze
-(docs/architecture.md §4.2 (Task states after a checkpoint)).
+(docs/design/checkpoint-pod.md (Task states after a checkpoint)).
 
 runc passes CRIU the file the container's `org.criu.config` annotation names (runc keeps the
 spec's annotations with the container, as labels in its state.json), `/etc/criu/runc.conf` when

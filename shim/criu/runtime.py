@@ -5,7 +5,7 @@ container's namespaces, mounts, cgroups and the descriptors to re-attach on rest
 
 podshim-runc's restore imports this module for `restore_argv` and `CriuOptions` on every
 restore's StartContainer, so asyncio and the logging set-up (structlog) are imported where the
-dump uses them, not here (docs/architecture.md §7 (The runtime wrapper)).
+dump uses them, not here (docs/design/runtime-wrapper.md (The runtime wrapper)).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class CriuOptions:
         dump four iptables-restore runs (lock and unlock, IPv4 and IPv6) inside the freeze window,
         serialised by the shared netns and colliding on one chain: without `tcp_established`
         nothing needs it; with it the caller takes the same lock once for the pod (`NetnsLock`;
-        docs/architecture.md §4.1 (The freeze window))."""
+        docs/design/checkpoint-pod.md (The freeze window))."""
         return [*self.config_lines(), "network-lock skip"]
 
     def flags(self) -> list[str]:
@@ -88,7 +88,7 @@ def criu_path_env(criu: str, path: str | None = None) -> dict[str, str]:
     """`PATH` with the configured CRIU's directory first ({} when it cannot name it): runc >= 1.2
     ignores `--criu` and runs the `criu` on its PATH, crun's libcriu runs `criu` from PATH, and
     containerd 2.x passes no CriuPath, so a CRIU outside PATH (the package's /opt/podshim/sbin/criu,
-    a private build) is reached only so. It must be named `criu` (docs/architecture.md §17
+    a private build) is reached only so. It must be named `criu` (docs/design/versions.md
     (containerd, runc and CRIU versions))."""
     if not os.path.isabs(criu) or os.path.basename(criu) != "criu":
         return {}
@@ -97,7 +97,7 @@ def criu_path_env(criu: str, path: str | None = None) -> dict[str, str]:
 
 
 _GATE_SCRIPT = """#!/bin/bash
-# podshim's DumpGate (docs/architecture.md §4.1 (The freeze window)): this CRIU, started before
+# podshim's DumpGate (docs/design/checkpoint-pod.md (The freeze window)): this CRIU, started before
 # the pod's cut, waits here with its start-up done and nothing seized, until podshim says go
 # (CRIU runs it for its other actions too: they pass at once)
 [ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] || exit 0
@@ -142,7 +142,7 @@ class DumpGate:
     where runc's and CRIU's start-up (runc, its CRIU version check, CRIU's kernel probe) is done
     and nothing is seized yet; `open` lets it seize the (by then frozen) container. `close`
     without `open` (or podshim killed: the script looks every GATE_LOOK) fails the dump at the
-    gate ("Pre dump script failed"), before anything is touched (docs/architecture.md §4.1 (The
+    gate ("Pre dump script failed"), before anything is touched (docs/design/checkpoint-pod.md (The
     freeze window))."""
 
     def __init__(self, scratch: str | None = None) -> None:
@@ -215,7 +215,7 @@ def _criu_config(
     runc/crun have no flag for, and the configured CRIU first on PATH. The file goes in the
     `gate`'s directory when the dump has one and is removed with it, after the checkpoint: an
     unlink waits for the disk where the file system discards freed blocks, and here it would
-    block the event loop while the pod is frozen (docs/architecture.md §4.1 (The freeze window)).
+    block the event loop while the pod is frozen (docs/design/checkpoint-pod.md (The freeze window)).
     Without a gate: in `scratch`, else the temp dir, removed after the dump."""
     env = {**os.environ, **criu_path_env(criu)}
     lines = [*opts.dump_config_lines(), *extra]
@@ -254,7 +254,7 @@ _UNLOCK_RULES = "*filter\n:CRIU - [0:0]\n-D INPUT -j CRIU\n-D OUTPUT -j CRIU\n-X
 
 class NetnsLock:
     """The pod's network namespace locked as CRIU locks it for a dump of established TCP
-    connections, once for every container (docs/architecture.md §4.1 (The freeze window)):
+    connections, once for every container (docs/design/checkpoint-pod.md (The freeze window)):
     `lock` before the dumps, `unlock` (idempotent, run in a `finally`) after the last one."""
 
     def __init__(self, netns: str) -> None:
@@ -572,7 +572,7 @@ def stop_dump(
 ) -> None:
     """End a dump podshim no longer wants (its caller's deadline, another container's failure, a
     service stop, runc gone) without killing what it dumps, and return once none of its
-    processes is left (docs/architecture.md §11 (Cancellation)).
+    processes is left (docs/design/crash-safety.md (Cancellation)).
 
     CRIU holds the container's tasks with ptrace from the seize to the end of the dump, and for
     parts of it runs code in them: a system call it injected (compel: `syscall; int3` swapped
@@ -678,7 +678,7 @@ class OciRuntime:
         the CRIU log, with its last error lines, and the option that would help, if one would.
         Cancellation ends runc and CRIU without killing the container (stop_dump). `pass_fds`:
         descriptors runc/crun inherit (podshim names its held directories `/proc/self/fd/<fd>`,
-        docs/architecture.md §13 (Path confinement)). `gate`: CRIU waits at it, its start-up
+        docs/design/archive.md (Path confinement)). `gate`: CRIU waits at it, its start-up
         done, until the caller opens it (DumpGate)."""
         extra = (gate.config_line(),) if gate is not None else ()
         with _criu_config(opts, self.criu, extra, self.scratch, gate) as env:  # lives as long as the dump
@@ -760,7 +760,7 @@ class OciRuntime:
         """`restore --detach` into `bundle`. `global_args` replaces --root/--criu with the flags
         the upstream passed (podshim-runc keeps its --log, --log-format, --systemd-cgroup...).
         `lazy_pages`: pages come from the `criu lazy-pages` listening in `work_dir`
-        (docs/architecture.md §5.1 (Lazy restore))."""
+        (docs/design/restore-pod.md (Lazy restore))."""
         head = [self.binary, *global_args] if global_args is not None else self.global_args()
         argv = [*head, "restore", "--detach"]
         if self.is_runc:

@@ -1,5 +1,5 @@
 """`python -m shim.criu.uffd_guard`: holds the userfaultfds of one lazy restore so that they
-outlive podshim (docs/architecture.md §5.1 (Lazy restore)).
+outlive podshim (docs/design/restore-pod.md (Lazy restore)).
 
 When the last holder of a userfaultfd closes it, the kernel unregisters its ranges: a fault on a
 page the `criu lazy-pages` daemon has not delivered then reads a zero page and the process runs on

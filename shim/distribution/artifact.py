@@ -1,4 +1,4 @@
-"""The OCI artifact a pod checkpoint becomes (docs/architecture.md §10 (Checkpoints through a registry)).
+"""The OCI artifact a pod checkpoint becomes (docs/design/distribution.md (Checkpoints through a registry)).
 
     manifest (application/vnd.oci.image.manifest.v1+json, artifactType ARTIFACT_TYPE)
       config   CONFIG_MEDIA_TYPE: podshim's manifest.json, byte for byte
@@ -10,7 +10,7 @@
                out of its unit's tar and follows it as a layer of its own: its raw bytes
                (FILE_MEDIA_TYPE, titled with its archive path), so the blob's digest is the
                file's sha256 in manifest.json (the ORAS convention; one hash per byte on both
-               sides, docs/architecture.md §10 (Checkpoints through a registry))
+               sides, docs/design/distribution.md (Checkpoints through a registry))
       annotations  what a scheduler or operator needs without pulling (pod, containers, sizes,
                versions, kernel, arch, cgroup version, encryption key id), with the
                `org.criu.checkpoint.*` keys of checkpointctl where they apply

@@ -1,5 +1,5 @@
 """`podshim pull REF DIR`: a registry artifact back into a pod checkpoint directory, as untrusted
-input (docs/architecture.md §10 (Checkpoints through a registry)).
+input (docs/design/distribution.md (Checkpoints through a registry)).
 
 * DIR must be an empty directory inside an allowed checkpoint root (the rules of RestorePod's
   `checkpoint_path` and CheckpointPod's `output_path`: shim/archive/paths.py) and is written only
@@ -64,7 +64,7 @@ from shim.errors import (
 
 STAGING_PREFIX = ".podshim-pull-"
 # Writes end on 1 MiB boundaries of the file: one covering an aligned 2 MiB makes the kernel fill a
-# 2 MiB page-cache folio, which costs this VM ~13 times the CPU (docs/architecture.md §18 (This
+# 2 MiB page-cache folio, which costs this VM ~13 times the CPU (docs/design/versions.md (This
 # machine)).
 WRITE_SIZE = CHUNK_SIZE
 Progress = Callable[[int, int], None]

@@ -1,4 +1,4 @@
-"""Registry access for push and pull (docs/architecture.md §10 (Checkpoints through a registry)):
+"""Registry access for push and pull (docs/design/distribution.md (Checkpoints through a registry)):
 which credentials, which scheme, and the oras client podshim talks through.
 
 Credentials come from the environment (`PODSHIM_REGISTRY_AUTH=user:password`) or a docker config

@@ -1,4 +1,4 @@
-"""Live migration of a pod between nodes (docs/architecture.md §21 (Live migration)): post-copy,
+"""Live migration of a pod between nodes (docs/design/migration.md (Live migration)): post-copy,
 CRIU's lazy pages served from the source node's dumps through podshim's mutually authenticated
 TLS link to the destination's lazy-pages daemons.
 

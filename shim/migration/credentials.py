@@ -1,4 +1,4 @@
-"""Node credentials for migrations (docs/architecture.md §21 (Live migration)): every node has a
+"""Node credentials for migrations (docs/design/migration.md (Live migration)): every node has a
 certificate and key signed by the cluster's migration CA (`[migration] cert_file`, `key_file`,
 `ca_file`); both ends of a link present theirs and check the other's (mutual TLS 1.3). A node is
 named by its certificate: the destination's name or address must be in its certificate's subject

@@ -1,5 +1,5 @@
 """The destination node of a live migration: RestorePod with the option
-`lazy-migration-from=NAME` (the source node's name in its certificate; docs/architecture.md §21
+`lazy-migration-from=NAME` (the source node's name in its certificate; docs/design/migration.md
 (Live migration)).
 
 Order: open the migration listener ([migration] listen; only now, and only until the source's

@@ -1,5 +1,5 @@
 """`python -m shim.migration.guard CGROUP...`: the destination's watchdog during a migration
-(docs/architecture.md §21 (Live migration)).
+(docs/design/migration.md (Live migration)).
 
 The migrated containers run on memory that still arrives from the source, and the source thaws
 its own copy once the destination's lease has run out. podshim enforces the lease; if podshim

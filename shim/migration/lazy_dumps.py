@@ -1,5 +1,5 @@
-"""The live migration source's lazy dumps and the pod's cgroups around them (docs/architecture.md
-§21 (Live migration)): one container's `runc checkpoint --lazy-pages` (`LazyDump`), and the blocking
+"""The live migration source's lazy dumps and the pod's cgroups around them (docs/design/migration.md
+(Live migration)): one container's `runc checkpoint --lazy-pages` (`LazyDump`), and the blocking
 steps on the dumps and the cgroups that the source and its recovery run in worker threads: freeze
 again, wait for or end the dumps, kill the frozen pod, keep the dumps' CRIU logs.
 """
@@ -45,7 +45,7 @@ class LazyDump:
     def end(self) -> None:
         """End runc and its CRIU (their process group, and a CRIU found by its image dir) once
         nothing of CRIU's runs in the tasks (at once when serving pages: every task is cured; let
-        finish its dump otherwise: docs/architecture.md §11 (Cancellation)), wait until none is
+        finish its dump otherwise: docs/design/crash-safety.md (Cancellation)), wait until none is
         left; then the pod's tasks are released (ptrace) but stay frozen (the cut)."""
         if self.proc is None:
             return

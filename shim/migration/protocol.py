@@ -1,4 +1,4 @@
-"""What the two nodes of a migration say to each other (docs/architecture.md §21 (Live migration)).
+"""What the two nodes of a migration say to each other (docs/design/migration.md (Live migration)).
 
 Control messages are JSON objects with a type `t`, source → destination (S→D) or back (D→S):
 

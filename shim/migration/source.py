@@ -1,5 +1,5 @@
 """The source node of a live migration: CheckpointPod with the option `lazy-migration=HOST:PORT`
-(the destination's migration listener; docs/architecture.md §21 (Live migration)).
+(the destination's migration listener; docs/design/migration.md (Live migration)).
 
 Order: the checks of CheckpointPod -> connect (mutual TLS) -> offer; the destination runs the
 restore pre-check (shim/archive/compat.py) and accepts, before anything is frozen -> freeze in one
@@ -98,7 +98,7 @@ def credentials(config: Config) -> NodeCredentials:
 def criu_congestion_argv(config: Config) -> list[str]:
     """The lazy-pages daemon's option for the pages' TCP congestion control (CRIU patch 0010;
     the dump's is the same in its config file), none for the host's default
-    (docs/architecture.md §21 (Live migration))."""
+    (docs/design/migration.md (Live migration))."""
     name = config.migration_tcp_congestion
     return ["--tcp-congestion", name] if name else []
 

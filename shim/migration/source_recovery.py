@@ -1,5 +1,5 @@
-"""Recovery of a live migration out of this node that a crash interrupted (docs/architecture.md
-§21 (Live migration)), dispatched by the journal's kind `migration-source` (shim/engine.py): the
+"""Recovery of a live migration out of this node that a crash interrupted (docs/design/migration.md
+(Live migration)), dispatched by the journal's kind `migration-source` (shim/engine.py): the
 dumps a crash left are ended, then the pod is killed (committed) or thawed (after the destination's
 lease when it may have run).
 """
@@ -30,7 +30,7 @@ log = logs.get("shim.migration.source_recovery")
 
 
 async def recover(rec: OpRecord, upstream: Upstream) -> None:
-    """A migration out of this node that a crash interrupted (docs/architecture.md §21 (Live
+    """A migration out of this node that a crash interrupted (docs/design/migration.md (Live
     migration)): its dumps are ended, then by phase: committed -> the pod's processes killed and
     its containers removed; handed-over -> the destination's lease waited out, then thawed;
     earlier -> thawed at once. Not committed: the partial archive is cleared."""
@@ -74,7 +74,7 @@ def _end_leftovers(work_root: Path, output_path: Path, served: bool) -> None:
     process group, found by its work dir or its CRIU's image dir) at a time, and wait until they
     are gone: at once (end_dump) when every task of it was cured, its page server up (`served`,
     or a TCP socket of its CRIU's); else with stop_dump, which lets CRIU take its code out of the
-    tasks first (docs/architecture.md §11 (Cancellation))."""
+    tasks first (docs/design/crash-safety.md (Cancellation))."""
     with contextlib.suppress(FileNotFoundError):
         for name in sorted(os.listdir(work_root)):
             images = layout.ArchiveLayout(output_path).container(name).checkpoint_dir

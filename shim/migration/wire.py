@@ -1,4 +1,4 @@
-"""The control channel between two nodes during a migration (docs/architecture.md §21 (Live
+"""The control channel between two nodes during a migration (docs/design/migration.md (Live
 migration)): one mutually authenticated TLS connection from the source to the destination's
 one-shot listener, carrying framed JSON messages and the archive's bytes. (The pages travel in
 CRIU's own TLS connections, from the source's page servers to the destination's daemons.)

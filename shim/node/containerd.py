@@ -6,7 +6,7 @@ imported file REPLACES a plugin's whole section; 2.0-2.3 speak version 3, 2.4 ve
 the runtimes under `io.containerd.cri.v1.runtime`, and merge imported sections key by key (a list
 is replaced as a whole). Only files named in the main config's `imports` are read: the
 `/etc/containerd/conf.d/*.toml` that `containerd config default` of 2.2+ prints is not applied
-without it (measured, docs/architecture.md §22 (Installing a node)).
+without it (measured, docs/design/install.md (Installing a node)).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`podshim doctor`: checks a node end to end, one line per check with what to do, and passes only
-when a restore will work (docs/architecture.md §22 (Installing a node)).
+when a restore will work (docs/design/install.md (Installing a node)).
 
 FAIL lines are what stops a checkpoint or restore; warn lines are worth knowing (lazy restore
 unavailable, no kubelet running yet, a root podshim will create). It asks the real things: CRIU

@@ -1,5 +1,5 @@
 """`podshim node setup`: wire containerd for podshim, as `nvidia-ctk runtime configure` does for its
-runtime (docs/architecture.md §22 (Installing a node)).
+runtime (docs/design/install.md (Installing a node)).
 
 It writes one drop-in (default /etc/containerd/conf.d/podshim.toml) in the config schema of the
 containerd it finds, and makes the main config import it: the runtime handlers' BinaryName

@@ -1,4 +1,4 @@
-"""CheckpointPod's checks before anything is frozen (docs/architecture.md §4 (CheckpointPod) step 1):
+"""CheckpointPod's checks before anything is frozen (docs/design/checkpoint-pod.md (CheckpointPod) step 1):
 the request's `options` parsed over the node's defaults, the containers to capture (listed, running,
 named once, of this pod), what the archive records of the others, and that CRIU can dump each one (no
 process in its cgroup outside its tree). Shared with CheckpointContainer (checkpoint_container.py)
@@ -26,7 +26,7 @@ class CheckpointOptions:
     criu: CriuOptions = field(default_factory=CriuOptions)
     compress: bool = False  # gzip the rootfs diff
     # ghost-limit=auto: sized before the freeze from the deleted files the pod holds open, up to
-    # this cap (docs/architecture.md §4.3 (What the kubelet sends)); 0: no sizing
+    # this cap (docs/design/checkpoint-pod.md (What the kubelet sends)); 0: no sizing
     ghost_auto_max: int = 0
 
     KEYS = {

@@ -1,7 +1,7 @@
 """CheckpointContainer (KEP-2008) done by podshim.
 
-Checkpoint (docs/architecture.md §6 (CheckpointContainer)): validate `location` and the container ->
-journal (cgroup, staging dir) -> spec/status dumps -> freeze the container's cgroup -> `runc
+Checkpoint (docs/design/checkpoint-container.md (CheckpointContainer)): validate `location` and
+the container -> journal (cgroup, staging dir) -> spec/status dumps -> freeze the container's cgroup -> `runc
 checkpoint --leave-running` while the rootfs diff is captured -> thaw (always, in a `finally`) ->
 config.dump, CRIU stats, podshim manifest with checksums -> one tar written into the staging dir
 next to the target, fsynced, then linked to its final name (never replacing a file) -> staging dir
@@ -366,8 +366,8 @@ class ContainerCheckpointer:
             await run_to_end(check_shared_state, [c])
             # the kubelet's checkpoint API sends no options: the node's defaults, with ghost-limit and
             # irmap-scan-path fitted to what the container holds, as CheckpointPod's
-            # (docs/architecture.md §6 (CheckpointContainer)); its image ID, recorded in the tar
-            # (§19 (Image identity))
+            # (docs/design/checkpoint-container.md (CheckpointContainer)); its image ID, recorded in the tar
+            # (docs/design/archive.md (Image identity))
             opts = await self.pods.fit_options(self.pods.parse_options({}), [c])
             await resolve_container_images(self.upstream, [c])
             # the directory of the tar, held open: from here on it is reached only through that
@@ -478,8 +478,8 @@ class ContainerCheckpointer:
         # touched); someone else's earlier pause is left as found.
         cgroup = c.cgroups_path
         cut = PodCut(None, [cgroup], timeout=FREEZE_TIMEOUT)
-        # its tasks' states, read before the freeze and checked after the thaw (docs/architecture.md
-        # §4.2 (Task states after a checkpoint))
+        # its tasks' states, read before the freeze and checked after the thaw (docs/design/checkpoint-pod.md
+        # (Task states after a checkpoint))
         states = await steps.run(TaskStates, [cgroup])
         # established TCP connections (a node default): the pod's netns locked around the dump as
         # CheckpointPod locks it, journaled first so that recovery unlocks it after a crash

@@ -1,6 +1,6 @@
 """CheckpointPod (KEP-5823): a consistent pod-wide checkpoint with the shortest freeze window.
 
-Order of work (docs/architecture.md §4 (CheckpointPod)): validate (the options and the containers:
+Order of work (docs/design/checkpoint-pod.md (CheckpointPod)): validate (the options and the containers:
 shim/ops/checkpoint_checks.py) -> pod view -> journal -> write what needs no frozen state -> freeze
 in one cut -> dump every container in parallel + capture rootfs diffs -> thaw (or kill for STOPPED)
 -> stats, encryption (with a node key: shim/archive/crypto.py), checksums, manifest (the completion
@@ -135,7 +135,7 @@ class PodCheckpointer:
 
     def parse_options(self, options: dict[str, str]) -> CheckpointOptions:
         """A checkpoint's options: the request's over the node's defaults (`[checkpoint]`; the
-        kubelet sends none, docs/architecture.md §4.3 (What the kubelet sends))."""
+        kubelet sends none, docs/design/checkpoint-pod.md (What the kubelet sends))."""
         cap = parse_size(self.config.ghost_limit_max)
         return CheckpointOptions.parse(options, self.config.option_defaults(), cap)
 
@@ -285,19 +285,19 @@ class PodCheckpointer:
         # 2. Freeze in one cut, dump all in parallel with the rootfs diffs, thaw.
         cut = PodCut(pod.cgroup_parent, [w.view.cgroups_path for w in work], timeout=FREEZE_TIMEOUT)
         # established TCP connections: the pod's netns locked once for all the dumps (each
-        # CRIU is told to skip its own lock; docs/architecture.md §4.1 (The freeze window)),
+        # CRIU is told to skip its own lock; docs/design/checkpoint-pod.md (The freeze window)),
         # journaled first so that recovery unlocks it after a crash
         netlock = NetnsLock(pod.netns) if opts.criu.tcp_established and pod.netns else None
         netns = netlock.netns if netlock is not None else None
         # every task's scheduling state, read before the freeze and checked after the thaw, both
-        # outside the freeze window (docs/architecture.md §4.2 (Task states after a checkpoint))
+        # outside the freeze window (docs/design/checkpoint-pod.md (Task states after a checkpoint))
         states_start = time.monotonic()
         states = await run_to_end(TaskStates, [w.view.cgroups_path for w in work])
         timings["task_states"] = time.monotonic() - states_start
         await run_to_end(self.journal.update, rec, "frozen", netns=netns)  # fsync: never on the loop
         ahead: writeback.ImagesWriteback | None = None
         # the dumps start before the cut and wait at their gates with runc's and CRIU's start-up
-        # done (DumpGate; docs/architecture.md §4.1 (The freeze window)); the largest first: the
+        # done (DumpGate; docs/design/checkpoint-pod.md (The freeze window)); the largest first: the
         # slowest dump bounds the window, so it gets the head start
         order = sorted(work, key=lambda w: w.memory, reverse=True)
         gates = [DumpGate(self.config.scratch_dir) for _ in order]
@@ -436,7 +436,7 @@ class PodCheckpointer:
     ) -> list[_Work]:
         """Write what needs no frozen state, every level through the held output_path. Each
         directory is podshim's own new one (an exclusive mkdir): anything planted in output_path
-        since it was checked empty is FAILED_PRECONDITION (docs/architecture.md §13 (Path
+        since it was checked empty is FAILED_PRECONDITION (docs/design/archive.md (Path
         confinement)), whatever it is."""
         try:
             return self._prepare_dirs(pod, selected, archive)
@@ -469,8 +469,8 @@ class PodCheckpointer:
         return work
 
     def _images_ahead(self, work: list[_Work]) -> writeback.ImagesWriteback | None:
-        """A thread beside the dumps that follows the images CRIU writes (docs/architecture.md
-        §4.1 (The freeze window)):
+        """A thread beside the dumps that follows the images CRIU writes (docs/design/checkpoint-pod.md
+        (The freeze window)):
 
         * writeback: when the pod's memory would take the node's dirty pages past the point where
           the kernel throttles writers, the page images are written back from their first MiB, so
@@ -668,7 +668,7 @@ def options_record(opts: CheckpointOptions) -> dict[str, str]:
 
 
 async def recover(rec: OpRecord) -> None:
-    """Undo a CheckpointPod a crash interrupted (its journal record; docs/architecture.md §16 (Crash
+    """Undo a CheckpointPod a crash interrupted (its journal record; docs/design/crash-safety.md (Crash
     safety)): thaw its cgroups; remove a partial archive, or only the temporary file of an
     interrupted manifest rewrite of a complete one."""
     data: CheckpointRecord = rec.data  # or a ContainerCheckpointRecord without a staging dir
@@ -690,7 +690,7 @@ def _remove_manifest_temps(out: Path) -> None:
     would refuse as a file the manifest does not list: remove it."""
     try:
         # listed and cleaned through the directory opened with O_NOFOLLOW at every level
-        # (docs/architecture.md §13 (Path confinement)): a path replaced by a symlink is left alone
+        # (docs/design/archive.md (Path confinement)): a path replaced by a symlink is left alone
         with DirHandle.open(out) as d, os.scandir(d.fd) as it:
             temps = [
                 e.name

@@ -1,4 +1,4 @@
-"""Lazy restore (docs/architecture.md §5.1 (Lazy restore)): one `criu lazy-pages` daemon per restored
+"""Lazy restore (docs/design/restore-pod.md (Lazy restore)): one `criu lazy-pages` daemon per restored
 container, started and supervised by podshim.
 
 RestorePod with `lazy-pages=true` starts, before each CreateContainer, a daemon serving the
@@ -426,7 +426,8 @@ class LazyPages:
                 name=d.name,
                 pid=d.pid,
                 seconds=seconds,
-                transfer=transfer_split(d.work / LOG_NAME),  # where the daemon's time went (§21)
+                # where the daemon's time went (docs/design/migration.md (Live migration))
+                transfer=transfer_split(d.work / LOG_NAME),
             )
         elif gone or await self._container_gone(d.container_id):
             log.info(
@@ -539,8 +540,8 @@ class LazyPages:
     # ------------------------------------------------------------------ recovery
 
     async def recover(self, rec: Any) -> None:
-        """A daemon a previous podshim started and did not see end (docs/architecture.md
-        §5.1 (Lazy restore)): its exit status cannot be known any more, so its container is killed (with the
+        """A daemon a previous podshim started and did not see end (docs/design/restore-pod.md
+        (Lazy restore)): its exit status cannot be known any more, so its container is killed (with the
         userfaultfds held meanwhile by its guard, and by podshim from the guard and an alive daemon,
         so that no fault reads a zero page), then the daemon and the guard are ended; a container
         already gone only leaves files to remove. Raises (the record

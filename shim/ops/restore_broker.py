@@ -1,4 +1,4 @@
-"""podshim's side of podshim-runc's restore (docs/architecture.md §7 (The runtime wrapper)).
+"""podshim's side of podshim-runc's restore (docs/design/runtime-wrapper.md (The runtime wrapper)).
 
 podshim-runc (native/podshim-runc.c) is called by the upstream's shim for `create` of a restored
 container. Starting the Python hook for it costs every restore ~0.08 s, so podshim-runc asks the

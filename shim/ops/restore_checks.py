@@ -1,4 +1,4 @@
-"""RestorePod's checks (docs/architecture.md §5 (RestorePod) step 1): everything verified before
+"""RestorePod's checks (docs/design/restore-pod.md (RestorePod) step 1): everything verified before
 anything is created. The request (options, configs, runtime handler), the archive's manifest, file
 set, sizes and the members podshim reads itself (config.dump, spec.dump, network.json: read once,
 checksum checked), this node (compat), the upstream's handler and wiring, the container configs,
@@ -38,7 +38,7 @@ INVENTORY = "inventory.img"  # every CRIU image set has one (the node e2e check 
 @dataclass(frozen=True)
 class RestoreOptions:
     start: bool = False  # start the containers (the KEP text's older walkthrough)
-    lazy_pages: bool = False  # memory through userfaultfd (docs/architecture.md §5.1 (Lazy restore))
+    lazy_pages: bool = False  # memory through userfaultfd (docs/design/restore-pod.md (Lazy restore))
 
     KEYS = {
         "start": "true: start the restored containers before returning (default false)",
@@ -164,7 +164,7 @@ def json_member(root: Path, path: Path, m: manifest.Manifest, key: crypto.NodeKe
 
 
 def recorded_images(entry: manifest.ContainerEntry) -> list[str]:
-    """The references manifest.json records for a container's image (docs/architecture.md §19
+    """The references manifest.json records for a container's image (docs/design/archive.md
     (Image identity)): its ID and user-specified name (absent from older manifests), the name the upstream
     reported."""
     return [r for r in (entry.image_id, entry.image, entry.user_specified_image) if r]
@@ -174,10 +174,10 @@ async def check_record(
     root: Path, entry: manifest.ContainerEntry, record: dict[str, Any], images: Images
 ) -> None:
     """config.dump must name the image manifest.json names (DATA_LOSS: an inconsistent archive,
-    refused here rather than when StartContainer restores the container). The same image may go
-    by its ID, a digest reference or a name (§19 (Image identity)): only a reference this node
-    resolves to another image than the manifest's is refused; one it cannot resolve is left to
-    the check that the image is on this node (_missing_images)."""
+    refused here rather than when StartContainer restores the container). The same image may go by
+    its ID, a digest reference or a name (docs/design/archive.md (Image identity)): only a reference
+    this node resolves to another image than the manifest's is refused; one it cannot resolve is
+    left to the check that the image is on this node (_missing_images)."""
     refs = {
         "image": record.get("image"),
         "image_id": record.get("image_id"),
@@ -254,17 +254,18 @@ class Checked:
     phases: Phases = dc_field(default_factory=Phases)  # the time each check took
     unverified: list[str] = dc_field(default_factory=list)  # members whose sha256 restore_pod checks later
     # eager restore of a plain archive on a handler known to pass podshim's annotations: the page
-    # images are checksummed by podshim-runc while CRIU restores (§5 step 4), not by _verify_rest
+    # images are checksummed by podshim-runc while CRIU restores (docs/design/restore-pod.md
+    # (RestorePod) step 4), not by _verify_rest
     defer_pages: bool = False
 
 
 def container_set_problem(dumped: list[str], recorded_only: set[str], requested: list[str]) -> str | None:
     """Why `requested` (the container configs' names) is not exactly the checkpointed containers
     `dumped` (an INVALID_ARGUMENT), None when it is. RestorePod's rule, and a migration's pre-check
-    before the source freezes (docs/architecture.md §21 (Live migration)): a container that had
+    before the source freezes (docs/design/migration.md (Live migration)): a container that had
     exited at the checkpoint (a completed init container) is recorded, not checkpointed: the
     answer could give it no CREATED container to start, which the merged API wants for every
-    config (docs/architecture.md §5 (RestorePod) step 1)."""
+    config (docs/design/restore-pod.md (RestorePod) step 1)."""
     missing = [n for n in dumped if n not in requested]
     exited = [n for n in requested if n in recorded_only]
     extra = [n for n in requested if n not in dumped and n not in recorded_only]
@@ -289,12 +290,12 @@ def container_set_problem(dumped: list[str], recorded_only: set[str], requested:
 
 class RestoreChecks:
     """RestorePod's checks before anything is created: the request, the archive, this node, the
-    upstream (docs/architecture.md §5 (RestorePod) step 1)."""
+    upstream (docs/design/restore-pod.md (RestorePod) step 1)."""
 
     def __init__(self, config: Config, upstream: Upstream, wiring: WiringChecker | None = None) -> None:
         self.config = config
         self.upstream = upstream
-        # docs/architecture.md §8 (Wiring check): refuse a node wired wrong
+        # docs/design/runtime-wrapper.md (Wiring check): refuse a node wired wrong
         self.wiring = wiring
 
     def node_key(self) -> crypto.NodeKey | None:
@@ -309,7 +310,7 @@ class RestoreChecks:
         file set, sizes and the members podshim reads itself (config.dump, network.json: read
         once, checksum checked), this host, the container configs against the checkpoint. The
         checksums of the other members (the memory images) are checked beside the new sandbox
-        (restore_pod.py's _verify_rest, docs/architecture.md §5 (RestorePod) step 1)."""
+        (restore_pod.py's _verify_rest, docs/design/restore-pod.md (RestorePod) step 1)."""
         opts = RestoreOptions.parse(dict(req.options), self.config.lazy_pages)
         if not req.HasField("config") or not req.config.metadata.name:
             raise errors.InvalidArgument("config (the new PodSandboxConfig with metadata) is required")
@@ -345,7 +346,7 @@ class RestoreChecks:
                 pages_from_source=pages_from_source,
                 stop=stop,
             )
-        # docs/architecture.md §5 (RestorePod) step 1: every way this node differs, in one refusal;
+        # docs/design/restore-pod.md (RestorePod) step 1: every way this node differs, in one refusal;
         # CRIU's CPU check (a subprocess) runs while the configs are matched
         host = asyncio.ensure_future(
             run_to_end(this_host_mismatches, m, self.config.runtime.criu, runtime.binary)
@@ -464,7 +465,7 @@ class RestoreChecks:
         entry: manifest.ContainerEntry, requested: cri.ContainerConfig, record: dict, images: Images
     ) -> str | None:
         """The request's image must be the checkpoint's: the same reference, or one this node
-        resolves to the checkpoint's image ID (docs/architecture.md §19 (Image identity)); a
+        resolves to the checkpoint's image ID (docs/design/archive.md (Image identity)); a
         different image is a config mismatch (INVALID_ARGUMENT). Both fields are checked:
         `image.image` (the kubelet's image ID, or a name) and `image.user_specified_image` (the
         name the restored container reports; empty: the checkpoint's), as a container tar's

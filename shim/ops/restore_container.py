@@ -1,5 +1,5 @@
-"""Restore from a container checkpoint tar (CRI-O's convention; docs/architecture.md
-§6 (CheckpointContainer)): a CreateContainer whose image is an absolute path to such a tar.
+"""Restore from a container checkpoint tar (CRI-O's convention; docs/design/checkpoint-container.md
+(CheckpointContainer)): a CreateContainer whose image is an absolute path to such a tar.
 The tar is extracted (regular files and directories only, no member escaping) into
 `<state_dir>/imports/<random>/archive`, and the container is created upstream with the
 checkpoint's image and podshim's restore annotation; podshim-runc turns its `create` into a
@@ -228,7 +228,7 @@ def _spec_defaults(spec: dict[str, Any]) -> cri.ContainerConfig:
 
 
 def tar_image_refs(ck: ImportedCheckpoint) -> list[str]:
-    """What a container tar records of its image, the surest first (docs/architecture.md §19 (Image
+    """What a container tar records of its image, the surest first (docs/design/archive.md (Image
     identity)): podshim's manifest (its ID, the reference the upstream reported, its name, the
     user-specified name), else the checkpointctl keys of config.dump (another runtime's tar)."""
     if ck.manifest is not None:
@@ -295,7 +295,7 @@ class ArchiveImporter:
         self.config = config
         self.upstream = upstream
         self.root = Path(config.state_dir) / IMPORTS_DIR
-        # docs/architecture.md §8 (Wiring check): refuse a node wired wrong; remember what to confirm
+        # docs/design/runtime-wrapper.md (Wiring check): refuse a node wired wrong; remember what to confirm
         self.wiring = wiring
         self.restored = restored
 
@@ -362,7 +362,7 @@ class ArchiveImporter:
         return (await pod_status(self.upstream, pod_id)).status.runtime_handler
 
     async def _image(self, ck: ImportedCheckpoint, req: cri.ContainerConfig, tar_path: Path) -> cri.ImageSpec:
-        """The checkpoint's image, by identity (docs/architecture.md §19 (Image identity)), as
+        """The checkpoint's image, by identity (docs/design/archive.md (Image identity)), as
         RestorePod checks it: what the tar records of its image must name one image (DATA_LOSS
         otherwise: the archive changed); an image the request names (`user_specified_image`, when
         it is not the tar) must be that image by its ID, a digest reference or a name

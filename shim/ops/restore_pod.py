@@ -1,5 +1,5 @@
-"""RestorePod (KEP-5823): a new, fully managed pod from a checkpoint (docs/architecture.md
-§5 (RestorePod)).
+"""RestorePod (KEP-5823): a new, fully managed pod from a checkpoint (docs/design/restore-pod.md
+(RestorePod)).
 
 Validate the archive and the request before touching anything (shim/ops/restore_checks.py); then
 RunPodSandbox and one CreateContainer per checkpointed container (in checkpoint order) through the
@@ -85,7 +85,7 @@ def unknown_handler(details: str, handler: str) -> errors.InvalidArgument | None
 
 def deferred_pages(m: manifest.Manifest, container_rel: str) -> dict[str, str]:
     """The page images of one container whose sha256 podshim-runc checks while CRIU restores (an
-    eager restore of a plain archive, docs/architecture.md §5 (RestorePod) step 4), by their path
+    eager restore of a plain archive, docs/design/restore-pod.md (RestorePod) step 4), by their path
     relative to the container's dir. Only names CRIU gives them (PAGE_IMAGE_RE): any other member,
     whatever its name, is verified before a container exists."""
     prefix = container_rel + "/"
@@ -110,7 +110,7 @@ def check_rootfs_diffs(plan: list[Planned], stop: threading.Event | None = None)
 
 @dataclass
 class _Run:
-    """One RestorePod under way, after its checks (docs/architecture.md §5 (RestorePod) step 5).
+    """One RestorePod under way, after its checks (docs/design/restore-pod.md (RestorePod) step 5).
 
     `undo` holds the undo of every step taken, each registered right after the step it undoes
     (containerd's sandbox_run.go defers one after each step the same way): it runs, last in
@@ -157,11 +157,11 @@ class PodRestorer:
         # called with the journal record of a rollback that failed (Engine retries it)
         self.on_kept: Callable[[Any], None] | None = None
         self.checks = RestoreChecks(config, upstream, wiring)  # before anything is created
-        # docs/architecture.md §8 (Wiring check): what StartContainer confirms was restored
+        # docs/design/runtime-wrapper.md (Wiring check): what StartContainer confirms was restored
         self.restored = restored
         self._decrypting: set[Path] = set()  # decrypted dirs of restores in flight
-        self.lazy = LazyPages(config, upstream, journal)  # docs/architecture.md §5.1 (Lazy restore)
-        # page images hashed from here on, taken by podshim-runc's restore (docs/architecture.md §7
+        self.lazy = LazyPages(config, upstream, journal)  # docs/design/restore-pod.md (Lazy restore)
+        # page images hashed from here on, taken by podshim-runc's restore (docs/design/runtime-wrapper.md
         # (The runtime wrapper))
         self.page_checks = PageChecks()
 
@@ -174,8 +174,8 @@ class PodRestorer:
     ) -> cri.RestorePodResponse:
         """Run RestorePod; `deadline` is the caller's remaining seconds (None: none set), counted
         from here: verifying the archive is bounded by it too. `sandbox_id`: a sandbox the caller
-        made with the request's config (a migration, before the archive arrived, docs/architecture.md
-        §21 (Live migration)): used instead of a new one, and removed like one on a failure.
+        made with the request's config (a migration, before the archive arrived, docs/design/migration.md
+        (Live migration)): used instead of a new one, and removed like one on a failure.
         `pages_from_source`: the migration's destination restores an archive whose pages the
         source serves; any other RestorePod of such an archive is refused."""
         loop = asyncio.get_running_loop()
@@ -228,7 +228,7 @@ class PodRestorer:
         self.journal.finish(rec)
         self.lazy.forget_op(rec.op_id)  # its daemons (lazy-pages=true) are supervised on their own
         # pages_deferred: the page images are checked by podshim-runc beside CRIU's restore (their
-        # time is in its page-check.json, not in `verify`; docs/architecture.md §5 (RestorePod) step 4)
+        # time is in its page-check.json, not in `verify`; docs/design/restore-pod.md (RestorePod) step 4)
         deferred = checked.defer_pages
         log.info("restore done", sandbox=run.sandbox_id, phases=run.phases.seconds, pages_deferred=deferred)
         return cri.RestorePodResponse(
@@ -304,7 +304,7 @@ class PodRestorer:
         return container_id
 
     async def _verify_rest(self, checked: Checked, run: _Run) -> None:
-        """What reads the whole archive, in a task beside RunPodSandbox (docs/architecture.md §5
+        """What reads the whole archive, in a task beside RunPodSandbox (docs/design/restore-pod.md
         (RestorePod) step 1): the sha256 of every member _check did not read, then (encrypted
         archives) the decryption, then the rootfs diffs' checks, then (lazy-pages=true) the start of
         each container's lazy-pages daemon. _create waits for it before it creates any container; a
@@ -312,7 +312,8 @@ class PodRestorer:
         m, rels = checked.manifest, checked.unverified
         if m.encryption is not None:  # what _decrypt reads it hashes in the same pass
             rels = [r for r in rels if not any(r.startswith(p.entry.dir + "/") for p in checked.plan)]
-        elif checked.opts.lazy_pages:  # the page images: checksummed while the daemons serve (§5.1)
+        elif checked.opts.lazy_pages:
+            # the page images: checksummed while the daemons serve (docs/design/restore-pod.md (Lazy restore))
             later = {r for p in checked.plan for r in page_images(m, p.entry.dir)}
             rels = [r for r in rels if r not in later]
         elif checked.defer_pages:  # the page images: checksummed by podshim-runc during the restore
@@ -326,7 +327,8 @@ class PodRestorer:
         with run.phases("rootfs_check"):
             # a hostile diff fails here
             await run.steps.run(check_rootfs_diffs, checked.plan, run.steps.cancel)
-        if checked.opts.lazy_pages:  # each container's daemon starts beside the sandbox too (§5.1)
+        # each container's daemon starts beside the sandbox too (docs/design/restore-pod.md (Lazy restore))
+        if checked.opts.lazy_pages:
             with run.phases("lazy_daemon"):
                 for p in checked.plan:
                     plain = m.encryption is None  # (an encrypted archive's were checked as decrypted)
@@ -390,7 +392,7 @@ class PodRestorer:
             # the restart count continues, in the attempt (the upstream names the container after
             # it) and in the kubelet's annotation alike: the kubelet reads the count back from the
             # annotation and makes its next container attempt count + 1, a name the upstream
-            # refuses while this one exists if the two differ (docs/architecture.md §5 (RestorePod)
+            # refuses while this one exists if the two differ (docs/design/restore-pod.md (RestorePod)
             # step 3)
             cc.metadata.attempt = p.entry.restart_count
             cc.annotations[RESTART_COUNT_ANNOTATION] = str(cc.metadata.attempt)
@@ -420,7 +422,7 @@ class PodRestorer:
             )
         log.info("restore sandbox created", sandbox=run.sandbox_id)
         # the page images podshim-runc checks while CRIU restores: hashed from now on, beside the
-        # CreateContainers and the wait for StartContainer (docs/architecture.md §5 (RestorePod)
+        # CreateContainers and the wait for StartContainer (docs/design/restore-pod.md (RestorePod)
         # step 4); not beside the sandbox, whose containerd, runc and CNI it would slow down
         deferred = {p.entry.name: deferred_pages(m, p.entry.dir) if checked.defer_pages else {} for p in plan}
         for p in plan:
@@ -433,7 +435,7 @@ class PodRestorer:
             with phases("network"):
                 await self._check_network(resp.pod_sandbox_id, checked.network)
 
-        # beside the verification's end and the CreateContainers (docs/architecture.md §5
+        # beside the verification's end and the CreateContainers (docs/design/restore-pod.md
         # (RestorePod) step 3): awaited before any start and the answer; a missing interface
         # removes the sandbox with its containers
         network = asyncio.ensure_future(check_network())
@@ -475,7 +477,9 @@ class PodRestorer:
                     await self.upstream.start_container(
                         created[p.entry.name], doing=f"starting restored container {p.entry.name!r}"
                     )
-                except errors.ShimError as e:  # podshim-runc found a page image that differs (§5 step 4)
+                except errors.ShimError as e:
+                    # podshim-runc found a page image that differs (docs/design/restore-pod.md
+                    # (RestorePod) step 4)
                     if contract.is_page_mismatch(e.upstream_details):
                         raise errors.DataLoss(e.message) from None
                     raise
@@ -518,7 +522,7 @@ class PodRestorer:
         faults.hit("restore.sandbox-unrecorded")
         run.undo.push_async_callback(self.rollback_sandbox, sandbox_id)
         # off the loop (an fsync on a busy disk must not stall the daemons' start beside it);
-        # durable before any container is created (docs/architecture.md §16 (Crash safety))
+        # durable before any container is created (docs/design/crash-safety.md (Crash safety))
         await run_to_end(self.journal.update, run.rec, "sandbox", sandbox_id=sandbox_id)
         faults.hit("restore.after-sandbox")
         return sandbox_id

@@ -1,4 +1,4 @@
-"""Image identity (docs/architecture.md §19 (Image identity)).
+"""Image identity (docs/design/archive.md (Image identity)).
 
 One image has many references: its ID (`sha256:<hex>` of its config, what the kubelet puts in
 `ImageSpec.image`), digest references (`name@sha256:<manifest digest>`) and names

@@ -54,7 +54,7 @@ class ContainerView:
     pid: int
     runtime_root: str  # the OCI runtime's --root holding this container's state
     runtime_binary: str  # the binary the upstream calls (podshim-runc in front of runc/crun)
-    # the image's ID (docs/architecture.md §19 (Image identity)); set by resolve_container_images
+    # the image's ID (docs/design/archive.md (Image identity)); set by resolve_container_images
     image_id: str = ""
 
     @property

@@ -103,7 +103,7 @@ class Server:
             ]
         )
         self.grpc.add_generic_rpc_handlers([CriHandler(passthrough, own, streaming_methods())])
-        # With the front (docs/architecture.md §3 (The proxy)) the daemon listens on a private
+        # With the front (docs/design/proxy.md (The proxy)) the daemon listens on a private
         # socket and the front serves server.socket; without it, the daemon serves server.socket.
         self.front: Front | None = None
         self.listen, self.listen_key = config.socket, "server.socket"

@@ -1,6 +1,6 @@
 """podshim-front (native/front/), the compiled program that serves podshim's public socket: the
 daemon starts it (or adopts the one a daemon before it started), starts it again if it dies,
-stops it, and reads its metrics (docs/architecture.md §3 (The proxy)).
+stops it, and reads its metrics (docs/design/proxy.md (The proxy)).
 
 The front passes every CRI call podshim does not own straight to the upstream; the methods the
 daemon owns (its routing table, given on the command line) come to the daemon's private socket

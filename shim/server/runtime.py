@@ -97,7 +97,7 @@ def ascii_notice(notes: list[str]) -> str:
 
 def restored_start_code(err: grpc.aio.AioRpcError) -> grpc.StatusCode | None:
     """StartContainer of a restored container that podshim-runc failed for a page image whose
-    sha256 differs from the manifest (docs/architecture.md §5 (RestorePod) step 4): DATA_LOSS, as
+    sha256 differs from the manifest (docs/design/restore-pod.md (RestorePod) step 4): DATA_LOSS, as
     RestorePod answers any other corrupt member, instead of the upstream's UNKNOWN."""
     return grpc.StatusCode.DATA_LOSS if contract.is_page_mismatch(err.details() or "") else None
 
@@ -151,7 +151,7 @@ def typed_handler(
 
 
 def version_answer(up: cri.VersionResponse, runtime_name: str) -> cri.VersionResponse:
-    """Version through podshim (docs/architecture.md §3 (The proxy)). "upstream": the upstream's
+    """Version through podshim (docs/design/proxy.md (The proxy)). "upstream": the upstream's
     runtime_name (the kubelet reports container ids as `<runtime_name>://<id>`, which node agents
     key on) and its runtime_version with podshim added as build metadata
     (`1.6.20~ds1+podshim.0.1.0`); "podshim": runtime_name podshim, the upstream in the build
@@ -265,7 +265,7 @@ class RuntimeHandlers:
         (looked up in memory: any other container costs no decoding and no added upstream call)
         does podshim confirm afterwards that its process really came from the checkpoint; if not,
         the container is stopped and removed and the call fails FAILED_PRECONDITION
-        (docs/architecture.md §8 (Wiring check))."""
+        (docs/design/runtime-wrapper.md (Wiring check))."""
         forward = self.passthrough.unary(SERVICE + "StartContainer")
         forward_restored = self.passthrough.unary(SERVICE + "StartContainer", code_for=restored_start_code)
 

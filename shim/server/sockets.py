@@ -1,5 +1,5 @@
 """The unix sockets podshim listens on: taken over and removed only when nobody serves them
-(docs/architecture.md §3 (The proxy)).
+(docs/design/proxy.md (The proxy)).
 
 A socket file left by a run that died is removed before the path is bound again; one that a live
 process still serves is not: a second `podshim serve` on the same path would otherwise steal the

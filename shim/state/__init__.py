@@ -1,4 +1,5 @@
-"""podshim's durable state: the journal of in-flight operations (docs/architecture.md §16 (Crash safety))."""
+"""podshim's durable state: the journal of in-flight operations (docs/design/crash-safety.md (Crash
+safety))."""
 
 from shim.state.journal import KINDS, CorruptRecord, Journal, JournalScan, OpRecord
 

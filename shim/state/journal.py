@@ -1,4 +1,4 @@
-"""The durable journal of in-flight operations (docs/architecture.md §16 (Crash safety)).
+"""The durable journal of in-flight operations (docs/design/crash-safety.md (Crash safety)).
 
 Each operation is one JSON file `<state_dir>/ops/<op_id>.json`, written atomically BEFORE the
 caller touches the pod, rewritten at each phase and removed when the operation ends. After a

@@ -1,5 +1,5 @@
 """Typed journal records: what each operation kind writes into its record's `data` and what its
-recovery reads back (docs/architecture.md §16 (Crash safety)).
+recovery reads back (docs/design/crash-safety.md (Crash safety)).
 
 One dataclass per kind, registered in RECORDS by its KIND. `to_dict` gives the JSON object stored
 under `data`, `from_dict` reads it back. The on-disk format is the one the untyped journal wrote

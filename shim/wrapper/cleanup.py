@@ -1,6 +1,6 @@
 """A restored container's processes, continued or killed, and what a failed or killed restore
 leaves behind removed: the mounts CRIU made below its dirs, the runtime's state, the container's
-cgroups (docs/architecture.md §7 (The runtime wrapper)). For the page check's verdict, the
+cgroups (docs/design/runtime-wrapper.md (The runtime wrapper)). For the page check's verdict, the
 watchdog and the hook's abort; no thread, no import of the daemon."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""podshim-runc-hook: the Python side of podshim-runc (docs/architecture.md §7 (The runtime wrapper)).
+"""podshim-runc-hook: the Python side of podshim-runc (docs/design/runtime-wrapper.md (The runtime wrapper)).
 
 The upstream runtime calls the compiled podshim-runc (native/podshim-runc.c), which execs the
 real runtime itself and execs this hook, with the same argv, environment and file descriptors,

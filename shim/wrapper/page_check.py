@@ -1,4 +1,4 @@
-"""The page check of an eager restore (docs/architecture.md §5 (RestorePod) step 4): the sha256 of
+"""The page check of an eager restore (docs/design/restore-pod.md (RestorePod) step 4): the sha256 of
 each page image, in threads beside CRIU's restore, and its verdict once the restore ended: the
 tasks CRIU left stopped continued, or killed with what they leave. Run by podshim-runc's hook or by
 podshim's restore broker (shim/ops/restore_broker.py), started early at RestorePod."""

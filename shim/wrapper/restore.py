@@ -1,4 +1,4 @@
-"""The restore side of podshim-runc (docs/architecture.md §7 (The runtime wrapper)).
+"""The restore side of podshim-runc (docs/design/runtime-wrapper.md (The runtime wrapper)).
 
 RestorePod creates each container through the upstream with RESTORE_ANNOTATION naming its
 directory in the checkpoint. When the upstream later runs the OCI runtime's `create` for that
@@ -51,7 +51,7 @@ def _arg(rest: list[str], *names: str) -> str | None:
 class RestoreFailed(Exception):
     """The create of a restored container fails: the message goes to the runtime's --log file
     (the upstream shows the last line) and stderr, by the hook (_fail) or by podshim-runc itself
-    (the broker's `fail`, docs/architecture.md §7 (The runtime wrapper))."""
+    (the broker's `fail`, docs/design/runtime-wrapper.md (The runtime wrapper))."""
 
 
 def _fail(message: str, log_file: str | None) -> None:
@@ -167,7 +167,7 @@ def prepare(
     except (config.ConfigError, ShimError) as e:
         raise RestoreFailed(f"restore of {container_id}: {e}") from None
     # an eager restore of a plain archive: its page images are checked beside the rootfs diff
-    # and CRIU's restore, the tasks held stopped until they match (docs/architecture.md §5
+    # and CRIU's restore, the tasks held stopped until they match (docs/design/restore-pod.md
     # (RestorePod) step 4); started first, so the three overlap
     pages = None
     if not annotations.get(LAZY_PAGES_ANNOTATION):
@@ -199,7 +199,7 @@ def prepare(
     # to CRIU in a config file named only in this restore's environment (CRIU_CONFIG_FILE, read by
     # the CRIU runc and crun start). Never by the spec's org.criu.config: runc keeps the spec's
     # annotations with the container and hands that file to CRIU on every later run, so the next
-    # checkpoint's dump would leave the pod stopped (docs/architecture.md §4.2 (Task states after
+    # checkpoint's dump would leave the pod stopped (docs/design/checkpoint-pod.md (Task states after
     # a checkpoint)). runc gets it empty (no config file, now and at every later dump); crun 1.21
     # ignores it, a newer crun passes an annotation to CRIU, and fails when its libcriu predates
     # CRIU 4.2 whatever the value, so for crun it is dropped.
@@ -285,8 +285,8 @@ def conclude(p: Prepared, returncode: int) -> None:
     if not p.lazy and (p.ckpt / contract.DECRYPTED_MARKER).is_file():  # crypto.is_decrypted_dir
         # Decrypted images: CRIU is done with them (a failed create is not retried), and plaintext
         # memory must not stay on disk. A lazy restore's daemon still reads them: podshim removes
-        # them when it has ended (docs/architecture.md §5.1 (Lazy restore)). crypto is imported
-        # only here: it costs every restore's start-up (docs/architecture.md §7 (The runtime wrapper)).
+        # them when it has ended (docs/design/restore-pod.md (Lazy restore)). crypto is imported
+        # only here: it costs every restore's start-up (docs/design/runtime-wrapper.md (The runtime wrapper)).
         from shim.archive import crypto
 
         crypto.remove_decrypted(p.ckpt)
@@ -407,7 +407,7 @@ def _page_check(
     annotation. Every page image of the checkpoint dir (a name CRIU reads, pages-<n>.img) must be
     listed: one that is not would be restored unchecked (RestorePod checked any other name up
     front). `running(ckpt, digests)`: the check podshim started at RestorePod for exactly these
-    images, if any (docs/architecture.md §7 (The runtime wrapper))."""
+    images, if any (docs/design/runtime-wrapper.md (The runtime wrapper))."""
     import re
 
     value = spec.get("annotations", {}).get(PAGE_DIGESTS_ANNOTATION)

@@ -152,7 +152,7 @@ def _is_pause(pid: int) -> bool:
 
 
 # podshim-runc restores through podshim's broker, or alone (its hook) when podshim does not answer
-# (docs/architecture.md §7 (The runtime wrapper)): each of its deaths is tested on both paths
+# (docs/design/runtime-wrapper.md (The runtime wrapper)): each of its deaths is tested on both paths
 PATHS = pytest.mark.parametrize("path", ["", ",runc-wrapper.broker=off"], ids=["broker", "hook"])
 
 
@@ -227,7 +227,7 @@ def test_podshim_runc_killed_while_the_tasks_are_held_stopped(
     tmp_path: Path,
 ) -> None:
     """An eager restore's tasks are held stopped (CRIU's leave-stopped) until podshim-runc has
-    checked the page images (docs/architecture.md §5 (RestorePod) step 4). Held there until the
+    checked the page images (docs/design/restore-pod.md (RestorePod) step 4). Held there until the
     test lets go (`runc-wrapper.held-stopped=wait:FILE`): every process of the container is
     stopped and silent, then continued, and it counts on. podshim-runc SIGKILLed at that point
     (`=kill`): its watchdog kills them all, nothing is left stopped or running, the pod can be
@@ -331,7 +331,7 @@ def test_podshim_killed_while_it_settles_a_restore(
         # the hook's abort kept CRIU's log of the undone restore for the operator; containerd 2.4
         # cancels the create whose caller (podshim) went away, killing podshim-runc before its
         # hook runs, and its own clean-up of the failed create kills what was restored
-        # (docs/architecture.md §17 (containerd, runc and CRIU versions))
+        # (docs/design/versions.md (containerd, runc and CRIU versions))
         assert (bed.podshim_state_dir / "logs" / f"restore-{first.container_id}.log").is_file()
     assert not _pod_processes(new_pod), _pod_processes(new_pod)
     assert not pods.counts(Path(new_pod.log_directory) / first.name / "0.log"), "a held process ran"

@@ -1,4 +1,4 @@
-"""The task-state invariant after every checkpoint (docs/architecture.md §4.2 (Task states
+"""The task-state invariant after every checkpoint (docs/design/checkpoint-pod.md (Task states
 after a checkpoint)): a task the checkpoint left stopped is resumed by podshim, and the
 answer, the log and the metric say so, on success and on the deadline's error alike.
 

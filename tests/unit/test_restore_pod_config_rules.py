@@ -1,8 +1,8 @@
 """RestorePod's container config checks against the checkpoint (shim/ops/restore_checks.py), no
 bed: environment values compared as the upstream stored them (a byte that is not UTF-8 is U+FFFD
 in containerd 1.6's JSON, shim/checks/env.py), and the image a config names in
-`user_specified_image` held to the checkpoint's image as `image.image` is (docs/architecture.md
-§19 (Image identity))."""
+`user_specified_image` held to the checkpoint's image as `image.image` is (docs/design/archive.md
+(Image identity))."""
 
 from __future__ import annotations
 

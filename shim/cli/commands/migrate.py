@@ -1,5 +1,5 @@
 """`podshim migrate POD-ID PATH --to HOST:PORT --to-endpoint ENDPOINT --from-name NAME`: live
-migration of a pod to another node for an operator (docs/architecture.md §21 (Live migration)).
+migration of a pod to another node for an operator (docs/design/migration.md (Live migration)).
 
 It drives both sides through CRI: RestorePod on the destination's podshim (`--to-endpoint`) with
 `lazy-migration-from=NAME` (this node's name in its certificate), the pod and container configs

@@ -159,7 +159,7 @@ class PodFile:
 
 
 def move_to_new_pod(cc: cri.ContainerConfig, old: dict[str, str], new: dict[str, str]) -> list[PodFile]:
-    """A checkpointed container's config for the new pod (docs/architecture.md §5 (RestorePod)):
+    """A checkpointed container's config for the new pod (docs/design/restore-pod.md (RestorePod)):
     labels and annotations that name the old pod name the new one, and every mount of a file of
     the old pod (a host path holding its uid) mounts the new pod's instead. Returns those files,
     which restorepod makes (make_pod_files) before it sends the request: nothing is shared with
@@ -326,7 +326,7 @@ def cmd_restorepod(args: argparse.Namespace) -> int:
         raise UsageError("give the checkpoint directory PATH or --from REF (one of them)")
     if not args.from_ref:
         return _restorepod(args)
-    from shim.cli.commands import distribution  # docs/architecture.md §10 (Checkpoints through a registry)
+    from shim.cli.commands import distribution  # docs/design/distribution.md (Checkpoints through a registry)
 
     pulled, created = distribution.pull_for_restore(args)
     args.path = str(pulled)

@@ -1,7 +1,7 @@
 // cri-client: the project's Go CRI client, built against the released CRI API (k8s.io/cri-api
 // v0.37.2: its generated stubs) and the kubelet's own CRI client code (k8s.io/cri-client v0.37.2,
 // RemoteRuntimeService: the caller's deadline bounds CheckpointPod/RestorePod). It drives podshim
-// the way the kubelet's KEP-5823 code will (docs/architecture.md §20.3 (The released API's Go
+// the way the kubelet's KEP-5823 code will (docs/design/testbed.md (The released API's Go
 // client)); tests/test_kubelet_restore.py runs it. Every command prints one JSON object on stdout:
 // {"code": "OK" | <gRPC code name>, "message": ..., ...}; the exit code is 0 when the call
 // answered OK, 3 when it answered an error, 2 on bad usage or an unreachable endpoint.
