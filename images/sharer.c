@@ -10,6 +10,11 @@
  *   sharer connect NAME      connect to @NAME (retrying until it listens) and keep the connection
  *   sharer watch PATH        an inotify watch on PATH (creating it): prints `event <mask> PATH`
  *                            for each write (IN_CLOSE_WRITE | IN_MODIFY)
+ *   sharer shmcount NAME     shm_open(NAME) in /dev/shm (create or open), map it, and every 100 ms
+ *                            take the next number of the counter it holds (an atomic add, so
+ *                            two containers mapping it share one sequence) and print
+ *                            `shm <n> <unix seconds>`; a file of the pod's /dev/shm checkpointed
+ *                            with the pod resumes the sequence, still shared
  *
  * Prints `ready <mode>` (flushed) once the state is held, then sleeps until killed (watch:
  * reads and prints its events).
@@ -27,6 +32,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 static void die(const char *what)
@@ -49,7 +55,7 @@ static socklen_t abstract_addr(struct sockaddr_un *sa, const char *name)
 int main(int argc, char **argv)
 {
 	if (argc != 3) {
-		fprintf(stderr, "usage: sharer sysv KEY | posix NAME | listen NAME | connect NAME | watch PATH\n");
+		fprintf(stderr, "usage: sharer sysv KEY | posix NAME | listen NAME | connect NAME | watch PATH | shmcount NAME\n");
 		return 2;
 	}
 	const char *mode = argv[1], *arg = argv[2];
@@ -72,6 +78,26 @@ int main(int argc, char **argv)
 		if (p == MAP_FAILED)
 			die("sharer: mmap");
 		p[0] = 'x';
+	} else if (!strcmp(mode, "shmcount")) {
+		int fd = shm_open(arg, O_CREAT | O_RDWR, 0600);
+		if (fd < 0)
+			die("sharer: shm_open");
+		if (ftruncate(fd, 4096) < 0)
+			die("sharer: ftruncate");
+		unsigned long *n = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+		if (n == MAP_FAILED)
+			die("sharer: mmap");
+		close(fd);
+		printf("ready %s\n", mode);
+		fflush(stdout);
+		for (;;) {
+			unsigned long v = __atomic_fetch_add(n, 1, __ATOMIC_SEQ_CST);
+			struct timespec ts;
+			clock_gettime(CLOCK_REALTIME, &ts);
+			printf("shm %lu %ld.%03ld\n", v, (long)ts.tv_sec, ts.tv_nsec / 1000000);
+			fflush(stdout);
+			usleep(100000);
+		}
 	} else if (!strcmp(mode, "listen") || !strcmp(mode, "connect")) {
 		struct sockaddr_un sa;
 		socklen_t len = abstract_addr(&sa, arg);

@@ -878,6 +878,18 @@ step_debroots() {
 }
 
 # ---------------------------------------------------------------------------------------
+# 3e. The PostgreSQL image of the real-workload tests: Debian's own packages (downloaded once into
+# the cache), unpacked into an OCI image in the test bed's image cache (images/postgres.py).
+# ---------------------------------------------------------------------------------------
+step_postgres_image() {
+  step "PostgreSQL 15 test image"
+  mkdir -p "$REPO_ROOT/.testbed/images"
+  python3 "$REPO_ROOT/images/postgres.py" "$REPO_ROOT/.testbed/images" --debs /var/cache/podshim/debs/postgres >/dev/null ||
+    die "building the PostgreSQL test image failed"
+  info "$REPO_ROOT/.testbed/images/postgres.tar"
+}
+
+# ---------------------------------------------------------------------------------------
 system_steps() {
   mkdir -p "$BUILD_DIR/logs"
   step_apt
@@ -888,6 +900,7 @@ system_steps() {
   step_containerd
   step_gotools
   step_debroots
+  step_postgres_image
 }
 
 if [ "${1:-}" = "--system-only" ]; then

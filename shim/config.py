@@ -60,6 +60,7 @@ class Config:
     ghost_limit: str = "auto"
     ghost_limit_max: str = "64M"
     irmap_scan_paths: tuple[str, ...] = ()
+    volume_limit: str = "1G"
     lazy_pages: bool = False
     migration_listen: str = ""
     migration_cert_file: str = ""
@@ -136,6 +137,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, type]]] = {
         "ghost_limit": ("ghost_limit", str),
         "ghost_limit_max": ("ghost_limit_max", str),
         "irmap_scan_paths": ("irmap_scan_paths", list),
+        "volume_limit": ("volume_limit", str),
     },
     "restore": {"lazy_pages": ("lazy_pages", bool)},
     "migration": {
@@ -257,6 +259,11 @@ KEY_DOCS: dict[str, str] = {
         "The default of CheckpointPod's `irmap-scan-paths` option: absolute directories, as the "
         "containers see them, where CRIU looks for the path of a watched file it cannot open by "
         "handle; podshim adds the watched files' own directories to these."
+    ),
+    "checkpoint.volume_limit": (
+        "The most a pod's emptyDir volumes and /dev/shm may hold together for CheckpointPod to "
+        "carry them (they are copied while the pod is frozen); a pod over it is refused before "
+        "the freeze. A size (bytes, K/M/G suffix, up to 1T)."
     ),
     "restore.lazy_pages": (
         "RestorePod's default for its `lazy-pages` option (docs/design/restore-pod.md (Lazy restore))."
@@ -414,7 +421,12 @@ def _validate(cfg: Config) -> Config:
             f"checkpoint.rootfs_compression: must be one of {', '.join(ROOTFS_COMPRESSIONS)}, "
             f"got {cfg.rootfs_compression!r}"
         )
-    for key, size in (("ghost_limit", cfg.ghost_limit), ("ghost_limit_max", cfg.ghost_limit_max)):
+    sizes = (
+        ("ghost_limit", cfg.ghost_limit),
+        ("ghost_limit_max", cfg.ghost_limit_max),
+        ("volume_limit", cfg.volume_limit),
+    )
+    for key, size in sizes:
         if key == "ghost_limit" and size == GHOST_LIMIT_AUTO:
             continue
         try:

@@ -32,6 +32,7 @@ CORE_MODULES = (
     "test_doctor.py",
     "test_distribution.py",
     "test_nonroot.py",
+    "test_pod_volumes.py",
     "faults/",
 )
 # The tests of podshim's CRIU patches (scripts/patches/criu): also run on another CRIU than the

@@ -212,7 +212,6 @@ def test_periodic_timers_keep_firing_after_restore(
 # kind -> (container a's /sharer args, container b's, options, what the refusal names)
 SHARED = {
     "sysv-shm": (["sysv", "5e1f"], ["sysv", "5e1f"], {}, "SysV shared memory segment key 0x5e1f"),
-    "posix-shm": (["posix", "podshim-seg"], ["posix", "podshim-seg"], {}, "/dev/shm/podshim-seg"),
     "unix-stream": (["listen", "podshim-sk"], ["connect", "podshim-sk"], {}, "unix stream connection"),
     "unix-stream-ext": (
         ["listen", "podshim-sk"],
@@ -247,9 +246,10 @@ def test_state_shared_between_containers_is_refused_before_freezing(
     out_dirs: list[Path],
     kind: str,
 ) -> None:
-    """SysV shared memory in the pod's IPC namespace, a POSIX segment in the pod's /dev/shm, a
-    unix stream connection between two containers: CheckpointPod refuses them up front
-    (FAILED_PRECONDITION naming the object and the containers), leaving the pod running, unfrozen."""
+    """SysV shared memory in the pod's IPC namespace that two containers share, a unix stream
+    connection between two containers: CheckpointPod refuses them up front (FAILED_PRECONDITION
+    naming the object and the containers), leaving the pod running, unfrozen. (A POSIX segment
+    in the pod's /dev/shm travels with the pod: tests/test_pod_volumes.py.)"""
     args_a, args_b, options, needle = SHARED[kind]
     tag = f"share-{kind}-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
     containers = {

@@ -5,6 +5,7 @@ symlink (unit tests on a real file system)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import stat
 import tarfile
@@ -177,9 +178,73 @@ def test_targets_are_the_new_pods_paths_of_the_same_names() -> None:
     assert volumes.targets(["work"], [cc], new) == {"work": empty_dir("work", uid=new)}
     with pytest.raises(errors.FailedPrecondition, match="'cache'"):
         volumes.targets(["work", "cache"], [cc], new)
-    rec = volumes.record_bytes(
-        [volumes.EmptyDir("work", empty_dir("work"), (("app", "/data"),))], {"work": volumes.Summary()}
-    )
-    assert volumes.parse_record(rec, "empty-dirs.json") == ["work"]
+    dirs = [
+        volumes.EmptyDir("work", empty_dir("work"), (("app", "/data"),)),
+        volumes.EmptyDir("idle", empty_dir("idle"), (("app", "/idle"),)),
+    ]
+    rec = volumes.record_bytes(dirs, {"work": volumes.Summary()})  # "idle" was empty: not captured
+    assert volumes.parse_record(rec, "volumes.json") == volumes.Record(("work",), False)
+    shm = ("/run/sandboxes/x/shm", volumes.Summary(files=2))
+    rec = volumes.record_bytes(dirs, {}, shm)
+    assert volumes.parse_record(rec, "volumes.json") == volumes.Record((), True)
     with pytest.raises(errors.DataLoss):
-        volumes.parse_record(b"{}", "empty-dirs.json")
+        volumes.parse_record(b"{}", "volumes.json")
+    bad = json.dumps({"version": 1, "empty_dirs": [{"name": "../x"}], "dev_shm": None}).encode()
+    with pytest.raises(errors.InvalidArgument):
+        volumes.parse_record(bad, "volumes.json")
+
+
+def test_dev_shm_is_the_pods_own_mount_only() -> None:
+    """The pod's /dev/shm is the bind mount the runtime gives it; a host-IPC pod's is the node's."""
+    own = {"mounts": [{"destination": "/dev/shm", "type": "bind", "source": "/run/c/sandboxes/x/shm"}]}
+    host = {"mounts": [{"destination": "/dev/shm", "type": "bind", "source": "/dev/shm"}]}
+    tmpfs = {"mounts": [{"destination": "/dev/shm", "type": "tmpfs", "source": "shm"}]}
+    assert volumes.dev_shm_source(own) == "/run/c/sandboxes/x/shm"
+    assert volumes.dev_shm_source(host) is None
+    assert volumes.dev_shm_source(tmpfs) is None
+    assert volumes.dev_shm_source({}) is None
+
+
+def test_pod_volumes_capture_what_holds_anything_and_fill_only_empty_targets(tmp_path: Path) -> None:
+    """shim/ops/pod_volumes.py on a real file system: an empty emptyDir is not recorded, a filled one
+    and the pod's /dev/shm are; fill puts them back, and a kubelet's restore (only_empty) leaves a
+    volume an earlier container filled as it is."""
+    from types import SimpleNamespace
+
+    from shim.archive.dirfd import DirHandle
+    from shim.ops import pod_volumes
+
+    work, idle, shm = (tmp_path / "src" / n for n in ("work", "idle", "shm"))
+    for d in (work, idle, shm):
+        d.mkdir(parents=True)
+    (work / "msg").write_text("hello")
+    (shm / "PostgreSQL.1234").write_bytes(b"\1" * 4096)
+    archive = tmp_path / "archive"
+    (archive / "sandbox").mkdir(parents=True)
+    found = pod_volumes.PodVolumes(
+        (
+            volumes.EmptyDir("idle", str(idle), (("app", "/idle"),)),
+            volumes.EmptyDir("work", str(work), (("app", "/work"),)),
+        ),
+        str(shm),
+    )
+    with DirHandle.open(archive) as held:
+        written = pod_volumes.capture(found, held)
+    assert written == {"work": 5, "/dev/shm": 4096}
+    rec = volumes.parse_record((archive / "sandbox" / "volumes.json").read_bytes(), "volumes.json")
+    assert rec == volumes.Record(("work",), True)
+    assert sorted(pod_volumes.tar_rels(rec)) == ["sandbox/dev-shm.tar", "sandbox/empty-dirs/work.tar"]
+    pod_volumes.check(archive, rec, encrypted=False)
+
+    new_work, new_shm = tmp_path / "new" / "work", tmp_path / "new" / "shm"
+    new_work.mkdir(parents=True)
+    new_shm.mkdir()
+    m = SimpleNamespace(encryption=None, files={})
+    where = pod_volumes.Targets({"work": str(new_work)}, str(new_shm))
+    assert pod_volumes.fill(archive, m, rec, where, None, str(tmp_path)) == {"work": 5, "/dev/shm": 4096}
+    assert (new_work / "msg").read_text() == "hello"
+    assert (new_shm / "PostgreSQL.1234").read_bytes() == b"\1" * 4096
+    # filled already (an earlier container of the pod): left alone, not refused
+    assert pod_volumes.fill(archive, m, rec, where, None, str(tmp_path), only_empty=True) == {}
+    with pytest.raises(errors.FailedPrecondition, match="not empty"):
+        pod_volumes.fill(archive, m, rec, where, None, str(tmp_path))

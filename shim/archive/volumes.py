@@ -1,12 +1,12 @@
-"""A pod's emptyDir volumes in its checkpoint (docs/design/archive.md (Archive layout)).
+"""A pod's emptyDir volumes and its /dev/shm in its checkpoint (docs/design/archive.md (Archive layout)).
 
 An emptyDir is the kubelet's directory `<root-dir>/pods/<uid>/volumes/kubernetes.io~empty-dir/<name>`
 (disk-backed, or a tmpfs mounted there for `medium: Memory`), bind-mounted into the containers
-that use it. CheckpointPod finds each one from the containers' bind mounts, tars its content
-while the pod is frozen into `sandbox/empty-dirs/<name>.tar` and lists them in
-`sandbox/empty-dirs.json`; both are archive members like any other (size and sha256 in the
-manifest). RestorePod fills the new pod's emptyDir of the same name (its host path from the
-request's container configs) before any container is created.
+that use it; the pod's /dev/shm is the sandbox's own tmpfs, bind-mounted into each container.
+CheckpointPod tars what they hold while the pod is frozen (`sandbox/empty-dirs/<name>.tar`,
+`sandbox/dev-shm.tar`) and lists them in `sandbox/volumes.json`; all are archive members like
+any other (size and sha256 in the manifest). RestorePod fills the new pod's volumes of the same
+names before any container is created (shim/ops/pod_volumes.py).
 
 The tar keeps directories, regular files (holes as GNU PAX 1.0 sparse members: a sparse file
 stays sparse and costs its data only), symlinks, hard links and fifos, with modes, numeric
@@ -46,7 +46,9 @@ from shim.errors import DataLoss, FailedPrecondition, Internal, InvalidArgument,
 
 EMPTY_DIR_PLUGIN = "kubernetes.io~empty-dir"
 EMPTY_DIRS_DIR = "empty-dirs"  # sandbox/empty-dirs/<name>.tar
-EMPTY_DIRS_FILE = "empty-dirs.json"  # sandbox/empty-dirs.json: what was recorded
+DEV_SHM_TAR = "dev-shm.tar"  # sandbox/dev-shm.tar: the pod's /dev/shm
+VOLUMES_FILE = "volumes.json"  # sandbox/volumes.json: what was recorded
+DEV_SHM = "/dev/shm"
 RECORD_VERSION = 1
 # <root-dir>/pods/<uid>/volumes/kubernetes.io~empty-dir/<name>: the kubelet's layout
 _HOST_PATH = re.compile(r"/pods/([^/]+)/volumes/kubernetes\.io~empty-dir/([^/]+)/?$")
@@ -88,7 +90,7 @@ def volume_name(host_path: str, pod_uid: str = "") -> str | None:
     return m.group(2)
 
 
-def _bind_sources(spec: Mapping[str, Any]) -> Iterable[tuple[str, str]]:
+def bind_sources(spec: Mapping[str, Any]) -> Iterable[tuple[str, str]]:
     """(source, destination) of each bind mount of an OCI spec."""
     mounts = spec.get("mounts")
     for m in mounts if isinstance(mounts, list) else []:
@@ -104,7 +106,7 @@ def find_empty_dirs(containers: Sequence[tuple[str, Mapping[str, Any]]], pod_uid
     """The emptyDirs of the pod `pod_uid` that `containers` ((name, OCI spec) pairs) mount, by name."""
     found: dict[str, tuple[str, list[tuple[str, str]]]] = {}
     for cname, spec in containers:
-        for source, dest in _bind_sources(spec):
+        for source, dest in bind_sources(spec):
             name = volume_name(source, pod_uid)
             if name is None:
                 continue
@@ -129,17 +131,28 @@ def tree_bytes(root: str | Path, stop: threading.Event | None = None) -> int:
     return TAR_ENTRY_BYTES + tar_tree_bytes(root, _data_bytes, stop)
 
 
+def dev_shm_source(spec: Mapping[str, Any]) -> str | None:
+    """The host path of the pod's /dev/shm in an OCI spec (the sandbox's or a container's), None
+    when it has none of its own (host IPC: the node's /dev/shm is not the pod's to carry)."""
+    for source, dest in bind_sources(spec):
+        if os.path.normpath(dest) == DEV_SHM:
+            src = os.path.normpath(source)
+            return None if src == DEV_SHM or not source else src
+    return None
+
+
 def check_limit(sizes: Mapping[str, int], limit: int, key: str) -> None:
-    """FAILED_PRECONDITION, before anything is frozen, when the emptyDirs of a pod take more
-    than `limit` bytes together (`key`: the config key that raises it)."""
+    """FAILED_PRECONDITION, before anything is frozen, when the volumes of a pod (its emptyDirs,
+    and its /dev/shm under the name "/dev/shm") take more than `limit` bytes together (`key`: the
+    config key that raises it)."""
     total = sum(sizes.values())
     if total <= limit:
         return
     largest = max(sizes, key=lambda n: sizes[n])
     raise FailedPrecondition(
-        f"the pod's emptyDir volumes hold {_mib(total)} (the largest, {largest!r}, {_mib(sizes[largest])}), "
-        f"over the node's limit of {_mib(limit)} ({key}): nothing was frozen; raise {key} "
-        "or empty the volumes"
+        f"the pod's emptyDir volumes and /dev/shm hold {_mib(total)} (the largest, {largest!r}, "
+        f"{_mib(sizes[largest])}), over the node's limit of {_mib(limit)} ({key}): nothing was frozen; "
+        f"raise {key} or empty the volumes"
     )
 
 
@@ -342,8 +355,19 @@ def capture(src: str | Path, out_tar: Path, stop: threading.Event | None = None)
 # ---------------------------------------------------------------------------- record
 
 
-def record_bytes(dirs: Sequence[EmptyDir], summaries: Mapping[str, Summary]) -> bytes:
-    """sandbox/empty-dirs.json."""
+@dataclass(frozen=True)
+class Record:
+    """sandbox/volumes.json as RestorePod reads it."""
+
+    empty_dirs: tuple[str, ...]  # names, each with sandbox/empty-dirs/<name>.tar
+    dev_shm: bool  # sandbox/dev-shm.tar holds the pod's /dev/shm
+
+
+def record_bytes(
+    dirs: Sequence[EmptyDir], summaries: Mapping[str, Summary], dev_shm: tuple[str, Summary] | None = None
+) -> bytes:
+    """sandbox/volumes.json: the emptyDirs captured (`summaries` by name) and the pod's /dev/shm
+    (its host path and summary), when captured."""
     doc = {
         "version": RECORD_VERSION,
         "empty_dirs": [
@@ -356,29 +380,36 @@ def record_bytes(dirs: Sequence[EmptyDir], summaries: Mapping[str, Summary]) -> 
                 "bytes": summaries[d.name].bytes,
             }
             for d in dirs
+            if d.name in summaries
         ],
+        "dev_shm": None
+        if dev_shm is None
+        else {"tar": DEV_SHM_TAR, "source": dev_shm[0], "files": dev_shm[1].files, "bytes": dev_shm[1].bytes},
     }
     return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
-def parse_record(data: bytes, where: str) -> list[str]:
-    """The emptyDir names of a verified sandbox/empty-dirs.json; DataLoss when malformed."""
+def parse_record(data: bytes, where: str) -> Record:
+    """A verified sandbox/volumes.json; DataLoss when malformed."""
     try:
         doc = json.loads(data)
-        names = [str(e["name"]) for e in doc["empty_dirs"]]
+        names = tuple(str(e["name"]) for e in doc["empty_dirs"])
+        shm = doc["dev_shm"] is not None
         ok = doc.get("version") == RECORD_VERSION
     except (ValueError, KeyError, TypeError) as e:
-        raise DataLoss(f"{where} is not a valid emptyDir record ({e}): take a new checkpoint") from None
+        raise DataLoss(f"{where} is not a valid volume record ({e}): take a new checkpoint") from None
     if not ok:
-        raise FailedPrecondition(f"{where}: emptyDir record version {doc.get('version')!r} is not supported")
+        raise FailedPrecondition(f"{where}: volume record version {doc.get('version')!r} is not supported")
     for n in names:
         check_component(n, "emptyDir name")
-    return names
+    return Record(names, shm)
 
 
-def targets(names: Sequence[str], configs: Sequence[Any], pod_uid: str) -> dict[str, str]:
+def targets(
+    names: Sequence[str], configs: Sequence[Any], pod_uid: str, missing_ok: bool = False
+) -> dict[str, str]:
     """The new pod's host path of each recorded emptyDir, from the request's container configs
-    (cri.ContainerConfig): FailedPrecondition for one no container mounts."""
+    (cri.ContainerConfig): FailedPrecondition for one no container mounts (`missing_ok`: left out)."""
     found: dict[str, str] = {}
     for cc in configs:
         for m in cc.mounts:
@@ -386,7 +417,7 @@ def targets(names: Sequence[str], configs: Sequence[Any], pod_uid: str) -> dict[
             if name is not None and name in names:
                 found.setdefault(name, os.path.normpath(m.host_path))
     missing = [n for n in names if n not in found]
-    if missing:
+    if missing and not missing_ok:
         raise FailedPrecondition(
             f"the checkpoint holds emptyDir volume(s) {', '.join(map(repr, missing))} that no container "
             f"config of the request mounts (a host path under pods/{pod_uid or '<uid>'}/volumes/"
@@ -475,7 +506,8 @@ def _write_regular(tar: tarfile.TarFile, ti: tarfile.TarInfo, pfd: int, name: st
     return n
 
 
-def _is_empty(target: Path) -> bool:
+def is_empty(target: str | Path) -> bool:
+    """Whether the directory `target` holds nothing (opened without following a symlink)."""
     fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         with os.scandir(fd) as it:
@@ -485,11 +517,11 @@ def _is_empty(target: Path) -> bool:
 
 
 def apply(tar_path: Path, target: Path, stop: threading.Event | None = None) -> Summary:
-    """Fill the existing, empty directory `target` (the new pod's emptyDir) from `tar_path`:
+    """Fill the existing, empty directory `target` (the new pod's emptyDir or /dev/shm) from `tar_path`:
     FailedPrecondition when it holds anything. `stop` set: Stopped before the next member."""
     target = Path(target)
     try:
-        if not _is_empty(target):
+        if not is_empty(target):
             raise FailedPrecondition(
                 f"emptyDir {target} of the new pod is not empty: a restore fills a fresh emptyDir only"
             )

@@ -8,10 +8,10 @@ what two containers share is captured twice and restored twice, or not at all:
   container's dump holds the whole namespace, and the second restore fails ("Failed to create
   shm set: File exists"). Refused when two or more checkpointed containers share an IPC
   namespace holding any object; one container alone restores them into the new pod.
-* Files in the pod's `/dev/shm` (POSIX shared memory, named semaphores): a mount of the runtime,
-  external to every container's checkpoint, whose content is not captured; the restore cannot
-  open them ("Can't open file dev/shm/..."). Refused when a checkpointed process has one open
-  or mapped.
+* Files in the node's `/dev/shm` (POSIX shared memory, named semaphores) of a pod with host IPC:
+  not the pod's to carry, and the restore could not open them ("Can't open file dev/shm/...").
+  Refused when a checkpointed process has one open or mapped. A pod's own /dev/shm travels with
+  its checkpoint (shim/ops/pod_volumes.py).
 * A unix stream (or seqpacket) connection between two checkpointed containers: each CRIU run
   sees half of it ("External socket is used", or with ext-unix-sk "Can't dump half of stream
   unix connection"). Refused.
@@ -41,10 +41,12 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 T = TypeVar("T")
 
 
-def check_shared_state(selected: list[ContainerView]) -> None:
-    """FAILED_PRECONDITION when the selected containers share what podshim cannot restore."""
+def check_shared_state(selected: list[ContainerView], dev_shm_carried: bool = False) -> None:
+    """FAILED_PRECONDITION when the selected containers share what podshim cannot restore
+    (`dev_shm_carried`: the checkpoint carries the pod's /dev/shm, whose files are then fine)."""
     procs = {c.name: _pids(c) for c in selected}
-    _check_dev_shm(procs)
+    if not dev_shm_carried:
+        _check_dev_shm(procs)
     if len(selected) > 1:
         _check_sysv_ipc(procs)
         _check_unix_connections(procs)
@@ -93,8 +95,9 @@ def _check_dev_shm(procs: dict[str, list[int]]) -> None:
         more = f" (and {len(users) - 1} more)" if len(users) > 1 else ""
         raise errors.FailedPrecondition(
             f"POSIX shared memory {path}{more} in the pod's /dev/shm is in use by container(s) "
-            f"{_names(users[path])}: podshim does not checkpoint /dev/shm (a mount of the runtime outside "
-            "every container's checkpoint, whose content the restore could not open); nothing was frozen"
+            f"{_names(users[path])}: podshim carries only a pod's own /dev/shm in a pod checkpoint (this "
+            "one is the node's, or the checkpoint is of a container alone), so the restore could not "
+            "open it; nothing was frozen"
         )
 
 

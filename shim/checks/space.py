@@ -30,10 +30,11 @@ class Estimate:
     memory: int  # resident memory of the containers' processes
     layers: int  # their writable layers, as tarred
     margin: int
+    volumes: int = 0  # the pod's emptyDirs and /dev/shm, as tarred
 
     @property
     def total(self) -> int:
-        return self.memory + self.layers + self.margin
+        return self.memory + self.layers + self.volumes + self.margin
 
 
 def memory_bytes(c: ContainerView) -> int:
@@ -57,10 +58,13 @@ def layer_bytes(upper: Path | None, stop: threading.Event | None = None) -> int:
     return fsutil.tar_tree_bytes(upper, lambda st: st.st_size, stop)
 
 
-def estimate(containers: list[ContainerView], stop: threading.Event | None = None) -> Estimate:
+def estimate(
+    containers: list[ContainerView], stop: threading.Event | None = None, volumes: int = 0
+) -> Estimate:
     memory = sum(memory_bytes(c) for c in containers)
     layers = sum(layer_bytes(c.upperdir(), stop) for c in containers)
-    return Estimate(memory, layers, int((memory + layers) * MARGIN_FRACTION) + MARGIN_BYTES)
+    margin = int((memory + layers + volumes) * MARGIN_FRACTION) + MARGIN_BYTES
+    return Estimate(memory, layers, margin, volumes)
 
 
 def _mib(n: int) -> str:
@@ -68,16 +72,23 @@ def _mib(n: int) -> str:
 
 
 def check_fits(
-    d: DirHandle, containers: list[ContainerView], what: str, stop: threading.Event | None = None
+    d: DirHandle,
+    containers: list[ContainerView],
+    what: str,
+    stop: threading.Event | None = None,
+    volumes: int = 0,
 ) -> Estimate:
     """ResourceExhausted, saying how much is needed and how much is free, when the file system
-    of `d` (statvfs of the descriptor podshim holds) cannot hold the checkpoint."""
-    est = estimate(containers, stop)
+    of `d` (statvfs of the descriptor podshim holds) cannot hold the checkpoint (`volumes`: the
+    bytes of the pod's volumes it carries)."""
+    est = estimate(containers, stop, volumes)
     free = d.free_bytes()
     if free < est.total:
         raise errors.ResourceExhausted(
             f"{what} has {_mib(free)} free, the checkpoint needs about {_mib(est.total)} "
-            f"(memory {_mib(est.memory)} + writable layers {_mib(est.layers)} + margin {_mib(est.margin)}); "
+            f"(memory {_mib(est.memory)} + writable layers {_mib(est.layers)}"
+            + (f" + volumes {_mib(est.volumes)}" if est.volumes else "")
+            + f" + margin {_mib(est.margin)}); "
             "nothing was frozen: free space there or choose a path on a larger file system"
         )
     return est

@@ -567,15 +567,18 @@ class ContainerCheckpointer:
         images: DirHandle,
     ) -> None:
         # runc/crun inherit the held directories and name them /proc/self/fd/N (dirfd.py)
-        timings["dump"] = await runtime.checkpoint(
-            c.name,
-            c.id,
-            Path(images.proc),
-            Path(tree.proc),
-            opts,
-            leave_running=True,
-            pass_fds=(images.fd, tree.fd),
-        )
+        try:
+            timings["dump"] = await runtime.checkpoint(
+                c.name,
+                c.id,
+                Path(images.proc),
+                Path(tree.proc),
+                opts,
+                leave_running=True,
+                pass_fds=(images.fd, tree.fd),
+            )
+        except (errors.Internal, errors.ResourceExhausted) as e:  # the staging dir goes with the failure
+            raise checkpoint_pod.with_kept_log(e, tree, self.config.state_dir, c.id) from None
         log.info("container dumped", container=c.id, seconds=round(timings["dump"], 4))
 
     async def _diff(

@@ -38,6 +38,7 @@ from shim.config import Config, parse_size
 from shim.criu import rpc_config
 from shim.criu.runtime import DumpGate, NetnsLock, OciRuntime, binary_version, read_dump_stats
 from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, DUMPS_READY_WAIT, FREEZE_TIMEOUT
+from shim.ops import pod_volumes
 from shim.ops.checkpoint_checks import (
     CheckpointOptions,
     check_dumpable,
@@ -169,7 +170,7 @@ class PodCheckpointer:
         caller_end = loop.time() + (deadline if deadline is not None else DEFAULT_DEADLINE)
         try:
             async with asyncio.timeout_at(caller_end - CHECK_MARGIN):
-                opts, out, pod, selected, held = await self._check(req)
+                opts, out, pod, selected, held, vols = await self._check(req)
         except TimeoutError:
             raise errors.DeadlineExceeded(
                 f"the caller's deadline passed while checking the request for pod {req.pod_sandbox_id}; "
@@ -197,7 +198,7 @@ class PodCheckpointer:
         started = time.monotonic()
         try:
             async with asyncio.timeout_at(end):
-                result = await self._run(pod, selected, archive, opts, post, rec, started)
+                result = await self._run(pod, selected, archive, opts, post, rec, started, vols)
         except TimeoutError:
             self._abandon(archive, rec)
             raise errors.DeadlineExceeded(
@@ -214,12 +215,13 @@ class PodCheckpointer:
         return result
 
     async def _check(
-        self, req: cri.CheckpointPodRequest
-    ) -> tuple[CheckpointOptions, Path, PodView, list[ContainerView], DirHandle]:
+        self, req: cri.CheckpointPodRequest, carry_volumes: bool = True
+    ) -> tuple[CheckpointOptions, Path, PodView, list[ContainerView], DirHandle, pod_volumes.PodVolumes]:
         """Everything checked before anything is frozen or written: options, output path, node
-        key, pod (ready), the containers to capture (running, dumpable), and that the checkpoint
-        fits on output_path's file system. Returns output_path held open (dirfd.py): from here
-        on nothing inside it is reached through its path."""
+        key, pod (ready), the containers to capture (running, dumpable), the pod's volumes (under
+        the node's limit), and that the checkpoint fits on output_path's file system. Returns
+        output_path held open (dirfd.py): from here on nothing inside it is reached through its
+        path."""
         opts = self.parse_options(dict(req.options))
         post = req.post_checkpoint_state
         if post not in (cri.POST_CHECKPOINT_STATE_RUNNING, cri.POST_CHECKPOINT_STATE_STOPPED):
@@ -236,18 +238,22 @@ class PodCheckpointer:
         for c in selected:
             await run_to_end(check_dumpable, c)
             await run_to_end(self.check_criu_config, c)
-        await run_to_end(check_shared_state, selected)  # what the containers share (shim/checks/sharing.py)
+        stop = threading.Event()  # set when the deadline cancels a walk below: it ends
+        limit = parse_size(self.config.volume_limit)
+        vols = pod_volumes.PodVolumes()
+        if carry_volumes:  # what the checkpointed containers mount: nothing else runs again
+            vols = await run_to_end(pod_volumes.find, pod, selected, limit, stop, stop=stop)
+        # what the containers share (shim/checks/sharing.py); the pod's own /dev/shm travels with it
+        await run_to_end(check_shared_state, selected, vols.dev_shm is not None)
         opts = await self.fit_options(opts, selected)
         held = open_checked(out, req.output_path, "output path", empty=True)
         try:
-            stop = threading.Event()  # set when the deadline cancels the estimate: its walk ends
-            await run_to_end(
-                space.check_fits, held, selected, f"output path {req.output_path}", stop, stop=stop
-            )
+            where = f"output path {req.output_path}"
+            await run_to_end(space.check_fits, held, selected, where, stop, vols.bytes, stop=stop)
         except BaseException:
             held.close()
             raise
-        return opts, out, pod, selected, held
+        return opts, out, pod, selected, held, vols
 
     def _abandon(self, archive: layout.ArchiveLayout, rec: Any) -> None:
         """Remove what this operation wrote inside output_path (never the dir itself), through
@@ -272,6 +278,7 @@ class PodCheckpointer:
         post: int,
         rec: Any,
         started: float,
+        vols: pod_volumes.PodVolumes,
     ) -> manifest.Manifest:
         assert archive.dir is not None  # output_path held open (_check)
         timings: dict[str, float] = {}
@@ -296,6 +303,7 @@ class PodCheckpointer:
         timings["task_states"] = time.monotonic() - states_start
         await run_to_end(self.journal.update, rec, "frozen", netns=netns)  # fsync: never on the loop
         ahead: writeback.ImagesWriteback | None = None
+        vstop = threading.Event()  # set when the capture must end: the volumes' tars stop
         # the dumps start before the cut and wait at their gates with runc's and CRIU's start-up
         # done (DumpGate; docs/design/checkpoint-pod.md (The freeze window)); the largest first: the
         # slowest dump bounds the window, so it gets the head start
@@ -318,6 +326,7 @@ class PodCheckpointer:
                     if netlock is not None:
                         await run_to_end(netlock.lock)
                     diffs = [asyncio.ensure_future(self._diff(w, opts)) for w in work]
+                    diffs.append(asyncio.ensure_future(self._volumes(vols, archive.dir, timings, vstop)))
                     try:
                         for g in gates:
                             g.open()
@@ -326,6 +335,7 @@ class PodCheckpointer:
                         # gather leaves the others running: a dump still going after the thaw below
                         # would freeze its container again (CRIU restores the FROZEN state it found)
                         # and write into the cleared output_path. Stop them and wait before thawing.
+                        vstop.set()
                         for t in dumps:
                             t.cancel()
                         await asyncio.gather(*dumps, *diffs, return_exceptions=True)
@@ -508,26 +518,8 @@ class PodCheckpointer:
                 gate=gate,
             )
         except (errors.Internal, errors.ResourceExhausted) as e:
-            # the failure removes output_path, CRIU log included: keep a copy for the operator
-            # (as the restore hook does) and name that one in the message, with the same code
-            kept = self._keep_log(w)
-            if kept is None:
-                raise
-            log_path = str(Path(w.dir.proc) / layout.DUMP_LOG_FILE)
-            if log_path in e.message:
-                raise type(e)(e.message.replace(log_path, kept)) from None
-            raise type(e)(f"{e.message} (CRIU log: {kept})") from None
+            raise with_kept_log(e, w.dir, self.config.state_dir, w.view.id) from None
         log.info("container dumped", container=w.view.name, seconds=round(w.dump_seconds, 4))
-
-    def _keep_log(self, w: _Work) -> str | None:
-        try:
-            dest_dir = Path(self.config.state_dir) / "logs"
-            dest_dir.mkdir(mode=layout.DIR_MODE, parents=True, exist_ok=True)
-            dest = dest_dir / f"checkpoint-{w.view.id}.log"
-            fsutil.write_private_file(dest, w.dir.read_bytes(layout.DUMP_LOG_FILE))
-            return str(dest)
-        except (OSError, errors.ShimError):
-            return None
 
     async def _diff(self, w: _Work, opts: CheckpointOptions) -> None:
         upper = w.view.upperdir()
@@ -546,6 +538,16 @@ class PodCheckpointer:
             deleted_files=w.dir.at(layout.DELETED_FILES_FILE),
         )
         w.diff_seconds = time.monotonic() - start
+
+    async def _volumes(
+        self, vols: pod_volumes.PodVolumes, out: DirHandle, timings: dict[str, float], stop: threading.Event
+    ) -> None:
+        """The pod's emptyDirs and /dev/shm, tarred inside the freeze beside the dumps."""
+        if not (vols.empty_dirs or vols.dev_shm):
+            return
+        start = time.monotonic()
+        await run_to_end(pod_volumes.capture, vols, out, stop)
+        timings["volumes"] = time.monotonic() - start
 
     def _kill_frozen(self, work: list[_Work]) -> None:
         for w in work:
@@ -632,6 +634,26 @@ class PodCheckpointer:
         return manifest.write_manifest(
             archive.dir, m, workers=HASH_WORKERS, key=key, stop=stop, hashed_ahead=hashed_ahead
         )
+
+
+def with_kept_log(
+    e: errors.ShimError, work: DirHandle, state_dir: str, container_id: str
+) -> errors.ShimError:
+    """A failed dump's error, naming a copy of its CRIU log kept in `<state_dir>/logs/` (as the
+    restore hook does): the failure removes the directory CRIU wrote it in, and its name there,
+    /proc/self/fd/N/dump.log, is a descriptor of podshim's own. Same code; the error itself when
+    no copy could be made."""
+    shown = str(Path(work.proc) / layout.DUMP_LOG_FILE)
+    try:
+        dest_dir = Path(state_dir) / "logs"
+        dest_dir.mkdir(mode=layout.DIR_MODE, parents=True, exist_ok=True)
+        dest = dest_dir / f"checkpoint-{container_id}.log"
+        fsutil.write_private_file(dest, work.read_bytes(layout.DUMP_LOG_FILE))
+    except (OSError, errors.ShimError):
+        return type(e)(e.message.replace(f" (CRIU log: {shown})", "")) if shown in e.message else e
+    if shown in e.message:
+        return type(e)(e.message.replace(shown, str(dest)))
+    return type(e)(f"{e.message} (CRIU log: {dest})")
 
 
 def _written_meanwhile(archive: layout.ArchiveLayout, what: str) -> errors.FailedPrecondition:

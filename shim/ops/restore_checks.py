@@ -23,12 +23,13 @@ from typing import Any
 from api.runtime.v1 import api_pb2 as cri
 from shim import errors
 from shim.aio import run_to_end
-from shim.archive import compat, config_dump, crypto, layout, manifest, paths
+from shim.archive import compat, config_dump, crypto, layout, manifest, paths, volumes
 from shim.checks import cri_strings, env, mounts
 from shim.checks.wiring import Verdict, WiringChecker
 from shim.config import Config
 from shim.criu.lazy import check_runtime
 from shim.criu.runtime import binary_version
+from shim.ops import pod_volumes
 from shim.sandbox.images import Images
 from shim.upstream import Upstream
 
@@ -257,6 +258,7 @@ class Checked:
     # images are checksummed by podshim-runc while CRIU restores (docs/design/restore-pod.md
     # (RestorePod) step 4), not by _verify_rest
     defer_pages: bool = False
+    volume_record: volumes.Record | None = None  # the pod's emptyDirs and /dev/shm the archive holds
 
 
 def container_set_problem(dumped: list[str], recorded_only: set[str], requested: list[str]) -> str | None:
@@ -363,18 +365,25 @@ class RestoreChecks:
             raise
         with phases("host"):
             compat.refuse(await host + missing)
+        vrec = await run_to_end(pod_volumes.recorded, root, m, key)
+        if vrec is not None:  # every recorded emptyDir has a place in the new pod (some: what it mounts)
+            volumes.targets(vrec.empty_dirs, req.container_configs, req.config.metadata.uid, missing_ok=some)
         read = {
             f"{archive.container(p.entry.name).rel}/{name}"
             for p in plan
             for name in (layout.CONFIG_DUMP_FILE, layout.SPEC_DUMP_FILE)
         }
         read.add(archive.sandbox_network.relative_to(root).as_posix())
+        if vrec is not None:
+            read.add(pod_volumes.record_rel())
         unverified = sorted(set(m.files) - read)
         # deferred only when the annotation is known to reach podshim-runc (dropped, the restore
         # would run on memory nobody checked)
         wired_ok = wired is not None and wired.verdict is Verdict.OK
         defer = m.encryption is None and not opts.lazy_pages and wired_ok
-        return Checked(opts, root, key, m, plan, network, phases, unverified, defer_pages=defer)
+        return Checked(
+            opts, root, key, m, plan, network, phases, unverified, defer_pages=defer, volume_record=vrec
+        )
 
     async def _plan(
         self,

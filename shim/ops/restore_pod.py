@@ -14,7 +14,7 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from datetime import datetime
@@ -38,6 +38,7 @@ from shim.deadlines import (
     SANDBOX_SETTLE,
     STALE_DECRYPTED_SECONDS,
 )
+from shim.ops import pod_volumes
 from shim.ops.lazy_pages import Daemon, LazyPages
 from shim.ops.restore_broker import PageChecks
 from shim.ops.restore_checks import Checked, Phases, Planned, RestoreChecks
@@ -270,12 +271,20 @@ class PodRestorer:
                 deferred = deferred_pages(m, p.entry.dir) if checked.defer_pages else {}
                 later = {f"{p.entry.dir}/{r}" for r in deferred}
                 rels = [r for r in checked.unverified if r.startswith(p.entry.dir + "/") and r not in later]
-                stop = threading.Event()
+                vrec = checked.volume_record
+                if vrec is not None:
+                    rels += [r for r in pod_volumes.tar_rels(vrec) if r in checked.unverified]
+                steps = Steps()
                 try:
-                    await run_to_end(manifest.verify_digests, checked.root, m, rels, 2, stop)
-                    await run_to_end(check_rootfs_diffs, [p], stop)
+                    await steps.run(manifest.verify_digests, checked.root, m, rels, 2, steps.cancel)
+                    await steps.run(check_rootfs_diffs, [p], steps.cancel)
+                    if vrec is not None:  # what this container mounts, still empty: before it exists
+                        await steps.run(pod_volumes.check, checked.root, vrec, False, steps.cancel)
+                        await self._fill_volumes(
+                            checked, [config], sandbox_config, sandbox_id, steps, partial=True
+                        )
                 finally:
-                    stop.set()
+                    steps.cancel.set()
         except TimeoutError:
             raise errors.DeadlineExceeded(
                 f"the caller's deadline passed while verifying {checkpoint_path}; nothing was created"
@@ -325,8 +334,13 @@ class PodRestorer:
             with run.phases("decrypt"):
                 await self._decrypt(checked, run)
         with run.phases("rootfs_check"):
-            # a hostile diff fails here
+            # a hostile diff fails here, and a hostile volume tar
             await run.steps.run(check_rootfs_diffs, checked.plan, run.steps.cancel)
+            if checked.volume_record is not None:
+                encrypted = m.encryption is not None
+                await run.steps.run(
+                    pod_volumes.check, checked.root, checked.volume_record, encrypted, run.steps.cancel
+                )
         # each container's daemon starts beside the sandbox too (docs/design/restore-pod.md (Lazy restore))
         if checked.opts.lazy_pages:
             with run.phases("lazy_daemon"):
@@ -442,6 +456,11 @@ class PodRestorer:
         run.ends.push_async_callback(_stop_and_wait, network, run.steps)
         with phases("verify_wait"):  # no container before the archive is verified (and decrypted)
             await verifying
+        if checked.volume_record is not None:  # the pod's files before its first container
+            with phases("volumes"):
+                await self._fill_volumes(
+                    checked, req.container_configs, req.config, run.sandbox_id, run.steps
+                )
         created = run.created
         for p in plan:
             # lazy-pages=true: the container's daemon (started by _verify_rest) serves before it exists
@@ -489,6 +508,34 @@ class PodRestorer:
                 finally:
                     if self.restored is not None:
                         self.restored.discard(cid)
+
+    async def _fill_volumes(
+        self,
+        checked: Checked,
+        configs: Sequence[cri.ContainerConfig],
+        sandbox_config: cri.PodSandboxConfig,
+        sandbox_id: str,
+        steps: Steps,
+        partial: bool = False,
+    ) -> None:
+        """Fill the new pod's emptyDirs and /dev/shm from the archive (shim/ops/pod_volumes.py);
+        `partial`: one container of a kubelet's pod, which fills what is still empty."""
+        rec = checked.volume_record
+        assert rec is not None
+        spec = (await build_pod_view(self.upstream, sandbox_id)).spec if rec.dev_shm else {}
+        where = pod_volumes.targets(rec, configs, sandbox_config.metadata.uid, spec, partial=partial)
+        filled = await steps.run(
+            pod_volumes.fill,
+            checked.root,
+            checked.manifest,
+            rec,
+            where,
+            checked.key,
+            self.config.state_dir,
+            steps.cancel,
+            only_empty=partial,
+        )
+        log.info("restore volumes filled", sandbox=sandbox_id, bytes=filled)
 
     async def _adopt_sandbox(self, sandbox_id: str, run: _Run) -> str:
         """The caller's sandbox, journaled and undone like one this restore made."""

@@ -6,6 +6,7 @@ stock kubelet's own calls, and the counter resumes at exactly the count the cut 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 import uuid
@@ -202,6 +203,51 @@ def test_restore_of_two_containers_and_an_init_container(cluster: ClusterBed) ->
     wait_restored(cluster, new, first)
     init_status = (cluster.pod(new) or {})["status"]["initContainerStatuses"][0]
     assert init_status["state"]["terminated"]["exitCode"] == 0, init_status
+
+
+def test_restore_keeps_the_empty_dirs_and_dev_shm(cluster: ClusterBed) -> None:
+    """An init container renders a config into an emptyDir (and a memory-backed one), a second
+    container takes numbers from a POSIX shared memory file of the pod's /dev/shm: the restored
+    Pod's emptyDirs hold what the init container wrote (it does not run again), the counter
+    resumes exactly, and the shared memory sequence goes on from where it was, in the restored
+    process (no start-up line)."""
+    pod = unique("vols")
+    init = {
+        "name": "render",
+        "image": BUSYBOX_IMAGE,
+        "imagePullPolicy": "Never",
+        "command": [
+            "sh",
+            "-c",
+            "echo rendered-config > /config/msg && mkdir /scratch/d && echo m > /scratch/d/f",
+        ],
+        "volumeMounts": [
+            {"name": "config", "mountPath": "/config"},
+            {"name": "scratch", "mountPath": "/scratch"},
+        ],
+    }
+    app = counter("app", volumeMounts=[{"name": "config", "mountPath": "/config"}])
+    shm = counter("shm", command=["/sharer"], args=["shmcount", "podshim-seg"])
+    volumes = [{"name": "config", "emptyDir": {}}, {"name": "scratch", "emptyDir": {"medium": "Memory"}}]
+    running_counter(cluster, pod, [app, shm], initContainers=[init], volumes=volumes)
+    shm_log = log_of(cluster, pod, "shm")
+    cluster.wait_for("shm taking numbers", lambda: shm_log.read_bytes().count(b"shm ") >= 3)
+    ck, first = take(cluster, pod, ["app"])
+    archive = host_archive(cluster, ck)
+    record = json.loads((archive / "sandbox" / "volumes.json").read_text())
+    # "scratch" only the init container mounts: it does not run again, so nothing reads it
+    assert [e["name"] for e in record["empty_dirs"]] == ["config"], record
+    assert record["dev_shm"] is not None, record
+    new = unique("vols-restored")
+    restore_pod(cluster, ck, new)
+    wait_restored(cluster, new, first)
+    out = cluster.kubectl("exec", new, "-n", NS, "-c", "app", "--", "cat", "/config/msg").stdout
+    assert out.strip() == "rendered-config", out
+    new_shm = log_of(cluster, new, "shm")
+    cluster.wait_for("restored shm taking numbers", lambda: new_shm.read_bytes().count(b"shm ") >= 3)
+    restored = [int(n) for n in re.findall(rb" shm (\d+) ", new_shm.read_bytes())]
+    assert b"ready" not in new_shm.read_bytes(), "the shm container started afresh"
+    assert restored[0] >= 3 and restored == list(range(restored[0], restored[0] + len(restored))), restored
 
 
 def test_a_pinned_uid_of_another_instance_is_source_pod_replaced(cluster: ClusterBed) -> None:
