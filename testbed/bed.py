@@ -115,6 +115,7 @@ class TestBed(BedStop):
         runc: str | None = None,
         criu: str | None = None,
         container_annotations: list[str] | None = None,
+        restore_via_create: bool = False,
     ) -> None:
         """
         base_dir: where everything lives; must not exist or be empty; removed by ``stop()``.
@@ -161,6 +162,9 @@ class TestBed(BedStop):
             PATH keeps /usr/local/sbin's (podshim puts its own first for the runtimes it runs).
         container_annotations: the runtime handlers' ``container_annotations`` (default
             ``["podshim.*"]``; a bed wired wrong lets other ones through).
+        restore_via_create: containerd 2.x's own restore of a checkpoint tar given to
+            CreateContainer as the image (``enable_experimental_restore_via_create``, which 2.2 has
+            off by default); off by default here too. containerd 1.x has no such restore.
         """
         self.base_dir = Path(base_dir or f"/run/podshim-testbed-{secrets.token_hex(4)}").absolute()
         self.start_podshim = start_podshim
@@ -218,6 +222,9 @@ class TestBed(BedStop):
         self.cni_ipam_dir = b / "cni" / "ipam"
         self.runc_binary = Path(runc_binary) if runc_binary else None
         self.container_annotations = ["podshim.*"] if container_annotations is None else container_annotations
+        if restore_via_create and not self.containerd_at_least("2.0"):
+            raise TestBedError(f"containerd {self.containerd_version} has no restore via CreateContainer")
+        self.restore_via_create = restore_via_create
 
         # network and cgroup identity, chosen at start
         self.bed_id = ""
@@ -441,6 +448,7 @@ class TestBed(BedStop):
                 pause_image=PAUSE_IMAGE,
                 registry_mirror=self.registry_mirror,
                 hosts_dir=self.base_dir / "certs.d",
+                restore_via_create=self.restore_via_create,
             )
         )
         self.podshim_config.write_text(
