@@ -186,6 +186,9 @@ class TestBed(BedStop):
             raise TestBedError(
                 f"containerd {self.containerd_version!r}: must be one of {', '.join(CONTAINERD_VERSIONS)}"
             )
+        if restore_via_create and not self.containerd_at_least("2.0"):
+            raise TestBedError(f"containerd {self.containerd_version} has no restore via CreateContainer")
+        self.restore_via_create = restore_via_create
         self.containerd_bin_dir = containerd_bin_dir(self.containerd_version)
         self.node_mounts = node_mounts
         self.stock_checkpoint_roots = stock_checkpoint_roots
@@ -222,9 +225,6 @@ class TestBed(BedStop):
         self.cni_ipam_dir = b / "cni" / "ipam"
         self.runc_binary = Path(runc_binary) if runc_binary else None
         self.container_annotations = ["podshim.*"] if container_annotations is None else container_annotations
-        if restore_via_create and not self.containerd_at_least("2.0"):
-            raise TestBedError(f"containerd {self.containerd_version} has no restore via CreateContainer")
-        self.restore_via_create = restore_via_create
 
         # network and cgroup identity, chosen at start
         self.bed_id = ""
