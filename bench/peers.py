@@ -516,10 +516,10 @@ def run_size(
                 for op, s in got.items():
                     s.order = " > ".join(order)
                     res.add(mem, op, s)
-                    say(
-                        f"  {mem} MiB rep {r + 1} {op}: pause {s.pause:.3f}s checkpoint {s.checkpoint:.3f}s "
-                        f"restore {s.restore:.3f}s archive {s.archive_mib:.1f} MiB"
+                    figures = ", ".join(
+                        f"{k} {'n/a' if math.isnan(v := getattr(s, k)) else f'{v:.3f}'}" for k in METRICS
                     )
+                    say(f"  {mem} MiB rep {r + 1} ({s.order}) {op}: {figures}")
     finally:
         remove_pod(rt, cri_pod.id)
         with contextlib.suppress(RuntimeError, subprocess.SubprocessError):
