@@ -405,6 +405,9 @@ class Podman:
             "none",
             "--log-driver",
             "k8s-file",
+            # in the bed's cgroup subtree, which the bed removes when it stops
+            "--cgroup-parent",
+            f"{self.bed.cgroup_root}/podman",
             *self.ulimits,
             COUNTER_IMAGE,
             *args,

@@ -181,6 +181,11 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg"
   if [ -d /run/systemd/system ] && systemctl is-enabled --quiet docker-registry 2>/dev/null; then
     systemctl disable --now docker-registry >/dev/null 2>&1 && info "disabled the packaged docker-registry service"
   fi
+  # podman's package enables its API socket (root's, on the host's store); bench/peers.py runs
+  # podman with a private store and needs no service
+  if [ -d /run/systemd/system ] && systemctl is-enabled --quiet podman.socket 2>/dev/null; then
+    systemctl disable --now podman.socket >/dev/null 2>&1 && info "disabled the packaged podman.socket"
+  fi
 }
 
 # ---------------------------------------------------------------------------------------
