@@ -6,7 +6,7 @@ PYTEST := .venv/bin/pytest
 RUFF := .venv/bin/ruff
 MYPY := .venv/bin/mypy
 
-.PHONY: setup demo test test-core test-matrix test-kubelet test-cluster test-fast lint docs proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet bench-cluster bench-front-kill bench-report
+.PHONY: setup demo test test-core test-matrix test-kubelet test-cluster test-fast lint docs proto up down conformance deb bench bench-proxy bench-checkpoint bench-restore bench-load bench-node bench-distribution bench-migrate bench-kubelet bench-cluster bench-front-kill bench-peers bench-report
 
 setup:
 	bash scripts/setup.sh
@@ -147,6 +147,12 @@ bench-front-kill: setup
 # The cluster API's cost over the CRI calls it makes, beside a cold start (docs/cluster.md).
 bench-cluster: setup
 	$(PY) -m bench.cluster --rounds 3
+
+# podshim beside Podman and containerd's own CRI checkpoint (bench/peers.py); PEERS_ARGS="--sizes 4,1024,4096"
+# adds 4 GiB
+PEERS_ARGS ?=
+bench-peers: setup
+	$(PY) -m bench.peers $(PEERS_ARGS)
 
 # docs/performance.md and its plots from the latest bench/results/*.json (bench/report.py)
 bench-report: setup

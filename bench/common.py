@@ -419,10 +419,11 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
 
 
 @contextlib.contextmanager
-def bench_bed() -> Iterator[TestBed]:
-    """A private containerd + podshim for one benchmark run (removed at the end)."""
+def bench_bed(**options: Any) -> Iterator[TestBed]:
+    """A private containerd + podshim for one benchmark run (removed at the end); `options` go to
+    TestBed (e.g. containerd="2.2")."""
     say("starting the test bed (private containerd + podshim)")
-    with TestBed() as bed:
+    with TestBed(**options) as bed:
         say(f"bed at {bed.base_dir}: podshim {bed.podshim_socket}, containerd {bed.containerd_socket}")
         yield bed
         say("stopping the test bed")

@@ -216,12 +216,43 @@ def plot_proxy(doc: dict[str, Any], path: Path) -> bool:
     return _plot(path, points, set(names.values()), labels, memory_axis=False)
 
 
+PEERS_KEY = "pause s"  # the column that names bench/peers.py's table of operations
+
+
+def plot_peers(doc: dict[str, Any], path: Path) -> bool:
+    points: dict[str, list[tuple[float, float]]] = {}
+    for r in find_table(doc, PEERS_KEY):
+        mib = mib_of(r.get("size"))
+        if mib is not None:
+            points.setdefault(str(r.get("operation")), []).append((mib, _num(r.get(PEERS_KEY))))
+    labels = ("workload memory, MiB", "seconds", "The workload's pause at a checkpoint, per operation")
+    return _plot(path, points, set(), labels)
+
+
 PLOTS: dict[str, tuple[str, Callable[[dict[str, Any], Path], bool]]] = {
     "checkpoint": ("checkpoint-freeze.png", plot_checkpoint),
     "restore": ("restore-lazy-eager.png", plot_restore),
     "migrate": ("migrate-downtime.png", plot_migrate),
     "proxy": ("proxy-latency.png", plot_proxy),
+    "peers": ("peers-pause.png", plot_peers),
 }
+
+
+# ---------------------------------------------------------------------------- tables
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Rows of one results table (header -> value) as a Markdown table, the first column left-aligned."""
+    if not rows:
+        return []
+    headers = list(rows[0])
+    out = ["| " + " | ".join(headers) + " |", "|---|" + "---:|" * (len(headers) - 1)]
+    out += ["| " + " | ".join(_fmt(r.get(h)) for h in headers) + " |" for r in rows]
+    return out
+
+
+# a bench's table shown on the page beside its figures: the column that names it
+TABLES: dict[str, str] = {"peers": PEERS_KEY}
 
 
 # ---------------------------------------------------------------------------- the page
@@ -260,6 +291,10 @@ def section(bench: str, doc: dict[str, Any] | None, img_dir: Path, img_rel: str)
         if loaded and v_ in ("met", "**missed**"):
             v_ += " (loaded run)"
         out.append(f"| `{k}` | {_fmt(v)} | {t['op'] + ' ' + _fmt(t['value']) if t else ''} | {v_} |")
+    if bench in TABLES:
+        rows = markdown_table(find_table(doc, TABLES[bench]))
+        if rows:
+            out += ["", *rows]
     if bench in PLOTS:
         name, fn = PLOTS[bench]
         if fn(doc, img_dir / name):

@@ -6,7 +6,8 @@
 # What it does, each step skipped quickly when already done:
 #   1. apt: a deb-src entry for Debian's newer release (trixie), mirror taken from the
 #      machine's own apt sources; installs containerd, runc, CNI plugins, iptables and the
-#      build dependencies of CRIU and crun. `apt-get update` only when something is missing.
+#      build dependencies of CRIU and crun, and Podman (bench/peers.py). `apt-get update` only when
+#      something is missing.
 #   2. CRIU >= 4.1 built from the trixie source package (upstream orig tarball) into
 #      /usr/local: /usr/local/sbin/criu, libcriu (+ headers, criu.pc) under
 #      /usr/local/lib/<multiarch>. Debian 12's CRIU 3.17 fails `criu check` on new kernels.
@@ -77,6 +78,8 @@ APT_PACKAGES=(
   docker-registry apache2-utils
   # the package's install test (tests/test_package.py): a fresh Debian root per run
   debootstrap
+  # bench/peers.py: Podman's own checkpoint/restore beside podshim's (private store per run)
+  podman
 )
 
 T0=$(date +%s)
@@ -177,6 +180,11 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg"
   # start their own on loopback (testbed/registry.py), so keep the packaged one off
   if [ -d /run/systemd/system ] && systemctl is-enabled --quiet docker-registry 2>/dev/null; then
     systemctl disable --now docker-registry >/dev/null 2>&1 && info "disabled the packaged docker-registry service"
+  fi
+  # podman's package enables its API socket (root's, on the host's store); bench/peers.py runs
+  # podman with a private store and needs no service
+  if [ -d /run/systemd/system ] && systemctl is-enabled --quiet podman.socket 2>/dev/null; then
+    systemctl disable --now podman.socket >/dev/null 2>&1 && info "disabled the packaged podman.socket"
   fi
 }
 

@@ -115,6 +115,7 @@ class TestBed(BedStop):
         runc: str | None = None,
         criu: str | None = None,
         container_annotations: list[str] | None = None,
+        restore_via_create: bool = False,
     ) -> None:
         """
         base_dir: where everything lives; must not exist or be empty; removed by ``stop()``.
@@ -161,6 +162,9 @@ class TestBed(BedStop):
             PATH keeps /usr/local/sbin's (podshim puts its own first for the runtimes it runs).
         container_annotations: the runtime handlers' ``container_annotations`` (default
             ``["podshim.*"]``; a bed wired wrong lets other ones through).
+        restore_via_create: containerd 2.x's own restore of a checkpoint tar given to
+            CreateContainer as the image (``enable_experimental_restore_via_create``, which 2.2 has
+            off by default); off by default here too. containerd 1.x has no such restore.
         """
         self.base_dir = Path(base_dir or f"/run/podshim-testbed-{secrets.token_hex(4)}").absolute()
         self.start_podshim = start_podshim
@@ -182,6 +186,9 @@ class TestBed(BedStop):
             raise TestBedError(
                 f"containerd {self.containerd_version!r}: must be one of {', '.join(CONTAINERD_VERSIONS)}"
             )
+        if restore_via_create and not self.containerd_at_least("2.0"):
+            raise TestBedError(f"containerd {self.containerd_version} has no restore via CreateContainer")
+        self.restore_via_create = restore_via_create
         self.containerd_bin_dir = containerd_bin_dir(self.containerd_version)
         self.node_mounts = node_mounts
         self.stock_checkpoint_roots = stock_checkpoint_roots
@@ -441,6 +448,7 @@ class TestBed(BedStop):
                 pause_image=PAUSE_IMAGE,
                 registry_mirror=self.registry_mirror,
                 hosts_dir=self.base_dir / "certs.d",
+                restore_via_create=self.restore_via_create,
             )
         )
         self.podshim_config.write_text(

@@ -135,6 +135,7 @@ def containerd_toml(
     pause_image: str,
     registry_mirror: str | None,
     hosts_dir: Path,
+    restore_via_create: bool = False,
 ) -> str:
     """containerd's config: version 2 for 1.6 and 1.7; version 3 for 2.x (2.4 migrates it to its
     4), whose CRI is split into the plugins io.containerd.cri.v1.runtime (runtimes, CNI, OOM,
@@ -142,7 +143,9 @@ def containerd_toml(
     pinned_images.sandbox), the streaming server staying in io.containerd.grpc.v1.cri
     (docs/design/versions.md (containerd, runc and CRIU versions)). `runtimes`: (handler name,
     BinaryName, Root); `runc_criu`: containerd 1.x's CriuPath of the runc handler, if any; a
-    `registry_mirror` of 2.x gets its hosts file in `hosts_dir`."""
+    `registry_mirror` of 2.x gets its hosts file in `hosts_dir`; `restore_via_create` (2.x only) lets
+    containerd's own CRI restore a checkpoint tar given to CreateContainer as the image (2.2's
+    `enable_experimental_restore_via_create`, off by default there)."""
     v3 = version.startswith("2.")
     cri = 'plugins."io.containerd.cri.v1.runtime"' if v3 else 'plugins."io.containerd.grpc.v1.cri"'
     runtime_blocks = []
@@ -187,6 +190,9 @@ oom_score = 0
   [plugins."io.containerd.internal.v1.opt"]
     path = {toml_str(opt_dir)}
 """
+    if restore_via_create and not v3:
+        raise ValueError(f"containerd {version} has no restore via CreateContainer (2.x only)")
+    restore = "\n    enable_experimental_restore_via_create = true" if restore_via_create else ""
     if v3:
         images = 'plugins."io.containerd.cri.v1.images"'
         return (
@@ -205,7 +211,7 @@ oom_score = 0
   [{cri}]
     restrict_oom_score_adj = true
     enable_selinux = false
-    disable_apparmor = true
+    disable_apparmor = true{restore}
 
     [{cri}.containerd]
       default_runtime_name = "runc"

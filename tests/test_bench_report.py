@@ -47,6 +47,21 @@ def test_tables_and_verdicts(tmp_path: Path) -> None:
     assert "| `throughput_ratio_16` | 0.800 | >= 0.700 | met (loaded run) |" in px
 
 
+def test_the_peers_section_has_its_table_of_operations(tmp_path: Path) -> None:
+    pe = section(page := render(tmp_path)[0], "Peers")
+    assert "`python -m bench.peers --sizes 4,1024 --repeat 3`" in pe
+    # figures without targets: a value, no verdict
+    assert "| `pause_vs_best_peer` | 0.750 |  |  |" in pe
+    assert "| `cli_startup_s` | 0.410 |  |  |" in pe
+    assert "| size | operation | n | pause s | checkpoint s | restore s | archive MiB |" in pe
+    assert "|---|---:|---:|---:|---:|---:|---:|" in pe
+    assert "| 4 MiB | podshim CheckpointPod + RestorePod | 3 | 0.050 | 0.420 | 0.310 | 4.600 |" in pe
+    assert "| 1024 MiB | podshim RestorePod lazy | 3 | n/a | n/a | 0.300 | n/a |" in pe
+    assert "| 1024 MiB | containerd CheckpointContainer + CreateContainer | 3 | 1.200 |" in pe
+    assert "](img/performance/peers-pause.png)" in pe
+    assert "client no-op" not in page  # one table per bench on the page: the operations
+
+
 def test_benches_without_results_say_how_to_get_them(tmp_path: Path) -> None:
     page, _ = render(tmp_path)
     assert "No results yet: `make bench-load` writes `bench/results/load.json`" in section(page, "Load")
@@ -56,7 +71,13 @@ def test_benches_without_results_say_how_to_get_them(tmp_path: Path) -> None:
 
 def test_plots_are_written_and_linked(tmp_path: Path) -> None:
     page, img = render(tmp_path)
-    names = ["checkpoint-freeze.png", "migrate-downtime.png", "proxy-latency.png", "restore-lazy-eager.png"]
+    names = [
+        "checkpoint-freeze.png",
+        "migrate-downtime.png",
+        "peers-pause.png",
+        "proxy-latency.png",
+        "restore-lazy-eager.png",
+    ]
     assert sorted(p.name for p in img.iterdir()) == names
     for n in names:
         assert (img / n).read_bytes().startswith(b"\x89PNG")

@@ -22,6 +22,7 @@ from testbed import _sys
 from testbed._cri import CriClient, field_bytes, field_str
 from testbed.bed import BUSYBOX_IMAGE, COUNTER_IMAGE, IMAGES, REPO, TestBed
 from testbed.checks import set_freezer
+from testbed.errors import TestBedError
 
 NEEDS_ROOT = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("containerd") is None,
@@ -392,3 +393,36 @@ def test_a_killed_runs_pod_cgroups_are_swept() -> None:
             proc.wait()
         _sys.remove_cgroup_tree(mine + "/podx")
         _sys.remove_cgroup_tree(stale)
+
+
+def test_restore_via_create_is_an_option_of_a_2x_bed(tmp_path: Path) -> None:
+    from testbed import bed_files
+
+    def toml(version: str, on: bool) -> str:
+        return bed_files.containerd_toml(
+            version=version,
+            runtimes=[("runc", tmp_path / "runc", tmp_path / "root")],
+            container_annotations=["podshim.*"],
+            runc_criu=None,
+            root=tmp_path / "r",
+            state=tmp_path / "s",
+            socket=tmp_path / "c.sock",
+            log_level="info",
+            opt_dir=tmp_path / "opt",
+            cni_conf_dir=tmp_path / "cni",
+            pause_image="localhost/podshim/pause:1",
+            registry_mirror=None,
+            hosts_dir=tmp_path / "certs.d",
+            restore_via_create=on,
+        )
+
+    key = "enable_experimental_restore_via_create"
+    assert key not in toml("2.2", False)  # off by default: containerd 2.2's own default
+    on = toml("2.2", True)
+    # in the CRI runtime plugin's own table, where containerd 2.2 reads it
+    runtime = on.split('[plugins."io.containerd.cri.v1.runtime"]\n', 1)[1].split("\n\n", 1)[0]
+    assert f"{key} = true" in runtime
+    with pytest.raises(ValueError, match="2.x only"):
+        toml("1.6", True)
+    with pytest.raises(TestBedError, match="no restore via CreateContainer"):
+        TestBed(tmp_path / "bed", containerd="1.6", restore_via_create=True)
