@@ -51,7 +51,9 @@ from shim.checks import space, taskstate
 from shim.checks.sharing import check_shared_state
 from shim.checks.taskstate import TaskStates
 from shim.config import Config
-from shim.criu.runtime import CriuOptions, NetnsLock, binary_version, read_dump_stats
+from shim.criu.netns_lock import NetnsLock
+from shim.criu.options import CriuOptions
+from shim.criu.runtime import binary_version, read_dump_stats
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
 from shim.ops import checkpoint_pod
 from shim.ops.checkpoint_checks import CheckpointOptions, check_dumpable

@@ -36,7 +36,9 @@ from shim.checks.sharing import check_shared_state
 from shim.checks.taskstate import TaskStates
 from shim.config import Config, parse_size
 from shim.criu import rpc_config
-from shim.criu.runtime import DumpGate, NetnsLock, OciRuntime, binary_version, read_dump_stats
+from shim.criu.netns_lock import NetnsLock
+from shim.criu.options import DumpGate
+from shim.criu.runtime import OciRuntime, binary_version, read_dump_stats
 from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, DUMPS_READY_WAIT, FREEZE_TIMEOUT
 from shim.ops.checkpoint_checks import (
     CheckpointOptions,
