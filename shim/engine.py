@@ -22,7 +22,7 @@ from shim.deadlines import KILL_WAIT, RECOVERY_WAIT, RETRY_FIRST, RETRY_MAX
 from shim.migration import destination as migration_in
 from shim.migration import source as migration_out
 from shim.migration import source_recovery
-from shim.ops import checkpoint_container, checkpoint_pod
+from shim.ops import checkpoint_container, checkpoint_pod_recovery
 from shim.ops.checkpoint_container import ContainerCheckpointer
 from shim.ops.checkpoint_pod import PodCheckpointer
 from shim.ops.restore_broker import RestoreBroker
@@ -440,7 +440,7 @@ class Engine:
     async def _recover_record(self, rec: OpRecord, retry: bool = True) -> bool:
         # each operation undoes its own record (shim/ops/); the engine only dispatches
         recoverers: dict[str, Callable[[OpRecord], Awaitable[None]]] = {
-            "checkpoint": checkpoint_pod.recover,
+            "checkpoint": checkpoint_pod_recovery.recover,
             "checkpoint-container": checkpoint_container.recover,
             "restore": self.restorer.recover,
             "lazy-pages": self.restorer.lazy.recover,  # docs/design/restore-pod.md (Lazy restore)

@@ -19,7 +19,6 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import aio
 from shim.archive import fsutil, layout
 from shim.archive.manifest import (
-    MAX_TREE_DEPTH,
     ContainerEntry,
     HostInfo,
     Manifest,
@@ -30,6 +29,7 @@ from shim.archive.manifest import (
     verify_files,
     write_manifest,
 )
+from shim.archive.tree_check import MAX_TREE_DEPTH
 from shim.checks import cri_strings
 from shim.errors import DataLoss, InvalidArgument, ResourceExhausted
 

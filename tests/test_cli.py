@@ -18,7 +18,7 @@ from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
-from shim import cli, deadlines
+from shim import cli, deadlines, rpc_client
 from shim.cli import base, output, transport
 from shim.cli.commands import inspectp, restorepod
 from testbed import pods, resume
@@ -109,9 +109,9 @@ def test_endpoint_from_environment_and_targets(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(base.ENDPOINT_ENV, "unix:///env.sock")
     assert base.endpoint(parser.parse_args(["pods"])) == "unix:///env.sock"
     assert base.endpoint(parser.parse_args(["-r", "/flag.sock", "pods"])) == "/flag.sock"
-    assert transport.grpc_target("/flag.sock") == "unix:///flag.sock"
-    assert transport.grpc_target("unix:///a.sock") == "unix:///a.sock"
-    assert transport.grpc_target("tcp://127.0.0.1:1234") == "127.0.0.1:1234"
+    assert rpc_client.grpc_target("/flag.sock") == "unix:///flag.sock"
+    assert rpc_client.grpc_target("unix:///a.sock") == "unix:///a.sock"
+    assert rpc_client.grpc_target("tcp://127.0.0.1:1234") == "127.0.0.1:1234"
 
 
 def test_unreachable_runtime_is_exit_1_unavailable(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from shim.archive import layout
 from shim.archive.container_tar import MANIFEST_FILE, ContainerTarManifest, container_tar_files
 from shim.archive.manifest import FileEntry
 from shim.cli.commands.inspect import inspect_container_tar
-from shim.criu.runtime import CriuOptions
+from shim.criu.options import CriuOptions
 from shim.errors import DataLoss, FailedPrecondition
 from shim.ops.restore_container import load_imported, restore_config
 

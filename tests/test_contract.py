@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shim import contract
-from shim.criu.runtime import CriuOptions
+from shim.criu.options import CriuOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIM = ROOT / "shim"

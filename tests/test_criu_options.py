@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 from shim import deadlines, errors
-from shim.criu import runtime
-from shim.criu.runtime import CriuOptions, DumpGate, NetnsLock, OciRuntime, criu_path_env, option_hint
+from shim.criu import options, runtime
+from shim.criu.log import option_hint
+from shim.criu.netns_lock import NetnsLock
+from shim.criu.options import CriuOptions, DumpGate, criu_path_env
+from shim.criu.runtime import OciRuntime
 from shim.ops.checkpoint_pod import CheckpointOptions
 
 
@@ -107,7 +110,6 @@ def test_netns_lock_once_for_the_pod() -> None:
 def test_a_failed_dump_on_a_full_filesystem_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """CRIU's log lies on the images' filesystem: when that is full, the line saying so may never
     have been written, so the error names it from the filesystem itself."""
-    from shim.criu import runtime
 
     class Fs:
         f_frsize = 4096
@@ -216,7 +218,7 @@ def test_a_dumps_files_for_runc_and_criu_go_to_the_scratch_dir(tmp_path: Path) -
     finally:
         gate.close()
     opts = CriuOptions(tcp_established=True)
-    with runtime._criu_config(opts, "criu", (), str(scratch)) as env:
+    with options.criu_config(opts, "criu", (), str(scratch)) as env:
         assert Path(env["CRIU_CONFIG_FILE"]).parent == scratch
     assert list(scratch.iterdir()) == []
 
@@ -230,7 +232,7 @@ def test_a_gated_dumps_criu_config_file_is_removed_with_its_gate(tmp_path: Path)
     gate = DumpGate(str(scratch))
     try:
         opts = CriuOptions(tcp_established=True)
-        with runtime._criu_config(opts, "criu", (gate.config_line(),), str(scratch), gate) as env:
+        with options.criu_config(opts, "criu", (gate.config_line(),), str(scratch), gate) as env:
             conf = Path(env["CRIU_CONFIG_FILE"])
             assert conf.parent == gate.dir
             assert conf.stat().st_mode & 0o777 == 0o600
@@ -263,7 +265,7 @@ def test_dump_gate_of_a_killed_podshim_gives_up(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom shim.criu.runtime import DumpGate\n"
+            "import sys, time\nfrom shim.criu.options import DumpGate\n"
             "print(DumpGate(sys.argv[1]).dir, flush=True)\ntime.sleep(60)",
             str(tmp_path),
         ],

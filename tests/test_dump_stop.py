@@ -1,4 +1,4 @@
-"""stop_dump (shim/criu/runtime.py): a dump podshim gives up on is killed only when it holds no
+"""stop_dump (shim/criu/dump_stop.py): a dump podshim gives up on is killed only when it holds no
 task; one that holds tasks (ptrace, as CRIU does from its seize to its end) is let finish, and
 killed only once taken for hung. Real processes and real ptrace (root): a stand-in for CRIU seizes
 a `sleep`, as CRIU seizes the container's tasks. The e2e tests with CRIU itself are in
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.criu import runtime
+from shim.criu import dump_stop
 
 # A stand-in for CRIU (compel's steps, with ctypes): seizes `target` (PTRACE_SEIZE) and, by `mode`,
 # also stops it in a ptrace-stop (PTRACE_INTERRUPT) and, for "inject", writes compel's injected
@@ -83,7 +83,7 @@ def alive(pid: int) -> bool:
 def test_a_dump_that_holds_no_task_is_killed_at_once(tmp_path: Path, task: int) -> None:
     p = tracer(task, 1000, "none")
     start = time.monotonic()
-    runtime.stop_dump(p.pid, tmp_path, finish_wait=30)
+    dump_stop.stop_dump(p.pid, tmp_path, finish_wait=30)
     assert time.monotonic() - start < 5
     assert p.wait(5) == -signal.SIGKILL
     assert alive(task)
@@ -91,7 +91,7 @@ def test_a_dump_that_holds_no_task_is_killed_at_once(tmp_path: Path, task: int) 
 
 def test_a_dump_that_holds_a_task_is_let_finish(tmp_path: Path, task: int) -> None:
     p = tracer(task, 1.0)
-    runtime.stop_dump(p.pid, tmp_path, finish_wait=30)
+    dump_stop.stop_dump(p.pid, tmp_path, finish_wait=30)
     assert p.wait(5) == 0, "the stand-in for CRIU was killed while it held a task"
     assert alive(task)
     with open(f"/proc/{task}/status") as f:
@@ -101,7 +101,7 @@ def test_a_dump_that_holds_a_task_is_let_finish(tmp_path: Path, task: int) -> No
 def test_a_dump_stopped_by_someone_else_is_continued(tmp_path: Path, task: int) -> None:
     p = tracer(task, 1.0)
     os.kill(p.pid, signal.SIGSTOP)  # a stopped CRIU never lets the tasks go
-    runtime.stop_dump(p.pid, tmp_path, finish_wait=30)
+    dump_stop.stop_dump(p.pid, tmp_path, finish_wait=30)
     assert p.wait(5) == 0
     assert alive(task)
 
@@ -109,7 +109,7 @@ def test_a_dump_stopped_by_someone_else_is_continued(tmp_path: Path, task: int) 
 def test_a_dump_that_never_ends_is_killed_after_the_wait(tmp_path: Path, task: int) -> None:
     p = tracer(task, 1000)
     start = time.monotonic()
-    runtime.stop_dump(p.pid, tmp_path, finish_wait=1.0)
+    dump_stop.stop_dump(p.pid, tmp_path, finish_wait=1.0)
     assert 1.0 <= time.monotonic() - start < 10
     assert p.wait(5) == -signal.SIGKILL
     assert alive(task)  # a seized task that runs no injected code outlives its tracer
@@ -122,7 +122,7 @@ def test_a_dump_that_holds_tasks_with_nothing_of_its_own_in_them_is_killed_at_on
     killing the tracer lets the task go as it was."""
     p = tracer(task, 1000, "interrupt")
     start = time.monotonic()
-    runtime.stop_dump(p.pid, tmp_path, finish_wait=30)
+    dump_stop.stop_dump(p.pid, tmp_path, finish_wait=30)
     assert time.monotonic() - start < 5
     assert p.wait(5) == -signal.SIGKILL
     assert alive(task) and state(task) != "t"
@@ -132,7 +132,7 @@ def test_a_dump_with_its_call_injected_in_a_task_is_let_finish(tmp_path: Path, t
     """compel's `syscall; int3` in the task's code: a kill now would leave it there; the tracer is
     let put the code back and end."""
     p = tracer(task, 1.5, "inject")
-    runtime.stop_dump(p.pid, tmp_path, finish_wait=30)
+    dump_stop.stop_dump(p.pid, tmp_path, finish_wait=30)
     assert p.wait(5) == 0, "the stand-in for CRIU was killed with its call injected"
     assert alive(task)
 

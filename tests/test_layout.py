@@ -1,8 +1,7 @@
 """The layout holds (docs/design/index.md (Shape)): no import circle in shim/, bench/ or testbed/,
-gRPC only at its seams, the upstream client only in the daemon's top (server, engine, operations,
-live migration),
-the podshim-runc hook process free of the daemon, and the protocols the mechanisms declare satisfied
-by the upstream client.
+between modules nor between the packages of shim/, gRPC only at its seams, the upstream client only
+in the daemon's top (server, engine, operations, live migration), the podshim-runc hook process
+free of the daemon, and the protocols the mechanisms declare satisfied by the upstream client.
 
 Every import counts, one in a function or under TYPE_CHECKING too: a circle hidden in a function
 is still a circle of the design."""
@@ -130,6 +129,10 @@ def test_the_circle_finder_finds_circles() -> None:
     assert _circles(graph) == [frozenset("abc")]
     assert _owner("shim.archive.dirfd.DirHandle") == "shim.archive.dirfd"
     assert "shim.errors" in GRAPH["shim.archive.fsutil"]
+    # an import in a function counts: the doctor imports the RPC client only where it calls
+    assert "shim.rpc_client" in GRAPH["shim.node.doctor"]
+    assert _package("shim.cli.commands.doctor") == "shim.cli" and _package("shim.config") == "shim.config"
+    assert _package("testbed.bed") == "testbed"
 
 
 def _describe(circle: frozenset[str]) -> str:
@@ -142,6 +145,32 @@ def test_no_import_circle() -> None:
     assert not new, "import circles (break each: move what both need below both):\n" + "\n".join(new)
     gone = [sorted(c) for c in LEFT_FOR_LATER if c not in circles]
     assert not gone, f"no longer circles, remove them from LEFT_FOR_LATER: {gone}"
+
+
+def _package(module: str) -> str:
+    """The package of shim/ a module lies in (shim.cli for shim.cli.commands.doctor; a module at
+    shim/'s top is its own), or the top package of bench/ and testbed/."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "shim" else parts[0]
+
+
+def test_no_package_circle() -> None:
+    """No two packages import each other, through any of their modules: two modules free of a
+    circle can still tie their packages' layers together (shim/cli/ runs the doctor of shim/node/,
+    so the RPC client both call through lies below both, in shim/rpc_client.py)."""
+    graph: dict[str, set[str]] = {_package(m): set() for m in GRAPH}
+    for module, targets in GRAPH.items():
+        graph[_package(module)] |= {_package(t) for t in targets} - {_package(module)}
+    circles = _circles(graph)
+    where = [
+        f"{m} -> {t}"
+        for c in circles
+        for m in sorted(GRAPH)
+        if _package(m) in c
+        for t in sorted(GRAPH[m])
+        if _package(t) in c and _package(t) != _package(m)
+    ]
+    assert not circles, "package circles (move what both need below both):\n" + "\n".join(where)
 
 
 def _paths_importing(*roots: str) -> dict[Path, list[str]]:
@@ -158,9 +187,10 @@ def _paths_importing(*roots: str) -> dict[Path, list[str]]:
 
 
 def test_grpc_only_at_its_seams() -> None:
-    """gRPC is imported by the daemon's seams (shim/server, shim/upstream) and by the CLI's
+    """gRPC is imported by the daemon's seams (shim/server, shim/upstream), by the client's of the
+    commands that call a runtime (shim/rpc_client.py: the CLI, the doctor) and the CLI's own
     (shim/cli/transport.py) only: the operations, mechanisms and commands know none of it."""
-    seams = ("shim/server/", "shim/upstream/", "shim/cli/transport.py")
+    seams = ("shim/server/", "shim/upstream/", "shim/rpc_client.py", "shim/cli/transport.py")
     found = _paths_importing("grpc", "api.runtime.v1.api_pb2_grpc")
     bad = {str(p): names for p, names in found.items() if not str(p).startswith(seams)}
     assert not bad, bad

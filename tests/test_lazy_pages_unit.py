@@ -21,7 +21,8 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import config, contract, errors, metrics, procs
 from shim.config import Config
 from shim.criu import lazy as criu_lazy
-from shim.criu.runtime import CriuOptions, OciRuntime
+from shim.criu.options import CriuOptions
+from shim.criu.runtime import OciRuntime
 from shim.ops import lazy_pages
 from shim.ops.restore_checks import RestoreOptions
 from shim.state import Journal

@@ -14,7 +14,7 @@ import pytest
 
 from shim import errors
 from shim.checks import openfiles
-from shim.criu.runtime import CriuOptions
+from shim.criu.options import CriuOptions
 
 MIB = 1 << 20
 

@@ -61,7 +61,9 @@ def test_the_restore_hook_imports_no_asyncio_logging_or_crypto() -> None:
         "from shim.wrapper import main, restore\n"
         "from shim import config, contract, faults, errors\n"
         "from shim.archive import layout, paths, rootfs_diff, fsutil\n"
-        "from shim.criu.runtime import CriuOptions, OciRuntime, criu_error_lines\n"
+        "from shim.criu.log import criu_error_lines\n"
+        "from shim.criu.options import CriuOptions\n"
+        "from shim.criu.runtime import OciRuntime\n"
         "CriuOptions.from_record('file-locks')\n"
         "print(' '.join(sorted(sys.modules)))\n"
     )

@@ -403,7 +403,7 @@ def test_warm_start_resumes_from_checkpoint(
     assert served and served[-1]["ok"], served
     # podshim's CRIU ([runtime] criu: the bed's PODSHIM_TEST_CRIU) dumped and restored it, not the
     # one on containerd's PATH: runc >= 1.2 and crun run PATH's `criu`, containerd 2.x passes no
-    # CriuPath, so podshim puts its own first (shim/criu/runtime.py criu_path_env)
+    # CriuPath, so podshim puts its own first (shim/criu/options.py criu_path_env)
     want = binary_version(str(bed.criu))
     dump_log = good.path / "containers" / "counter" / "dump.log"
     for log in (dump_log, task_dir(bed, cid) / "podshim-restore" / "restore.log"):

@@ -8,26 +8,24 @@ only then writes manifest.json atomically: a directory without manifest.json is 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import platform
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from shim.archive import crypto
+from shim.archive import crypto, tree_check
 from shim.archive.dirfd import DirHandle, held
 from shim.archive.fsutil import (
     HashedAhead,
     hash_and_flush,
     hash_file,
-    hole_bytes,
     map_in_threads,
 )
 from shim.archive.layout import (
@@ -45,7 +43,6 @@ from shim.errors import (
     Internal,
     InvalidArgument,
     NotFound,
-    ShimError,
     storage_error,
 )
 
@@ -55,11 +52,6 @@ FORMAT_PREFIX = "podshim.checkpoint."
 
 # A manifest lists one line per file; far beyond any real pod, small enough to parse safely.
 MAX_MANIFEST_BYTES = 64 << 20
-# Directory nesting of an archive tree: podshim's is 4 deep (containers/<name>/checkpoint/<file>).
-MAX_TREE_DEPTH = 16
-# Holes a member may have (bytes, and at most half of its size) before it counts as a sparse
-# file: podshim, CRIU and tar never write one, and hashing gigabytes of holes is work for nothing.
-MAX_HOLE_BYTES = 64 << 20
 # Largest member read whole into memory (read_verified: config.dump, network.json).
 MAX_READ_BYTES = 64 << 20
 # Read size of the checksum pass: fewer system calls than fsutil's 1 MiB, still streamed.
@@ -385,50 +377,6 @@ def check_format(fmt: str, where: str = MANIFEST_FILE) -> None:
     raise FailedPrecondition(f"{where}: format {fmt!r} is not a podshim checkpoint (expected {known})")
 
 
-# ---------------------------------------------------------------------------- tree walking
-
-
-def _scan_tree(root: Path, err: Callable[[str], ShimError]) -> dict[str, int]:
-    """Regular files under `root` (relative posix path -> size), manifest.json excluded.
-
-    Anything but directories and regular files (symlinks, fifos, devices, sockets), and
-    directories nested deeper than MAX_TREE_DEPTH, raise `err(message)`: an archive tree is plain
-    data, and a symlink could point reads outside it.
-    """
-    out: dict[str, int] = {}
-    stack: list[tuple[Path, str, int]] = [(root, "", 0)]
-    while stack:
-        d, prefix, depth = stack.pop()
-        try:
-            with os.scandir(d) as it:
-                entries = list(it)
-        except OSError as e:
-            if e.errno == errno.ENAMETOOLONG:  # a tree of long names below the depth limit
-                raise err(f"{root}: {prefix[:120]!r}... is too long a path to read") from None
-            raise Internal(f"cannot list {d}: {e}") from e
-        for entry in entries:
-            rel = f"{prefix}{entry.name}"
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError as ex:
-                raise err(f"{root}: cannot stat {rel[:200]!r}: {ex.strerror}") from None
-            if stat.S_ISDIR(st.st_mode):
-                if depth + 1 >= MAX_TREE_DEPTH:
-                    raise err(
-                        f"{root}: directories nest deeper than {MAX_TREE_DEPTH} levels "
-                        f"({rel[:120]!r}...); a checkpoint is at most {MAX_TREE_DEPTH} deep"
-                    )
-                stack.append((Path(entry.path), rel + "/", depth + 1))
-            elif stat.S_ISREG(st.st_mode):
-                if rel != MANIFEST_FILE:
-                    out[rel] = st.st_size
-            elif stat.S_ISLNK(st.st_mode):
-                raise err(f"{root}: {rel} is a symlink; a checkpoint holds no symlinks")
-            else:
-                raise err(f"{root}: {rel} is not a regular file or directory")
-    return out
-
-
 def _check_members(root: Path, m: Manifest) -> None:
     for rel in m.files:
         norm = check_member_path(rel, f"{root}: manifest file entry")
@@ -540,7 +488,7 @@ def verify_files(
     """Check the tree under `root` against `manifest.files`: exact set, sizes, sha256.
 
     Sizes are compared before any byte is hashed, so truncation fails fast; so is a member that
-    cannot be what podshim wrote without reading it: a sparse file (check_allocated). `stop`
+    cannot be what podshim wrote without reading it: a sparse file (tree_check.check_allocated). `stop`
     set (the caller was cancelled): fsutil.Stopped at the next chunk.
     """
     check_tree(root, manifest, stop)
@@ -552,7 +500,7 @@ def check_tree(root: Path, manifest: Manifest, stop: threading.Event | None = No
     sparse member. What RestorePod checks before it creates anything; verify_digests then."""
     root = Path(root)
     _check_members(root, manifest)
-    on_disk = _scan_tree(root, InvalidArgument)
+    on_disk = tree_check.scan_tree(root, InvalidArgument)
     expected = manifest.files
     missing = sorted(set(expected) - set(on_disk))
     if missing:
@@ -574,7 +522,7 @@ def check_tree(root: Path, manifest: Manifest, stop: threading.Event | None = No
             f"{expected[r].size}" + (f" (and {len(wrong_size) - 1} more)" if wrong_size[1:] else "")
         )
     rels = sorted(expected)
-    check_allocated(root, {r: expected[r].size for r in rels}, stop)
+    tree_check.check_allocated(root, {r: expected[r].size for r in rels}, stop)
 
 
 def verify_digests(
@@ -630,32 +578,6 @@ def read_verified(root: Path, manifest: Manifest, rel: str, limit: int = MAX_REA
             "take a new checkpoint"
         )
     return data
-
-
-def check_allocated(root: Path, sizes: dict[str, int], stop: threading.Event | None = None) -> None:
-    """Refuse (DataLoss), before reading a byte, a member larger than the file system holding it
-    or mostly holes (over MAX_HOLE_BYTES and over half its size): a sparse file reads back as
-    gigabytes of zeros that podshim never wrote, and hashing them would only burn the caller's
-    deadline (docs/design/restore-pod.md (RestorePod))."""
-    try:
-        vfs = os.statvfs(root)
-        capacity = vfs.f_blocks * vfs.f_frsize
-        for rel, size in sizes.items():
-            if capacity and size > capacity:
-                raise DataLoss(
-                    f"checkpoint {root} is corrupt: {rel} is {size} bytes, more than its file system "
-                    f"holds ({capacity} bytes): a sparse file podshim never wrote; take a new checkpoint"
-                )
-            limit = max(MAX_HOLE_BYTES, size // 2)
-            holes = hole_bytes(root / rel, limit, stop)
-            if holes > limit:
-                raise DataLoss(
-                    f"checkpoint {root} is corrupt: {rel} is {size} bytes of which over {holes} are "
-                    "holes (a sparse file): podshim never writes one, refused before reading it; if the "
-                    "archive was copied with holes (rsync -S, cp --sparse=always) copy it again without"
-                )
-    except OSError as e:
-        raise Internal(f"cannot read checkpoint {root}: {e}") from e
 
 
 def _names(rels: list[str], limit: int = 5) -> str:

@@ -27,7 +27,7 @@ from shim import errors, logs
 from shim.cgroups import cgroup_procs
 
 if TYPE_CHECKING:
-    from shim.criu.runtime import CriuOptions
+    from shim.criu.options import CriuOptions
     from shim.sandbox import ContainerView
 
 log = logs.get("shim.checks.openfiles")

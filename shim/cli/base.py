@@ -1,7 +1,7 @@
 """What every client command of `podshim` shares (pip's base_command): the exit codes and the
 errors that choose them, the argument types, the global options, id resolution, and `guarded`,
 which turns any failure into one line on stderr. The commands are in shim/cli/commands/, one
-module each; their gRPC goes through shim/cli/transport.py.
+module each; their gRPC goes through shim/rpc_client.py and shim/cli/transport.py.
 
 Conventions (crictl's): `-r/--runtime-endpoint` (default $CONTAINER_RUNTIME_ENDPOINT, else
 podshim's socket), `--timeout` seconds, `-o json|yaml|table`. Exit codes: 0 success, 1 the
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from api.runtime.v1 import api_pb2 as cri
+from shim import rpc_client
 from shim.cli import output, transport
 from shim.deadlines import CLI_LONG_TIMEOUT, CLI_SHORT_TIMEOUT
 
@@ -116,9 +117,9 @@ def output_of(args: argparse.Namespace, default: str = "table") -> str:
     return getattr(args, "output", None) or default
 
 
-def runtime_stub(args: argparse.Namespace) -> transport.RuntimeStub:
+def runtime_stub(args: argparse.Namespace) -> rpc_client.RuntimeStub:
     """The RuntimeService stub of the endpoint `args` name."""
-    return transport.runtime_stub(endpoint(args))
+    return rpc_client.runtime_stub(endpoint(args))
 
 
 # ---------------------------------------------------------------------------- error handling
@@ -135,7 +136,7 @@ def guarded(name: str) -> Callable[[Command], Command]:
         def run(args: argparse.Namespace) -> int:
             try:
                 return fn(args)
-            except transport.RpcError as e:
+            except rpc_client.RpcError as e:
                 report(name, transport.rpc_error_message(e, endpoint(args)))
                 return EXIT_RUNTIME
             except UsageError as e:
@@ -168,7 +169,7 @@ def report(name: str, message: str) -> None:
 # ---------------------------------------------------------------------------- id resolution
 
 
-def resolve_pod(stub: transport.RuntimeStub, pod_id: str, timeout: float) -> str:
+def resolve_pod(stub: rpc_client.RuntimeStub, pod_id: str, timeout: float) -> str:
     """A unique prefix of a pod id (crictl style) → the full id; unknown ids go through as given
     so the runtime answers NOT_FOUND."""
     if len(pod_id) >= 64 or not pod_id:
@@ -177,7 +178,7 @@ def resolve_pod(stub: transport.RuntimeStub, pod_id: str, timeout: float) -> str
     return _unique(pod_id, [p.id for p in items], "pod")
 
 
-def resolve_container(stub: transport.RuntimeStub, cid: str, timeout: float) -> str:
+def resolve_container(stub: rpc_client.RuntimeStub, cid: str, timeout: float) -> str:
     if len(cid) >= 64 or not cid:
         return cid
     items = stub.ListContainers(cri.ListContainersRequest(), timeout=timeout).containers

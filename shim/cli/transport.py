@@ -1,6 +1,6 @@
-"""The CLI's one seam to gRPC: the channel to the runtime's CRI socket, its stub, the error a
-failed call raises and how it reads, and a unary call with a progress line. No other module of the
-CLI imports grpc (tests/test_contract.py)."""
+"""The CLI's one seam to gRPC beyond the client's (shim/rpc_client.py: channel, stub, call
+errors): a call's error in the CLI's words, and a unary call with a progress line. No other module
+of the CLI imports grpc (tests/test_layout.py)."""
 
 from __future__ import annotations
 
@@ -9,49 +9,15 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from api.runtime.v1 import api_pb2_grpc
+from shim import rpc_client
 from shim.cli import output
-
-MAX_MESSAGE = 16 << 20
-
-RpcError = grpc.RpcError  # what a failed call raises (base.guarded turns it into exit code 1)
-RuntimeStub = api_pb2_grpc.RuntimeServiceStub
-
-
-def grpc_target(ep: str) -> str:
-    """crictl accepts unix:///path, unix:/path, a bare /path and tcp://host:port."""
-    if ep.startswith("unix:"):
-        return ep
-    if ep.startswith("/"):
-        return f"unix://{ep}"
-    if ep.startswith("tcp://"):
-        return ep.removeprefix("tcp://")
-    return ep
-
-
-def runtime_stub(ep: str) -> RuntimeStub:
-    """A RuntimeService stub on a channel to endpoint `ep` (crictl's forms, see grpc_target)."""
-    channel = grpc.insecure_channel(
-        grpc_target(ep),
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.max_send_message_length", MAX_MESSAGE),
-        ],
-    )
-    return api_pb2_grpc.RuntimeServiceStub(channel)
 
 
 def rpc_error_message(err: grpc.RpcError, ep: str) -> str:
-    code = err.code() if hasattr(err, "code") else None
-    details = (err.details() if hasattr(err, "details") else None) or str(err)
-    name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
-    if name == "UNAVAILABLE" and "failed to connect" in details:
-        details = f"cannot reach the runtime at {ep} (is podshim running? see -r): {details}"
-    elif name == "DEADLINE_EXCEEDED" and "Deadline Exceeded" in details:
-        details = f"{details} (raise --timeout for long operations)"
-    elif name == "UNIMPLEMENTED" and details in ("", "Method not found!", "unknown service"):
-        details = f"the runtime at {ep} does not implement this call ({details or 'no details'})"
-    return f"{name}: {details}"
+    """rpc_client.rpc_error_message with what the CLI's flags do about it."""
+    return rpc_client.rpc_error_message(
+        err, ep, unreachable="is podshim running? see -r", deadline="raise --timeout for long operations"
+    )
 
 
 def long_call(method: Any, request: Message, timeout: float, progress: output.Progress) -> Any:

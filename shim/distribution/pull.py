@@ -46,7 +46,7 @@ import requests
 
 from shim import faults
 from shim.archive import manifest as mf
-from shim.archive import paths, writeback
+from shim.archive import paths, tree_check, writeback
 from shim.archive.dirfd import DirHandle, open_checked
 from shim.archive.fsutil import CHUNK_SIZE, FILE_MODE
 from shim.archive.layout import MANIFEST_FILE
@@ -521,7 +521,7 @@ def _members(tar: _TarStream, ref: str, title: str) -> Iterator[tarfile.TarInfo]
                 f"registry artifact {ref}: layer {title} has member {member.name[:120]!r}, outside "
                 f"{prefix}: refused, nothing was kept"
             )
-        if rel.count("/") >= mf.MAX_TREE_DEPTH:
+        if rel.count("/") >= tree_check.MAX_TREE_DEPTH:
             raise InvalidArgument(f"registry artifact {ref}: member {rel[:120]!r}... nests too deep")
         if not (member.isreg() or member.isdir()):
             kind = "symlink" if member.issym() else "hard link" if member.islnk() else "special file"

@@ -17,7 +17,7 @@ from pathlib import Path
 from shim import errors, logs
 from shim.archive import fsutil, layout
 from shim.cgroups import PodCut, cgroup_procs, default_freezer
-from shim.criu.runtime import end_dump, stop_dump
+from shim.criu.dump_stop import end_dump, stop_dump
 from shim.deadlines import FREEZE_TIMEOUT, KILL_WAIT
 from shim.ops.checkpoint_pod import _Work
 

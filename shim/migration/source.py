@@ -40,7 +40,9 @@ from shim.archive import compat, layout, manifest
 from shim.cgroups import PodCut, thaw_paths
 from shim.config import Config
 from shim.criu.lazy import wait_status
-from shim.criu.runtime import binary_version, criu_error_lines, criu_path_env
+from shim.criu.log import criu_error_lines
+from shim.criu.options import criu_path_env
+from shim.criu.runtime import binary_version
 from shim.deadlines import (
     CHECK_MARGIN,
     CLEANUP_MARGIN,

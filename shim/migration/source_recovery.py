@@ -19,7 +19,7 @@ from shim.aio import run_to_end
 from shim.archive import layout
 from shim.archive.dirfd import clear_dir_contents
 from shim.cgroups import thaw_paths
-from shim.criu.runtime import dump_processes, end_dump, stop_dump
+from shim.criu.dump_stop import dump_processes, end_dump, stop_dump
 from shim.deadlines import MIGRATION_FENCE_MARGIN, MIGRATION_LEASE
 from shim.migration.lazy_dumps import WORK_DIR, freeze_paths, kill_frozen
 from shim.state import OpRecord

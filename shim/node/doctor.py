@@ -319,24 +319,24 @@ def check_runtime(name: str, rt: RuntimeConfig) -> list[Result]:
 
 
 def _stub(endpoint: str) -> object:
-    from shim.cli import transport
+    from shim import rpc_client  # grpc only for the checks that call
 
-    return transport.runtime_stub(endpoint)
+    return rpc_client.runtime_stub(endpoint)
 
 
 def check_wiring(cfg: Config) -> list[Result]:
     """containerd's report of its runtime handlers, judged as podshim judges it before a restore."""
     from api.runtime.v1 import api_pb2 as cri
+    from shim import rpc_client
     from shim.checks.wiring import Verdict, config_section, judge, major_version
-    from shim.cli import transport
 
     stub = _stub(cfg.upstream_endpoint)
     try:
         version = stub.Version(cri.VersionRequest(), timeout=DOCTOR_RPC_TIMEOUT)  # type: ignore[attr-defined]
         status = stub.Status(cri.StatusRequest(verbose=True), timeout=DOCTOR_RPC_TIMEOUT)  # type: ignore[attr-defined]
-    except transport.RpcError as e:
+    except rpc_client.RpcError as e:
         return [
-            fail("containerd", f"{transport.rpc_error_message(e, cfg.upstream_endpoint)}: start containerd")
+            fail("containerd", f"{rpc_client.rpc_error_message(e, cfg.upstream_endpoint)}: start containerd")
         ]
     major = major_version(version.runtime_version)
     results = [
@@ -411,14 +411,14 @@ def _wiring_details(
 
 def check_podshim(cfg: Config) -> list[Result]:
     from api.runtime.v1 import api_pb2 as cri
-    from shim.cli import transport
+    from shim import rpc_client
 
     endpoint = "unix://" + cfg.socket
     try:
         v = _stub(endpoint).Version(cri.VersionRequest(), timeout=DOCTOR_RPC_TIMEOUT)  # type: ignore[attr-defined]
-    except transport.RpcError as e:
+    except rpc_client.RpcError as e:
         return [
-            fail("podshim", f"{transport.rpc_error_message(e, endpoint)}: `systemctl enable --now podshim`")
+            fail("podshim", f"{rpc_client.rpc_error_message(e, endpoint)}: `systemctl enable --now podshim`")
         ]
     return [ok("podshim", f"serving {v.runtime_name} {v.runtime_version} at {endpoint}")]
 

@@ -14,7 +14,7 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import contract, deadlines, errors
 from shim.cgroups import cgroup_procs
 from shim.config import GHOST_LIMIT_AUTO, ROOTFS_COMPRESSIONS, parse_size
-from shim.criu.runtime import CriuOptions
+from shim.criu.options import CriuOptions
 from shim.sandbox import ContainerView, PodView
 
 

@@ -51,9 +51,11 @@ from shim.checks import space, taskstate
 from shim.checks.sharing import check_shared_state
 from shim.checks.taskstate import TaskStates
 from shim.config import Config
-from shim.criu.runtime import CriuOptions, NetnsLock, binary_version, read_dump_stats
+from shim.criu.netns_lock import NetnsLock
+from shim.criu.options import CriuOptions
+from shim.criu.runtime import binary_version, read_dump_stats
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
-from shim.ops import checkpoint_pod
+from shim.ops import checkpoint_pod_recovery
 from shim.ops.checkpoint_checks import CheckpointOptions, check_dumpable
 from shim.ops.checkpoint_pod import (
     PodCheckpointer,
@@ -672,7 +674,7 @@ async def recover(rec: OpRecord) -> None:
     data: ContainerCheckpointRecord = rec.data
     out = data.output_path
     if not (out and fsutil.is_temp_name(Path(out).name)):
-        await checkpoint_pod.recover(rec)
+        await checkpoint_pod_recovery.recover(rec)
         return
     if data.netns:
         # a crash between the netns lock and its unlock left the pod's network dropped

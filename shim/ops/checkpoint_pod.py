@@ -11,7 +11,6 @@ returns a typed error.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import os
 import resource
@@ -29,14 +28,16 @@ from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, cni, errors, faults, logs
 from shim.aio import run_to_end, wait_out
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff, writeback
-from shim.archive.dirfd import DirHandle, clear_dir_contents, open_checked
+from shim.archive.dirfd import DirHandle, open_checked
 from shim.cgroups import PodCut, cgroup_procs, default_freezer, thaw_paths
 from shim.checks import openfiles, rlimits, space, taskstate
 from shim.checks.sharing import check_shared_state
 from shim.checks.taskstate import TaskStates
 from shim.config import Config, parse_size
 from shim.criu import rpc_config
-from shim.criu.runtime import DumpGate, NetnsLock, OciRuntime, binary_version, read_dump_stats
+from shim.criu.netns_lock import NetnsLock
+from shim.criu.options import DumpGate
+from shim.criu.runtime import OciRuntime, binary_version, read_dump_stats
 from shim.deadlines import CHECK_MARGIN, CLEANUP_MARGIN, DEFAULT_DEADLINE, DUMPS_READY_WAIT, FREEZE_TIMEOUT
 from shim.ops import pod_volumes
 from shim.ops.checkpoint_checks import (
@@ -47,7 +48,7 @@ from shim.ops.checkpoint_checks import (
 )
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sandbox.images import resolve_container_images
-from shim.state import Journal, OpRecord
+from shim.state import Journal
 from shim.state.records import CheckpointRecord
 from shim.upstream import Upstream
 
@@ -684,49 +685,3 @@ def options_record(opts: CheckpointOptions) -> dict[str, str]:
         "ghost-limit": str(c.ghost_limit or ""),
         "irmap-scan-paths": ",".join(c.irmap_scan_paths),
     }
-
-
-# ---------------------------------------------------------------------------- recovery
-
-
-async def recover(rec: OpRecord) -> None:
-    """Undo a CheckpointPod a crash interrupted (its journal record; docs/design/crash-safety.md (Crash
-    safety)): thaw its cgroups; remove a partial archive, or only the temporary file of an
-    interrupted manifest rewrite of a complete one."""
-    data: CheckpointRecord = rec.data  # or a ContainerCheckpointRecord without a staging dir
-    if data.netns:
-        # a crash between the netns lock and its unlock left the pod's network dropped
-        NetnsLock.unlock_leftover(data.netns)
-    thaw_paths(list(data.cgroups))
-    out = data.output_path
-    if out and not (Path(out) / layout.MANIFEST_FILE).exists():
-        with contextlib.suppress(OSError, errors.NotFound):  # NotFound: dir removed since
-            clear_dir_contents(Path(out))
-    elif out:
-        _remove_manifest_temps(Path(out))
-
-
-def _remove_manifest_temps(out: Path) -> None:
-    """A complete archive whose checkpoint died while rewriting manifest.json (the final timings)
-    keeps the old manifest (the rename never happened) and the temporary file, which verifying
-    would refuse as a file the manifest does not list: remove it."""
-    try:
-        # listed and cleaned through the directory opened with O_NOFOLLOW at every level
-        # (docs/design/archive.md (Path confinement)): a path replaced by a symlink is left alone
-        with DirHandle.open(out) as d, os.scandir(d.fd) as it:
-            temps = [
-                e.name
-                for e in it
-                if e.name.startswith(f".{layout.MANIFEST_FILE}")
-                and fsutil.is_temp_name(e.name)
-                and e.is_file(follow_symlinks=False)
-            ]
-            for name in temps:
-                os.unlink(name, dir_fd=d.fd)
-                log.warning(
-                    "removed the temporary file of an interrupted manifest write", path=str(out / name)
-                )
-            if temps:
-                d.fsync()
-    except (FileNotFoundError, errors.NotFound, errors.InvalidArgument):
-        return

@@ -24,7 +24,7 @@ from typing import Any
 from api.runtime.v1 import api_pb2 as cri
 from shim import contract, errors, logs
 from shim.aio import Steps
-from shim.archive import fsutil, layout, manifest, paths
+from shim.archive import fsutil, layout, paths, tree_check
 from shim.archive.container_tar import (
     MANIFEST_FILE,
     MAX_METADATA_BYTES,
@@ -89,10 +89,10 @@ def _members(tar: tarfile.TarFile, where: Path) -> Iterator[tuple[tarfile.TarInf
                 continue
             rel = str(paths.check_member_path(m.name.rstrip("/"), f"{where}: member"))
             parts = rel.split("/")
-            if len(parts) > manifest.MAX_TREE_DEPTH or any(len(p.encode()) > paths.NAME_MAX for p in parts):
+            if len(parts) > tree_check.MAX_TREE_DEPTH or any(len(p.encode()) > paths.NAME_MAX for p in parts):
                 raise errors.InvalidArgument(
                     f"checkpoint archive {where}: member {m.name[:120]!r}... nests deeper than "
-                    f"{manifest.MAX_TREE_DEPTH} levels or has a component over {paths.NAME_MAX} bytes"
+                    f"{tree_check.MAX_TREE_DEPTH} levels or has a component over {paths.NAME_MAX} bytes"
                 )
             if not (m.isreg() or m.isdir()):
                 kind = "symlink" if m.issym() else "hard link" if m.islnk() else "special file"
@@ -119,10 +119,10 @@ def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> lis
             steps.check()
             if rel is None:
                 continue
-            if rel.count("/") >= manifest.MAX_TREE_DEPTH:
+            if rel.count("/") >= tree_check.MAX_TREE_DEPTH:
                 raise errors.InvalidArgument(
                     f"checkpoint archive {tar_path}: member {rel[:120]!r}... nests deeper than "
-                    f"{manifest.MAX_TREE_DEPTH} directories; a container checkpoint is at most that deep"
+                    f"{tree_check.MAX_TREE_DEPTH} directories; a container checkpoint is at most that deep"
                 )
             parent, _, name = rel.rpartition("/")
             try:

@@ -94,8 +94,8 @@ class JournalData:
 @register
 @dataclass
 class CheckpointRecord(JournalData):
-    """CheckpointPod (shim/ops/checkpoint_pod.py): recovery thaws `cgroups` and clears a partial
-    archive in `output_path` (one without manifest.json)."""
+    """CheckpointPod (shim/ops/checkpoint_pod.py): recovery (checkpoint_pod_recovery.py) thaws
+    `cgroups` and clears a partial archive in `output_path` (one without manifest.json)."""
 
     KIND: ClassVar[str] = "checkpoint"
     output_path: str = ""

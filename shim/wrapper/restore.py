@@ -146,7 +146,8 @@ def prepare(
     is gone): errors.Stopped from the rootfs diff, the page check stopped."""
     from shim import config
     from shim.archive import layout, paths, rootfs_diff
-    from shim.criu.runtime import CriuOptions, OciRuntime, criu_path_env
+    from shim.criu.options import CriuOptions, criu_path_env
+    from shim.criu.runtime import OciRuntime
     from shim.errors import ShimError, Stopped
 
     container_id = rest[-1] if rest else ""
@@ -280,7 +281,7 @@ def _runtime_delete(binary: str, flags: dict[str, str], container_id: str) -> li
 def conclude(p: Prepared, returncode: int) -> None:
     """After the restore ran and settled: remove decrypted images, report a failed restore or page
     check (RestoreFailed), record the restore for `start` (RESTORED_MARKER)."""
-    from shim.criu.runtime import criu_error_lines
+    from shim.criu.log import criu_error_lines
 
     if not p.lazy and (p.ckpt / contract.DECRYPTED_MARKER).is_file():  # crypto.is_decrypted_dir
         # Decrypted images: CRIU is done with them (a failed create is not retried), and plaintext

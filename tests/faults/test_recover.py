@@ -29,7 +29,7 @@ from shim import engine as engine_mod
 from shim import errors
 from shim.config import Config
 from shim.engine import Engine
-from shim.ops import checkpoint_pod
+from shim.ops import checkpoint_pod_recovery
 from shim.state import Journal
 from shim.upstream.calls import CriCalls
 from testbed import _sys, pods
@@ -187,7 +187,7 @@ async def test_failing_record_is_kept_and_others_recovered(
             raise errors.Internal("could not thaw: /cannot-thaw; thaw by hand")
         return []
 
-    monkeypatch.setattr(checkpoint_pod, "thaw_paths", thaw)  # the checkpoint's own recovery
+    monkeypatch.setattr(checkpoint_pod_recovery, "thaw_paths", thaw)  # the checkpoint's own recovery
     await make_engine(root).recover()  # must not raise: podshim has to start
     assert [r.op_id for r in j.scan().records] == [bad.op_id]  # kept for the next start
     assert list(out_b.iterdir()) == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shim.criu.runtime import criu_error_lines
+from shim.criu.log import criu_error_lines
 
 LOG = """\
 (00.029721) Error (criu/util.c:1561): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted

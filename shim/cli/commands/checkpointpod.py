@@ -30,8 +30,9 @@ from shim.cli.base import (
     runtime_stub,
     timeout_of,
 )
-from shim.cli.transport import RuntimeStub, long_call
+from shim.cli.transport import long_call
 from shim.deadlines import CLI_SHORT_TIMEOUT
+from shim.rpc_client import RuntimeStub
 
 
 def running_containers(stub: RuntimeStub, pod_id: str, timeout: float) -> list[str]:

@@ -33,9 +33,10 @@ from shim.cli.base import (
     timeout_of,
 )
 from shim.cli.commands.restorepod import parse_message
-from shim.cli.transport import RpcError, long_call, rpc_error_message
-from shim.cli.transport import runtime_stub as stub_for
+from shim.cli.transport import long_call, rpc_error_message
 from shim.deadlines import CLI_SHORT_TIMEOUT
+from shim.rpc_client import RpcError
+from shim.rpc_client import runtime_stub as stub_for
 
 # the options' names (shim/migration/source.py, destination.py), repeated: the CLI imports no
 # server code
