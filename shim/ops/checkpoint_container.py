@@ -62,6 +62,7 @@ from shim.ops.checkpoint_pod import (
     confirm_thawed,
     options_record,
     self_frozen,
+    with_kept_log,
 )
 from shim.sandbox import ContainerView, PodView, build_pod_view
 from shim.sandbox.images import resolve_container_images
@@ -580,7 +581,7 @@ class ContainerCheckpointer:
                 pass_fds=(images.fd, tree.fd),
             )
         except (errors.Internal, errors.ResourceExhausted) as e:  # the staging dir goes with the failure
-            raise checkpoint_pod.with_kept_log(e, tree, self.config.state_dir, c.id) from None
+            raise with_kept_log(e, tree, self.config.state_dir, c.id) from None
         log.info("container dumped", container=c.id, seconds=round(timings["dump"], 4))
 
     async def _diff(
