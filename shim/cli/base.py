@@ -23,12 +23,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from api.runtime.v1 import api_pb2 as cri
 from shim.cli import output, transport
 from shim.deadlines import CLI_LONG_TIMEOUT, CLI_SHORT_TIMEOUT
 
 DEFAULT_ENDPOINT = "unix:///run/podshim/podshim.sock"
 ENDPOINT_ENV = "CONTAINER_RUNTIME_ENDPOINT"
+# shim/config.py's names for --config's help, repeated: the parser loads no config code
+# (tests/test_cli_startup.py holds them equal)
+CONFIG_ENV = "PODSHIM_CONFIG"
+DEFAULT_CONFIG_PATH = "/etc/podshim/config.toml"
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -135,9 +138,6 @@ def guarded(name: str) -> Callable[[Command], Command]:
         def run(args: argparse.Namespace) -> int:
             try:
                 return fn(args)
-            except transport.RpcError as e:
-                report(name, transport.rpc_error_message(e, endpoint(args)))
-                return EXIT_RUNTIME
             except UsageError as e:
                 report(name, str(e))
                 return EXIT_USAGE
@@ -151,7 +151,11 @@ def guarded(name: str) -> Callable[[Command], Command]:
                 with contextlib.suppress(OSError):
                     sys.stdout = open(os.devnull, "w")  # silence the flush at exit
                 return EXIT_OK
-            except Exception as e:  # a bug: one line, never a traceback
+            except Exception as e:
+                if transport.is_rpc_error(e):  # tested here, not in an except clause: grpc loads lazily
+                    report(name, transport.rpc_error_message(e, endpoint(args)))
+                    return EXIT_RUNTIME
+                # a bug: one line, never a traceback
                 report(name, f"unexpected error: {type(e).__name__}: {e}")
                 return EXIT_RUNTIME
 
@@ -173,6 +177,8 @@ def resolve_pod(stub: transport.RuntimeStub, pod_id: str, timeout: float) -> str
     so the runtime answers NOT_FOUND."""
     if len(pod_id) >= 64 or not pod_id:
         return pod_id
+    from api.runtime.v1 import api_pb2 as cri
+
     items = stub.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=timeout).items
     return _unique(pod_id, [p.id for p in items], "pod")
 
@@ -180,6 +186,8 @@ def resolve_pod(stub: transport.RuntimeStub, pod_id: str, timeout: float) -> str
 def resolve_container(stub: transport.RuntimeStub, cid: str, timeout: float) -> str:
     if len(cid) >= 64 or not cid:
         return cid
+    from api.runtime.v1 import api_pb2 as cri
+
     items = stub.ListContainers(cri.ListContainersRequest(), timeout=timeout).containers
     return _unique(cid, [c.id for c in items], "container")
 
