@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 else:
 
     def __getattr__(name: str) -> Any:
-        # `except transport.RpcError` names it only once a call failed: grpc is loaded by then
+        # read when an exception reaches `except transport.RpcError`, after a call: grpc is loaded then
         if name == "RpcError":
             import grpc
 
