@@ -11,9 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from api.runtime.v1 import api_pb2 as cri
 from shim import config as configmod
-from shim.cli import base, build_parser
+from shim.cli import base, build_parser, command_of, commands
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,14 +77,63 @@ def test_help_of_every_command_loads_no_grpc_protobuf_nor_daemon_code() -> None:
     assert daemon == [], f"the parser and --help load the daemon's code: {daemon}"
 
 
-def _subparser(name: str) -> argparse.ArgumentParser:
-    parser = build_parser()
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            sub = action.choices[name]
-            assert isinstance(sub, argparse.ArgumentParser)
-            return sub
+            return dict(action.choices)
     raise AssertionError("no subcommands")
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    return _subparsers(build_parser())[name]
+
+
+def test_a_command_line_builds_and_imports_only_its_command() -> None:
+    """`podshim pods …` adds the pods parser alone, importing no other command's module."""
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from shim.cli import build_parser; build_parser(['pods', '-q']);"
+            "print(sorted(m for m in sys.modules if m.startswith('shim.cli.commands.')))",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert res.stdout.strip() == "['shim.cli.commands.pods']"
+    assert sorted(_subparsers(build_parser(["-r", "/x.sock", "pods", "-q"]))) == ["pods"]
+
+
+def test_every_command_has_its_module_in_the_table() -> None:
+    """commands.MODULES names each command the whole parser has, in its order: each command alone
+    gets the same parser."""
+    full = _subparsers(build_parser())
+    assert list(full) == [c for names in commands.MODULES.values() for c in names]
+    for name, parser in full.items():
+        alone = _subparsers(build_parser([name]))
+        assert name in alone and alone[name].format_help() == parser.format_help(), name
+
+
+@pytest.mark.parametrize(
+    ("argv", "command"),
+    [
+        (["pods", "-q"], "pods"),
+        (["-r", "pods", "ps"], "ps"),  # -r's value is no command
+        (["--runtime-endpoint", "/x", "-o", "json", "--timeout", "5", "inspectp", "a"], "inspectp"),
+        (["--runtime-endpoint=/x", "-ojson", "ps"], "ps"),
+        (["--time", "5", "ps"], None),  # an abbreviation of --timeout: left to argparse, all commands
+        (["-h", "ps"], None),  # `podshim -h` lists every command
+        (["--he"], None),
+        (["--", "ps"], None),
+        (["-o", "json"], None),
+        ([], None),
+    ],
+)
+def test_the_command_a_line_names(argv: list[str], command: str | None) -> None:
+    assert command_of(argv) == command
 
 
 def _state_choices(command: str) -> list[str]:
