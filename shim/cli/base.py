@@ -15,16 +15,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import re
 import sys
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shim.cli import output, transport
 from shim.deadlines import CLI_LONG_TIMEOUT, CLI_SHORT_TIMEOUT
+
+if TYPE_CHECKING:  # pathlib and json load when used: every command's start-up passes here
+    from pathlib import Path
 
 DEFAULT_ENDPOINT = "unix:///run/podshim/podshim.sock"
 ENDPOINT_ENV = "CONTAINER_RUNTIME_ENDPOINT"
@@ -205,6 +206,8 @@ def _unique(prefix: str, ids: Iterable[str], kind: str) -> str:
 
 def verbose_info(info: Any) -> dict[str, Any]:
     """The verbose `info` map with its JSON values decoded (crictl's inspect output)."""
+    import json
+
     out: dict[str, Any] = {}
     for k, v in sorted(info.items()):
         try:

@@ -6,15 +6,15 @@ as crictl prints them, so `podshim pods -o json` parses like `crictl pods -o jso
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from google.protobuf.message import Message
 
 FORMATS = ("json", "yaml", "table")
@@ -44,6 +44,8 @@ def timestamp(ns: int | str) -> str:
 
 
 def to_json(data: Any) -> str:
+    import json
+
     return json.dumps(data, indent=2, ensure_ascii=False)
 
 
