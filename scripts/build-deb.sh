@@ -22,6 +22,8 @@
 #   /usr/bin/kubectl-podshim -> /opt/podshim/bin/kubectl-podshim   `kubectl podshim`
 #   /usr/share/podshim/deploy/                        the cluster API: kubectl apply -k /usr/share/podshim/deploy
 #   /usr/lib/systemd/system/podshim.service           not enabled, not started by the package
+#   /usr/share/man/man1/*.1.gz, /usr/share/man/man5/   the manual pages of docs/man/ (`man podshim-checkpointpod`,
+#     podshim-config.toml.5.gz                          `man 5 podshim-config.toml`), gzip -9n as Debian's policy asks
 #   /etc/podshim/config.toml                          conffile
 # Depends only on packages Debian 12 and 13 both ship (CRIU's libraries, python3, iptables).
 set -euo pipefail
@@ -101,6 +103,17 @@ install -m 0644 systemd/containerd-podshim.toml systemd/kubelet.env systemd/kube
   "$OPT/share/podshim/"
 install -d "$ROOT/usr/share/podshim/deploy"
 install -m 0644 deploy/*.yaml "$ROOT/usr/share/podshim/deploy/"
+
+echo "==> manual pages"
+for page in docs/man/*.1 docs/man/*.5; do
+  section=${page##*.}
+  install -d "$ROOT/usr/share/man/man$section"
+  # -n: no name or time stamp in the .gz, so the same page gives the same bytes
+  gzip -9n <"$page" >"$ROOT/usr/share/man/man$section/$(basename "$page").gz"
+done
+[ -f "$ROOT/usr/share/man/man1/podshim-checkpointpod.1.gz" ] && [ -f "$ROOT/usr/share/man/man5/podshim-config.toml.5.gz" ] ||
+  die "docs/man/ lacks the manual pages: make docs"
+
 cat >"$ROOT/usr/share/doc/podshim/copyright" <<EOF
 podshim $VERSION: Apache-2.0 (the project's checkout: LICENSE terms in pyproject.toml).
 /opt/podshim/sbin/criu: CRIU $("$CRIU_DIR/sbin/criu" --version | awk '/^Version:/ { print $2 }'), GPL-2.0-only, built

@@ -44,8 +44,9 @@ async def test_a_cancelled_migration_holds_the_pod_until_its_undo_ended(
     out = Path(cfg.allowed_roots[0]) / "out"
     undoing, release = asyncio.Event(), asyncio.Event()
 
-    async def check(_req: Any) -> tuple[Any, ...]:
-        return None, out, SimpleNamespace(name="p"), [], SimpleNamespace(close=lambda: None)
+    async def check(_req: Any, carry_volumes: bool = True) -> tuple[Any, ...]:
+        assert not carry_volumes  # a migration carries no volumes
+        return None, out, SimpleNamespace(name="p"), [], SimpleNamespace(close=lambda: None), None
 
     async def run(*_args: Any) -> None:
         raise source.MigrationFailed(errors.Unavailable("the link was lost"))

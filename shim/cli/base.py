@@ -1,7 +1,7 @@
 """What every client command of `podshim` shares (pip's base_command): the exit codes and the
 errors that choose them, the argument types, the global options, id resolution, and `guarded`,
 which turns any failure into one line on stderr. The commands are in shim/cli/commands/, one
-module each; their gRPC goes through shim/rpc_client.py and shim/cli/transport.py.
+module each; their gRPC goes through shim/cli/transport.py.
 
 Conventions (crictl's): `-r/--runtime-endpoint` (default $CONTAINER_RUNTIME_ENDPOINT, else
 podshim's socket), `--timeout` seconds, `-o json|yaml|table`. Exit codes: 0 success, 1 the
@@ -15,21 +15,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import re
 import sys
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from api.runtime.v1 import api_pb2 as cri
-from shim import rpc_client
 from shim.cli import output, transport
 from shim.deadlines import CLI_LONG_TIMEOUT, CLI_SHORT_TIMEOUT
 
+if TYPE_CHECKING:  # pathlib and json load when used: every command's start-up passes here
+    from pathlib import Path
+
 DEFAULT_ENDPOINT = "unix:///run/podshim/podshim.sock"
 ENDPOINT_ENV = "CONTAINER_RUNTIME_ENDPOINT"
+# shim/config.py's names for --config's help, repeated: the parser loads no config code
+# (tests/test_cli_startup.py holds them equal)
+CONFIG_ENV = "PODSHIM_CONFIG"
+DEFAULT_CONFIG_PATH = "/etc/podshim/config.toml"
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -117,9 +120,9 @@ def output_of(args: argparse.Namespace, default: str = "table") -> str:
     return getattr(args, "output", None) or default
 
 
-def runtime_stub(args: argparse.Namespace) -> rpc_client.RuntimeStub:
+def runtime_stub(args: argparse.Namespace) -> transport.RuntimeStub:
     """The RuntimeService stub of the endpoint `args` name."""
-    return rpc_client.runtime_stub(endpoint(args))
+    return transport.runtime_stub(endpoint(args))
 
 
 # ---------------------------------------------------------------------------- error handling
@@ -136,9 +139,6 @@ def guarded(name: str) -> Callable[[Command], Command]:
         def run(args: argparse.Namespace) -> int:
             try:
                 return fn(args)
-            except rpc_client.RpcError as e:
-                report(name, transport.rpc_error_message(e, endpoint(args)))
-                return EXIT_RUNTIME
             except UsageError as e:
                 report(name, str(e))
                 return EXIT_USAGE
@@ -152,7 +152,11 @@ def guarded(name: str) -> Callable[[Command], Command]:
                 with contextlib.suppress(OSError):
                     sys.stdout = open(os.devnull, "w")  # silence the flush at exit
                 return EXIT_OK
-            except Exception as e:  # a bug: one line, never a traceback
+            except Exception as e:
+                if transport.is_rpc_error(e):  # tested here, not in an except clause: grpc loads lazily
+                    report(name, transport.rpc_error_message(e, endpoint(args)))
+                    return EXIT_RUNTIME
+                # a bug: one line, never a traceback
                 report(name, f"unexpected error: {type(e).__name__}: {e}")
                 return EXIT_RUNTIME
 
@@ -169,18 +173,22 @@ def report(name: str, message: str) -> None:
 # ---------------------------------------------------------------------------- id resolution
 
 
-def resolve_pod(stub: rpc_client.RuntimeStub, pod_id: str, timeout: float) -> str:
+def resolve_pod(stub: transport.RuntimeStub, pod_id: str, timeout: float) -> str:
     """A unique prefix of a pod id (crictl style) → the full id; unknown ids go through as given
     so the runtime answers NOT_FOUND."""
     if len(pod_id) >= 64 or not pod_id:
         return pod_id
+    from api.runtime.v1 import api_pb2 as cri
+
     items = stub.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=timeout).items
     return _unique(pod_id, [p.id for p in items], "pod")
 
 
-def resolve_container(stub: rpc_client.RuntimeStub, cid: str, timeout: float) -> str:
+def resolve_container(stub: transport.RuntimeStub, cid: str, timeout: float) -> str:
     if len(cid) >= 64 or not cid:
         return cid
+    from api.runtime.v1 import api_pb2 as cri
+
     items = stub.ListContainers(cri.ListContainersRequest(), timeout=timeout).containers
     return _unique(cid, [c.id for c in items], "container")
 
@@ -198,6 +206,8 @@ def _unique(prefix: str, ids: Iterable[str], kind: str) -> str:
 
 def verbose_info(info: Any) -> dict[str, Any]:
     """The verbose `info` map with its JSON values decoded (crictl's inspect output)."""
+    import json
+
     out: dict[str, Any] = {}
     for k, v in sorted(info.items()):
         try:

@@ -6,17 +6,16 @@ as crictl prints them, so `podshim pods -o json` parses like `crictl pods -o jso
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from google.protobuf import json_format
-from google.protobuf.message import Message
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from google.protobuf.message import Message
 
 FORMATS = ("json", "yaml", "table")
 TRUNC_ID = 13  # crictl's short id length
@@ -25,6 +24,8 @@ TRUNC_ID = 13  # crictl's short id length
 def message_dict(msg: Message) -> dict[str, Any]:
     """A CRI message as crictl prints it: protobuf JSON mapping with default values included
     (SANDBOX_READY and CONTAINER_CREATED are enum value 0 and would vanish otherwise)."""
+    from google.protobuf import json_format  # only with a message in hand: the CLI starts without protobuf
+
     return json_format.MessageToDict(msg, always_print_fields_with_no_presence=True)
 
 
@@ -36,11 +37,15 @@ def timestamp(ns: int | str) -> str:
         return str(ns)
     if value <= 0:
         return ""
+    from datetime import UTC, datetime
+
     t = datetime.fromtimestamp(value / 1e9, UTC)
     return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def to_json(data: Any) -> str:
+    import json
+
     return json.dumps(data, indent=2, ensure_ascii=False)
 
 

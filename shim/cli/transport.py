@@ -1,16 +1,41 @@
 """The CLI's one seam to gRPC beyond the client's (shim/rpc_client.py: channel, stub, call
 errors): a call's error in the CLI's words, and a unary call with a progress line. No other module
-of the CLI imports grpc (tests/test_layout.py)."""
+of the CLI imports grpc (tests/test_contract.py).
+
+grpc, protobuf and the generated CRI modules load inside the functions that make a call, never at
+import: `podshim --help` and the parser stay free of them (tests/test_cli_startup.py)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import grpc
-from google.protobuf.message import Message
+from typing import TYPE_CHECKING, Any
 
 from shim import rpc_client
 from shim.cli import output
+from shim.rpc_client import grpc_target, is_rpc_error, runtime_stub
+
+if TYPE_CHECKING:
+    import grpc
+    from google.protobuf.message import Message
+
+    from shim.rpc_client import RpcError, RuntimeStub
+else:
+
+    def __getattr__(name: str) -> Any:
+        # rpc_client's, grpc loaded when read: after a call
+        if name == "RpcError":
+            return rpc_client.RpcError
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "RpcError",
+    "RuntimeStub",
+    "grpc_target",
+    "is_rpc_error",
+    "long_call",
+    "rpc_error_message",
+    "runtime_stub",
+]
 
 
 def rpc_error_message(err: grpc.RpcError, ep: str) -> str:
@@ -23,6 +48,8 @@ def rpc_error_message(err: grpc.RpcError, ep: str) -> str:
 def long_call(method: Any, request: Message, timeout: float, progress: output.Progress) -> Any:
     """Run a unary call, refreshing `progress` about 4 times a second until it ends.
     Ctrl-C cancels the call (the runtime then cleans up, as on a deadline)."""
+    import grpc
+
     future = method.future(request, timeout=timeout)
     try:
         while True:

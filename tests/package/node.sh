@@ -63,6 +63,24 @@ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq /var/tmp/package.deb 2>&1 
 command -v podshim | grep -qx /usr/bin/podshim || fail "podshim is not /usr/bin/podshim"
 dpkg -L podshim | grep -c . | sed 's/^/    files: /'
 
+step "the manual pages: man podshim-checkpointpod, man 5 podshim-config.toml"
+for name in 1:podshim-checkpointpod 5:podshim-config.toml; do
+	section=${name%%:*} name=${name#*:}
+	if command -v man >/dev/null; then
+		page=$(man -w "$section" "$name") || fail "man -w $section $name finds no page"
+	else  # a root without man-db: the installed file itself
+		page=/usr/share/man/man$section/$name.$section.gz
+		[ -f "$page" ] || fail "$page is not installed"
+	fi
+	# the page's title line, as docs/man/ has it: .TH PODSHIM\-CHECKPOINTPOD "1" ...
+	title=$(printf '%s' "$name" | tr a-z A-Z | sed 's/-/\\-/g')
+	case $(zcat -f "$page" | head -n 1) in
+	".TH $title \"$section\""*) ;;
+	*) fail "$page does not start with the .TH of $name($section)" ;;
+	esac
+	echo "    man page: $page"
+done
+
 step "podshim node setup --dry-run"
 podshim node setup --dry-run
 [ "$(cat /etc/containerd/config.toml)" = "$config_before" ] || fail "--dry-run changed the config"
@@ -117,7 +135,7 @@ step "apt-get remove podshim: only the operator's config stays, containerd's con
 stop "$PODSHIM"
 apt-get remove -y -qq podshim 2>&1 | tail -n 3
 for gone in /opt/podshim /usr/bin/podshim /usr/lib/systemd/system/podshim.service /var/lib/podshim \
-	/etc/containerd/conf.d/podshim.toml; do
+	/etc/containerd/conf.d/podshim.toml /usr/share/man/man1/podshim-checkpointpod.1.gz; do
 	[ ! -e "$gone" ] || fail "$gone is still there after apt-get remove"
 done
 [ -f /etc/podshim/config.toml ] || fail "the operator's /etc/podshim/config.toml went with apt-get remove"

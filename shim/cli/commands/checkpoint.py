@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from api.runtime.v1 import api_pb2 as cri
 from shim.cli import output
 from shim.cli.base import (
     EXIT_OK,
@@ -25,6 +24,8 @@ from shim.deadlines import CLI_SHORT_TIMEOUT
 
 @guarded("checkpoint")
 def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from api.runtime.v1 import api_pb2 as cri
+
     stub = runtime_stub(args)
     timeout = timeout_of(args, long=True)
     cid = resolve_container(stub, args.container_id, min(timeout, CLI_SHORT_TIMEOUT))

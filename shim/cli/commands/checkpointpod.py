@@ -12,10 +12,9 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from api.runtime.v1 import api_pb2 as cri
-from shim.cli import keep, output
+from shim.cli import output
 from shim.cli.base import (
     EXIT_OK,
     CliError,
@@ -32,7 +31,9 @@ from shim.cli.base import (
 )
 from shim.cli.transport import long_call
 from shim.deadlines import CLI_SHORT_TIMEOUT
-from shim.rpc_client import RuntimeStub
+
+if TYPE_CHECKING:
+    from shim.cli.transport import RuntimeStub
 
 
 def running_containers(stub: RuntimeStub, pod_id: str, timeout: float) -> list[str]:
@@ -41,6 +42,8 @@ def running_containers(stub: RuntimeStub, pod_id: str, timeout: float) -> list[s
     them (an empty container_ids is INVALID_ARGUMENT), so the command lists them itself. None
     running: the pod's own status answers first (NOT_FOUND for an unknown pod), else a CliError,
     before anything is created."""
+    from api.runtime.v1 import api_pb2 as cri
+
     running = cri.ContainerFilter(
         pod_sandbox_id=pod_id, state=cri.ContainerStateValue(state=cri.CONTAINER_RUNNING)
     )
@@ -59,6 +62,9 @@ def running_containers(stub: RuntimeStub, pod_id: str, timeout: float) -> list[s
 
 @guarded("checkpointpod")
 def cmd_checkpointpod(args: argparse.Namespace) -> int:
+    from api.runtime.v1 import api_pb2 as cri
+    from shim.cli import keep
+
     stub = runtime_stub(args)
     timeout = timeout_of(args, long=True)
     short = min(timeout, CLI_SHORT_TIMEOUT)

@@ -13,15 +13,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import secrets
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import IO, Any
 
 from shim.cli import base, output
-from shim.errors import ShimError
 
 REF_HELP = "HOST[:PORT]/REPOSITORY[:TAG]; plain HTTP only for a loopback host unless --insecure"
 
@@ -69,6 +66,8 @@ def _shim_errors(fn: Any) -> Any:
     """podshim's typed errors as client errors: `CODE: message`, exit code 1."""
 
     def run(*a: Any, **kw: Any) -> Any:
+        from shim.errors import ShimError
+
         try:
             return fn(*a, **kw)
         except ShimError as e:
@@ -170,6 +169,8 @@ def pull_for_restore(args: argparse.Namespace) -> tuple[Path, bool]:
             raise base.UsageError("podshim config has no checkpoint.allowed_roots to pull into")
         repo = args.from_ref.rsplit("/", 1)[-1].replace(":", "-").replace("@", "-")
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in repo)[:80]
+        import secrets
+
         dest = Path(roots[0]) / f"pulled-{safe}-{secrets.token_hex(3)}"
         created = base.make_output_dir(dest)
     try:
@@ -181,6 +182,8 @@ def pull_for_restore(args: argparse.Namespace) -> tuple[Path, bool]:
 
 
 def remove_pulled(path: Path) -> None:
+    import shutil
+
     with contextlib.suppress(OSError):
         shutil.rmtree(path)
 

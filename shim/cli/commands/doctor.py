@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shim import config as configmod
-from shim.cli.base import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from shim.cli.base import CONFIG_ENV, DEFAULT_CONFIG_PATH, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 
 
 def register(sub: Any) -> None:
@@ -22,7 +21,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--config",
-        help=f"podshim's config (default ${configmod.CONFIG_ENV}, else {configmod.DEFAULT_CONFIG_PATH})",
+        help=f"podshim's config (default ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH})",
     )
     p.add_argument(
         "--kubelet-pid",
@@ -35,6 +34,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shim import config as configmod
     from shim.node import doctor
 
     try:

@@ -3,6 +3,8 @@
 PATH is a pod checkpoint directory (CheckpointPod's output_path, with manifest.json) or a
 container checkpoint tar (CheckpointContainer's output; also those of CRI-O and containerd,
 minus what only podshim's manifest records). Nothing is extracted or modified.
+
+The archive code loads when a path is inspected, not with the parser.
 """
 
 from __future__ import annotations
@@ -11,19 +13,23 @@ import argparse
 import fnmatch
 import json
 import os
-import tarfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shim import errors
-from shim.archive import fsutil, layout, manifest
-from shim.archive.container_tar import FORMAT as CONTAINER_FORMAT
-from shim.archive.container_tar import MANIFEST_FILE as CONTAINER_MANIFEST
-from shim.archive.container_tar import MAX_METADATA_BYTES, REQUIRED_MEMBERS, ContainerTarManifest, tar_error
 from shim.cli import base, output
 from shim.cli.commands import inspectp
 
-PAGES = f"{layout.CHECKPOINT_DIR}/pages-*.img"
+if TYPE_CHECKING:
+    import tarfile
+
+    from shim.archive import manifest
+    from shim.archive.container_tar import ContainerTarManifest
+
+
+def _pages() -> str:
+    from shim.archive import layout
+
+    return f"{layout.CHECKPOINT_DIR}/pages-*.img"
 
 
 def register(sub: Any) -> None:
@@ -48,6 +54,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shim import errors
+
     targets = [str(t) for t in args.targets]
     existing = [t for t in targets if os.path.lexists(t)]
     if not existing:
@@ -73,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def inspect_path(path: Path, verify: bool = False) -> dict[str, Any]:
+    from shim import errors
+
     if path.is_dir():
         return inspect_pod(path, verify)
     if path.is_file():
@@ -90,6 +100,8 @@ def _sum(files: dict[str, int], pattern: str) -> int:
 
 
 def inspect_pod(root: Path, verify: bool) -> dict[str, Any]:
+    from shim.archive import layout, manifest
+
     m = manifest.read_manifest(root)
     if verify:
         manifest.verify_files(root, m, workers=4)
@@ -107,7 +119,7 @@ def inspect_pod(root: Path, verify: bool) -> dict[str, Any]:
                 "restart_count": c.restart_count,
                 "checkpointed": c.checkpointed,
                 "bytes": _sum(sizes, prefix + "*"),
-                "pages_bytes": _sum(sizes, prefix + PAGES),
+                "pages_bytes": _sum(sizes, prefix + _pages()),
                 "rootfs_diff_bytes": sizes.get(prefix + layout.ROOTFS_DIFF_TAR, 0),
                 "criu_stats": m.criu_stats.get(c.name, {}),
             }
@@ -140,6 +152,8 @@ def inspect_pod(root: Path, verify: bool) -> dict[str, Any]:
 def _network(root: Path, m: manifest.Manifest) -> dict[str, list[str]] | None:
     """The pod's interfaces and their addresses at checkpoint (sandbox/network.json; shim/cni),
     loopback left out; None when the archive has none or it is encrypted."""
+    from shim.archive import layout
+
     rel = f"{layout.SANDBOX_DIR}/{layout.SANDBOX_NETWORK_FILE}"
     if m.encryption is not None or rel not in m.files:
         return None
@@ -155,6 +169,9 @@ def _network(root: Path, m: manifest.Manifest) -> dict[str, list[str]] | None:
 
 
 def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> Any:
+    from shim import errors
+    from shim.archive.container_tar import MAX_METADATA_BYTES
+
     if member.size > MAX_METADATA_BYTES:
         raise errors.DataLoss(f"{path}: {member.name} is {member.size} bytes, too large to be metadata")
     f = tar.extractfile(member)
@@ -169,6 +186,8 @@ def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> A
 def _hash_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> str:
     import hashlib
 
+    from shim.archive import fsutil
+
     h = hashlib.sha256()
     f = tar.extractfile(member)
     assert f is not None
@@ -178,6 +197,13 @@ def _hash_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> str:
 
 
 def inspect_container_tar(path: Path, verify: bool) -> dict[str, Any]:
+    import tarfile
+
+    from shim import errors
+    from shim.archive import layout
+    from shim.archive.container_tar import MANIFEST_FILE as CONTAINER_MANIFEST
+    from shim.archive.container_tar import REQUIRED_MEMBERS, ContainerTarManifest, tar_error
+
     wanted = {layout.CONFIG_DUMP_FILE, layout.SPEC_DUMP_FILE, CONTAINER_MANIFEST}
     docs: dict[str, Any] = {}
     sizes: dict[str, int] = {}
@@ -244,7 +270,7 @@ def inspect_container_tar(path: Path, verify: bool) -> dict[str, Any]:
         "members": len(sizes),
         "missing_required": missing,
         "total_bytes": sum(sizes.values()),
-        "pages_bytes": _sum(sizes, PAGES),
+        "pages_bytes": _sum(sizes, _pages()),
         "rootfs_diff_bytes": sizes.get(layout.ROOTFS_DIFF_TAR, 0),
     }
 
@@ -256,6 +282,13 @@ def _verify_tar(
     digests: dict[str, str],
     docs: dict[str, Any],
 ) -> None:
+    import tarfile
+
+    from shim import errors
+    from shim.archive import manifest
+    from shim.archive.container_tar import FORMAT as CONTAINER_FORMAT
+    from shim.archive.container_tar import MANIFEST_FILE as CONTAINER_MANIFEST
+
     if m is None or m.format != CONTAINER_FORMAT:
         raise errors.FailedPrecondition(
             f"{path} has no podshim manifest ({CONTAINER_FORMAT}) to verify against"
@@ -305,6 +338,8 @@ def _network_line(network: dict[str, list[str]] | None) -> str:
 
 
 def _migration_line(options: dict[str, str]) -> list[tuple[str, str]]:
+    from shim.archive import manifest
+
     if options.get(manifest.PAGES_OPTION) != manifest.PAGES_SERVED_BY_SOURCE:
         return []
     return [("Restorable", "no: a live migration's archive, its pages were served by the source node")]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from api.runtime.v1 import api_pb2 as cri
 from shim.cli import output
 from shim.cli.base import (
     EXIT_OK,
@@ -26,6 +25,8 @@ from shim.cli.base import (
 
 @guarded("inspectp")
 def cmd_inspectp(args: argparse.Namespace) -> int:
+    from api.runtime.v1 import api_pb2 as cri
+
     stub = runtime_stub(args)
     t = timeout_of(args)
     objs = []
@@ -56,6 +57,8 @@ def cmd_inspectp(args: argparse.Namespace) -> int:
 
 
 def _inspect_container(args: argparse.Namespace, ids: list[str]) -> int:
+    from api.runtime.v1 import api_pb2 as cri
+
     stub = runtime_stub(args)
     t = timeout_of(args)
     objs = []

@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from api.runtime.v1 import api_pb2 as cri
-from shim.cli import output
+from shim.cli import output, transport
 from shim.cli.base import (
     EXIT_OK,
     CliError,
@@ -32,11 +30,12 @@ from shim.cli.base import (
     runtime_stub,
     timeout_of,
 )
-from shim.cli.commands.restorepod import parse_message
 from shim.cli.transport import long_call, rpc_error_message
+from shim.cli.transport import runtime_stub as stub_for
 from shim.deadlines import CLI_SHORT_TIMEOUT
-from shim.rpc_client import RpcError
-from shim.rpc_client import runtime_stub as stub_for
+
+if TYPE_CHECKING:
+    from api.runtime.v1 import api_pb2 as cri
 
 # the options' names (shim/migration/source.py, destination.py), repeated: the CLI imports no
 # server code
@@ -51,6 +50,9 @@ def pod_request(
     its runtime reports them (verbose status): what the destination's RestorePod is given; and
     those containers' ids, the CheckpointPod's container_ids (the released API takes no empty
     list), so that what is checkpointed is what the configs name."""
+    from api.runtime.v1 import api_pb2 as cri
+    from shim.cli.commands.restorepod import parse_message
+
     st = stub.PodSandboxStatus(
         cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id, verbose=True), timeout=timeout
     )
@@ -93,6 +95,8 @@ def _info(info: Any) -> dict[str, Any]:
 
 @guarded("migrate")
 def cmd_migrate(args: argparse.Namespace) -> int:
+    from api.runtime.v1 import api_pb2 as cri
+
     stub = runtime_stub(args)
     timeout = timeout_of(args, long=True)
     pod_id = resolve_pod(stub, args.pod_id, min(timeout, CLI_SHORT_TIMEOUT))
@@ -120,8 +124,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         try:
             answer["restore"] = dest.RestorePod(restore, timeout=timeout)
             answer["running"] = time.monotonic() - started
-        except RpcError as e:
+        except transport.RpcError as e:
             answer["error"] = rpc_error_message(e, args.to_endpoint)
+
+    import threading
 
     t = threading.Thread(target=run_restore, daemon=True)
     t.start()

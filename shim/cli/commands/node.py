@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from shim import config as configmod
-from shim.cli.base import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from shim.cli.base import CONFIG_ENV, DEFAULT_CONFIG_PATH, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 
 WRAPPER = "podshim-runc"
 
@@ -45,7 +43,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--podshim-config",
-        help=f"podshim's config (default ${configmod.CONFIG_ENV}, else {configmod.DEFAULT_CONFIG_PATH})",
+        help=f"podshim's config (default ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH})",
     )
     p.add_argument(
         "--restrict-oom-score-adj",
@@ -64,10 +62,13 @@ def _default_wrapper() -> str:
     for d in (here, Path(sys.executable).parent):
         if (d / WRAPPER).is_file():
             return str(d / WRAPPER)
+    import shutil
+
     return shutil.which(WRAPPER) or f"/opt/podshim/bin/{WRAPPER}"
 
 
 def run_setup(args: argparse.Namespace) -> int:
+    from shim import config as configmod
     from shim.node import setup
     from shim.node.containerd import ContainerdError, detect
 

@@ -6,7 +6,6 @@ import argparse
 import re
 from typing import Any
 
-from api.runtime.v1 import api_pb2 as cri
 from shim.cli import output
 from shim.cli.base import (
     EXIT_OK,
@@ -19,19 +18,24 @@ from shim.cli.base import (
     timeout_of,
 )
 
-_POD_STATES = {"ready": cri.SANDBOX_READY, "notready": cri.SANDBOX_NOTREADY}
+# --state's values, each a PodSandboxState as SANDBOX_<VALUE>: names, so the parser needs no protobuf
+_POD_STATES = ("ready", "notready")
 
 
 def _pod_state(state: int) -> str:
+    from api.runtime.v1 import api_pb2 as cri
+
     return "Ready" if state == cri.SANDBOX_READY else "NotReady"
 
 
 @guarded("pods")
 def cmd_pods(args: argparse.Namespace) -> int:
+    from api.runtime.v1 import api_pb2 as cri
+
     stub = runtime_stub(args)
     flt = cri.PodSandboxFilter()
     if args.state:
-        flt.state.state = _POD_STATES[args.state]
+        flt.state.CopyFrom(cri.PodSandboxStateValue(state=f"SANDBOX_{args.state.upper()}"))
     if args.id:
         flt.id = resolve_pod(stub, args.id, timeout_of(args))
     for k, v in args.label or []:

@@ -6,7 +6,6 @@ import argparse
 import re
 from typing import Any
 
-from api.runtime.v1 import api_pb2 as cri
 from shim.cli import output
 from shim.cli.base import (
     EXIT_OK,
@@ -19,25 +18,25 @@ from shim.cli.base import (
     timeout_of,
 )
 
-_CONTAINER_STATES = {
-    "created": cri.CONTAINER_CREATED,
-    "running": cri.CONTAINER_RUNNING,
-    "exited": cri.CONTAINER_EXITED,
-    "unknown": cri.CONTAINER_UNKNOWN,
-}
+# --state's values, each a ContainerState as CONTAINER_<VALUE>: names, so the parser needs no protobuf
+_CONTAINER_STATES = ("created", "running", "exited", "unknown")
 
 
 def _container_state(state: int) -> str:
+    from api.runtime.v1 import api_pb2 as cri
+
     return cri.ContainerState.Name(state).removeprefix("CONTAINER_").capitalize()
 
 
 @guarded("ps")
 def cmd_ps(args: argparse.Namespace) -> int:
+    from api.runtime.v1 import api_pb2 as cri
+
     stub = runtime_stub(args)
     t = timeout_of(args)
     flt = cri.ContainerFilter()
     if args.state:
-        flt.state.state = _CONTAINER_STATES[args.state]
+        flt.state.CopyFrom(cri.ContainerStateValue(state=f"CONTAINER_{args.state.upper()}"))
     elif not args.all:
         flt.state.state = cri.CONTAINER_RUNNING
     if args.pod:

@@ -8,17 +8,9 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from google.protobuf import json_format
-from google.protobuf.message import Message
-
-from api.runtime.v1 import api_pb2 as cri
-from shim.archive import config_dump
 from shim.cli import output
 from shim.cli.base import (
     EXIT_OK,
@@ -33,6 +25,11 @@ from shim.cli.base import (
     timeout_of,
 )
 from shim.cli.transport import long_call
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
+
+    from api.runtime.v1 import api_pb2 as cri
 
 RESTORED_SUFFIX = "-restored"
 # archive layout names (shim/archive/layout.py), repeated so the client imports no server code
@@ -79,6 +76,8 @@ def _yaml_load(text: str) -> Any:
 
 
 def parse_message(data: dict[str, Any], msg: Message, what: str, strict: bool = True) -> Message:
+    from google.protobuf import json_format
+
     try:
         return json_format.ParseDict(data, msg, ignore_unknown_fields=not strict)
     except json_format.ParseError as e:
@@ -120,6 +119,10 @@ def derive_pod_config(
     """The checkpointed PodSandboxConfig as a new pod: new uid, name `<name>-restored` (unless
     given), and the uid/name swapped in its log directory, cgroup parent and kubelet labels so
     the restored pod shares nothing with the original."""
+    import uuid
+
+    from api.runtime.v1 import api_pb2 as cri
+
     raw = manifest["sandbox"].get("config") or {}
     config = parse_message(raw, cri.PodSandboxConfig(), "manifest sandbox.config", strict=False)
     assert isinstance(config, cri.PodSandboxConfig)
@@ -148,8 +151,7 @@ def _rename_in(kv: Any, old: dict[str, str], new: dict[str, str]) -> None:
             kv[k] = _replace_identity(v, old, new)
 
 
-@dataclass(frozen=True)
-class PodFile:
+class PodFile(NamedTuple):  # not a dataclass: the parser's start-up spares loading dataclasses
     """A per-pod file or directory the kubelet made for the old pod (under `<root-dir>/pods/<uid>`:
     its etc-hosts, a container's termination log, a volume's directory), at the new pod's path."""
 
@@ -182,6 +184,8 @@ def make_pod_files(files: list[PodFile]) -> None:
     """The new pod's per-pod files, the kubelet's job done for it here: a file is a copy of the old
     pod's (its /etc/hosts) or, for a termination log or when the old one is gone, empty; a
     directory (a volume) is made empty (volume contents are not part of a checkpoint)."""
+    import shutil
+
     for f in files:
         if os.path.lexists(f.new):
             continue
@@ -210,6 +214,10 @@ def checkpointed_containers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
 def derive_container_config(archive: Path, entry: dict[str, Any]) -> cri.ContainerConfig:
     """A container's ContainerConfig as checkpointed (`containers/<name>/config.dump` field
     `config`), still naming the old pod (move_to_new_pod)."""
+    from google.protobuf import json_format
+
+    from shim.archive import config_dump
+
     rel = entry.get("dir") or f"containers/{entry['name']}"
     path = archive / rel / CONFIG_DUMP_FILE
     try:
@@ -231,8 +239,7 @@ def archived_runtime_handler(archive: Path) -> str:
     return ""
 
 
-@dataclass
-class Derived:
+class Derived(NamedTuple):
     """What restorepod derived from the archive."""
 
     pod_config: bool  # the pod config (its log directory is then made here)
@@ -241,6 +248,8 @@ class Derived:
 
 def build_restore_request(args: argparse.Namespace) -> tuple[cri.RestorePodRequest, Derived]:
     """The RestorePodRequest from the flags, deriving what they omit from the archive."""
+    from api.runtime.v1 import api_pb2 as cri
+
     archive = Path(os.path.abspath(args.path))
     given: dict[str, cri.ContainerConfig] = {}
     for name, file in args.container_configs or []:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shim import config as configmod
-from shim import logs
+from shim.cli.base import CONFIG_ENV, DEFAULT_CONFIG_PATH
+
+if TYPE_CHECKING:
+    from shim import config as configmod
 
 
 def register(sub: Any) -> None:
@@ -25,8 +26,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--config",
-        help=f"TOML config file (default: ${configmod.CONFIG_ENV}, "
-        f"else {configmod.DEFAULT_CONFIG_PATH} if present)",
+        help=f"TOML config file (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} if present)",
     )
     p.add_argument("--socket", help="listen socket path [server.socket] (default /run/podshim/podshim.sock)")
     p.add_argument(
@@ -54,6 +54,8 @@ def register(sub: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> configmod.Config:
+    from shim import config as configmod  # the daemon's modules load when it runs, not for the parser
+
     cfg = configmod.load(
         args.config,
         overrides={
@@ -76,6 +78,11 @@ def config_from_args(args: argparse.Namespace) -> configmod.Config:
 
 
 def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from shim import config as configmod
+    from shim import logs
+
     try:
         cfg = config_from_args(args)
     except configmod.ConfigError as e:
