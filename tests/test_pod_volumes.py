@@ -151,8 +151,9 @@ def test_empty_dir_and_dev_shm_travel_with_the_pod(
 def test_a_recorded_empty_dir_the_request_does_not_mount_is_refused(
     rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], archives: list[Path]
 ) -> None:
-    """RestorePod of an archive holding an emptyDir no container config mounts: FAILED_PRECONDITION
-    naming it, before anything is created."""
+    """RestorePod of an archive holding an emptyDir no container config mounts (the path is
+    mounted, from a directory that is no emptyDir of the new pod): FAILED_PRECONDITION naming it,
+    before anything is created."""
     tag = f"vols-miss-{secrets.token_hex(2)}"
     src_config = pods.pod_config(tag, log_root)
     d = empty_dir(bed, src_config.metadata.uid, "cache")
@@ -168,11 +169,13 @@ def test_a_recorded_empty_dir_the_request_does_not_mount_is_refused(
     rt.CheckpointPod(pods.checkpoint_request(rt, src.id, out), timeout=RPC_TIMEOUT)
     before = {s.id for s in rt.ListPodSandbox(cri.ListPodSandboxRequest()).items}
     config = pods.pod_config(f"{tag}-new", log_root)
+    other = Path(bed.base_dir) / f"{tag}-not-an-empty-dir"  # /cache mounted, but from no emptyDir
+    other.mkdir()
+    new = pods.container_config("app")
+    new.mounts.append(cri.Mount(host_path=str(other), container_path="/cache"))
     with pytest.raises(grpc.RpcError) as e:
         rt.RestorePod(
-            cri.RestorePodRequest(
-                checkpoint_path=str(out), config=config, container_configs=[pods.container_config("app")]
-            ),
+            cri.RestorePodRequest(checkpoint_path=str(out), config=config, container_configs=[new]),
             timeout=RPC_TIMEOUT,
         )
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
