@@ -215,3 +215,10 @@ def test_a_criu_not_named_criu_is_refused(tmp_path: Path) -> None:
 def test_cgroup_layout_is_read_from_the_mounts() -> None:
     results = doctor.check_cgroups(Config())
     assert results[0].status is doctor.Status.OK, results
+
+
+def test_a_cgroup2_node_is_reported_as_v2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """This host is hybrid: the unified layout's line is reached only with its mount faked."""
+    monkeypatch.setattr(doctor, "_fstype", lambda path: "cgroup2")
+    (result,) = doctor.check_cgroups(Config(), tmp_path)
+    assert result.status is doctor.Status.OK and result.detail.startswith("v2"), result
