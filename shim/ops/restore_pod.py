@@ -214,11 +214,19 @@ class PodRestorer:
                     await self._sweep_decrypted()
                 await self._create(req, checked, run, sandbox_id)
         except BaseException as e:
+            # what failed may be the sandbox itself, stopped or removed by another caller meanwhile
+            # (a kubelet giving up on the pod): say so, not only the step's error (CRIU's log tail)
+            stopped = await self._stopped_meanwhile(run.sandbox_id) if isinstance(e, errors.ShimError) else ""
             # To its end: when the caller's deadline passes (or it goes away) during the rollback,
             # gRPC cancels this handler, but the sandbox must still be removed and the journal
             # record closed (a hung CRIU restore makes StopPodSandbox take seconds), and the pod's
             # and path's locks held until then: a retry must not start beside the rollback.
             await undo_to_end(run.undo.aclose())
+            if stopped and isinstance(e, errors.ShimError):
+                raise errors.Aborted(
+                    f"the new sandbox {run.sandbox_id[:13]} was {stopped} by another caller during the "
+                    f"restore, which then failed: {e.message}; nothing of the restore is left: retry"
+                ) from None
             if isinstance(e, TimeoutError):
                 raise errors.DeadlineExceeded(
                     f"restore of pod {md.namespace}/{md.name} did not finish within the caller's deadline; "
@@ -508,6 +516,17 @@ class PodRestorer:
                 finally:
                     if self.restored is not None:
                         self.restored.discard(cid)
+
+    async def _stopped_meanwhile(self, sandbox_id: str) -> str:
+        """ "stopped" or "removed" when the sandbox this restore made is no longer ready, as read
+        before the rollback touches it; "" when it is ready, unknown, or none was made yet."""
+        if not sandbox_id:
+            return ""
+        try:
+            st = await self.upstream.pod_status(sandbox_id, timeout=5.0)
+        except errors.ShimError as e:
+            return "removed" if is_not_found(e) else ""
+        return "stopped" if st.status.state != cri.SANDBOX_READY else ""
 
     async def _fill_volumes(
         self,

@@ -344,3 +344,35 @@ def test_podshim_killed_while_it_settles_a_restore(
     _assert_nothing_left(rt, bed, new_pod, before, ids)
     assert _digest(archive.path) == digest, "the archive changed"
     _assert_restore_works(rt, archive, log_root, pod_cleanup)
+
+
+def test_a_sandbox_stopped_by_another_caller_mid_restore_is_named(
+    rt: Rt, bed: TestBed, archive: Archive, new_pod: cri.PodSandboxConfig, tmp_path: Path
+) -> None:
+    """Another caller (a kubelet that does not know the pod) stops the new sandbox while RestorePod
+    is between its containers: the restore fails ABORTED saying so (not only the failed step's
+    error), and leaves nothing behind."""
+    go = tmp_path / "go"
+    before = NodeState.take(rt, bed)
+    direct = pods.stubs(bed.containerd_socket)[0]
+    with FailpointPodshim(bed, f"restore.after-container=wait:{go}") as fp:
+        result: dict[str, BaseException | cri.RestorePodResponse] = {}
+
+        def call() -> None:
+            try:
+                result["r"] = restore(fp.rt, archive, new_pod, {"start": "true"})
+            except grpc.RpcError as e:
+                result["r"] = e
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        made = pods.wait_for(lambda: sandboxes_named(direct, new_pod.metadata.name), what="the new sandbox")
+        direct.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=made[0]), timeout=60)
+        go.touch()
+        t.join(120)
+    err = result.get("r")
+    assert isinstance(err, grpc.RpcError), err
+    assert err.code() == grpc.StatusCode.ABORTED, err.details()
+    assert f"the new sandbox {made[0][:13]} was stopped by another caller" in (err.details() or "")
+    wait_journal_empty(bed)
+    _assert_nothing_left(rt, bed, new_pod, before, set(made))
