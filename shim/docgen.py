@@ -1,16 +1,9 @@
 """The generated pages, made from the definitions they describe, so a page and the code cannot
-disagree: docs/reference/config.md and the manual page docs/man/podshim-config.toml.5 from
-shim/config.py (_SCHEMA, RuntimeConfig, Config()'s defaults, KEY_DOCS, SECTION_DOCS); from the
-argparse parsers of `podshim` and `kubectl-podshim`, docs/reference/cli.md (the index), a page per
-command under docs/reference/cli/ (its --help) and a manual page per command in docs/man/
-(argparse-manpage); docs/reference/metrics.md from the metrics shim/metrics.py registers.
+disagree: the config reference and manual page, the CLI pages and manual pages, the metrics page;
+also the mkdocs hook (docs/design/index.md (Generated pages)).
 
     python -m shim.docgen           # write the pages (`make docs`, which then builds the site)
-    python -m shim.docgen --check   # exit 1 naming each page that is stale
-
-mkdocs.yml names this file as a hook too (on_config, on_files, on_page_markdown): README.md is the
-site's index, and a nav entry naming a directory stands for the pages in it.
-"""
+    python -m shim.docgen --check   # exit 1 naming each page that is stale"""
 
 from __future__ import annotations
 

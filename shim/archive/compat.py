@@ -1,19 +1,8 @@
-"""Can this node restore that checkpoint? (docs/design/restore-pod.md (RestorePod) step 1,
-docs/design/distribution.md (Checkpoints through a registry)). RestorePod compares what the archive
-recorded of the checkpointing node (manifest.json `host`) with this node, before anything is
-created, and refuses with ONE FAILED_PRECONDITION naming every mismatch:
-
-* CPU architecture: must be the same.
-* CPU features: CRIU's own check (`criu cpuinfo check`) of the `cpuinfo.img` recorded at checkpoint
-  time (`host.cpuinfo`, base64; CRIU compares the FPU/xsave features a restored process may use).
-* kernel: this node's must be at least as new (major.minor) as the checkpoint's.
-* CRIU and the OCI runtime: the same runtime (runc or crun), versions at least as new.
-* cgroup version (`host.cgroup_version`, "1" for v1 or hybrid, "2" for unified): the same.
-* images: each restored container's image present on this node (ImageStatus through the
-  upstream) with the id the checkpoint ran (`config.dump` `image_ref`).
-
-Manifests written before a fact was recorded (no `cpuinfo`, no `cgroup_version`) skip that check.
-"""
+"""Can this node restore that checkpoint? RestorePod compares what the archive recorded of the
+checkpointing node (manifest.json `host`) with this node before anything is created (architecture,
+CPU features, kernel, CRIU and runtime, cgroup version, images) and refuses with one
+FAILED_PRECONDITION naming every mismatch (docs/design/distribution.md (Checkpoints through a
+registry), docs/design/restore-pod.md (RestorePod) step 1)."""
 
 from __future__ import annotations
 

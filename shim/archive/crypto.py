@@ -1,33 +1,8 @@
-"""Encryption at rest of pod checkpoints: memory images hold secrets.
+"""Encryption at rest of pod checkpoints (memory images hold secrets): every archive file encrypted
+with the node key in authenticated chunks, the manifest authenticated by an HMAC, and the
+decrypted copies a restore reads (docs/design/archive.md (Encryption at rest)).
 
-With `[checkpoint] encryption_key_file` (32 random bytes, a root-owned 0600 file: the node key),
-CheckpointPod encrypts every file of the archive after the pod is thawed and before the manifest
-is written, so the manifest's sizes and sha256 cover the encrypted bytes. manifest.json itself
-stays readable (`podshim inspect`, the pod config) and is authenticated: it
-records `encryption: {scheme, key_id, mac}`, the MAC being an HMAC-SHA256 over its canonical JSON
-with a key derived from the node key (see manifest.load_and_verify, the one verification entry
-point).
-
-Encrypted file (scheme SCHEME), streamed in CHUNK_SIZE chunks, never held whole in memory:
-
-    header  MAGIC(8) | version(1) | chunk size(4, big endian) | salt(16)
-    chunks  AES-256-GCM(chunk) + tag(16), one per chunk; an empty file still has one (empty) chunk
-
-* key per file: HKDF-SHA256(node key, salt=header salt, info=FILE_INFO), the salt random per
-  file, so no (key, nonce) pair repeats across files; nonce: the chunk index (96-bit big endian).
-* AAD per chunk: AAD_PREFIX | header | relative path | NUL | chunk index(8) | last-chunk flag(1):
-  truncation (the last chunk is missing), appended data (the flagged chunk is not last any
-  more), reordered or swapped chunks, a file moved to another name and a modified header all
-  fail authentication.
-
-Restore decrypts what one container needs into a podshim-owned private directory
-(`<state_dir>/decrypted/<random>/`, 0700, files 0600): CRIU reads plaintext images, and the
-archive is never modified. DECRYPTED_MARKER in that directory says whose it is; podshim-runc
-removes it once the CRIU restore ended (success or failure), RestorePod when it fails, and the
-next RestorePod sweeps the ones whose container is gone (created, never started, removed).
-
-`cryptography` is imported lazily: podshim-runc imports this package for every restore.
-"""
+`cryptography` is imported lazily: podshim-runc imports this package for every restore."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""Directories held open: podshim writes into a caller's directory only through a descriptor.
-
-A path is checked once (shim/archive/paths.py) and then opened once, every component with
-O_NOFOLLOW; from then on every write, chmod, listing and removal inside it goes through that
-descriptor (openat-style: `dir_fd=`), never through the path string again, so replacing the
-directory (or one of its subdirectories) by a symlink while podshim works cannot make it
-touch anything outside (docs/design/archive.md (Path confinement)).
-
-Code that only takes a path (runc/crun's `--image-path`, tarfile, the encryption helpers) is
-given `/proc/self/fd/<fd>/<name>`: the magic link resolves to the directory podshim holds,
-whatever was renamed or replaced since, and the final component is opened with O_NOFOLLOW by
-those helpers. runc/crun inherit the descriptor (pass_fds, same number), so the path resolves
-in them too, and keeps resolving if podshim dies mid-dump.
-"""
+"""Directories held open: podshim writes into a caller's directory only through a descriptor opened
+once with O_NOFOLLOW per component, and hands path-only code `/proc/self/fd/<fd>/<name>`
+(docs/design/archive.md (Path confinement))."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""A pod's emptyDir volumes and its /dev/shm in its checkpoint (docs/design/archive.md (Archive layout)).
-
-An emptyDir is the kubelet's directory `<root-dir>/pods/<uid>/volumes/kubernetes.io~empty-dir/<name>`
-(disk-backed, or a tmpfs mounted there for `medium: Memory`), bind-mounted into the containers
-that use it; the pod's /dev/shm is the sandbox's own tmpfs, bind-mounted into each container.
-CheckpointPod tars what they hold while the pod is frozen (`sandbox/empty-dirs/<name>.tar`,
-`sandbox/dev-shm.tar`) and lists them in `sandbox/volumes.json`; all are archive members like
-any other (size and sha256 in the manifest). RestorePod fills the new pod's volumes of the same
-names before any container is created (shim/ops/pod_volumes.py).
-
-The tar keeps directories, regular files (holes as GNU PAX 1.0 sparse members: a sparse file
-stays sparse and costs its data only), symlinks, hard links and fifos, with modes, numeric
-owners, mtimes and xattrs. Sockets and device nodes are skipped (a process recreates a socket;
-an emptyDir holds no devices a pod can make without privileges). Applying never follows a
-symlink, so a hostile tar cannot write outside the target directory.
-"""
+"""A pod's emptyDir volumes and its /dev/shm in its checkpoint: tarred while the pod is frozen
+(`sandbox/empty-dirs/<name>.tar`, `sandbox/dev-shm.tar`, listed in `sandbox/volumes.json`) and
+applied to the new pod's volumes before any container is created, never following a symlink
+(docs/design/archive.md (Archive layout))."""
 
 from __future__ import annotations
 

@@ -1,27 +1,9 @@
-"""Writeback started from the first MiB (docs/design/checkpoint-pod.md (The freeze window) and
-docs/design/distribution.md (Checkpoints through a registry)).
-
-Linux writes dirty page cache back on its own only once dirty pages pass
-`vm.dirty_background_ratio` of the dirtyable memory (or after `dirty_expire_centisecs`), and it
-throttles every writer (balance_dirty_pages) once dirty + writeback pages pass half-way from there
-to `vm.dirty_ratio`. A writer of GiBs that leaves it to the kernel pays twice: the disk sits idle
-while the first GiB or two go into the page cache, then the writer is held to the disk's pace (or,
-with a final fsync, waits for all of it at the end). podshim starts the writeback of what it
-writes itself (a pulled file) or has written for it (CRIU's page images) as the bytes arrive:
-`sync_file_range(SYNC_FILE_RANGE_WRITE)` queues them for the disk and returns without waiting for
-the I/O, so the flush runs beside the writing and the fsync that makes the file durable finds
-little left to do. Nothing is written anywhere else and no host-wide setting is touched.
-
-A failure here only loses the head start: the fsync that follows is what makes the data durable
-and what reports an I/O error.
-
-The same thread can hash CRIU's page images as they grow (`hash_pages`), when the dumps leave a
-core idle: the archive phase then finds their sha256 taken and only hashes what was appended after
-the thread's last look (docs/design/checkpoint-pod.md (The freeze window)). A page image is written
-once, front to back, so bytes hashed as they arrive are the file's; a digest counts only for the
-very file it was taken of, unchanged since (device, inode, size, mtime), and is taken again
-otherwise.
-"""
+"""Writeback started from the first MiB: `sync_file_range(SYNC_FILE_RANGE_WRITE)` on what podshim
+writes (a pulled file) or has written for it (CRIU's page images) as the bytes arrive, so the disk
+works beside the writer and the final fsync finds little left; the same thread can hash the page
+images as they grow (`hash_pages`). A failure here only loses the head start: the fsync is what
+makes the data durable (docs/design/checkpoint-pod.md (The freeze window),
+docs/design/distribution.md (Checkpoints through a registry))."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""CRI strings the upstream accepts but cannot undo (docs/design/errors.md (Errors)).
-
-containerd 1.6 takes a PodSandboxConfig whose name, namespace or uid holds a NUL, a ';' or a
-'=' (or is over 128 KiB) and creates the sandbox, then fails its network set-up: CNI gets them in
-`CNI_ARGS` (`K8S_POD_NAME=<name>;K8S_POD_NAMESPACE=...`, an environment variable), which cannot
-hold a NUL, splits on ';' and '=', and exec refuses past MAX_ARG_STRLEN. The call answers
-UNKNOWN and leaves a NOTREADY sandbox that RemovePodSandbox never removes (CNI teardown fails on
-the same value). A hostname over HOST_NAME_MAX or a NUL in a path field fails in runc (no
-leftover, but UNKNOWN for a bad argument). Container names are not in CNI_ARGS: only a NUL is
-refused there (and in the log path, which fails StartContainer).
-
-podshim refuses such configs with INVALID_ARGUMENT before anything is created: in RestorePod
-(its pod and container configs) and in the passed-through RunPodSandbox and CreateContainer,
-which podshim decodes for this check only (they are still forwarded as the original bytes).
-"""
+"""CRI strings the upstream accepts but cannot undo (a NUL, ';' or '=' in what CNI gets in
+`CNI_ARGS`, values over the kernel's limits), refused with INVALID_ARGUMENT before anything is
+created: in RestorePod and in the passed-through RunPodSandbox and CreateContainer, which are
+decoded for this check only and forwarded as the original bytes (docs/design/restore-pod.md
+(RestorePod) step 1, docs/design/errors.md (Errors))."""
 
 from __future__ import annotations
 

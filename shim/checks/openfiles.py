@@ -1,17 +1,8 @@
-"""What the processes to checkpoint hold that CRIU refuses with its defaults, read from /proc
-before the freeze, so that a CheckpointPod without options (the kubelet's) still succeeds
-(docs/design/checkpoint-pod.md (What the kubelet sends)):
-
-* deleted files held open or mapped: CRIU copies each into the images as a "ghost file", up to its
-  ghost-limit (1 MiB by default); the limit is sized to the largest one, up to the node's cap;
-* inotify/fanotify watches: CRIU reopens a watched file by handle, which overlayfs and tmpfs cannot
-  serve, and then looks for its path in the directories named by irmap-scan-path; the watched
-  files' directories are found here (the watch's inode and device, looked up in the mount that
-  device is) and passed on.
-
-Nothing here runs inside the freeze window; a process or descriptor that goes away meanwhile is
-skipped (the dump then sees what is left).
-"""
+"""What the processes to checkpoint hold that CRIU refuses with its defaults (deleted files held
+open, inotify/fanotify watches), read from /proc before the freeze, so that a CheckpointPod
+without options (the kubelet's) still succeeds: `ghost-limit` and `irmap-scan-path` fitted to them
+(docs/design/checkpoint-pod.md (What the kubelet sends)). A process or descriptor that goes away
+meanwhile is skipped."""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
-"""State shared between a pod's containers that podshim cannot carry over (docs/design/checkpoint-pod.md
-(CheckpointPod), step 1): refused before anything is frozen, naming the object and the containers.
-
-Each container is dumped by its own CRIU run and restored by its own `runc/crun restore`, so
-what two containers share is captured twice and restored twice, or not at all:
-
-* SysV IPC objects (shared memory, semaphores, message queues) of the pod's IPC namespace: every
-  container's dump holds the whole namespace, and the second restore fails ("Failed to create
-  shm set: File exists"). Refused when two or more checkpointed containers share an IPC
-  namespace holding any object; one container alone restores them into the new pod.
-* Files in the node's `/dev/shm` (POSIX shared memory, named semaphores) of a pod with host IPC:
-  not the pod's to carry, and the restore could not open them ("Can't open file dev/shm/...").
-  Refused when a checkpointed process has one open or mapped. A pod's own /dev/shm travels with
-  its checkpoint (shim/ops/pod_volumes.py).
-* A unix stream (or seqpacket) connection between two checkpointed containers: each CRIU run
-  sees half of it ("External socket is used", or with ext-unix-sk "Can't dump half of stream
-  unix connection"). Refused.
-"""
+"""State shared between a pod's containers that separate CRIU runs cannot carry over (SysV IPC
+objects of a shared IPC namespace, files of the node's /dev/shm, a unix stream connection between
+two containers): refused before anything is frozen, naming the object and the containers
+(docs/design/checkpoint-pod.md (CheckpointPod) step 1)."""
 
 from __future__ import annotations
 

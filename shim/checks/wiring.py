@@ -1,21 +1,7 @@
-"""podshim checks its own wiring (docs/design/runtime-wrapper.md (Wiring check)).
-
-A restore only restores when the upstream's runtime handler runs podshim-runc as its OCI runtime
-and passes podshim's `podshim.*` annotations to it; otherwise the containers start from scratch
-and every call still answers OK. So podshim asks the upstream what it runs — containerd reports
-its effective CRI config in the verbose `Status` (info["config"]: `containerd.runtimes.<handler>`
-with `options.BinaryName` and `ContainerAnnotations`, the same shape in 1.6, 1.7 and 2.x) — at
-start-up (a log line and the `podshim_wiring_ok` gauge) and before every restore (RestorePod,
-CreateContainer from a container checkpoint tar), which a node wired wrong refuses with
-FAILED_PRECONDITION naming the handler and the config key to set, before anything is created.
-
-Defence in depth: after StartContainer of a container podshim created for a restore, the
-marker podshim-runc leaves in the runtime's state dir (`<root>/<id>/podshim-restored`) must be
-there; if not, the container is stopped and removed and the call fails (FAILED_PRECONDITION).
-The ids of those containers are kept in memory and under `<state_dir>/restored/` (podshim may
-restart between CreateContainer and StartContainer), so StartContainer of any other container
-stays a plain passthrough.
-"""
+"""podshim checks its own wiring: the upstream's runtime handler must run podshim-runc and pass
+`podshim.*` annotations, read from containerd's verbose Status at start-up and before every
+restore (FAILED_PRECONDITION otherwise); after StartContainer of a restored container,
+podshim-runc's marker must be there (docs/design/runtime-wrapper.md (Wiring check))."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""The CRIU config file runc hands CRIU at a container's dump, checked before the freeze
-(docs/design/checkpoint-pod.md (Task states after a checkpoint)).
-
-runc passes CRIU the file the container's `org.criu.config` annotation names (runc keeps the
-spec's annotations with the container, as labels in its state.json), `/etc/criu/runc.conf` when
-there is none, nothing when it is empty; CRIU parses that file last, over runc's own flags and over
-the CRIU_CONFIG_FILE podshim's dump options travel in (criu/cr-service.c, criu/config.c). So:
-
-* a restore config an older podshim left named there (`<bundle>/podshim-restore/criu.conf`,
-  or `criu.conf` in a lazy restore's work dir: `tcp-close`, `leave-stopped`) is removed: CRIU
-  ignores a file that is missing, and the dump runs with podshim's options alone;
-* any other file that sets an option podshim decides for a dump refuses the checkpoint
-  (FAILED_PRECONDITION naming the file and the options) before anything is frozen.
-
-crun 1.21 passes no config file to CRIU: nothing to check.
-"""
+"""The CRIU config file runc hands CRIU at a container's dump (`org.criu.config`, else
+`/etc/criu/runc.conf`), checked before the freeze: one an older podshim left is removed, any other
+that sets an option podshim decides for a dump is FAILED_PRECONDITION
+(docs/design/checkpoint-pod.md (Task states after a checkpoint)). crun 1.21 passes no file."""
 
 from __future__ import annotations
 

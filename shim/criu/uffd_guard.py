@@ -1,17 +1,8 @@
-"""`python -m shim.criu.uffd_guard`: holds the userfaultfds of one lazy restore so that they
-outlive podshim (docs/design/restore-pod.md (Lazy restore)).
-
-When the last holder of a userfaultfd closes it, the kernel unregisters its ranges: a fault on a
-page the `criu lazy-pages` daemon has not delivered then reads a zero page and the process runs on
-with missing memory. podshim holds a duplicate of each, but a podshim killed with its daemon
-(SIGKILL, the OOM killer) closes them all. So podshim starts this process per daemon, in a session
-of its own, with one end of a SOCK_SEQPACKET socket pair as its stdin, and sends it each duplicate
-(SCM_RIGHTS) as it takes it. podshim ends it with `release` once the container no longer needs the
-pages (every page delivered, or the container killed). When the socket ends without `release`
-(podshim died) it keeps holding what it has, so that the faults stay blocked (killable), until
-podshim's next start has killed the container and then kills this process (shim/ops/lazy_pages.py
-recover); holding nothing, it exits. Standard library only: it starts on every lazy restore.
-"""
+"""`python -m shim.criu.uffd_guard`: holds the userfaultfds of one lazy restore (sent over its
+stdin, SCM_RIGHTS) so that they outlive podshim and faults stay blocked instead of reading zero
+pages, until `release` or until podshim's next start has killed the container and then this
+process (docs/design/restore-pod.md (Lazy restore)). Standard library only: it starts on every
+lazy restore."""
 
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
-"""The OCI artifact a pod checkpoint becomes (docs/design/distribution.md (Checkpoints through a registry)).
-
-    manifest (application/vnd.oci.image.manifest.v1+json, artifactType ARTIFACT_TYPE)
-      config   CONFIG_MEDIA_TYPE: podshim's manifest.json, byte for byte
-      layers   one per unit of the archive, in this order: `sandbox` (sandbox/), then one per
-               container directory (`containers/<name>`, checkpointed or only recorded); each a
-               tar of that subtree with archive-relative member names (LAYER_MEDIA_TYPE, or
-               +zstd), deterministic (mtime 0, uid/gid 0, modes 0600/0700, sorted); without
-               compression each file of RAW_FILE_MIN bytes or more (the memory images) is left
-               out of its unit's tar and follows it as a layer of its own: its raw bytes
-               (FILE_MEDIA_TYPE, titled with its archive path), so the blob's digest is the
-               file's sha256 in manifest.json (the ORAS convention; one hash per byte on both
-               sides, docs/design/distribution.md (Checkpoints through a registry))
-      annotations  what a scheduler or operator needs without pulling (pod, containers, sizes,
-               versions, kernel, arch, cgroup version, encryption key id), with the
-               `org.criu.checkpoint.*` keys of checkpointctl where they apply
-
-Encrypted archives are moved as they are: their files stay encrypted, the key never leaves the
-node, the key id travels in the config (manifest.json) and an annotation.
-"""
+"""The OCI artifact a pod checkpoint becomes: podshim's manifest.json as the config, one
+deterministic tar layer per unit of the archive (`sandbox`, then `containers/<name>`), large files
+as raw file layers whose digest is their sha256, and annotations a scheduler needs without pulling
+(docs/design/distribution.md (Checkpoints through a registry)). Encrypted archives move as they
+are."""
 
 from __future__ import annotations
 

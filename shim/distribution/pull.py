@@ -1,29 +1,7 @@
 """`podshim pull REF DIR`: a registry artifact back into a pod checkpoint directory, as untrusted
-input (docs/design/distribution.md (Checkpoints through a registry)).
-
-* DIR must be an empty directory inside an allowed checkpoint root (the rules of RestorePod's
-  `checkpoint_path` and CheckpointPod's `output_path`: shim/archive/paths.py) and is written only
-  through the descriptor podshim opened (shim/archive/dirfd.py).
-* The OCI manifest must be podshim's artifact; the config (podshim's manifest.json) is checked
-  against its digest and parsed before any layer is fetched; the layers must be exactly the
-  archive's units. A layer announcing more bytes than its files can take (artifact.layer_cap) is
-  refused before it is fetched.
-* Each layer streams through: bytes counted as they arrive (more than announced: refused at
-  once) and hashed beside the reads by a thread of their own (digest checked at its end),
-  decompressed (zstd, capped), and read as a tar in which only directories and regular files
-  below the layer's own directory are accepted, each file listed in the manifest with that size
-  (checked from its header, before a byte is written) and hashed as written (its sha256 checked
-  at its end), its writeback started as it is written (shim/archive/writeback.py), so its fsync
-  does not wait for all of it.
-* A file layer (one file's raw bytes, artifact.FILE_MEDIA_TYPE) must announce exactly the
-  manifest's size and sha256 of that file as its size and digest (refused before it is fetched
-  otherwise); its bytes are written as they arrive and hashed once, as the blob: its digest
-  check is the file's. Artifacts without file layers (all files in the tars) pull as before.
-* Everything lands in a staging directory inside DIR (`.podshim-pull-<random>`); only when every
-  layer verified are its entries renamed into DIR, manifest.json last. Any failure removes the
-  staging directory: DIR is left empty, never with something that looks complete. A pull killed
-  outright leaves the staging directory, which the next pull into DIR removes.
-"""
+input: the target held, the manifest and every layer's size, digest and members checked as they
+stream, everything staged in `DIR/.podshim-pull-<random>` and renamed in (manifest.json last)
+only when all verified (docs/design/distribution.md (Checkpoints through a registry))."""
 
 from __future__ import annotations
 

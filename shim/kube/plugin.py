@@ -1,16 +1,11 @@
 """`kubectl podshim`: KEP-5823's checkpoint and restore from a user's seat, with the user's own
-kubeconfig and rights (kubectl finds the `kubectl-podshim` executable on $PATH).
+kubeconfig and rights (docs/design/index.md (The cluster API)).
 
     kubectl podshim checkpoint POD [--name N] [--timeout S] [--wait [--wait-timeout S]]
     kubectl podshim restore CHECKPOINT [--name NEW] [--wait [--wait-timeout S]]
     kubectl podshim list [-A]
 
-`checkpoint` creates a PodCheckpoint for the pod (pinned to the pod's UID, so a same-name
-replacement is never checkpointed); `restore` creates a Pod from a Ready checkpoint's
-status.checkpointedPodTemplate on the checkpoint's node, naming the checkpoint in the annotation
-podshim's admission policy guards (the `restore` verb on that checkpoint is needed). Errors are one
-line on stderr, exit code 1; bad usage exits 2.
-"""
+Errors are one line on stderr, exit code 1; bad usage exits 2."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""Pods that name a checkpoint (the annotation api.RESTORE_FROM_ANNOTATION, KEP-5823's
-`spec.restoreFrom`), restored through the stock kubelet's own calls (docs/cluster.md):
-
-* RunPodSandbox: the checkpoint is checked (podshim's admission policy enforcing, the object
-  Ready, taken on this node, its archive present, the Pod's spec the checkpointed template's);
-  a refusal is FAILED_PRECONDITION naming the KEP's reason, and an event on the Pod; the kubelet
-  keeps the Pod Pending and retries with its back-off. Then the kubelet's own sandbox is made.
-* CreateContainer of an init container (it ran in the source pod): a container of the sandbox's
-  own image that exits 0 at once, so the kubelet goes on to the app containers.
-* CreateContainer of an app container (first attempt): restored from its dump, CREATED; the
-  kubelet's StartContainer resumes it where it was (PodRestorer.restore_into).
-
-Each call re-reads what it needs from its request (CreateContainer carries the sandbox config):
-nothing is kept between the kubelet's calls that a restarted podshim would miss.
-"""
+"""Pods that name a checkpoint (api.RESTORE_FROM_ANNOTATION, KEP-5823's `spec.restoreFrom`),
+restored through the stock kubelet's own RunPodSandbox, CreateContainer and StartContainer
+(docs/design/index.md (The cluster API); docs/cluster.md). Each call re-reads what it needs from
+its request: nothing is kept between the kubelet's calls that a restarted podshim would miss."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """The checkpointed Pod template (KEP-5823's status.checkpointedPodTemplate) and the spec-equality
-check a restore Pod must pass against it.
-
-sanitise_template: what the node records at checkpoint time: the Pod's labels and annotations and
-its spec, without what names the node or this one instance, so the template stays portable.
-
-spec_mismatch: the KEP's equality check, on specs the API server has defaulted. Two Pods created
-from one template come out of defaulting and admission alike (the ServiceAccount's projected
-kube-api-access-<suffix> volume is part of the template, so admission adds none; the tolerations
-DefaultTolerationSeconds adds, enableServiceLinks, priority and preemptionPolicy are the same for
-both), so what may differ is only what the restore itself brings: the node it runs on (spec.nodeName,
-a nodeSelector or required node affinity naming that node) and ephemeral containers, which the
-restore does not carry and a Pod cannot be created with.
-"""
+check a restore Pod must pass against it: `sanitise_template` and `spec_mismatch`
+(docs/design/index.md (The cluster API))."""
 
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
-"""The destination node of a live migration: RestorePod with the option
-`lazy-migration-from=NAME` (the source node's name in its certificate; docs/design/migration.md
-(Live migration)).
-
-Order: open the migration listener ([migration] listen; only now, and only until the source's
-control connection is in: mutual TLS, its certificate must name NAME) -> its offer: the restore
-pre-check (compat.py: architecture, CPU, kernel, CRIU and runtime, cgroup version, images) and the
-request's containers, `accept` or `refuse` -> the archive's files into `checkpoint_path`, then the
-ports of the source's page servers -> RestorePod (lazy-pages) creates the sandbox and containers,
-each container's `criu lazy-pages` pointed at its page server (CRIU's TLS, the node's
-credentials; the source's certificate must name the address it is reached at) -> `ready`, and the
-containers start only after the source's `go` -> they run; RestorePod answers -> in the
-background: when every daemon has delivered every page, `done`; the source's `ack` completes the
-migration.
-
-After `go` the containers run on memory still arriving from the source. The link's end, an
-`abort`, a daemon that lost its page server, or silence from the source for MIGRATION_LEASE
-(the lease: the source thaws its copy only after it) kills them, with the reason in podshim's log
-and their CRI log, and counts it (podshim_migration_killed_total); the new pod is removed. A
-podshim that dies meanwhile is covered by the guard (guard.py), which kills them at once.
-"""
+"""The destination node of a live migration: RestorePod with the option `lazy-migration-from=NAME`
+(the source node's name in its certificate). It accepts or refuses the source's offer, receives
+the archive, restores lazily from the source's page servers, starts the containers only after
+`go`, and kills them when the link, the source or a page server is lost before every page arrived
+(docs/design/migration.md (Live migration))."""
 
 from __future__ import annotations
 

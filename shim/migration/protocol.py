@@ -1,21 +1,7 @@
-"""What the two nodes of a migration say to each other (docs/design/migration.md (Live migration)).
-
-Control messages are JSON objects with a type `t`, source → destination (S→D) or back (D→S):
-
-  S→D offer       the pod, its containers (name, image, image_ref) and the source's host facts
-  D→S accept      the destination can restore it (the compatibility pre-check passed)
-  D→S refuse      it cannot: `reason` (the source answers FAILED_PRECONDITION, nothing was frozen)
-  S→D file        an archive member follows: `rel`, `size`, then BYTES frames with its content
-  S→D archived    every member was sent (manifest.json last); the page connections follow
-  D→S created     the new sandbox and containers exist (the pages are not needed yet)
-  D→S ready       asks leave to start the containers
-  S→D go          granted: from here on the source never thaws without first fencing the destination
-  D→S running     the containers were started
-  D→S done        every page arrived: the source may stop and remove its pod
-  S→D ack         the source's pod is stopped: the migration is complete
-  both  abort     the sender gives up: `reason`
-  both  ping      a heartbeat (not delivered: it refreshes the channel's last_received)
-"""
+"""What the two nodes of a migration say to each other: JSON control messages with a type `t`
+(offer, accept, refuse, file, archived, created, ready, go, running, done, ack, abort, ping), the
+BYTES frames of the archive's files, and the channel that carries them
+(docs/design/migration.md (Live migration))."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
 """The source node of a live migration: CheckpointPod with the option `lazy-migration=HOST:PORT`
-(the destination's migration listener; docs/design/migration.md (Live migration)).
-
-Order: the checks of CheckpointPod -> connect (mutual TLS) -> offer; the destination runs the
-restore pre-check (shim/archive/compat.py) and accepts, before anything is frozen -> freeze in one
-cut -> every container dumped without its pages (`runc checkpoint --lazy-pages`: CRIU keeps them
-and serves them from a page server with CRIU's own TLS, the node's credentials, on this node's
-address: only a certificate of the CA is served, and the destination's daemon checks this node's)
-beside the rootfs diffs -> the archive (manifest) while frozen -> its files to the destination,
-then the page servers' ports -> the destination restores and asks leave to start (`ready`): `go`,
-journaled first -> it reports `done` when every page arrived -> the pod's processes are killed
-(still frozen: nothing runs past the checkpoint), its containers stopped and removed, `ack`.
-
-Until `go` any failure thaws the pod, which runs on. After `go` the destination may run: a
-failure (the link, the destination, the deadline) ends the dumps and sends `abort`, and the pod
-is thawed only after the destination's lease has run out (MIGRATION_LEASE + MIGRATION_FENCE_MARGIN
-since the last message sent): by then the destination has killed its copy.
-"""
+(the destination's migration listener). It offers the pod, freezes it, dumps it without its pages
+(served from CRIU's page servers), sends the archive, grants `go`, and kills its pod once every
+page arrived; until `go` a failure thaws the pod, after it the pod is thawed only once the
+destination's lease has run out (docs/design/migration.md (Live migration))."""
 
 from __future__ import annotations
 

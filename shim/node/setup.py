@@ -1,18 +1,7 @@
 """`podshim node setup`: wire containerd for podshim, as `nvidia-ctk runtime configure` does for its
-runtime (docs/design/install.md (Installing a node)).
-
-It writes one drop-in (default /etc/containerd/conf.d/podshim.toml) in the config schema of the
-containerd it finds, and makes the main config import it: the runtime handlers' BinaryName
-(podshim-runc), `container_annotations` that let `podshim.*` through, `CriuPath` on containerd 1.x
-(2.x has none: podshim names its CRIU on the runtime's PATH), and `restrict_oom_score_adj` where
-containerd lacks CAP_SYS_RESOURCE. containerd 1.x replaces a plugin's whole section with an
-imported one, so there the drop-in carries the CRI section containerd runs with now plus
-podshim's keys; 2.x merges it, so there it holds podshim's keys only.
-
-A second run changes nothing; every file it changes is first copied to `<file>.podshim-backup-<time>`;
-`--undo` takes out what it added (the drop-in it wrote, its line in the main config). It restarts
-nothing: the operator restarts containerd and points the kubelet at podshim (printed).
-"""
+runtime: one drop-in in the schema of the containerd it finds, imported by the main config; a
+second run changes nothing, every changed file is backed up first, `--undo` takes out what it
+added, and nothing is restarted (docs/design/install.md (Installing a node))."""
 
 from __future__ import annotations
 

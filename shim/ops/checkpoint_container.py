@@ -1,20 +1,9 @@
-"""CheckpointContainer (KEP-2008) done by podshim.
+"""CheckpointContainer (KEP-2008) done by podshim: the container's own cgroup frozen, dumped with
+`--leave-running` beside its rootfs diff, thawed, and one tar with the checkpointctl member names
+staged next to the target and linked into place; any failure leaves no file
+(docs/design/checkpoint-container.md (CheckpointContainer)).
 
-Checkpoint (docs/design/checkpoint-container.md (CheckpointContainer)): validate `location` and
-the container -> journal (cgroup, staging dir) -> spec/status dumps -> freeze the container's cgroup -> `runc
-checkpoint --leave-running` while the rootfs diff is captured -> thaw (always, in a `finally`) ->
-config.dump, CRIU stats, podshim manifest with checksums -> one tar written into the staging dir
-next to the target, fsynced, then linked to its final name (never replacing a file) -> staging dir
-removed. Any failure or the deadline thaws the container and removes the staging dir: no file is
-left.
-
-The archive holds what one `containers/<name>/` of a pod checkpoint holds, under the names
-checkpointctl and the Kubernetes node e2e check read: config.dump, spec.dump, status.dump,
-checkpoint/ (CRIU images, inventory.img), rootfs-diff.tar, deleted.files, dump.log, stats-dump,
-and podshim-manifest.json.
-
-Restore of such a tar: shim/ops/restore_container.py.
-"""
+Restore of such a tar: shim/ops/restore_container.py."""
 
 from __future__ import annotations
 

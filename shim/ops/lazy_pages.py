@@ -1,27 +1,8 @@
-"""Lazy restore (docs/design/restore-pod.md (Lazy restore)): one `criu lazy-pages` daemon per restored
-container, started and supervised by podshim.
-
-RestorePod with `lazy-pages=true` starts, before each CreateContainer, a daemon serving the
-container's CRIU images (the archive's, or the decrypted copy of an encrypted archive) from a work
-dir of its own, `<state_dir>/lazy/<random>/`, and names that dir in LAZY_PAGES_ANNOTATION;
-podshim-runc then restores with `--lazy-pages --work-path` it, so the process runs at once and its
-memory arrives through userfaultfd, on fault and in the background.
-
-The daemon's lifetime is the transfer's: it exits 0 once every page is delivered. Any other end
-(killed, a nonzero exit, an unreadable image) kills the container, with the reason in podshim's
-log, a line in the container's log and podshim_lazy_restore_failures_total. So that the process
-never runs on with missing memory, podshim holds a duplicate (pidfd_getfd) of every userfaultfd
-the daemon holds, and hands one to the daemon's guard (shim/criu/uffd_guard.py, a process that
-outlives podshim): when the daemon dies its faults stay blocked (killable) instead of reading zero
-pages, until podshim has killed the container, even when podshim died with the daemon. The
-journal records every live daemon and its guard; after a podshim restart `recover` kills the
-container of a daemon it can no longer supervise, then the daemon and the guard.
-
-The page images of a plain archive (pages-*.img, nearly all of its bytes) are not checksummed
-before the restore: a thread hashes them while the daemon serves (shim/criu/lazy.py check_pages),
-so the time to the first output does not grow with the memory size; a mismatch (or an unreadable
-image) kills the container like a failed daemon (reason `checksum`).
-"""
+"""Lazy restore: one `criu lazy-pages` daemon per restored container, started and supervised by
+podshim; duplicates of its userfaultfds held here and by the guard (shim/criu/uffd_guard.py) so a
+process never runs on with missing memory; the page images checksummed while the daemon serves;
+any failure kills the container; `recover` after a restart (docs/design/restore-pod.md (Lazy
+restore))."""
 
 from __future__ import annotations
 

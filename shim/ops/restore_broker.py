@@ -1,27 +1,7 @@
-"""podshim's side of podshim-runc's restore (docs/design/runtime-wrapper.md (The runtime wrapper)).
-
-podshim-runc (native/podshim-runc.c) is called by the upstream's shim for `create` of a restored
-container. Starting the Python hook for it costs every restore ~0.08 s, so podshim-runc asks the
-running podshim instead, over BROKER_SOCKET in server.state_dir (AF_UNIX, SOCK_SEQPACKET: one
-message per packet, NUL-terminated fields, the first one the verb):
-
-    podshim-runc -> podshim   prepare <cwd> <runtime binary> <PODSHIM_FAILPOINTS> <argv[1:]...>
-    podshim -> podshim-runc   exec <K=V>... "" <argv...>  |  fail <message>  |  hook
-    podshim-runc -> podshim   started <pid>           (forked, before the child may exec)
-    podshim-runc -> podshim   exited <returncode>     (Python's: -N for a signal)
-    podshim -> podshim-runc   ok  |  fail <message>
-
-podshim prepares the restore here with the hook's own code (restore.prepare: the rootfs diff,
-criu.conf, config.json), podshim-runc forks the runtime's `restore` itself (the restored init must
-stay in the upstream shim's process tree: the shim reaps it), and podshim settles it (the page
-check's verdict, the marker). podshim holds the watchdog role through the connection: an EOF
-before the verdict (podshim-runc killed) undoes the restore, as the hook's watchdog does. A
-podshim-runc that loses podshim falls back to the hook: before its fork the hook restores, after
-it the hook undoes (restore.abort).
-
-The page images of an eager restore are hashed from RestorePod's new sandbox on (PageChecks), at
-nice 10, beside the CreateContainers and the wait for StartContainer.
-"""
+"""podshim's side of podshim-runc's restore: over BROKER_SOCKET in server.state_dir podshim prepares
+the restore with the hook's own code, podshim-runc forks the runtime's `restore`, and podshim
+settles it, undoing it when the connection ends before the verdict (docs/design/runtime-wrapper.md
+(The runtime wrapper))."""
 
 from __future__ import annotations
 

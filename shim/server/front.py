@@ -1,18 +1,7 @@
 """podshim-front (native/front/), the compiled program that serves podshim's public socket: the
 daemon starts it (or adopts the one a daemon before it started), starts it again if it dies,
-stops it, and reads its metrics (docs/design/proxy.md (The proxy)).
-
-The front passes every CRI call podshim does not own straight to the upstream; the methods the
-daemon owns (its routing table, given on the command line) come to the daemon's private socket
-under the state dir. It outlives a daemon that dies, so the node's CRI stays up; the next daemon
-finds it by the record in the state dir (pid, start time, command line) and adopts it.
-
-The daemon binds the public socket and hands the listening descriptor to each front it starts
-(--listen-fd), holding it meanwhile: while a front that died is started again, new connections
-wait in the socket's backlog (not refused, the path never gone), so a client is not sent into
-gRPC's reconnect back-off (1 s). A daemon that adopts a front takes a copy of the descriptor from
-it (pidfd_getfd, by the number in the record) for the fronts it starts after.
-"""
+stops it, hands it the listening descriptor, and reads its metrics (docs/design/proxy.md (The
+proxy))."""
 
 from __future__ import annotations
 

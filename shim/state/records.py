@@ -1,19 +1,6 @@
 """Typed journal records: what each operation kind writes into its record's `data` and what its
-recovery reads back (docs/design/crash-safety.md (Crash safety)).
-
-One dataclass per kind, registered in RECORDS by its KIND. `to_dict` gives the JSON object stored
-under `data`, `from_dict` reads it back. The on-disk format is the one the untyped journal wrote
-(same keys, an absent optional field is an absent key), so a record written by a previous podshim
-is recovered by this one and the other way round; keys this version does not know are kept
-(`extra`) and written back unchanged. A value of the wrong type makes the record unreadable
-(ValueError): the journal sets it aside like any corrupt record.
-
-Adding a kind: its name in shim/state/journal.py KINDS and here a dataclass deriving from
-`JournalData` with `KIND = "..."` and fields with defaults (older records may lack a newer field),
-decorated with `@register`; its operation's module reads `rec.data` as that class and the engine
-dispatches its recovery (shim/engine.py `_recover_record`). A kind without a class keeps a plain
-dict as its `data`.
-"""
+recovery reads back, one dataclass per kind registered in RECORDS, in the on-disk format of the
+untyped journal (docs/design/crash-safety.md (Crash safety))."""
 
 from __future__ import annotations
 
