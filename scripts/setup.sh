@@ -886,15 +886,15 @@ step_debroots() {
 }
 
 # ---------------------------------------------------------------------------------------
-# 3e. The PostgreSQL image of the real-workload tests: Debian's own packages (downloaded once into
-# the cache), unpacked into an OCI image in the test bed's image cache (images/postgres.py).
+# 3e. The real-workload test images (PostgreSQL 15, Node.js 18): Debian's own packages, downloaded
+# once into the cache, unpacked into OCI images in the test bed's image cache (images/debian.py).
 # ---------------------------------------------------------------------------------------
-step_postgres_image() {
-  step "PostgreSQL 15 test image"
+step_debian_images() {
+  step "real-workload test images from Debian's packages"
   mkdir -p "$REPO_ROOT/.testbed/images"
-  python3 "$REPO_ROOT/images/postgres.py" "$REPO_ROOT/.testbed/images" --debs /var/cache/podshim/debs/postgres >/dev/null ||
-    die "building the PostgreSQL test image failed"
-  info "$REPO_ROOT/.testbed/images/postgres.tar"
+  python3 "$REPO_ROOT/images/debian.py" "$REPO_ROOT/.testbed/images" --debs /var/cache/podshim/debs >/dev/null ||
+    die "building the real-workload test images failed (images/debian.py)"
+  info "$REPO_ROOT/.testbed/images/{postgres,node}.tar"
 }
 
 # ---------------------------------------------------------------------------------------
@@ -908,7 +908,7 @@ system_steps() {
   step_containerd
   step_gotools
   step_debroots
-  step_postgres_image
+  step_debian_images
 }
 
 if [ "${1:-}" = "--system-only" ]; then

@@ -49,6 +49,7 @@ from testbed.versions import (
 
 VENV_BIN = REPO / ".venv" / "bin"
 DEFAULT_IMAGE_CACHE = REPO / ".testbed" / "images"
+DEBIAN_DEBS = "/var/cache/podshim/debs"  # the set-up's download of the real-workload images' packages
 NAMESPACE = "k8s.io"
 
 PAUSE_IMAGE = "localhost/podshim/pause:1"
@@ -313,6 +314,18 @@ class TestBed(BedStop):
     def import_image(self, tarball: str | os.PathLike[str]) -> None:
         """Import an OCI/docker archive into namespace k8s.io (names from the archive)."""
         self.ctr("images", "import", "--all-platforms", os.fspath(tarball))
+
+    def import_debian_image(self, file: str) -> str:
+        """One of the real-workload images (images/debian.py: "postgres", "node"), built into the
+        image cache from the packages the set-up downloaded, imported; returns its name."""
+        cmd = [sys.executable, str(REPO / "images" / "debian.py"), str(self.image_cache), file]
+        cmd += ["--debs", DEBIAN_DEBS]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            raise TestBedError(f"building the {file} image failed:\n{res.stdout}\n{res.stderr}")
+        name, tarball, _digest = res.stdout.strip().split("\t")
+        self.import_image(tarball)
+        return name
 
     def __enter__(self) -> TestBed:
         self.start()

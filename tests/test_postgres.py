@@ -1,15 +1,14 @@
-"""Stock PostgreSQL 15 (Debian's own packages, images/postgres.py) checkpointed and restored as a
-pod, end to end: run as its own non-root user, with its default `dynamic_shared_memory_type =
-posix` (its segments live in the pod's /dev/shm) and 256 MB of shared buffers, CheckpointPod with
-empty options as the kubelet sends it, RestorePod into a new pod: every row, the sequence and the
-index come back intact (amcheck), and the server resumes in place, with no crash recovery and no
-second start-up in its log.
+"""Stock PostgreSQL 15 (Debian's own packages, images/debian.py) checkpointed and restored as a
+pod, end to end, with runc and crun: run as its own non-root user, with its default
+`dynamic_shared_memory_type = posix` (its segments live in the pod's /dev/shm) and 256 MB of
+shared buffers, CheckpointPod with empty options as the kubelet sends it, RestorePod into a new
+pod: every row, the sequence and the index come back intact (amcheck), and the server resumes in
+place, with no crash recovery and no second start-up in its log.
 """
 
 from __future__ import annotations
 
 import secrets
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from testbed import pods
-from testbed.bed import REPO, TestBed
+from testbed.bed import TestBed
 
 pytestmark = pytest.mark.e2e
 
@@ -45,12 +44,7 @@ SUMMARY = "select count(*), md5(string_agg(v, ',' order by id)) from t"
 @pytest.fixture(scope="module")
 def postgres_image(bed: TestBed) -> str:
     """The image, built from the set-up's cached packages and imported into the bed's containerd."""
-    sys.path.insert(0, str(REPO / "images"))
-    import postgres
-
-    built = postgres.build_postgres(bed.image_cache, Path("/var/cache/podshim/debs/postgres"))
-    bed.import_image(bed.image_cache / built.file)
-    return str(postgres.POSTGRES_IMAGE)
+    return bed.import_debian_image("postgres")
 
 
 def server(image: str) -> cri.ContainerConfig:
@@ -75,10 +69,16 @@ def psql(rt: Stub, cid: str, sql: str) -> str:
 
 
 def test_stock_postgres_checkpoints_and_restores_with_every_row(
-    rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], archives: list[Path], postgres_image: str
+    rt: Stub,
+    bed: TestBed,
+    log_root: Path,
+    pod_cleanup: list[str],
+    runtime_handler: str,
+    archives: list[Path],
+    postgres_image: str,
 ) -> None:
-    tag = f"pg-{secrets.token_hex(2)}"
-    src = pods.run_pod(rt, tag, log_root, {"pg": server(postgres_image)})
+    tag = f"pg-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
+    src = pods.run_pod(rt, tag, log_root, {"pg": server(postgres_image)}, runtime_handler=runtime_handler)
     pod_cleanup.append(src.id)
     log = src.log_path("pg")
     pods.wait_for(
@@ -104,7 +104,10 @@ def test_stock_postgres_checkpoints_and_restores_with_every_row(
     config = pods.pod_config(f"{tag}-new", log_root)
     resp = rt.RestorePod(
         cri.RestorePodRequest(
-            checkpoint_path=str(out), config=config, container_configs=[server(postgres_image)]
+            checkpoint_path=str(out),
+            config=config,
+            container_configs=[server(postgres_image)],
+            runtime_handler=runtime_handler,
         ),
         timeout=RPC_TIMEOUT,
     )
