@@ -130,10 +130,16 @@ async def test_an_upstream_error_after_the_sandbox_rolls_it_back(
         await r.restore(_request(), 30.0)
     sid = up.calls[0]
     assert sid[0] == "RunPodSandbox"
-    # the rollback, in this order, after the failed step: stop, remove, then read back that it is gone
+    # after the failed step: its state read (stopped by someone else?), then the rollback in this
+    # order: stop, remove, then read back that it is gone
     failed_at = max(i for i, (name, _) in enumerate(up.calls) if name == step)
     rollback = up.calls[failed_at + 1 :]
-    assert [n for n, _ in rollback] == ["StopPodSandbox", "RemovePodSandbox", "PodSandboxStatus"]
+    assert [n for n, _ in rollback] == [
+        "PodSandboxStatus",
+        "StopPodSandbox",
+        "RemovePodSandbox",
+        "PodSandboxStatus",
+    ]
     assert len({a for _, a in rollback}) == 1 and not up.sandboxes
     assert not _open_records(cfg) and not kept
 
@@ -336,8 +342,28 @@ async def test_a_corrupt_member_found_beside_the_sandbox_removes_it(cfg: Config,
     _with_member(r, "containers/a/checkpoint/pages-1.img", b"x" * 4096, b"y" * 4096)
     with pytest.raises(errors.DataLoss, match="pages-1.img has sha256"):
         await r.restore(_request(), 30.0)
-    assert up.names() == ["RunPodSandbox", "StopPodSandbox", "RemovePodSandbox", "PodSandboxStatus"]
+    rollback = ["PodSandboxStatus", "StopPodSandbox", "RemovePodSandbox", "PodSandboxStatus"]
+    assert up.names() == ["RunPodSandbox", *rollback]
     assert not up.sandboxes and not _open_records(cfg) and not kept
+
+
+async def test_a_sandbox_removed_by_another_caller_is_named(cfg: Config, up: FakeUpstream) -> None:
+    """The new sandbox gone when a step fails (a kubelet removed it): ABORTED saying so, with the
+    step's own error after it; the record closed."""
+    r, kept = _restorer(cfg, up)
+    up.fail["CreateContainer"] = rpc_error("NOT_FOUND", "sandbox not found")
+    real = up.create_container
+
+    async def create_after_removal(*args: Any, **kwargs: Any) -> Any:
+        up.sandboxes.clear()  # another caller removed it
+        return await real(*args, **kwargs)
+
+    up.create_container = create_after_removal  # type: ignore[method-assign]
+    with pytest.raises(
+        errors.Aborted, match="was removed by another caller during the restore.*sandbox not found"
+    ):
+        await r.restore(_request(), 30.0)
+    assert not _open_records(cfg) and not kept
 
 
 async def test_undo_runs_last_in_first_out(
