@@ -52,6 +52,23 @@ static socklen_t abstract_addr(struct sockaddr_un *sa, const char *name)
 	return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
 }
 
+/* shm_open(name) in /dev/shm (create or open), sized and mapped shared; the descriptor kept open
+ * (the segment held open and mapped) or closed (mapped only). */
+static void *map_posix(const char *name, size_t size, int keep_fd)
+{
+	int fd = shm_open(name, O_CREAT | O_RDWR, 0600);
+	if (fd < 0)
+		die("sharer: shm_open");
+	if (ftruncate(fd, (off_t)size) < 0)
+		die("sharer: ftruncate");
+	void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (p == MAP_FAILED)
+		die("sharer: mmap");
+	if (!keep_fd)
+		close(fd);
+	return p;
+}
+
 int main(int argc, char **argv)
 {
 	if (argc != 3) {
@@ -69,25 +86,10 @@ int main(int argc, char **argv)
 			die("sharer: shmat");
 		p[0] = 'x';
 	} else if (!strcmp(mode, "posix")) {
-		int fd = shm_open(arg, O_CREAT | O_RDWR, 0600);
-		if (fd < 0)
-			die("sharer: shm_open");
-		if (ftruncate(fd, 65536) < 0)
-			die("sharer: ftruncate");
-		char *p = mmap(NULL, 65536, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-		if (p == MAP_FAILED)
-			die("sharer: mmap");
+		char *p = map_posix(arg, 65536, 1);
 		p[0] = 'x';
 	} else if (!strcmp(mode, "shmcount")) {
-		int fd = shm_open(arg, O_CREAT | O_RDWR, 0600);
-		if (fd < 0)
-			die("sharer: shm_open");
-		if (ftruncate(fd, 4096) < 0)
-			die("sharer: ftruncate");
-		unsigned long *n = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-		if (n == MAP_FAILED)
-			die("sharer: mmap");
-		close(fd);
+		unsigned long *n = map_posix(arg, 4096, 0);
 		printf("ready %s\n", mode);
 		fflush(stdout);
 		for (;;) {

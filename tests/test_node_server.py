@@ -21,6 +21,7 @@ from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from testbed import pods
 from testbed.bed import BUSYBOX_IMAGE, TestBed
+from tests.test_pod_volumes import empty_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -46,13 +47,6 @@ http.createServer((req, res) => {
 @pytest.fixture(scope="module")
 def node_image(bed: TestBed) -> str:
     return bed.import_debian_image("node")
-
-
-def empty_dir(bed: TestBed, uid: str) -> Path:
-    d = Path(bed.base_dir) / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~empty-dir" / "config"
-    d.mkdir(parents=True)
-    d.chmod(0o777)
-    return d
 
 
 def server(image: str, volume: Path) -> cri.ContainerConfig:
@@ -85,7 +79,7 @@ def test_node_server_warm_starts_with_its_heap_count_and_config(
 ) -> None:
     tag = f"node-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
     src_config = pods.pod_config(tag, log_root)
-    src_dir = empty_dir(bed, src_config.metadata.uid)
+    src_dir = empty_dir(bed, src_config.metadata.uid, "config")
     rendered = {"greeting": f"hello from {tag}", "replicas": 3}
     render = pods.container_config(
         "render",
@@ -104,9 +98,7 @@ def test_node_server_warm_starts_with_its_heap_count_and_config(
     )
     pod_cleanup.append(src.id)
     log = src.log_path("app")
-    pods.wait_for(
-        lambda: b"listening" in (log.read_bytes() if log.exists() else b""), timeout=90, what="node"
-    )
+    pods.wait_for(lambda: log.exists() and b"listening" in log.read_bytes(), timeout=90, what="node")
     before = ask(rt, src.containers["app"])
     assert before["config"] == rendered
 
@@ -120,7 +112,7 @@ def test_node_server_warm_starts_with_its_heap_count_and_config(
     pods.remove_pod(rt, src.id)
 
     config = pods.pod_config(f"{tag}-new", log_root)
-    new_dir = empty_dir(bed, config.metadata.uid)
+    new_dir = empty_dir(bed, config.metadata.uid, "config")
     resp = rt.RestorePod(
         cri.RestorePodRequest(
             checkpoint_path=str(out),

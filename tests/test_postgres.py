@@ -81,9 +81,7 @@ def test_stock_postgres_checkpoints_and_restores_with_every_row(
     src = pods.run_pod(rt, tag, log_root, {"pg": server(postgres_image)}, runtime_handler=runtime_handler)
     pod_cleanup.append(src.id)
     log = src.log_path("pg")
-    pods.wait_for(
-        lambda: READY in (log.read_bytes() if log.exists() else b""), timeout=60, what="postgres ready"
-    )
+    pods.wait_for(lambda: READY in _read(log), timeout=60, what="postgres ready")
     cid = src.containers["pg"]
     psql(rt, cid, LOAD)
     assert psql(rt, cid, "show dynamic_shared_memory_type") == "posix"
@@ -121,9 +119,13 @@ def test_stock_postgres_checkpoints_and_restores_with_every_row(
     parallel = "set parallel_setup_cost = 0; set min_parallel_table_scan_size = 0; "
     assert psql(rt, new, parallel + SUMMARY).splitlines()[-1] == want
     new_log = Path(config.log_directory) / "pg" / "0.log"
-    text = new_log.read_bytes() if new_log.exists() else b""
+    text = _read(new_log)
     assert READY not in text, "postgres started again: not restored"
     assert not [r for r in RECOVERY if r in text], text[-2000:]
+
+
+def _read(path: Path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
 
 
 def _pid(rt: Stub, cid: str) -> int:

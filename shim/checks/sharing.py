@@ -81,9 +81,9 @@ def _check_dev_shm(procs: dict[str, list[int]]) -> None:
         more = f" (and {len(users) - 1} more)" if len(users) > 1 else ""
         raise errors.FailedPrecondition(
             f"POSIX shared memory {path}{more} in the pod's /dev/shm is in use by container(s) "
-            f"{_names(users[path])}: podshim carries only a pod's own /dev/shm in a pod checkpoint (this "
-            "one is the node's, or the checkpoint is of a container alone), so the restore could not "
-            "open it; nothing was frozen"
+            f"{_names(users[path])}: podshim carries only a pod's own /dev/shm, in a pod checkpoint (not "
+            "a host-IPC pod's, which is the node's, nor in a container checkpointed alone or a live "
+            "migration), so the restore could not open it; nothing was frozen"
         )
 
 

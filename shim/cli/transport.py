@@ -11,13 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 from shim import rpc_client
 from shim.cli import output
-from shim.rpc_client import grpc_target, is_rpc_error, runtime_stub
+from shim.rpc_client import grpc_target as grpc_target  # re-exported: the CLI's commands use them here
+from shim.rpc_client import is_rpc_error as is_rpc_error
+from shim.rpc_client import runtime_stub as runtime_stub
 
 if TYPE_CHECKING:
     import grpc
     from google.protobuf.message import Message
 
-    from shim.rpc_client import RpcError, RuntimeStub
+    from shim.rpc_client import RpcError as RpcError
+    from shim.rpc_client import RuntimeStub as RuntimeStub
 else:
 
     def __getattr__(name: str) -> Any:
@@ -25,17 +28,6 @@ else:
         if name == "RpcError":
             return rpc_client.RpcError
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [
-    "RpcError",
-    "RuntimeStub",
-    "grpc_target",
-    "is_rpc_error",
-    "long_call",
-    "rpc_error_message",
-    "runtime_stub",
-]
 
 
 def rpc_error_message(err: grpc.RpcError, ep: str) -> str:

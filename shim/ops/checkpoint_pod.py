@@ -25,7 +25,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import __version__, cni, errors, faults, logs
+from shim import __version__, cni, errors, faults, kept_logs, logs
 from shim.aio import run_to_end, wait_out
 from shim.archive import compat, crypto, fsutil, layout, manifest, paths, rootfs_diff, writeback
 from shim.archive.dirfd import DirHandle, open_checked
@@ -646,10 +646,9 @@ def with_kept_log(
     no copy could be made."""
     shown = str(Path(work.proc) / layout.DUMP_LOG_FILE)
     try:
-        dest_dir = Path(state_dir) / "logs"
-        dest_dir.mkdir(mode=layout.DIR_MODE, parents=True, exist_ok=True)
-        dest = dest_dir / f"checkpoint-{container_id}.log"
-        fsutil.write_private_file(dest, work.read_bytes(layout.DUMP_LOG_FILE))
+        dest = kept_logs.keep(
+            work.read_bytes(layout.DUMP_LOG_FILE), state_dir, f"checkpoint-{container_id}.log"
+        )
     except (OSError, errors.ShimError):
         return type(e)(e.message.replace(f" (CRIU log: {shown})", "")) if shown in e.message else e
     if shown in e.message:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from api.runtime.v1 import api_pb2 as cri
-from shim import contract, errors, logs, metrics
+from shim import contract, errors, kept_logs, logs, metrics
 from shim.archive import crypto, layout
 from shim.config import Config
 from shim.criu.lazy import (
@@ -595,19 +595,10 @@ def _failed_check(d: Daemon) -> str:
 
 def _keep_log(log_path: Path, state_dir: str, container_id: str) -> str:
     """Copy a failed daemon's log out of its work dir (removed next) into <state_dir>/logs (0600)."""
-    dest_dir = Path(state_dir) / "logs"
-    dest = dest_dir / f"lazy-pages-{container_id}.log"
     try:
-        dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        data = log_path.read_bytes()
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        return str(kept_logs.keep(log_path.read_bytes(), state_dir, f"lazy-pages-{container_id}.log"))
     except OSError:
         return str(log_path)
-    return str(dest)
 
 
 def _mark_failed(work: Path, reason: str) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shim import contract, faults
+from shim import contract, faults, kept_logs
 from shim.contract import (
     ABORT_ENV,
     CRIU_CONFIG_ANNOTATION,
@@ -493,20 +493,6 @@ def _run_guarded(p: Prepared) -> int:
 def _keep_log(log_path: Path, state_dir: str, container_id: str) -> str:
     """Copy the CRIU log out of the bundle (which the upstream deletes) for the operator."""
     try:
-        # private whatever the upstream's umask (CRIU logs name the workload's files and sockets)
-        dest_dir = Path(state_dir) / "logs"
-        dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(dest_dir, 0o700)
-        dest = dest_dir / f"restore-{container_id}.log"
-        data = log_path.read_bytes()
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        return str(dest)
+        return str(kept_logs.keep(log_path.read_bytes(), state_dir, f"restore-{container_id}.log"))
     except OSError:
         return str(log_path)
