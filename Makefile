@@ -28,11 +28,11 @@ test: setup
 	$(RUFF) format --check . || rc=1; \
 	$(MYPY) || rc=1; \
 	echo "==> the whole suite on containerd 1.6"; \
-	PODSHIM_TEST_CONTAINERD=1.6 $(PYTEST) -ra || rc=1; \
+	PODSHIM_TEST_CONTAINERD=1.6 $(PYTEST) -ra --durations=25 || rc=1; \
 	echo "==> the end-to-end core on containerd 2.2"; \
-	PODSHIM_TEST_CONTAINERD=2.2 $(PYTEST) -ra -m core || rc=1; \
+	PODSHIM_TEST_CONTAINERD=2.2 $(PYTEST) -ra --durations=25 -m core || rc=1; \
 	echo "==> the end-to-end core on containerd 2.4, runc 1.3, CRIU 4.2"; \
-	PODSHIM_TEST_CONTAINERD=2.4 PODSHIM_TEST_RUNC=1.3 PODSHIM_TEST_CRIU=4.2 $(PYTEST) -ra -m "core or criu or newest" || rc=1; \
+	PODSHIM_TEST_CONTAINERD=2.4 PODSHIM_TEST_RUNC=1.3 PODSHIM_TEST_CRIU=4.2 $(PYTEST) -ra --durations=25 -m "core or criu or newest" || rc=1; \
 	exit $$rc
 
 # The end-to-end core on one combination (testbed/bed.py): make test-core CONTAINERD=2.4 RUNC=1.3

@@ -262,8 +262,9 @@ KEY_DOCS: dict[str, str] = {
     ),
     "checkpoint.volume_limit": (
         "The most a pod's emptyDir volumes and /dev/shm may hold together for CheckpointPod to "
-        "carry them (they are copied while the pod is frozen); a pod over it is refused before "
-        "the freeze. A size (bytes, K/M/G suffix, up to 1T)."
+        "carry them, and the emptyDirs of one container for CheckpointContainer (they are copied "
+        "while it is frozen); over it, the checkpoint is refused before the freeze. A size "
+        "(bytes, K/M/G suffix, up to 1T)."
     ),
     "restore.lazy_pages": (
         "RestorePod's default for its `lazy-pages` option (docs/design/restore-pod.md (Lazy restore))."

@@ -22,7 +22,7 @@ from shim.deadlines import KILL_WAIT, RECOVERY_WAIT, RETRY_FIRST, RETRY_MAX
 from shim.migration import destination as migration_in
 from shim.migration import source as migration_out
 from shim.migration import source_recovery
-from shim.ops import checkpoint_container, checkpoint_pod_recovery
+from shim.ops import checkpoint_container, checkpoint_pod_recovery, pod_volumes
 from shim.ops.checkpoint_container import ContainerCheckpointer
 from shim.ops.checkpoint_pod import PodCheckpointer
 from shim.ops.restore_broker import RestoreBroker
@@ -280,7 +280,7 @@ class Engine:
 
     @functools.cached_property
     def archive_importer(self) -> ArchiveImporter:
-        return ArchiveImporter(self.config, self.upstream, self.wiring, self.restored)
+        return ArchiveImporter(self.config, self.upstream, self.wiring, self.restored, self.journal)
 
     async def checkpoint_container(
         self, req: cri.CheckpointContainerRequest, deadline: float | None
@@ -443,6 +443,7 @@ class Engine:
             "checkpoint": checkpoint_pod_recovery.recover,
             "checkpoint-container": checkpoint_container.recover,
             "restore": self.restorer.recover,
+            "volume-fill": pod_volumes.recover,  # a kubelet's restore, a container tar's
             "lazy-pages": self.restorer.lazy.recover,  # docs/design/restore-pod.md (Lazy restore)
             # docs/design/migration.md (Live migration)
             "migration-source": functools.partial(source_recovery.recover, upstream=self.upstream),
@@ -519,6 +520,7 @@ class Engine:
 OPERATION_OF_KIND = {
     "checkpoint": "checkpoint_pod",
     "restore": "restore_pod",
+    "volume-fill": "restore_container_into",
     "checkpoint-container": "checkpoint_container",
     "lazy-pages": "lazy_restore",
     "migration-source": "migrate_pod",

@@ -119,6 +119,15 @@ def kubelet_pod_dir(kubelet_root: str | Path, config: cri.PodSandboxConfig) -> P
     return Path(kubelet_root) / "pods" / config.metadata.uid
 
 
+def empty_dir(kubelet_root: str | Path, uid: str, name: str) -> Path:
+    """A fresh emptyDir where the kubelet makes it, with the mode it gives one:
+    <root-dir>/pods/<uid>/volumes/kubernetes.io~empty-dir/<name>."""
+    d = Path(kubelet_root) / "pods" / uid / "volumes" / "kubernetes.io~empty-dir" / name
+    d.mkdir(parents=True, mode=0o777)
+    d.chmod(0o777)  # not the umask's
+    return d
+
+
 def kubelet_container_config(
     img: api_pb2_grpc.ImageServiceStub,
     config: cri.PodSandboxConfig,

@@ -392,6 +392,71 @@ def test_restore_into_a_new_sandbox(
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
+def test_the_containers_empty_dirs_travel_in_its_tar(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
+) -> None:
+    """What an init container rendered into an emptyDir and the state file the counter rewrites
+    there on each tick travel in the container's tar: a create in a new pod with a fresh
+    emptyDir of the same name finds them before the container exists, and the restored counter
+    resumes at the next count, rewriting the same file. A create the upstream refuses after the
+    fill (the container's name is taken) leaves the emptyDir empty, with the kubelet's mode."""
+    kubelet = Path(bed.base_dir) / "kubelet"
+    rendered = "rendered by the init container\n"
+
+    def counting_into(volume: Path, **kw: Any) -> cri.ContainerConfig:
+        cc = pods.container_config("counter", **kw)
+        cc.mounts.append(cri.Mount(host_path=str(volume), container_path="/work"))
+        return cc
+
+    tag = f"ed-{secrets.token_hex(3)}"
+    src_config = pods.pod_config(tag, log_root)
+    src_dir = pods.empty_dir(kubelet, src_config.metadata.uid, "work")
+    (src_dir / "msg").write_text(rendered)
+    src_cc = counting_into(src_dir, args=["--interval-ms", "100", "--state-file", "/work/state"])
+    src = pods.run_pod(
+        rt, tag, log_root, {"counter": src_cc}, runtime_handler=runtime_handler, config=src_config
+    )
+    pod_cleanup.append(src.id)
+    log = src.log_path("counter")
+    pods.wait_count(log, 10)
+    target, first = checkpoint_counter(rt, bed, src.containers["counter"], log, "empty-dir")
+    assert {"sandbox/volumes.json", "sandbox/empty-dirs/work.tar"} <= set(members(target))
+    assert "sandbox/empty-dirs/work.tar" in read_member(target, "podshim-manifest.json")["files"]
+    pods.remove_pod(rt, src.id)
+
+    pod_id, config = run_sandbox(rt, "ed-dst", log_root, pod_cleanup, runtime_handler)
+    new_dir = pods.empty_dir(kubelet, config.metadata.uid, "work")
+    plain = pods.container_config("counter")  # takes the name (and attempt) first
+    rt.CreateContainer(
+        cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=plain, sandbox_config=config),
+        timeout=CALL_TIMEOUT,
+    )
+    copy = counting_into(new_dir, image=str(target), args=[])
+    with pytest.raises(grpc.RpcError) as err:  # containerd's own error, whatever its code
+        rt.CreateContainer(
+            cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=copy, sandbox_config=config),
+            timeout=CALL_TIMEOUT,
+        )
+    assert "reserved" in (err.value.details() or ""), err.value.details()
+    assert list(new_dir.iterdir()) == [], "a refused create left the tar's files in the new emptyDir"
+    assert stat.S_IMODE(new_dir.stat().st_mode) == 0o777
+
+    copy.metadata.attempt, copy.log_path = 1, "counter/1.log"
+    cid = rt.CreateContainer(
+        cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=copy, sandbox_config=config),
+        timeout=CALL_TIMEOUT,
+    ).container_id
+    # filled before the container existed: what the source had at the cut
+    assert (new_dir / "msg").read_text() == rendered
+    assert int((new_dir / "state").read_text()) in (first - 2, first - 1)
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=CALL_TIMEOUT)
+    restored_log = Path(config.log_directory) / copy.log_path
+    resume.assert_exact_resume({"counter": restored_log}, {"counter": first}, follow=5)
+    pods.wait_for(lambda: int((new_dir / "state").read_text()) >= first + 3, what="the restored state file")
+    out = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["cat", "/work/msg"]), timeout=10).stdout
+    assert out.decode() == rendered
+
+
 def test_restore_of_a_kubelet_container_needs_its_bind_mounts(
     rt: Rt, img: api_pb2_grpc.ImageServiceStub, bed: TestBed, log_root: Path, pod_cleanup: list[str]
 ) -> None:

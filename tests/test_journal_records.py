@@ -5,6 +5,8 @@ this podshim writes is what the previous one wrote (docs/design/crash-safety.md 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from shim.state.records import (
     JournalData,
     LazyPagesRecord,
     RestoreRecord,
+    VolumeFillRecord,
 )
 from tests.fakes import FakeUpstream
 
@@ -273,3 +276,34 @@ async def test_old_restore_records_remove_their_sandboxes(cfg: Config) -> None:
     await Engine(cfg, up).recover()  # type: ignore[arg-type]
     assert list(up.sandboxes) == ["sb-keep"] and Journal(state).scan().records == []
     assert ("RemovePodSandbox", "sb-9") in up.calls and ("RemovePodSandbox", "sb-7") in up.calls
+
+
+async def test_a_kubelet_restores_fill_cut_short_is_emptied_at_recovery(cfg: Config, tmp_path: Path) -> None:
+    """A kubelet's restore killed while it filled an emptyDir of the kubelet's pod: the record
+    written before the fill empties the volume at the next start, giving back the mode the kubelet
+    made it with (its retry then fills it whole instead of taking a half-filled volume for a
+    filled one); the kubelet's sandbox is its own and stays."""
+    from shim.ops import pod_volumes
+
+    up = FakeUpstream()
+    up.sandboxes["sb-kubelet"] = cri.PodSandboxStatus(
+        id="sb-kubelet", metadata=cri.PodSandboxMetadata(name="web")
+    )
+    work = tmp_path / "pods" / "u-2" / "volumes" / "kubernetes.io~empty-dir" / "work"
+    filled_before = tmp_path / "pods" / "u-2" / "volumes" / "kubernetes.io~empty-dir" / "cache"
+    work.mkdir(parents=True)
+    filled_before.mkdir()
+    os.chmod(work, 0o777)
+    (filled_before / "kept").write_text("an earlier container's fill")
+    where = pod_volumes.Targets({"work": str(work), "cache": str(filled_before)}, None)
+    recorded = pod_volumes.to_fill(where)
+    assert [r["target"] for r in recorded] == [str(work)], "a volume already filled is no part of this fill"
+    Journal(cfg.state_dir).begin(pod_volumes.KIND, "default/web", VolumeFillRecord(recorded))
+    (work / "sub").mkdir()
+    (work / "sub" / "half").write_bytes(b"x" * 100)
+    os.chmod(work, 0o700)  # as the tar's root entry sets it
+    await Engine(cfg, up).recover()  # type: ignore[arg-type]
+    assert list(work.iterdir()) == [] and stat.S_IMODE(work.stat().st_mode) == 0o777
+    assert (filled_before / "kept").read_text() == "an earlier container's fill"
+    assert list(up.sandboxes) == ["sb-kubelet"] and not any(c[0] == "RemovePodSandbox" for c in up.calls)
+    assert Journal(cfg.state_dir).scan().records == []

@@ -425,3 +425,43 @@ async def test_undo_runs_last_in_first_out(
     ], order
     assert not restored.ids and not up.sandboxes and not kept
     assert list(crypto.decrypted_root(cfg.state_dir).iterdir()) == []
+
+
+async def test_a_kubelets_restore_journals_its_fill_while_it_writes(
+    cfg: Config, up: FakeUpstream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """restore_into's fill (a kubelet's pod, no RestorePod record around it) has a volume-fill
+    record naming the still-empty volume for as long as it writes, and none once it has ended,
+    filled or failed: a crash in it is undone at the next start, a finished fill never is."""
+    from shim.aio import Steps
+    from shim.archive import volumes
+    from shim.ops import pod_volumes
+
+    r, _ = _restorer(cfg, up)
+    checked = await r.checks.check(_request())
+    checked.volume_record = volumes.Record(("work",), False)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setattr(
+        pod_volumes, "targets", lambda *a, **k: pod_volumes.Targets({"work": str(work)}, None)
+    )
+    seen: list[Any] = []
+
+    def fill(*args: Any, **kwargs: Any) -> list[pod_volumes.Filled]:
+        seen.append([(rec.kind, rec.data.volumes) for rec in _open_records(cfg)])
+        if len(seen) == 2:
+            raise errors.DataLoss("the tar is truncated")
+        (work / "msg").write_text("rendered")
+        return [pod_volumes.Filled("work", str(work), 8, volumes.Prior.of(work.stat()))]
+
+    monkeypatch.setattr(pod_volumes, "fill", fill)
+    sandbox = _request().config
+    filled: list[pod_volumes.Filled] = []
+    await r._fill_volumes(checked, [], sandbox, "sb-1", Steps(), filled, partial=True)
+    [[(kind, recorded)]] = seen
+    assert kind == "volume-fill" and [v["target"] for v in recorded] == [str(work)]
+    assert [f.name for f in filled] == ["work"] and _open_records(cfg) == []
+    (work / "msg").unlink()
+    with pytest.raises(errors.DataLoss):
+        await r._fill_volumes(checked, [], sandbox, "sb-1", Steps(), filled, partial=True)
+    assert len(seen) == 2 and _open_records(cfg) == []

@@ -36,12 +36,7 @@ SEGMENT = "podshim-pod-seg"
 
 
 def empty_dir(bed: TestBed, uid: str, name: str) -> Path:
-    """A fresh emptyDir where the kubelet makes it:
-    <root-dir>/pods/<uid>/volumes/kubernetes.io~empty-dir/<name>."""
-    d = Path(bed.base_dir) / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~empty-dir" / name
-    d.mkdir(parents=True, mode=0o777)
-    d.chmod(0o777)  # what the kubelet gives an emptyDir
-    return d
+    return pods.empty_dir(Path(bed.base_dir) / "kubelet", uid, name)
 
 
 def render_config(d: Path) -> None:

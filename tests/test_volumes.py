@@ -241,10 +241,103 @@ def test_pod_volumes_capture_what_holds_anything_and_fill_only_empty_targets(tmp
     new_shm.mkdir()
     m = SimpleNamespace(encryption=None, files={})
     where = pod_volumes.Targets({"work": str(new_work)}, str(new_shm))
-    assert pod_volumes.fill(archive, m, rec, where, None, str(tmp_path)) == {"work": 5, "/dev/shm": 4096}
+    got = pod_volumes.fill(archive, m, rec, where, None, str(tmp_path))
+    assert {f.name: f.bytes for f in got} == {"work": 5, "/dev/shm": 4096}
     assert (new_work / "msg").read_text() == "hello"
     assert (new_shm / "PostgreSQL.1234").read_bytes() == b"\1" * 4096
     # filled already (an earlier container of the pod): left alone, not refused
-    assert pod_volumes.fill(archive, m, rec, where, None, str(tmp_path), only_empty=True) == {}
+    assert pod_volumes.fill(archive, m, rec, where, None, str(tmp_path), only_empty=True) == []
     with pytest.raises(errors.FailedPrecondition, match="not empty"):
         pod_volumes.fill(archive, m, rec, where, None, str(tmp_path))
+    assert (new_work / "msg").read_text() == "hello", "a refused fill touched a volume it did not fill"
+
+    # the undo of a restore that failed after the fill: both volumes as the caller made them
+    pod_volumes.empty_again(got)
+    assert list(new_work.iterdir()) == [] and list(new_shm.iterdir()) == []
+    # a fill that fails at its second volume (the new sandbox's /dev/shm is gone) empties the first
+    new_shm.rmdir()
+    with pytest.raises(errors.FailedPrecondition, match="cannot be opened"):
+        pod_volumes.fill(archive, m, rec, where, None, str(tmp_path))
+    assert list(new_work.iterdir()) == []
+
+
+def test_a_container_tar_tree_carries_the_empty_dirs_that_hold_anything(tmp_path: Path) -> None:
+    """CheckpointContainer's tree has no sandbox/ of its own: capture makes it only when a
+    volume holds anything; the restore reads the record from the extracted tree (its members
+    checked against the tar's manifest as it was loaded) and fills without a pod manifest."""
+    from shim.archive.dirfd import DirHandle
+    from shim.ops import pod_volumes
+
+    work, idle, tree = tmp_path / "work", tmp_path / "idle", tmp_path / "tree"
+    for d in (work, idle, tree):
+        d.mkdir()
+    dirs = (
+        volumes.EmptyDir("idle", str(idle), (("app", "/idle"),)),
+        volumes.EmptyDir("work", str(work), (("app", "/work"),)),
+    )
+    with DirHandle.open(tree) as held:
+        assert pod_volumes.capture(pod_volumes.PodVolumes(dirs), held) == {}
+    assert list(tree.iterdir()) == [] and pod_volumes.recorded_in_tree(tree, "t.tar") is None
+    (work / "msg").write_text("hi")
+    with DirHandle.open(tree) as held:
+        assert pod_volumes.capture(pod_volumes.PodVolumes(dirs), held) == {"work": 2}
+    rec = pod_volumes.recorded_in_tree(tree, "t.tar")
+    assert rec == volumes.Record(("work",), False)
+    new = tmp_path / "new"
+    new.mkdir()
+    where = pod_volumes.Targets({"work": str(new)}, None)
+    got = pod_volumes.fill(tree, None, rec, where, None, str(tmp_path), only_empty=True)
+    assert [f.name for f in got] == ["work"] and (new / "msg").read_text() == "hi"
+    (tree / "sandbox" / "empty-dirs" / "work.tar").unlink()
+    with pytest.raises(errors.DataLoss, match="does not hold"):
+        pod_volumes.recorded_in_tree(tree, "t.tar")
+
+
+def test_a_fill_that_fails_midway_leaves_the_volume_as_it_was(tmp_path: Path) -> None:
+    """An apply that fails after some members were written (its last member, a hard link, names
+    a file the tar does not hold): the target is emptied again and has its own mode, owner and
+    mtime back, so a retry is not refused as 'not empty' and nothing half-filled passes for a
+    filled volume."""
+    dst, tar = tmp_path / "dst", tmp_path / "t.tar"
+    dst.mkdir()
+    root = info(".", tarfile.DIRTYPE)
+    root.mode = 0o700
+    hostile_tar(
+        tar,
+        [
+            (root, b""),
+            (info("sub", tarfile.DIRTYPE), b""),
+            (info("sub/a"), b"written first"),
+            (info("b"), b"and this"),
+            (info("c", tarfile.LNKTYPE, "missing"), b""),
+        ],
+    )
+    os.chmod(dst, 0o777)
+    os.chown(dst, 1234, 5678)
+    os.utime(dst, ns=(1_000_000_000, 2_000_000_000))
+    with pytest.raises(errors.InvalidArgument, match="target is missing"):
+        volumes.apply(tar, dst)
+    st = dst.stat()
+    assert list(dst.iterdir()) == []
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns) == (
+        0o777,
+        1234,
+        5678,
+        2_000_000_000,
+    )
+
+
+def test_clear_never_follows_a_symlink_out_of_the_volume(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("not the volume's")
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    prior = volumes.Prior.of(os.stat(vol))
+    (vol / "d").mkdir()
+    (vol / "d" / "f").write_text("x")
+    os.symlink(outside, vol / "link")
+    os.symlink(outside, vol / "d" / "link")
+    volumes.clear(vol, prior)
+    assert list(vol.iterdir()) == []
+    assert (outside / "keep").read_text() == "not the volume's"

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import stat
 import tarfile
 import threading
@@ -55,6 +56,21 @@ class EmptyDir:
     mounts: tuple[tuple[str, str], ...]  # (container name, container path)
 
 
+@dataclass(frozen=True)
+class Prior:
+    """A volume's directory as its caller made it, before a fill: what `clear` gives back."""
+
+    mode: int
+    uid: int
+    gid: int
+    atime_ns: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> Prior:
+        return cls(stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_atime_ns, st.st_mtime_ns)
+
+
 @dataclass
 class Summary:
     """What a capture wrote or an apply did."""
@@ -67,6 +83,7 @@ class Summary:
     bytes: int = 0  # regular file content, holes excluded
     sparse_files: int = 0
     skipped: list[str] = field(default_factory=list)  # sockets, device nodes (relative paths)
+    prior: Prior | None = None  # an apply's target as it was before (for `clear`)
 
 
 def volume_name(host_path: str, pod_uid: str = "") -> str | None:
@@ -506,16 +523,50 @@ def is_empty(target: str | Path) -> bool:
 
 def apply(tar_path: Path, target: Path, stop: threading.Event | None = None) -> Summary:
     """Fill the existing, empty directory `target` (the new pod's emptyDir or /dev/shm) from `tar_path`:
-    FailedPrecondition when it holds anything. `stop` set: Stopped before the next member."""
+    FailedPrecondition when it holds anything. `stop` set: Stopped before the next member. On any
+    failure it is emptied again before the error is raised."""
     target = Path(target)
     try:
+        prior = Prior.of(os.stat(target, follow_symlinks=False))
         if not is_empty(target):
             raise FailedPrecondition(
                 f"emptyDir {target} of the new pod is not empty: a restore fills a fresh emptyDir only"
             )
     except OSError as e:
         raise FailedPrecondition(f"emptyDir {target} of the new pod cannot be opened: {e.strerror}") from None
-    s = Summary()
+    s = Summary(prior=prior)
+    try:
+        _apply(tar_path, target, stop, s)
+    except BaseException:  # a half-filled volume would pass for a filled one: empty it again
+        try:
+            clear(target, prior)
+        except OSError as e:
+            raise storage_error(e, f"cannot empty {target} again after its fill failed", target) from e
+        raise
+    return s
+
+
+def clear(target: str | Path, prior: Prior) -> None:
+    """Remove everything in `target`, a volume filled while it was empty by a restore that then
+    failed, and give it back its mode, owner and times (`prior`), so that a retry finds it as the
+    caller made it. Never follows a symlink: entries are removed through the directory's descriptor."""
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        for name, is_dir in entries:
+            if is_dir:
+                shutil.rmtree(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=fd)
+        os.fchown(fd, prior.uid, prior.gid)
+        os.fchmod(fd, prior.mode)
+        os.utime(fd, ns=(prior.atime_ns, prior.mtime_ns))
+    finally:
+        os.close(fd)
+
+
+def _apply(tar_path: Path, target: Path, stop: threading.Event | None, s: Summary) -> None:
     with _open(tar_path) as tar:
         members = _members(tar, tar_path)
         tree = _Rootfs(target)
@@ -545,7 +596,6 @@ def apply(tar_path: Path, target: Path, stop: threading.Event | None = None) -> 
             raise storage_error(e, f"cannot fill emptyDir {target} from {tar_path}", target) from e
         finally:
             tree.close()
-    return s
 
 
 def _apply_member(
@@ -578,7 +628,12 @@ def _apply_member(
             sfd = src.parent(lparents, create=False, member=ti.linkname)
             if sfd is None:
                 raise InvalidArgument(f"emptyDir hard link {ti.name!r} -> {ti.linkname!r}: target is missing")
-            os.link(lname, name, src_dir_fd=sfd, dst_dir_fd=pfd, follow_symlinks=False)
+            try:
+                os.link(lname, name, src_dir_fd=sfd, dst_dir_fd=pfd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise InvalidArgument(
+                    f"emptyDir hard link {ti.name!r} -> {ti.linkname!r}: target is missing"
+                ) from None
         finally:
             src.close()
         s.hardlinks += 1

@@ -39,12 +39,12 @@ from shim.cgroups import PodCut, thaw_paths
 from shim.checks import space, taskstate
 from shim.checks.sharing import check_shared_state
 from shim.checks.taskstate import TaskStates
-from shim.config import Config
+from shim.config import Config, parse_size
 from shim.criu.netns_lock import NetnsLock
 from shim.criu.options import CriuOptions
 from shim.criu.runtime import binary_version, read_dump_stats
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, FREEZE_TIMEOUT
-from shim.ops import checkpoint_pod_recovery
+from shim.ops import checkpoint_pod_recovery, pod_volumes
 from shim.ops.checkpoint_checks import CheckpointOptions, check_dumpable
 from shim.ops.checkpoint_pod import (
     PodCheckpointer,
@@ -366,9 +366,13 @@ class ContainerCheckpointer:
             # descriptor (dirfd.py), so replacing it cannot make podshim write elsewhere
             where = open_checked(loc.directory, loc.asked or str(loc.directory), "location directory")
             try:
-                stop = threading.Event()  # set when the deadline cancels the estimate: its walk ends
+                stop = threading.Event()  # set when the deadline cancels a walk below: it ends
+                # the emptyDirs it mounts travel in the tar (not the pod's /dev/shm: the pod's own,
+                # refused above when in use), sized against the node's limit before the freeze
+                limit = parse_size(self.config.volume_limit)
+                vols = await run_to_end(pod_volumes.find, pod, [c], limit, stop, False, stop=stop)
                 what = f"location directory {loc.directory}"
-                await run_to_end(space.check_fits, where, [c], what, stop, stop=stop)
+                await run_to_end(space.check_fits, where, [c], what, stop, vols.bytes, stop=stop)
                 if _exists(where, target.name):
                     if loc.name is not None:
                         raise errors.InvalidArgument(
@@ -395,7 +399,9 @@ class ContainerCheckpointer:
             try:
                 held = where.adopt(where.mkdir(staging.name))  # closed with `where`
                 async with asyncio.timeout_at(deadline):
-                    size, timings = await self._run(pod, c, opts, held, target, rec, steps, started, where)
+                    size, timings = await self._run(
+                        pod, c, opts, held, target, rec, steps, started, where, vols
+                    )
                 # The commit point, past the deadline's reach as before (it ran between two awaits):
                 # from here on the checkpoint exists; only the staging dir is left to go.
                 path = await run_to_end(self._publish, held, where, target.name)
@@ -444,6 +450,7 @@ class ContainerCheckpointer:
         steps: Steps,
         started: float,
         where: DirHandle,
+        vols: pod_volumes.PodVolumes,
     ) -> tuple[int, dict[str, float]]:
         timings: dict[str, float] = {}
         tree = staging.adopt(staging.sub(STAGING_TREE, create=True))
@@ -490,6 +497,7 @@ class ContainerCheckpointer:
                 tasks = [
                     asyncio.ensure_future(self._dump(runtime, c, opts.criu, timings, tree, images)),
                     asyncio.ensure_future(self._diff(steps, c, upper, cl, timings)),
+                    asyncio.ensure_future(self._volumes(steps, vols, tree, timings)),
                 ]
                 try:
                     await asyncio.gather(*tasks)
@@ -585,6 +593,18 @@ class ContainerCheckpointer:
             deleted_files=cl.deleted_files,
         )
         timings["rootfs_diff"] = time.monotonic() - start
+
+    @staticmethod
+    async def _volumes(
+        steps: Steps, vols: pod_volumes.PodVolumes, tree: DirHandle, timings: dict[str, float]
+    ) -> None:
+        """The emptyDirs the container mounts, tarred inside the freeze beside the dump, as a pod
+        checkpoint holds them (sandbox/volumes.json, sandbox/empty-dirs/<name>.tar)."""
+        if not vols.empty_dirs:
+            return
+        start = time.monotonic()
+        await steps.run(pod_volumes.capture, vols, tree, steps.cancel)
+        timings["volumes"] = time.monotonic() - start
 
     def _config_dump(self, pod: PodView, c: ContainerView, runtime: Any, checkpointed: str) -> dict[str, Any]:
         """checkpointctl's ContainerConfig keys, plus podshim's record of the container (the same

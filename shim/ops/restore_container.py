@@ -23,8 +23,8 @@ from typing import Any
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import contract, errors, logs
-from shim.aio import Steps
-from shim.archive import fsutil, layout, paths, tree_check
+from shim.aio import Steps, run_to_end
+from shim.archive import fsutil, layout, paths, tree_check, volumes
 from shim.archive.container_tar import (
     MANIFEST_FILE,
     MAX_METADATA_BYTES,
@@ -40,9 +40,11 @@ from shim.checks.wiring import RestoredContainers, WiringChecker
 from shim.config import Config
 from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, STALE_IMPORT_SECONDS
+from shim.ops import pod_volumes
 from shim.ops.restore_checks import archived_config
 from shim.sandbox.images import Images, is_image_id
 from shim.sandbox.view import pod_status
+from shim.state import Journal
 from shim.upstream import Upstream, is_not_found
 
 log = logs.get("shim.ops.restore_container")
@@ -291,9 +293,11 @@ class ArchiveImporter:
         upstream: Upstream,
         wiring: WiringChecker | None = None,
         restored: RestoredContainers | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.config = config
         self.upstream = upstream
+        self.journal = journal  # records the volume fills (pod_volumes.journaled)
         self.root = Path(config.state_dir) / IMPORTS_DIR
         # docs/design/runtime-wrapper.md (Wiring check): refuse a node wired wrong; remember what to confirm
         self.wiring = wiring
@@ -322,6 +326,7 @@ class ArchiveImporter:
         # through descriptors (dirfd.py), never through its path
         imports = DirHandle.open(os.path.realpath(self.root))
         steps = Steps()
+        filled: list[pod_volumes.Filled] = []  # emptied again if the create fails after the fill
         try:
             held = imports.adopt(imports.mkdir(import_dir.name))
             async with asyncio.timeout(budget):
@@ -334,6 +339,8 @@ class ArchiveImporter:
                 mounts.refuse_missing({req.config.metadata.name: missing}, str(tar_path))
                 image = await self._image(ck, req.config, tar_path)
                 cc = restore_config(req.config, ck, image)
+                # the emptyDirs the container mounted, filled while still empty, before it exists
+                await self._fill_volumes(tree_held, tar_path, req, steps, filled)
                 cid = await self.upstream.create_container(
                     cri.CreateContainerRequest(
                         pod_sandbox_id=req.pod_sandbox_id, config=cc, sandbox_config=req.sandbox_config
@@ -346,16 +353,55 @@ class ArchiveImporter:
                 if self.restored is not None:  # StartContainer confirms its restore ran
                     await asyncio.to_thread(self.restored.add, resp.container_id)
         except TimeoutError:
+            await run_to_end(pod_volumes.empty_again, filled)
             _remove_import(imports, import_dir.name)
             raise errors.DeadlineExceeded(
                 f"import of {tar_path} did not finish within the deadline; nothing was created"
             ) from None
         except BaseException:
+            await run_to_end(pod_volumes.empty_again, filled)
             _remove_import(imports, import_dir.name)
             raise
         imports.close()
         log.info("container created from checkpoint", archive=str(tar_path), container=resp.container_id)
         return resp
+
+    async def _fill_volumes(
+        self,
+        tree: DirHandle,
+        tar_path: Path,
+        req: cri.CreateContainerRequest,
+        steps: Steps,
+        filled: list[pod_volumes.Filled],
+    ) -> None:
+        """The emptyDirs the checkpointed container mounted (sandbox/volumes.json of the tar), put
+        into the new pod's emptyDirs of the same names that `req` mounts (refused when it mounts
+        one not), each only while it is empty: another container of the pod restored from its own
+        tar may have filled a shared one first. Journaled while it writes (pod_volumes.journaled)."""
+        root = Path(tree.proc)
+        rec = await steps.run(pod_volumes.recorded_in_tree, root, f"checkpoint archive {tar_path}")
+        if rec is None or not rec.empty_dirs:
+            return
+        md = req.sandbox_config.metadata
+        where = pod_volumes.Targets(volumes.targets(rec.empty_dirs, [req.config], md.uid), None)
+        await steps.run(pod_volumes.check, root, volumes.Record(rec.empty_dirs, False), False, steps.cancel)
+        journaled: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self.journal is not None:
+            journaled = pod_volumes.journaled(self.journal, f"{md.namespace}/{md.name}", where)
+        with journaled:
+            done = await steps.run(
+                pod_volumes.fill,
+                root,
+                None,
+                rec,
+                where,
+                None,
+                self.config.state_dir,
+                steps.cancel,
+                only_empty=True,
+            )
+        filled += done
+        log.info("restore volumes filled", archive=str(tar_path), bytes={f.name: f.bytes for f in done})
 
     async def _sandbox_handler(self, pod_id: str) -> str:
         """The runtime handler the sandbox's containers run with, as the upstream reports it."""

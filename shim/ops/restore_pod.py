@@ -129,6 +129,7 @@ class _Run:
     steps: Steps = dc_field(default_factory=Steps)
     sandbox_id: str = ""
     created: dict[str, str] = dc_field(default_factory=dict)  # container name -> id (the answer)
+    filled: list[pod_volumes.Filled] = dc_field(default_factory=list)  # the pod's volumes it filled
 
 
 async def _stop_and_wait(task: asyncio.Future[Any], steps: Steps) -> None:
@@ -204,9 +205,11 @@ class PodRestorer:
         run = _Run(rec, checked.phases)
         # the undos run last in first out: the record is closed (or kept) after all the others,
         # the decrypted plaintext removed after the lazy-pages daemons (lazy-pages=true) ended,
-        # which end once the sandbox and its containers are gone
+        # which end once the sandbox and its containers are gone, as do the filled volumes
         run.undo.push_async_exit(self._closing(rec))
         run.undo.push_async_exit(run.plaintext)
+        # the volumes it filled, emptied once no container of the new pod can write to them
+        run.undo.push_async_callback(run_to_end, pod_volumes.empty_again, run.filled)
         run.undo.push_async_callback(self.lazy.abandon_op, rec.op_id)
         try:
             async with asyncio.timeout_at(end), run.ends:
@@ -265,6 +268,26 @@ class PodRestorer:
         req = cri.RestorePodRequest(
             config=sandbox_config, checkpoint_path=checkpoint_path, container_configs=[config]
         )
+        # the volumes this call filled: emptied again if it fails after, for the kubelet's retry
+        filled: list[pod_volumes.Filled] = []
+        try:
+            return await self._restore_into(
+                sandbox_id, sandbox_config, checkpoint_path, config, req, end, filled
+            )
+        except BaseException:
+            await run_to_end(pod_volumes.empty_again, filled)
+            raise
+
+    async def _restore_into(
+        self,
+        sandbox_id: str,
+        sandbox_config: cri.PodSandboxConfig,
+        checkpoint_path: str,
+        config: cri.ContainerConfig,
+        req: cri.RestorePodRequest,
+        end: float,
+        filled: list[pod_volumes.Filled],
+    ) -> str:
         try:
             async with asyncio.timeout_at(end):
                 checked = await self.checks.check(req, some=True)
@@ -289,7 +312,7 @@ class PodRestorer:
                     if vrec is not None:  # what this container mounts, still empty: before it exists
                         await steps.run(pod_volumes.check, checked.root, vrec, False, steps.cancel)
                         await self._fill_volumes(
-                            checked, [config], sandbox_config, sandbox_id, steps, partial=True
+                            checked, [config], sandbox_config, sandbox_id, steps, filled, partial=True
                         )
                 finally:
                     steps.cancel.set()
@@ -467,7 +490,7 @@ class PodRestorer:
         if checked.volume_record is not None:  # the pod's files before its first container
             with phases("volumes"):
                 await self._fill_volumes(
-                    checked, req.container_configs, req.config, run.sandbox_id, run.steps
+                    checked, req.container_configs, req.config, run.sandbox_id, run.steps, run.filled, run.rec
                 )
         created = run.created
         for p in plan:
@@ -535,26 +558,40 @@ class PodRestorer:
         sandbox_config: cri.PodSandboxConfig,
         sandbox_id: str,
         steps: Steps,
+        filled: list[pod_volumes.Filled],
+        journal_rec: OpRecord | None = None,
         partial: bool = False,
     ) -> None:
-        """Fill the new pod's emptyDirs and /dev/shm from the archive (shim/ops/pod_volumes.py);
+        """Fill the new pod's emptyDirs and /dev/shm from the archive (shim/ops/pod_volumes.py),
+        adding what was filled to `filled` (emptied again if the restore fails after);
         `partial`: one container of a kubelet's pod, which fills what is still empty."""
         rec = checked.volume_record
         assert rec is not None
         spec = (await build_pod_view(self.upstream, sandbox_id)).spec if rec.dev_shm else {}
         where = pod_volumes.targets(rec, configs, sandbox_config.metadata.uid, spec, partial=partial)
-        filled = await steps.run(
-            pod_volumes.fill,
-            checked.root,
-            checked.manifest,
-            rec,
-            where,
-            checked.key,
-            self.config.state_dir,
-            steps.cancel,
-            only_empty=partial,
-        )
-        log.info("restore volumes filled", sandbox=sandbox_id, bytes=filled)
+        # a crash from here on: recovery empties them (recover); a kubelet's restore has no
+        # record of its own, so its fill gets one while it writes (pod_volumes.journaled)
+        md = sandbox_config.metadata
+        journaled: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if journal_rec is not None:
+            to_fill = await run_to_end(pod_volumes.to_fill, where)
+            await run_to_end(self.journal.update, journal_rec, "volumes", volumes=to_fill)
+        else:
+            journaled = pod_volumes.journaled(self.journal, f"{md.namespace}/{md.name}", where)
+        with journaled:
+            done = await steps.run(
+                pod_volumes.fill,
+                checked.root,
+                checked.manifest,
+                rec,
+                where,
+                checked.key,
+                self.config.state_dir,
+                steps.cancel,
+                only_empty=partial,
+            )
+        filled += done
+        log.info("restore volumes filled", sandbox=sandbox_id, bytes={f.name: f.bytes for f in done})
 
     async def _adopt_sandbox(self, sandbox_id: str, run: _Run) -> str:
         """The caller's sandbox, journaled and undone like one this restore made."""
@@ -658,7 +695,8 @@ class PodRestorer:
 
     async def recover(self, rec: OpRecord) -> None:
         """Undo a RestorePod a crash interrupted (its journal record): remove the sandbox it
-        created, found by its recorded id, else by its recorded metadata."""
+        created, found by its recorded id, else by its recorded metadata, then empty the volumes
+        it was filling."""
         data: RestoreRecord = rec.data
         if data.sandbox_id:
             await self.rollback_sandbox(data.sandbox_id)
@@ -666,6 +704,8 @@ class PodRestorer:
             await self.rollback_unrecorded(
                 data.sandbox_metadata, since=rec.started, settle_until=settle_deadline(rec)
             )
+        if data.volumes:  # once no container of the new pod can write to them
+            await run_to_end(pod_volumes.empty_recorded, data.volumes)
 
     async def rollback_unrecorded(
         self, metadata: dict[str, Any], since: str = "", settle_until: float = 0.0

@@ -28,6 +28,7 @@ log = logs.get("shim.state.journal")
 KINDS = (
     "checkpoint",
     "restore",
+    "volume-fill",
     "checkpoint-container",
     "lazy-pages",
     "migration-source",

@@ -33,6 +33,8 @@ def _check(name: str, hint: str, value: Any) -> Any:
     elif base == "float":
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         value = float(value) if ok else value
+    elif base == "list[dict[str, Any]]":
+        ok = isinstance(value, list) and all(isinstance(v, dict) for v in value)
     elif base.startswith("dict"):
         ok = isinstance(value, dict)
     else:  # a record class with a field type this reader does not know: a programming error
@@ -109,13 +111,28 @@ class ContainerCheckpointRecord(CheckpointRecord):
 class RestoreRecord(JournalData):
     """RestorePod (shim/ops/restore_pod.py): recovery removes the sandbox it created, found by
     `sandbox_id`, else by `sandbox_metadata` (a RunPodSandbox that got no answer, from
-    `sandbox_unknown_since` on)."""
+    `sandbox_unknown_since` on), then empties the volumes it was filling."""
 
     KIND: ClassVar[str] = "restore"
     checkpoint_path: str = ""
     sandbox_metadata: dict[str, Any] | None = None  # the new sandbox's, as protobuf JSON
     sandbox_id: str | None = None
     sandbox_unknown_since: float | None = None  # epoch seconds
+    # the new pod's volumes about to be filled ({"target", mode, owner, times}: shim/ops/pod_volumes.py),
+    # emptied again after the sandbox is removed
+    volumes: list[dict[str, Any]] | None = None
+
+
+@register
+@dataclass
+class VolumeFillRecord(JournalData):
+    """A kubelet's restore of one container filling the pod's still-empty volumes
+    (PodRestorer.restore_into), which has no record of its own: begun before the fill, closed when
+    it ends, before the container is created; recovery empties `volumes` (a fill a crash cut
+    short would pass for a filled volume at the kubelet's retry)."""
+
+    KIND: ClassVar[str] = "volume-fill"
+    volumes: list[dict[str, Any]] = field(default_factory=list)  # as RestoreRecord's
 
 
 @register

@@ -376,3 +376,60 @@ def test_a_sandbox_stopped_by_another_caller_mid_restore_is_named(
     assert f"the new sandbox {made[0][:13]} was stopped by another caller" in (err.details() or "")
     wait_journal_empty(bed)
     _assert_nothing_left(rt, bed, new_pod, before, set(made))
+
+
+@pytest.mark.parametrize("action", ["error", "kill"])
+def test_a_failed_restore_leaves_the_new_pods_empty_dirs_empty(
+    rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str], action: str
+) -> None:
+    """RestorePod fills the new pod's emptyDir before its first container, then fails after the
+    first container is created (a failpoint's error) or podshim is killed there: the rollback, or
+    the next podshim's recovery from the journal, removes the sandbox and empties the emptyDir
+    again, with its own mode back, so the caller's retry into the same pod directory is not
+    refused as 'not empty' and restores the volume's files."""
+    tag = f"vol-undo-{secrets.token_hex(2)}"
+
+    def empty_dir(uid: str) -> Path:
+        return pods.empty_dir(Path(bed.base_dir) / "kubelet", uid, "config")
+
+    def app(volume: Path) -> cri.ContainerConfig:
+        cc = pods.container_config("app")
+        cc.mounts.append(cri.Mount(host_path=str(volume), container_path="/config"))
+        return cc
+
+    src_config = pods.pod_config(tag, log_root)
+    src_dir = empty_dir(src_config.metadata.uid)
+    (src_dir / "conf.d").mkdir()
+    (src_dir / "conf.d" / "app.conf").write_text("rendered by the init container\n")
+    src = pods.run_pod(rt, tag, log_root, {"app": app(src_dir)}, config=src_config)
+    pod_cleanup.append(src.id)
+    pods.wait_count(src.log_path("app"), 3, timeout=30)
+    out = Path(bed.checkpoint_root) / tag
+    out.mkdir(mode=0o700)
+    try:
+        rt.CheckpointPod(pods.checkpoint_request(rt, src.id, out), timeout=120)
+        config = pods.pod_config(f"{tag}-new", log_root)
+        new_dir = empty_dir(config.metadata.uid)
+        req = cri.RestorePodRequest(checkpoint_path=str(out), config=config, container_configs=[app(new_dir)])
+        before = NodeState.take(rt, bed)
+        with FailpointPodshim(bed, f"restore.after-container={action}") as fp:
+            with pytest.raises(grpc.RpcError) as err:
+                fp.rt.RestorePod(req, timeout=120)
+            if action == "kill":
+                assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                fp.wait_dead(30)
+                assert list(new_dir.iterdir()) != [], "the fill did not happen before the kill"
+            else:
+                assert err.value.code() == grpc.StatusCode.INTERNAL, err.value.details()
+                assert "failpoint restore.after-container" in (err.value.details() or "")
+        wait_serving(rt)
+        wait_journal_empty(bed)
+        _assert_nothing_left(rt, bed, config, before, set())
+        assert list(new_dir.iterdir()) == [], "the failed restore's files were left in the new pod's emptyDir"
+        assert new_dir.stat().st_mode & 0o7777 == 0o777
+
+        resp = rt.RestorePod(req, timeout=120)  # the retry, into the same pod directory
+        pod_cleanup.append(resp.pod_sandbox_id)
+        assert (new_dir / "conf.d" / "app.conf").read_text() == "rendered by the init container\n"
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
