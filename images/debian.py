@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build the real-workload test images from Debian 12's own packages, as OCI image-layout
-tarballs, without an image registry: ``localhost/podshim/postgres:15`` (PostgreSQL 15) and
-``localhost/podshim/node:18`` (Node.js 18).
+tarballs, without an image registry: ``localhost/podshim/postgres:15`` (PostgreSQL 15),
+``localhost/podshim/node:18`` (Node.js 18) and ``localhost/podshim/jre:17`` (OpenJDK 17).
 
     python images/debian.py OUT_DIR [--debs DIR] [--force] [NAME ...]
 
@@ -100,7 +100,18 @@ NODE = DebianImage(
     ("nodejs", "libnode108", *LIBC, "libbrotli1", "libc-ares2", "libnghttp2-14", "libuv1", *NODE_JS),
     ("/usr/bin/node",),
 )
-IMAGES = {i.file: i for i in (POSTGRES, NODE)}
+# the JRE alone: its module image holds jdk.compiler (the single-file source launcher, `java
+# Server.java`) and jdk.httpserver; the AWT and sound libraries it depends on are never loaded
+JVM_HOME = "/usr/lib/jvm/java-17-openjdk-amd64"
+JVM = DebianImage(
+    "localhost/podshim/jre:17",
+    "jre",
+    ("openjdk-17-jre-headless", *LIBC),
+    # the launcher and the VM (the VM's own libraries link the VM, which the launcher has loaded)
+    (f"{JVM_HOME}/bin/java", f"{JVM_HOME}/lib/server/libjvm.so"),
+    env=(f"PATH={JVM_HOME}/bin:{PATH}", f"JAVA_HOME={JVM_HOME}"),
+)
+IMAGES = {i.file: i for i in (POSTGRES, NODE, JVM)}
 SKIP = ("usr/share/doc/", "usr/share/man/", "usr/share/locale/", "usr/share/lintian/", "usr/share/info/")
 
 

@@ -886,7 +886,7 @@ step_debroots() {
 }
 
 # ---------------------------------------------------------------------------------------
-# 3e. The real-workload test images (PostgreSQL 15, Node.js 18): Debian's own packages, downloaded
+# 3e. The real-workload test images (PostgreSQL 15, Node.js 18, OpenJDK 17): Debian's own packages, downloaded
 # once into the cache, unpacked into OCI images in the test bed's image cache (images/debian.py).
 # ---------------------------------------------------------------------------------------
 step_debian_images() {
@@ -894,7 +894,7 @@ step_debian_images() {
   mkdir -p "$REPO_ROOT/.testbed/images"
   python3 "$REPO_ROOT/images/debian.py" "$REPO_ROOT/.testbed/images" --debs /var/cache/podshim/debs >/dev/null ||
     die "building the real-workload test images failed (images/debian.py)"
-  info "$REPO_ROOT/.testbed/images/{postgres,node}.tar"
+  info "$REPO_ROOT/.testbed/images/{postgres,node,jre}.tar"
 }
 
 # ---------------------------------------------------------------------------------------

@@ -316,7 +316,7 @@ class TestBed(BedStop):
         self.ctr("images", "import", "--all-platforms", os.fspath(tarball))
 
     def import_debian_image(self, file: str) -> str:
-        """One of the real-workload images (images/debian.py: "postgres", "node"), built into the
+        """One of the real-workload images (images/debian.py: "postgres", "node", "jre"), built into the
         image cache from the packages the set-up downloaded, imported; returns its name."""
         cmd = [sys.executable, str(REPO / "images" / "debian.py"), str(self.image_cache), file]
         cmd += ["--debs", DEBIAN_DEBS]
