@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -17,6 +18,7 @@ import stat
 import tarfile
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from shim.archive.container_tar import (
 )
 from shim.archive.dirfd import DirHandle
 from shim.archive.dirfd import held as held_dir
+from shim.archive.manifest import FileEntry
 from shim.checks import mounts
 from shim.checks.wiring import RestoredContainers, WiringChecker
 from shim.config import Config
@@ -107,16 +110,22 @@ def _members(tar: tarfile.TarFile, where: Path) -> Iterator[tuple[tarfile.TarInf
         raise errors.DataLoss(f"checkpoint archive {where} is truncated or corrupt: {tar_error(e)}") from e
 
 
-def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> list[str]:
+def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> dict[str, FileEntry]:
     """Extract the container checkpoint `tar_path` into the new directory `dest` (0700 dirs,
-    0600 files); returns the files written. Members that escape (absolute, '..'), links and
+    0600 files); returns the files written, in tar order, with the size and sha256 of what was
+    written, hashed as it was copied (load_imported checks them against the manifest without
+    reading the tree again). Members that escape (absolute, '..'), links and
     special files are refused (InvalidArgument); no member can follow a symlink, as none is
     ever created. A duplicate member is refused too. Every level is created and opened through
     descriptors (O_NOFOLLOW, relative to its parent: dirfd.py), never by path."""
     if not isinstance(dest, DirHandle):
         fsutil.make_private_dir(dest, exist_ok=False)
-    written: list[str] = []
-    with _open_outer(tar_path) as tar, held_dir(dest) as root:
+    written: dict[str, FileEntry] = {}
+    with (
+        _open_outer(tar_path) as tar,
+        held_dir(dest) as root,
+        ThreadPoolExecutor(1, thread_name_prefix="import-sha256") as hasher,
+    ):
         for m, rel in _members(tar, tar_path):
             steps.check()
             if rel is None:
@@ -141,6 +150,8 @@ def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> lis
                 raise errors.InvalidArgument(
                     f"checkpoint archive {tar_path}: member {m.name!r} is below a file"
                 ) from None
+            digest, size = hashlib.sha256(), 0
+            hashing: Future[None] | None = None
             with os.fdopen(fd, "wb") as out:
                 src = tar.extractfile(m)
                 if src is None:
@@ -148,7 +159,15 @@ def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> lis
                 try:
                     while chunk := src.read(fsutil.CHUNK_SIZE):
                         steps.check()
+                        # the chunk hashed on the other core while it is written (both release
+                        # the GIL): extraction takes the longer of the two, not their sum
+                        if hashing is not None:
+                            hashing.result()
+                        hashing = hasher.submit(digest.update, chunk)
                         out.write(chunk)
+                        size += len(chunk)
+                    if hashing is not None:
+                        hashing.result()
                 except (tarfile.TarError, EOFError) as e:
                     raise errors.DataLoss(
                         f"checkpoint archive {tar_path} is truncated: {tar_error(e)}"
@@ -160,7 +179,7 @@ def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> lis
                         root.proc,
                         "room for the archive's files",
                     ) from e
-            written.append(rel)
+            written[rel] = FileEntry(size=size, sha256=digest.hexdigest())
     return written
 
 
@@ -186,11 +205,16 @@ class ImportedCheckpoint:
 
 
 def load_imported(
-    root: Path, tar_path: Path, steps: Steps, held: DirHandle | None = None
+    root: Path,
+    tar_path: Path,
+    steps: Steps,
+    held: DirHandle | None = None,
+    written: dict[str, FileEntry] | None = None,
 ) -> ImportedCheckpoint:
     """Check an extracted container checkpoint: the required entries, and when it carries
     podshim's manifest, the exact file set with sizes and sha256 (DataLoss otherwise). `held`:
-    `root` held open; it is then read and listed through that descriptor only."""
+    `root` held open; it is then read and listed through that descriptor only. `written`: what
+    extract_archive wrote into the new `root`, hashed as it was (else the tree is read again)."""
     where = root
     if held is not None:
         root = Path(held.proc)
@@ -213,7 +237,11 @@ def load_imported(
     if doc is not None:
         m = ContainerTarManifest.from_dict(doc, str(tar_path))
         m.check_format(str(tar_path))
-        m.check_files(container_tar_files(held if held is not None else root, steps.check), str(tar_path))
+        if written is not None:
+            actual = {rel: fe for rel, fe in written.items() if rel != MANIFEST_FILE}
+        else:
+            actual = container_tar_files(held if held is not None else root, steps.check)
+        m.check_files(actual, str(tar_path))
     return ImportedCheckpoint(root=where, record=record, spec=spec, manifest=m)
 
 
@@ -332,8 +360,8 @@ class ArchiveImporter:
             async with asyncio.timeout(budget):
                 tree = import_dir / IMPORT_TREE
                 tree_held = held.adopt(held.mkdir(IMPORT_TREE))
-                await steps.run(extract_archive, tar_path, tree_held, steps)
-                ck = await steps.run(load_imported, tree, tar_path, steps, tree_held)
+                written = await steps.run(extract_archive, tar_path, tree_held, steps)
+                ck = await steps.run(load_imported, tree, tar_path, steps, tree_held, written)
                 # every bind mount of the checkpoint given a source (shim/checks/mounts.py)
                 missing = mounts.missing_mounts(ck.spec, req.config)
                 mounts.refuse_missing({req.config.metadata.name: missing}, str(tar_path))
