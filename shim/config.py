@@ -49,7 +49,7 @@ class Config:
     upstream_endpoint: str = "unix:///run/containerd/containerd.sock"
     upstream_timeout: float = 120.0
     allowed_roots: tuple[str, ...] = KUBELET_CHECKPOINT_ROOTS
-    container_checkpoint: str = "fallback"
+    container_checkpoint: str = "always"
     encryption_key_file: str = ""
     writeback_ahead: str = "auto"
     file_locks: bool = True
@@ -218,8 +218,11 @@ KEY_DOCS: dict[str, str] = {
         "pod-checkpoints by convention."
     ),
     "checkpoint.container_checkpoint": (
-        'CheckpointContainer: "fallback" asks the upstream first and checkpoints in podshim only '
-        'when the upstream answers UNIMPLEMENTED; "always" never asks the upstream.'
+        'CheckpointContainer: "always" checkpoints in podshim (its freeze window, journal, deadline, '
+        "manifest and the container's emptyDirs), never asking the upstream; "
+        '"fallback" asks the upstream first (containerd 2.x checkpoints the container itself, '
+        "keeping it paused while it copies the images) and checkpoints in podshim only when it "
+        "answers UNIMPLEMENTED."
     ),
     "checkpoint.encryption_key_file": (
         "The node key (32 random bytes, a root-owned 0600 file) CheckpointPod archives are "

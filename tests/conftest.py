@@ -14,6 +14,7 @@ import pytest
 from api.runtime.v1 import api_pb2_grpc
 from testbed import pods
 from testbed.bed import TestBed
+from testbed.versions import containerd_version_from_env
 
 # The end-to-end core: `make test` runs the whole suite on the default upstream (containerd 1.6)
 # and then `pytest -m core` on containerd 2.2 and on 2.4 with runc 1.3 and CRIU 4.2, `make
@@ -101,23 +102,23 @@ def crun_usable() -> bool:
 @pytest.fixture(scope="session")
 def bed() -> Iterator[TestBed]:
     """containerd + podshim, shared by the session (tests clean up their own pods). Runtime
-    handlers: runc (default) and, when the set-up built it, crun — both behind podshim-runc."""
-    with TestBed(crun_binary=PODSHIM_RUNC if crun_usable() else None, crun_runtime=CRUN) as b:
+    handlers: runc (default) and, when the set-up built it, crun — both behind podshim-runc. On
+    containerd 2.2 its own restore of a checkpoint tar is on (off by default there), so that a
+    test can restore podshim's tar in containerd itself; podshim handles such a create itself."""
+    own_restore = containerd_version_from_env() == "2.2"
+    crun = PODSHIM_RUNC if crun_usable() else None
+    with TestBed(crun_binary=crun, crun_runtime=CRUN, restore_via_create=own_restore) as b:
         yield b
 
 
-@pytest.fixture(scope="module")
-def own_container_checkpoint(bed: TestBed) -> Iterator[None]:
-    """For tests of podshim's own CheckpointContainer: containerd 1.6 and 1.7 answer UNIMPLEMENTED,
-    so the default `container_checkpoint = "fallback"` already does it in podshim; containerd 2.x
-    implements it and the fallback would hand it over (tests/test_upstreams.py), so there the bed's
-    podshim is restarted with "always" until the module ends (a FailpointPodshim or a restart in
-    between inherits it through bed.extra_env)."""
-    if not bed.containerd_at_least("2.0"):
-        yield
-        return
+@pytest.fixture
+def upstream_first_container_checkpoint(bed: TestBed) -> Iterator[None]:
+    """For a test of `container_checkpoint = "fallback"` (the default is podshim's own checkpoint,
+    "always"): the bed's podshim restarted with it until the test ends (a FailpointPodshim or a
+    restart in between inherits it through bed.extra_env). containerd 1.6 and 1.7 then answer
+    UNIMPLEMENTED and podshim checkpoints; containerd 2.x checkpoints the container itself."""
     key = "PODSHIM_CHECKPOINT_CONTAINER_CHECKPOINT"
-    bed.extra_env[key] = "always"
+    bed.extra_env[key] = "fallback"
     bed.kill_podshim(signal.SIGTERM)
     bed.start_podshim_again()
     try:

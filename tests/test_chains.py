@@ -308,7 +308,6 @@ def restore_from_tar(rt: Stub, taken: Taken, log_root: Path, cleanup: list[str],
     return r
 
 
-@pytest.mark.usefixtures("own_container_checkpoint")
 def test_container_checkpoint_links(
     rt: Stub,
     bed: TestBed,

@@ -1,9 +1,8 @@
 """CheckpointContainer (KEP-2008) and restore of its tar through CreateContainer, end to end.
 
-containerd 1.6 and 1.7 answer CheckpointContainer with UNIMPLEMENTED, so every call here goes
-through podshim's own checkpoint (the default `container_checkpoint = "fallback"`); containerd 2.x
-checkpoints containers itself, so on 2.x this module runs podshim with `container_checkpoint =
-"always"` (tests/test_upstreams.py covers the fallback handing the call to 2.x). The archive is
+Every call here goes through podshim's own checkpoint (the default `container_checkpoint =
+"always"`), on containerd 2.x too, which would checkpoint containers itself
+(tests/test_upstreams.py covers "fallback", handing the call to the upstream first). The archive is
 checked as the Kubernetes node e2e test and checkpointctl read it, restored into a new sandbox
 the CRI-O way (CreateContainer with the tar as image, then StartContainer), and read back with
 `podshim inspect`. Every refusal is checked for its gRPC code, the container still counting
@@ -45,8 +44,7 @@ from testbed.checks import (
     set_freezer,
 )
 
-# podshim's own checkpoint: with "always" on containerd 2.x (tests/conftest.py)
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("own_container_checkpoint")]
+pytestmark = pytest.mark.e2e
 
 Rt = api_pb2_grpc.RuntimeServiceStub
 
@@ -1048,10 +1046,10 @@ async def test_checkpoint_container_routing(
 
 
 def test_config_key(tmp_path: Path) -> None:
-    assert configmod.load(env={}).container_checkpoint == "fallback"
+    assert configmod.load(env={}).container_checkpoint == "always"
     f = tmp_path / "c.toml"
-    f.write_text('[checkpoint]\ncontainer_checkpoint = "always"\n')
-    assert configmod.load(str(f), env={}).container_checkpoint == "always"
+    f.write_text('[checkpoint]\ncontainer_checkpoint = "fallback"\n')
+    assert configmod.load(str(f), env={}).container_checkpoint == "fallback"
     env = {"PODSHIM_CHECKPOINT_CONTAINER_CHECKPOINT": "sometimes"}
     with pytest.raises(configmod.ConfigError, match="checkpoint.container_checkpoint"):
         configmod.load(env=env)

@@ -196,3 +196,32 @@ def test_inspect_verifies_with_the_same_manifest(tmp_path: Path) -> None:
     assert inspect_container_tar(other, verify=False)["format"] == "(no podshim manifest)"
     with pytest.raises(FailedPrecondition, match="no podshim manifest"):
         inspect_container_tar(other, verify=True)
+
+
+def test_status_dump_is_the_cri_status_as_containerd_writes_it() -> None:
+    """status.dump holds the CRI ContainerStatus in Go's encoding/json form, which containerd's
+    own restore of a container tar decodes: proto field names, enums and 64-bit integers as
+    numbers (proto3 JSON's "CONTAINER_RUNNING" and "1733…" fail it), maps and nested messages as
+    objects, bytes as base64, unset fields left out."""
+    from shim.sandbox.view import go_json
+
+    status = cri.ContainerStatus(
+        id="c1",
+        state=cri.CONTAINER_RUNNING,
+        created_at=1733000000123456789,
+        image=cri.ImageSpec(image="sha256:ab", user_specified_image="counter:1"),
+        labels={"io.kubernetes.container.name": "counter"},
+        mounts=[cri.Mount(container_path="/work", host_path="/h", readonly=True)],
+    )
+    assert go_json(status) == {
+        "id": "c1",
+        "state": 1,
+        "created_at": 1733000000123456789,
+        "image": {"image": "sha256:ab", "user_specified_image": "counter:1"},
+        "labels": {"io.kubernetes.container.name": "counter"},
+        "mounts": [{"container_path": "/work", "host_path": "/h", "readonly": True}],
+    }
+    assert go_json(cri.ExecSyncResponse(stdout=b"\xff\x00", exit_code=3)) == {
+        "stdout": "/wA=",
+        "exit_code": 3,
+    }

@@ -478,7 +478,6 @@ def test_inotify_watch_in_rootfs_checkpoints_without_options(
     pods.wait_for(lambda: b"event " in _read(log_path), what="the restored watch to report the write")
 
 
-@pytest.mark.usefixtures("own_container_checkpoint")  # podshim's own, also on containerd 2.x
 def test_checkpoint_container_refuses_a_dev_shm_file_in_use(
     rt: Stub, bed: TestBed, log_root: Path, pod_cleanup: list[str], runtime_handler: str
 ) -> None:

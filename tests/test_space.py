@@ -122,7 +122,6 @@ def test_checkpoint_pod_that_cannot_fit_is_refused_before_freezing(
 
 
 @pytest.mark.e2e
-@pytest.mark.usefixtures("own_container_checkpoint")  # podshim's own, also on containerd 2.x
 def test_checkpoint_container_that_cannot_fit_is_refused_before_freezing(
     rt: Rt, bed: TestBed, small_fs: Path, big_pod: pods.Pod
 ) -> None:

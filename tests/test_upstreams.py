@@ -1,9 +1,10 @@
 """What podshim does with what each upstream implements itself (containerd 1.6, 1.7, 2.1; the bed's
-upstream is PODSHIM_TEST_CONTAINERD). With the default `container_checkpoint = "fallback"`,
-CheckpointContainer goes to the upstream first: containerd 1.6 and 1.7 answer UNIMPLEMENTED and
-podshim writes its own tar; containerd 2.x checkpoints the container itself and podshim passes its
-tar through. Either tar restores through podshim (CreateContainer with the tar as image, then
-StartContainer): the process continues from the checkpoint.
+upstream is PODSHIM_TEST_CONTAINERD). With `container_checkpoint = "fallback"` (the default,
+"always", is podshim's own on every version), CheckpointContainer goes to the upstream first:
+containerd 1.6 and 1.7 answer UNIMPLEMENTED and podshim writes its own tar; containerd 2.x
+checkpoints the container itself and podshim passes its tar through. Either tar restores through
+podshim (CreateContainer with the tar as image, then StartContainer): the process continues from
+the checkpoint.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def tar_json(path: Path, name: str) -> Any:
         return json.loads(f.read())
 
 
+@pytest.mark.usefixtures("upstream_first_container_checkpoint")
 def test_checkpoint_container_is_upstream_first(
     rt: Rt, direct_rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
 ) -> None:
@@ -60,7 +62,7 @@ def test_checkpoint_container_is_upstream_first(
     else:  # 1.6 and 1.7 do not
         expect_error(grpc.StatusCode.UNIMPLEMENTED, lambda: direct_rt.CheckpointContainer(gone, timeout=30))
 
-    # through podshim with the default config (fallback): the upstream's when it has one
+    # through podshim with fallback: the upstream's when it has one
     attempts = iter(range(resume.CUT_ATTEMPTS))
 
     def take() -> Path:
@@ -120,6 +122,49 @@ def test_checkpoint_container_is_upstream_first(
     pods.wait_count(restored_log, got + 5)
     st = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=new_id)).status
     assert st.state == cri.CONTAINER_RUNNING
+
+
+def test_containerd_restores_podshims_container_tar_itself(
+    rt: Rt, direct_rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
+) -> None:
+    """podshim's own container tar (the default on every version, manifest and all) is a
+    checkpoint containerd 2.2 restores by itself, through its own CreateContainer with the tar as
+    the image (`enable_experimental_restore_via_create`): the counter resumes at the count after
+    the cut. containerd 1.x has no such restore; 2.4 dropped it."""
+    if not bed.restore_via_create:
+        pytest.skip(
+            f"containerd {bed.containerd_version} does not restore a checkpoint tar itself (2.2 does)"
+        )
+    counter = pods.container_config("counter", args=["--mem-mib", "8", "--interval-ms", "50"])
+    src = pods.run_pod(rt, f"byctrd-{secrets.token_hex(3)}", log_root, {"counter": counter})
+    pod_cleanup.append(src.id)
+    cid, src_log = src.containers["counter"], src.log_path("counter")
+    pods.wait_count(src_log, 10)
+    out = Path(bed.checkpoint_root) / f"byctrd-{secrets.token_hex(4)}"
+    out.mkdir(mode=0o700)
+    attempts = iter(range(resume.CUT_ATTEMPTS))
+
+    def take() -> Path:
+        target = out / f"counter-{next(attempts)}.tar"
+        rt.CheckpointContainer(
+            cri.CheckpointContainerRequest(container_id=cid, location=str(target)), timeout=CALL_TIMEOUT
+        )
+        return target
+
+    target, firsts = resume.checkpoint_exactly(take, {"counter": src_log}, discard=Path.unlink)
+    assert tar_json(target, "podshim-manifest.json")["format"] == "podshim.container-checkpoint.v1"
+    config_dst = pods.pod_config(f"byctrd-dst-{secrets.token_hex(3)}", log_root)
+    pod_id = direct_rt.RunPodSandbox(cri.RunPodSandboxRequest(config=config_dst)).pod_sandbox_id
+    pod_cleanup.append(pod_id)
+    cc = pods.container_config("copy", image=str(target), args=[])
+    new_id = direct_rt.CreateContainer(
+        cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=cc, sandbox_config=config_dst),
+        timeout=CALL_TIMEOUT,
+    ).container_id
+    direct_rt.StartContainer(cri.StartContainerRequest(container_id=new_id), timeout=CALL_TIMEOUT)
+    restored_log = Path(config_dst.log_directory) / cc.log_path
+    got = resume.assert_exact_resume({"copy": restored_log}, {"copy": firsts["counter"]})["copy"]
+    pods.wait_count(restored_log, got + 5)
 
 
 def test_checkpoint_pod_records_the_runtime_handler(

@@ -22,8 +22,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from google.protobuf import json_format
-
 from api.runtime.v1 import api_pb2 as cri
 from shim import __version__, errors, faults, logs
 from shim.aio import Steps, run_to_end
@@ -466,9 +464,7 @@ class ContainerCheckpointer:
                 "only the overlayfs snapshotter is supported"
             )
         await steps.run(tree.write_file, layout.SPEC_DUMP_FILE, layout.json_bytes(c.spec))
-        await steps.run(
-            tree.write_file, layout.STATUS_DUMP_FILE, layout.json_bytes(json_format.MessageToDict(c.status))
-        )
+        await steps.run(tree.write_file, layout.STATUS_DUMP_FILE, layout.json_bytes(c.status_dump()))
         runtime = self.pods.runtime_for(c)
         timings["prepare"] = time.monotonic() - started
 

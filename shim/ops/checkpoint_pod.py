@@ -474,7 +474,7 @@ class PodCheckpointer:
                 images = cd.adopt(cd.mkdir(layout.CHECKPOINT_DIR)) if c in selected else None
                 cd.write_file(layout.CONFIG_DUMP_FILE, layout.json_bytes(c.to_record()))
                 cd.write_file(layout.SPEC_DUMP_FILE, layout.json_bytes(c.spec))
-                cd.write_file(layout.STATUS_DUMP_FILE, layout.json_bytes(json_format.MessageToDict(c.status)))
+                cd.write_file(layout.STATUS_DUMP_FILE, layout.json_bytes(c.status_dump()))
                 if images is not None:
                     work.append(_Work(c, cl, self.runtime_for(c), cd, images, memory=space.memory_bytes(c)))
         return work

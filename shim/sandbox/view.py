@@ -7,6 +7,7 @@ from the upstream, so the same view can be built from CRI-O's equivalent info.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import cni, errors
@@ -113,6 +116,13 @@ class ContainerView:
                 if opt.startswith("upperdir="):
                     return Path(opt.removeprefix("upperdir="))
         return None
+
+    def status_dump(self) -> dict[str, Any]:
+        """status.dump: the CRI ContainerStatus as containerd writes it there (Go's encoding/json
+        of the CRI type: the proto field names, enums and 64-bit integers as numbers), which
+        containerd's own restore of a container tar decodes (a proto3 JSON "CONTAINER_RUNNING"
+        or "1733…" string fails it)."""
+        return go_json(self.status)
 
     def to_record(self) -> dict[str, Any]:
         """What the archive keeps of this container (config.dump content)."""
@@ -258,3 +268,26 @@ async def build_pod_view(upstream: PodSource, pod_id: str, timeout: float | None
             )
         )
     return pod
+
+
+def go_json(msg: Message) -> dict[str, Any]:
+    """`msg` as Go's encoding/json renders the Go type protoc generates for it (the set fields by
+    their proto names; numbers as numbers, bytes as base64), not as proto3 JSON."""
+    out: dict[str, Any] = {}
+    for fd, value in msg.ListFields():
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            vfd = fd.message_type.fields_by_name["value"]
+            out[fd.name] = {k: _go_value(vfd, v) for k, v in value.items()}
+        elif fd.is_repeated:
+            out[fd.name] = [_go_value(fd, v) for v in value]
+        else:
+            out[fd.name] = _go_value(fd, value)
+    return out
+
+
+def _go_value(fd: FieldDescriptor, value: Any) -> Any:
+    if fd.type == FieldDescriptor.TYPE_MESSAGE:
+        return go_json(value)
+    if fd.type == FieldDescriptor.TYPE_BYTES:
+        return base64.b64encode(value).decode()
+    return value

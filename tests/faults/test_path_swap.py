@@ -154,7 +154,6 @@ def test_output_path_swapped_mid_checkpoint_pod(
     wait_journal_empty(bed)
 
 
-@pytest.mark.usefixtures("own_container_checkpoint")  # podshim's own, also on containerd 2.x
 def test_location_swapped_mid_checkpoint_container(
     rt: Rt, bed: TestBed, pod_cleanup: list[str], outside: Path
 ) -> None:

@@ -145,7 +145,6 @@ def test_runtime_terminated_mid_dump(
         archives.append(assert_checkpoint_works(held_rt, bed, cp))
 
 
-@pytest.mark.usefixtures("own_container_checkpoint")  # podshim's own, also on containerd 2.x
 def test_container_checkpoint_runtime_terminated_mid_dump(
     rt: Rt, bed: TestBed, pod_cleanup: list[str], archives: list[Path], tmp_path: Path
 ) -> None:

@@ -80,9 +80,7 @@ def call_with_trailer(call: Callable[..., Any], request: Any, timeout: float) ->
     return dict(c.trailing_metadata() or ())
 
 
-def test_a_task_left_stopped_is_resumed(
-    bed: TestBed, rt: Rt, pod_cleanup: list[str], own_container_checkpoint: None, tmp_path: Path
-) -> None:
+def test_a_task_left_stopped_is_resumed(bed: TestBed, rt: Rt, pod_cleanup: list[str], tmp_path: Path) -> None:
     cp = start_counter_pod(rt, bed, "stopped-left", pod_cleanup)
     cid = cp.pod.containers["counter"]
     pid = counter_pid(rt, cid)
