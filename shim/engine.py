@@ -280,7 +280,9 @@ class Engine:
 
     @functools.cached_property
     def archive_importer(self) -> ArchiveImporter:
-        return ArchiveImporter(self.config, self.upstream, self.wiring, self.restored, self.journal)
+        return ArchiveImporter(
+            self.config, self.upstream, self.wiring, self.restored, self.journal, self.restorer.page_checks
+        )
 
     async def checkpoint_container(
         self, req: cri.CheckpointContainerRequest, deadline: float | None

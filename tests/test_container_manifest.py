@@ -225,3 +225,29 @@ def test_status_dump_is_the_cri_status_as_containerd_writes_it() -> None:
         "stdout": "/wA=",
         "exit_code": 3,
     }
+
+
+def test_page_images_extracted_unhashed_are_checked_by_size_and_handed_to_podshim_runc(
+    tmp_path: Path,
+) -> None:
+    """pages_later: the page images are copied without being hashed; load_imported checks their
+    sizes (and every other member's sha256) against the manifest and gives their listed sha256
+    to the restore's annotation, which podshim-runc checks while CRIU reads them. Nothing else is
+    left unchecked: a member that merely looks like a page image elsewhere is hashed."""
+    from shim.ops.restore_container import extract_archive
+
+    files = {**_tree(tmp_path / "src"), "checkpoint/pages-1.img": b"\1" * 8192, "pages-2.img": b"x"}
+    m = _manifest_for(files)
+    good = tmp_path / "good.tar"
+    _tar(good, {**files, MANIFEST_FILE: m.to_json()})
+    written = extract_archive(good, tmp_path / "a", Steps(), pages_later=True)
+    assert written["checkpoint/pages-1.img"].sha256 == "" and written["pages-2.img"].sha256
+    ck = load_imported(tmp_path / "a", good, Steps(), None, written)
+    assert ck.pages_later == {"checkpoint/pages-1.img": m.files["checkpoint/pages-1.img"].sha256}
+    cc = restore_config(cri.ContainerConfig(), ck, cri.ImageSpec(image="busybox"))
+    assert contract.parse_page_digests(cc.annotations[contract.PAGE_DIGESTS_ANNOTATION]) == ck.pages_later
+    short = tmp_path / "short.tar"  # a page image of another size than listed: refused here
+    _tar(short, {**files, "checkpoint/pages-1.img": b"\1" * 4096, MANIFEST_FILE: m.to_json()})
+    written = extract_archive(short, tmp_path / "b", Steps(), pages_later=True)
+    with pytest.raises(DataLoss, match="pages-1.img differs"):
+        load_imported(tmp_path / "b", short, Steps(), None, written)

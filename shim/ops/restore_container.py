@@ -13,13 +13,14 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import stat
 import tarfile
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,12 @@ from shim.archive.dirfd import DirHandle
 from shim.archive.dirfd import held as held_dir
 from shim.archive.manifest import FileEntry
 from shim.checks import mounts
-from shim.checks.wiring import RestoredContainers, WiringChecker
+from shim.checks.wiring import RestoredContainers, Verdict, WiringChecker
 from shim.config import Config
 from shim.contract import IMPORTS_DIR, RESTORE_ANNOTATION, RESTORE_OPTIONS_ANNOTATION
 from shim.deadlines import CLEANUP_MARGIN, DEFAULT_DEADLINE, STALE_IMPORT_SECONDS
 from shim.ops import pod_volumes
+from shim.ops.restore_broker import PageChecks
 from shim.ops.restore_checks import archived_config
 from shim.sandbox.images import Images, is_image_id
 from shim.sandbox.view import pod_status
@@ -110,14 +112,18 @@ def _members(tar: tarfile.TarFile, where: Path) -> Iterator[tuple[tarfile.TarInf
         raise errors.DataLoss(f"checkpoint archive {where} is truncated or corrupt: {tar_error(e)}") from e
 
 
-def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> dict[str, FileEntry]:
+def extract_archive(
+    tar_path: Path, dest: Path | DirHandle, steps: Steps, pages_later: bool = False
+) -> dict[str, FileEntry]:
     """Extract the container checkpoint `tar_path` into the new directory `dest` (0700 dirs,
     0600 files); returns the files written, in tar order, with the size and sha256 of what was
     written, hashed as it was copied (load_imported checks them against the manifest without
-    reading the tree again). Members that escape (absolute, '..'), links and
-    special files are refused (InvalidArgument); no member can follow a symlink, as none is
-    ever created. A duplicate member is refused too. Every level is created and opened through
-    descriptors (O_NOFOLLOW, relative to its parent: dirfd.py), never by path."""
+    reading the tree again). `pages_later`: the page images (contract.PAGE_IMAGE_RE) are copied
+    unhashed (sha256 ""), their check left to podshim-runc beside CRIU's read. Members that
+    escape (absolute, '..'), links and special files are refused (InvalidArgument); no member can
+    follow a symlink, as none is ever created. A duplicate member is refused too. Every level is
+    created and opened through descriptors (O_NOFOLLOW, relative to its parent: dirfd.py), never
+    by path."""
     if not isinstance(dest, DirHandle):
         fsutil.make_private_dir(dest, exist_ok=False)
     written: dict[str, FileEntry] = {}
@@ -152,6 +158,7 @@ def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> dic
                 ) from None
             digest, size = hashlib.sha256(), 0
             hashing: Future[None] | None = None
+            unhashed = pages_later and re.fullmatch(contract.PAGE_IMAGE_RE, rel) is not None
             with os.fdopen(fd, "wb") as out:
                 src = tar.extractfile(m)
                 if src is None:
@@ -163,7 +170,8 @@ def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> dic
                         # the GIL): extraction takes the longer of the two, not their sum
                         if hashing is not None:
                             hashing.result()
-                        hashing = hasher.submit(digest.update, chunk)
+                        if not unhashed:
+                            hashing = hasher.submit(digest.update, chunk)
                         out.write(chunk)
                         size += len(chunk)
                     if hashing is not None:
@@ -179,7 +187,7 @@ def extract_archive(tar_path: Path, dest: Path | DirHandle, steps: Steps) -> dic
                         root.proc,
                         "room for the archive's files",
                     ) from e
-            written[rel] = FileEntry(size=size, sha256=digest.hexdigest())
+            written[rel] = FileEntry(size=size, sha256="" if unhashed else digest.hexdigest())
     return written
 
 
@@ -202,6 +210,9 @@ class ImportedCheckpoint:
     record: dict[str, Any]  # config.dump
     spec: dict[str, Any]  # spec.dump
     manifest: ContainerTarManifest | None  # podshim's manifest (None: written by another runtime)
+    # page images extracted unhashed, by path below `root`: their sha256 in the manifest, which
+    # podshim-runc checks while CRIU restores (PAGE_DIGESTS_ANNOTATION)
+    pages_later: dict[str, str] = field(default_factory=dict)
 
 
 def load_imported(
@@ -234,15 +245,20 @@ def load_imported(
             "the archive is truncated; take a new checkpoint"
         )
     m = None
+    later: dict[str, str] = {}
     if doc is not None:
         m = ContainerTarManifest.from_dict(doc, str(tar_path))
         m.check_format(str(tar_path))
         if written is not None:
             actual = {rel: fe for rel, fe in written.items() if rel != MANIFEST_FILE}
+            for rel, fe in actual.items():  # unhashed: its size checked here, its sha256 later
+                listed = m.files.get(rel)
+                if not fe.sha256 and listed is not None and listed.size == fe.size:
+                    actual[rel], later[rel] = listed, listed.sha256
         else:
             actual = container_tar_files(held if held is not None else root, steps.check)
         m.check_files(actual, str(tar_path))
-    return ImportedCheckpoint(root=where, record=record, spec=spec, manifest=m)
+    return ImportedCheckpoint(root=where, record=record, spec=spec, manifest=m, pages_later=later)
 
 
 def _spec_defaults(spec: dict[str, Any]) -> cri.ContainerConfig:
@@ -302,6 +318,8 @@ def restore_config(
     options = (ck.manifest.options if ck.manifest is not None else {}) or {contract.FILE_LOCKS: "true"}
     cc.annotations[RESTORE_ANNOTATION] = str(ck.root)
     cc.annotations[RESTORE_OPTIONS_ANNOTATION] = contract.to_record(options)
+    if ck.pages_later:
+        cc.annotations[contract.PAGE_DIGESTS_ANNOTATION] = contract.page_digests_record(ck.pages_later)
     return cc
 
 
@@ -322,10 +340,13 @@ class ArchiveImporter:
         wiring: WiringChecker | None = None,
         restored: RestoredContainers | None = None,
         journal: Journal | None = None,
+        page_checks: PageChecks | None = None,
     ) -> None:
         self.config = config
         self.upstream = upstream
         self.journal = journal  # records the volume fills (pod_volumes.journaled)
+        # the page images' checks started at create, taken by podshim-runc at start (RestorePod's)
+        self.page_checks = page_checks
         self.root = Path(config.state_dir) / IMPORTS_DIR
         # docs/design/runtime-wrapper.md (Wiring check): refuse a node wired wrong; remember what to confirm
         self.wiring = wiring
@@ -344,9 +365,15 @@ class ArchiveImporter:
         budget = (remaining if remaining is not None else DEFAULT_DEADLINE) - CLEANUP_MARGIN
         if budget <= 0:
             raise errors.DeadlineExceeded("the deadline leaves no time to import the checkpoint")
+        # the page images' checksums deferred to podshim-runc, as RestorePod's, only on a handler
+        # known to pass podshim's annotations (dropped, the restore would run on unchecked memory)
+        pages_later = False
         if self.wiring is not None:
             handler = await self._sandbox_handler(req.pod_sandbox_id)
-            await self.wiring.require(handler, f"restore from {tar_path} refused, nothing was created")
+            wired = await self.wiring.require(
+                handler, f"restore from {tar_path} refused, nothing was created"
+            )
+            pages_later = self.page_checks is not None and wired.verdict is Verdict.OK
         await self.sweep()
         await asyncio.to_thread(fsutil.make_private_dir, self.root)
         import_dir = self.root / secrets.token_hex(8)
@@ -355,12 +382,14 @@ class ArchiveImporter:
         imports = DirHandle.open(os.path.realpath(self.root))
         steps = Steps()
         filled: list[pod_volumes.Filled] = []  # emptied again if the create fails after the fill
+        checks_started = False
+        ck: ImportedCheckpoint | None = None
         try:
             held = imports.adopt(imports.mkdir(import_dir.name))
             async with asyncio.timeout(budget):
                 tree = import_dir / IMPORT_TREE
                 tree_held = held.adopt(held.mkdir(IMPORT_TREE))
-                written = await steps.run(extract_archive, tar_path, tree_held, steps)
+                written = await steps.run(extract_archive, tar_path, tree_held, steps, pages_later)
                 ck = await steps.run(load_imported, tree, tar_path, steps, tree_held, written)
                 # every bind mount of the checkpoint given a source (shim/checks/mounts.py)
                 missing = mounts.missing_mounts(ck.spec, req.config)
@@ -369,6 +398,9 @@ class ArchiveImporter:
                 cc = restore_config(req.config, ck, image)
                 # the emptyDirs the container mounted, filled while still empty, before it exists
                 await self._fill_volumes(tree_held, tar_path, req, steps, filled)
+                if ck.pages_later and self.page_checks is not None:
+                    self.page_checks.start(ck.root, ck.pages_later)
+                    checks_started = True
                 cid = await self.upstream.create_container(
                     cri.CreateContainerRequest(
                         pod_sandbox_id=req.pod_sandbox_id, config=cc, sandbox_config=req.sandbox_config
@@ -381,18 +413,24 @@ class ArchiveImporter:
                 if self.restored is not None:  # StartContainer confirms its restore ran
                     await asyncio.to_thread(self.restored.add, resp.container_id)
         except TimeoutError:
+            self._discard_checks(ck if checks_started else None)
             await run_to_end(pod_volumes.empty_again, filled)
             _remove_import(imports, import_dir.name)
             raise errors.DeadlineExceeded(
                 f"import of {tar_path} did not finish within the deadline; nothing was created"
             ) from None
         except BaseException:
+            self._discard_checks(ck if checks_started else None)
             await run_to_end(pod_volumes.empty_again, filled)
             _remove_import(imports, import_dir.name)
             raise
         imports.close()
         log.info("container created from checkpoint", archive=str(tar_path), container=resp.container_id)
         return resp
+
+    def _discard_checks(self, ck: ImportedCheckpoint | None) -> None:
+        if ck is not None and self.page_checks is not None:
+            self.page_checks.discard(ck.root, ck.pages_later)
 
     async def _fill_volumes(
         self,
