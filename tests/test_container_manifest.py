@@ -242,6 +242,12 @@ def test_page_images_extracted_unhashed_are_checked_by_size_and_handed_to_podshi
     _tar(good, {**files, MANIFEST_FILE: m.to_json()})
     written = extract_archive(good, tmp_path / "a", Steps(), pages_later=True)
     assert written["checkpoint/pages-1.img"].sha256 == "" and written["pages-2.img"].sha256
+    # copied by the kernel (a plain tar): the same bytes
+    assert (tmp_path / "a" / "checkpoint" / "pages-1.img").read_bytes() == files["checkpoint/pages-1.img"]
+    half = tmp_path / "half.tar"  # cut inside the page image: truncated, whoever copies it
+    half.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(DataLoss, match="truncated"):
+        extract_archive(half, tmp_path / "h", Steps(), pages_later=True)
     ck = load_imported(tmp_path / "a", good, Steps(), None, written)
     assert ck.pages_later == {"checkpoint/pages-1.img": m.files["checkpoint/pages-1.img"].sha256}
     cc = restore_config(cri.ContainerConfig(), ck, cri.ImageSpec(image="busybox"))
