@@ -11,23 +11,20 @@ and neither the compile nor the heap built again.
 
 from __future__ import annotations
 
-import json
 import re
-import secrets
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from testbed import pods
-from testbed.bed import BUSYBOX_IMAGE, TestBed
+from testbed.bed import TestBed
+from tests.warm_start import warm_start
 
 pytestmark = pytest.mark.e2e
 
 Stub = api_pb2_grpc.RuntimeServiceStub
-RPC_TIMEOUT = 180
 COUNT_RE = re.compile(rb"jvm (\d+) ")
 SERVER = r"""
 import com.sun.net.httpserver.HttpServer;
@@ -90,26 +87,13 @@ def jre_image(bed: TestBed) -> str:
     return bed.import_debian_image("jre")
 
 
-def service(image: str, volume: Path) -> cri.ContainerConfig:
+def jvm_service(image: str, volume: Path) -> cri.ContainerConfig:
     # the source written where the launcher reads it, then the JVM in the shell's place (pid 1)
     run = 'printf "%s" "$SERVER_JAVA" > /tmp/Server.java && exec java -Xmx256m /tmp/Server.java'
     cc = pods.container_config("app", image=image, command=["sh", "-c", run], env={"SERVER_JAVA": SERVER})
     cc.args[:] = []
     cc.mounts.append(cri.Mount(host_path=str(volume), container_path="/config"))
     return cc
-
-
-def ask(rt: Stub, cid: str) -> dict[str, Any]:
-    r = rt.ExecSync(
-        cri.ExecSyncRequest(container_id=cid, cmd=["wget", "-qO-", "http://127.0.0.1:8080/"], timeout=60),
-        timeout=90,
-    )
-    assert r.exit_code == 0, r.stderr.decode(errors="replace")
-    return dict(json.loads(r.stdout))
-
-
-def counts(log: Path) -> list[int]:
-    return [int(n) for n in COUNT_RE.findall(log.read_bytes())] if log.exists() else []
 
 
 def test_jvm_service_warm_starts_with_its_heap_count_and_config(
@@ -121,64 +105,7 @@ def test_jvm_service_warm_starts_with_its_heap_count_and_config(
     archives: list[Path],
     jre_image: str,
 ) -> None:
-    kubelet = Path(bed.base_dir) / "kubelet"
-    tag = f"jvm-{runtime_handler or 'runc'}-{secrets.token_hex(2)}"
-    src_config = pods.pod_config(tag, log_root)
-    src_dir = pods.empty_dir(kubelet, src_config.metadata.uid, "config")
-    rendered = {"greeting": f"hello from {tag}", "replicas": 3}
-    render = pods.container_config(
-        "render",
-        image=BUSYBOX_IMAGE,
-        command=["sh", "-c", f"echo '{json.dumps(rendered)}' > /config/app.json"],
-    )
-    render.args[:] = []
-    render.mounts.append(cri.Mount(host_path=str(src_dir), container_path="/config"))
-    src = pods.run_pod(
-        rt,
-        tag,
-        log_root,
-        {"render": render, "app": service(jre_image, src_dir)},
-        runtime_handler=runtime_handler,
-        config=src_config,
-    )
-    pod_cleanup.append(src.id)
-    log = src.log_path("app")
-    pods.wait_for(lambda: log.exists() and b"listening" in log.read_bytes(), timeout=120, what="the JVM")
-    before = ask(rt, src.containers["app"])
-    assert before["config"] == rendered
+    def service(volume: Path) -> cri.ContainerConfig:
+        return jvm_service(jre_image, volume)
 
-    out = Path(bed.checkpoint_root) / tag
-    out.mkdir(mode=0o700)
-    archives.append(out)
-    req = pods.checkpoint_request(rt, src.id, out, container_ids=[src.containers["app"]])
-    req.post_checkpoint_state = cri.POST_CHECKPOINT_STATE_STOPPED  # the source's log ends at the cut
-    rt.CheckpointPod(req, timeout=RPC_TIMEOUT)
-    last = counts(log)[-1]
-    pods.remove_pod(rt, src.id)
-
-    config = pods.pod_config(f"{tag}-new", log_root)
-    new_dir = pods.empty_dir(kubelet, config.metadata.uid, "config")
-    resp = rt.RestorePod(
-        cri.RestorePodRequest(
-            checkpoint_path=str(out),
-            config=config,
-            container_configs=[service(jre_image, new_dir)],
-            runtime_handler=runtime_handler,
-        ),
-        timeout=RPC_TIMEOUT,
-    )
-    pod_cleanup.append(resp.pod_sandbox_id)
-    cid = resp.restored_containers[0].container_id
-    rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=RPC_TIMEOUT)
-    new_log = Path(config.log_directory) / "app" / "0.log"
-    pods.wait_for(lambda: len(counts(new_log)) >= 3, what="the restored JVM to count")
-    after = ask(rt, cid)
-    assert (after["started"], after["pid"], after["digest"]) == (
-        before["started"],
-        before["pid"],
-        before["digest"],
-    )
-    assert after["config"] == rendered  # re-read from the restored emptyDir
-    restored = counts(new_log)
-    assert restored[:3] == [last + 1, last + 2, last + 3], (last, restored[:5])
-    assert b"listening" not in new_log.read_bytes(), "the JVM started again: not restored"
+    warm_start(rt, bed, log_root, pod_cleanup, archives, runtime_handler, "jvm", service, COUNT_RE, 120)

@@ -13,6 +13,7 @@ import json
 import secrets
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,21 @@ def tar_json(path: Path, name: str) -> Any:
         return json.loads(f.read())
 
 
+def tar_taker(rt: Rt, cid: str, out: Path) -> Callable[[], Path]:
+    """CheckpointContainer of `cid` into a new tar in `out` at each call (resume.checkpoint_exactly
+    may take several)."""
+    attempts = iter(range(resume.CUT_ATTEMPTS))
+
+    def take() -> Path:
+        target = out / f"counter-{next(attempts)}.tar"
+        rt.CheckpointContainer(
+            cri.CheckpointContainerRequest(container_id=cid, location=str(target)), timeout=CALL_TIMEOUT
+        )
+        return target
+
+    return take
+
+
 @pytest.mark.usefixtures("upstream_first_container_checkpoint")
 def test_checkpoint_container_is_upstream_first(
     rt: Rt, direct_rt: Rt, bed: TestBed, log_root: Path, pod_cleanup: list[str]
@@ -63,14 +79,7 @@ def test_checkpoint_container_is_upstream_first(
         expect_error(grpc.StatusCode.UNIMPLEMENTED, lambda: direct_rt.CheckpointContainer(gone, timeout=30))
 
     # through podshim with fallback: the upstream's when it has one
-    attempts = iter(range(resume.CUT_ATTEMPTS))
-
-    def take() -> Path:
-        target = out / f"counter-{next(attempts)}.tar"
-        rt.CheckpointContainer(
-            cri.CheckpointContainerRequest(container_id=cid, location=str(target)), timeout=CALL_TIMEOUT
-        )
-        return target
+    take = tar_taker(rt, cid, out)
 
     first: int | tuple[int, ...]
     if bed.containerd_at_least("2.0"):
@@ -142,14 +151,7 @@ def test_containerd_restores_podshims_container_tar_itself(
     pods.wait_count(src_log, 10)
     out = Path(bed.checkpoint_root) / f"byctrd-{secrets.token_hex(4)}"
     out.mkdir(mode=0o700)
-    attempts = iter(range(resume.CUT_ATTEMPTS))
-
-    def take() -> Path:
-        target = out / f"counter-{next(attempts)}.tar"
-        rt.CheckpointContainer(
-            cri.CheckpointContainerRequest(container_id=cid, location=str(target)), timeout=CALL_TIMEOUT
-        )
-        return target
+    take = tar_taker(rt, cid, out)
 
     target, firsts = resume.checkpoint_exactly(take, {"counter": src_log}, discard=Path.unlink)
     assert tar_json(target, "podshim-manifest.json")["format"] == "podshim.container-checkpoint.v1"
