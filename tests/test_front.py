@@ -33,8 +33,11 @@ import grpc
 import pytest
 
 from api.runtime.v1 import api_pb2 as cri
+from shim import __version__
+from shim.config import RUNTIME_NAMES
 from shim.deadlines import FRONT_RESTART_JITTER, FRONT_RESTART_MAX, PASSTHROUGH_DEADLINE_MARGIN
 from shim.server.app import unary_methods
+from shim.server.runtime import version_answer
 from testbed import _sys, bed_files, checks, pods
 from testbed.bed import TestBed
 
@@ -69,6 +72,7 @@ class Recorder(grpc.GenericRpcHandler):
     calls: list[Seen] = field(default_factory=list)
     gone: threading.Event = field(default_factory=threading.Event)  # a held call was cancelled
     hold: float = 10.0
+    version: bytes | None = None  # Version's answer; None: one naming this server
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = details.method
@@ -83,6 +87,8 @@ class Recorder(grpc.GenericRpcHandler):
     def unary(self, method: str, request: bytes, ctx: grpc.ServicerContext) -> bytes:
         self._record(method, request, ctx)
         if method.endswith("/Version"):
+            if self.version is not None:
+                return self.version
             return cri.VersionResponse(runtime_name=self.name).SerializeToString()
         if method.endswith("/ContainerStatus"):
             if cri.ContainerStatusRequest.FromString(request).container_id == "missing":
@@ -292,8 +298,6 @@ def test_an_upstream_that_is_not_there_is_unavailable_naming_it(tmp_path: Path) 
 
 
 def test_metrics_count_the_calls_passed_to_the_upstream(front: Front) -> None:
-    from shim.server.front import _UnixHTTPConnection
-
     for _ in range(2):
         front.call(RUNTIME + "ListContainers", b"", timeout=10)
     with pytest.raises(grpc.RpcError):
@@ -302,13 +306,71 @@ def test_metrics_count_the_calls_passed_to_the_upstream(front: Front) -> None:
             cri.ContainerStatusRequest(container_id="missing").SerializeToString(),
         )
     front.call(RUNTIME + "Version", b"")  # the daemon's: it counts what it passes on itself
-    conn = _UnixHTTPConnection(str(front.metrics_socket), 5)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
+    text = _metrics(front)
     assert 'podshim_proxy_requests_total{code="OK",method="ListContainers"} 2' in text
     assert 'podshim_proxy_requests_total{code="NOT_FOUND",method="ContainerStatus"} 1' in text
     assert 'podshim_proxy_request_duration_seconds_count{method="ListContainers"} 2' in text
     assert 'method="Version"' not in text
+
+
+UPSTREAM_VERSIONS = {
+    "debian": cri.VersionResponse(
+        version="0.1.0", runtime_name="containerd", runtime_version="1.6.20~ds1", runtime_api_version="v1"
+    ),
+    "build-metadata": cri.VersionResponse(
+        version="0.1.0", runtime_name="containerd", runtime_version="2.1.9+unknown", runtime_api_version="v1"
+    ),
+    "sparse": cri.VersionResponse(runtime_name="cri-o", runtime_version="1.34.0"),
+}
+
+
+@pytest.mark.parametrize("runtime_name", RUNTIME_NAMES)
+@pytest.mark.parametrize("upstream_version", UPSTREAM_VERSIONS, ids=str)
+def test_version_is_answered_by_the_front_as_the_daemon_would(
+    tmp_path: Path, runtime_name: str, upstream_version: str
+) -> None:
+    """With --version-name the front answers Version itself from the upstream's answer, byte for
+    byte what the daemon's version_answer gives (an unknown field of the upstream's dropped, as
+    there), counted as a call passed to the upstream; the daemon never sees it."""
+    theirs = UPSTREAM_VERSIONS[upstream_version]
+    upstream = Recorder("upstream", version=theirs.SerializeToString() + b"\xa2\x06\x01x")  # field 100
+    daemon = Recorder("daemon")
+    servers = [serve(upstream, tmp_path / "up.sock"), serve(daemon, tmp_path / "daemon.sock")]
+    proc = start_front(
+        tmp_path,
+        tmp_path / "up.sock",
+        tmp_path / "daemon.sock",
+        None,
+        f"--version-name={runtime_name}",
+        f"--podshim-version={__version__}",
+    )
+    try:
+        front = Front(proc, tmp_path / "front.sock", tmp_path / "metrics.sock", upstream, daemon, servers[1])
+        request = cri.VersionRequest(version="v1").SerializeToString()
+        ours = front.call(RUNTIME + "Version", request, timeout=10)
+        expected = version_answer(theirs, runtime_name).SerializeToString()
+        assert ours == expected, cri.VersionResponse.FromString(ours)
+        assert upstream.methods() == [RUNTIME + "Version"] and daemon.methods() == []
+        assert upstream.calls[0].request == request
+        assert 'podshim_proxy_requests_total{code="OK",method="Version"} 1' in _metrics(front)
+        upstream.version = b"\xff"  # no message: INTERNAL, naming what could not be read
+        with pytest.raises(grpc.RpcError) as err:
+            front.call(RUNTIME + "Version", b"", timeout=10)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "VersionResponse cannot be read" in str(err.value.details())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        for s in servers:
+            s.stop(0)
+
+
+def _metrics(front: Front) -> str:
+    from shim.server.front import _UnixHTTPConnection
+
+    conn = _UnixHTTPConnection(str(front.metrics_socket), 5)
+    conn.request("GET", "/metrics")
+    return conn.getresponse().read().decode()
 
 
 def test_sigterm_stops_it_and_removes_only_its_own_socket(tmp_path: Path) -> None:
@@ -465,11 +527,26 @@ def _serve_again(bed: TestBed, workdir: Path) -> subprocess.Popen[bytes]:
 
 
 def _version(rt: Any) -> str | None:
-    """The daemon's Version through the front, or None while the daemon is not there."""
+    """Version through the front (answered by the front from the upstream's), or None while no
+    front serves."""
     try:
         return str(rt.Version(cri.VersionRequest(), timeout=5).runtime_version)
     except grpc.RpcError:
         return None
+
+
+# a container that does not exist: StopContainer of it is OK from the daemon (the CRI's idempotent
+# stop), UNAVAILABLE naming the daemon while no daemon is there
+NO_SUCH_CONTAINER = "0" * 64
+
+
+def _daemon_answers(rt: Any) -> bool:
+    """Whether a method the daemon owns is answered through the front."""
+    try:
+        rt.StopContainer(cri.StopContainerRequest(container_id=NO_SUCH_CONTAINER), timeout=5)
+    except grpc.RpcError:
+        return False
+    return True
 
 
 @pytest.mark.e2e
@@ -487,13 +564,14 @@ def test_the_front_outlives_a_killed_daemon_and_the_next_daemon_adopts_it(
         assert not _sys.wait_gone({daemon}, 5)
         assert _fronts_of(socket) == [front], "the front died with its daemon"
         rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=10)  # passes, straight to containerd
+        assert "+podshim." in (_version(rt) or "")  # the front's own answer, from containerd's
         with pytest.raises(grpc.RpcError) as err:
-            rt.Version(cri.VersionRequest(), timeout=10)
+            rt.StopContainer(cri.StopContainerRequest(container_id=NO_SUCH_CONTAINER), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "its daemon at" in (err.value.details() or ""), err.value.details()
         again = _serve_again(bed, tmp_path)
         try:
-            assert "+podshim." in pods.wait_for(lambda: _version(rt), timeout=30, what="the next daemon")
+            pods.wait_for(lambda: _daemon_answers(rt), timeout=30, what="the next daemon")
             assert _fronts_of(socket) == [front], "the next daemon replaced the front instead of adopting it"
             assert "front adopted" in log.read_text()
         finally:
@@ -547,7 +625,7 @@ def test_the_nodes_cri_survives_repeated_kills_of_either_half(bed: TestBed, tmp_
                     daemon_proc.wait(5)
                 daemon_proc = _serve_again(bed, tmp_path)
                 daemon = daemon_proc.pid
-                pods.wait_for(lambda: _version(rt), timeout=30, what="the daemon back")
+                pods.wait_for(lambda: _daemon_answers(rt), timeout=30, what="the daemon back")
                 time.sleep(period)
             for _ in range(3):
                 phase[0] = "front"
@@ -624,7 +702,7 @@ def test_a_killed_front_refuses_no_connection_and_keeps_its_socket(bed: TestBed,
         threads = [threading.Thread(target=c.run) for c in clients]
         try:
             rt = pods.stubs(socket)[0]
-            pods.wait_for(lambda: _version(rt), timeout=30, what="the next daemon")
+            pods.wait_for(lambda: _daemon_answers(rt), timeout=30, what="the next daemon")
             adopted = [json.loads(x) for x in log.read_text().splitlines() if '"front adopted"' in x]
             assert adopted and adopted[-1]["pid"] == front and adopted[-1]["socket_held"], adopted
             for t in threads:
@@ -675,7 +753,7 @@ def test_a_front_of_another_command_line_is_replaced_on_the_same_socket(bed: Tes
         again = _serve_again(bed, tmp_path)
         try:
             rt = pods.stubs(socket)[0]
-            assert "+podshim." in pods.wait_for(lambda: _version(rt), timeout=30, what="the next daemon")
+            pods.wait_for(lambda: _daemon_answers(rt), timeout=30, what="the next daemon")
             assert _front_of(socket) != front and "front of another command line stopped" in log.read_text()
             assert (socket.stat().st_ino, socket.stat().st_ctime_ns) == (st.st_ino, st.st_ctime_ns)
         finally:

@@ -7,8 +7,13 @@
 // daemon passes everything on the command line:
 //
 //	podshim-front --listen SOCK [--listen-fd N] --upstream unix:///… [--daemon DAEMON_SOCK]
-//	    --own METHOD,… --unary METHOD,… [--metrics-socket SOCK] [--grace 1] [--orphan-timeout 60s]
+//	    --own METHOD,… --unary METHOD,… [--version-name upstream|podshim --podshim-version V]
+//	    [--metrics-socket SOCK] [--grace 1] [--orphan-timeout 60s]
 //	    [--log-format json|console] [--log-level info]
+//
+// With --version-name it answers Version itself: the upstream's answer with podshim named in it,
+// as the daemon would (version.go), so the kubelet's most frequent call podshim changes stays in
+// compiled code.
 //
 // The daemon binds SOCK itself and passes the listening socket as descriptor N (--listen-fd): it
 // keeps it across the fronts it starts, so while a front that died is started again, new
@@ -55,6 +60,7 @@ type options struct {
 	listen, upstream, daemon, metricsSocket string
 	listenFD                                int
 	own, unary                              string
+	versionName, podshimVersion             string
 	grace, deadlineMargin, orphanTimeout    time.Duration
 	logFormat, logLevel                     string
 }
@@ -69,6 +75,9 @@ func parseFlags() options {
 	flag.StringVar(&o.metricsSocket, "metrics-socket", "", "serve GET /metrics on this unix socket")
 	flag.StringVar(&o.own, "own", "", "full method names the daemon answers, comma-separated")
 	flag.StringVar(&o.unary, "unary", "", "full method names known to be unary, comma-separated")
+	flag.StringVar(&o.versionName, "version-name", "",
+		"answer Version here from the upstream's, naming \"upstream\" or \"podshim\" ([server] runtime_name)")
+	flag.StringVar(&o.podshimVersion, "podshim-version", "", "podshim's version, for --version-name")
 	flag.DurationVar(&o.orphanTimeout, "orphan-timeout", 0,
 		"stop once the daemon's socket has been unreachable this long (0: never)")
 	flag.DurationVar(&o.grace, "grace", time.Second, "calls in flight at a stop get this long")
@@ -94,6 +103,9 @@ func run(o options, log *slog.Logger) error {
 	if o.listen == "" || o.upstream == "" || (o.daemon == "" && o.own != "") {
 		return fmt.Errorf("--listen, --upstream and --daemon are required")
 	}
+	if o.versionName != "" && (o.versionName != "upstream" && o.versionName != "podshim" || o.podshimVersion == "") {
+		return fmt.Errorf("--version-name is upstream or podshim, with --podshim-version")
+	}
 	signal.Ignore(syscall.SIGINT)
 	stop := make(chan os.Signal, 1)
 	signal.Notify(stop, syscall.SIGTERM)
@@ -113,6 +125,9 @@ func run(o options, log *slog.Logger) error {
 	}
 	p := &proxy{upstream: upstream, daemon: daemon, own: set(o.own), unary: set(o.unary), metrics: metrics,
 		margin: o.deadlineMargin}
+	if o.versionName != "" {
+		p.version = &versionRewrite{runtimeName: o.versionName, podshim: o.podshimVersion}
+	}
 
 	srv := grpc.NewServer(
 		grpc.ForceServerCodecV2(rawCodec{}),

@@ -54,7 +54,8 @@ type proxy struct {
 	own      map[string]bool // full method names podshim's daemon answers
 	unary    map[string]bool // CRI methods known to be unary (the rest: any shape, pumped)
 	metrics  *proxyMetrics
-	margin   time.Duration // kept from the caller's deadline (forwardedContext)
+	margin   time.Duration   // kept from the caller's deadline (forwardedContext)
+	version  *versionRewrite // nil: Version is passed on as any call (to the daemon when owned)
 }
 
 // handle serves every method: registered as the server's unknown-service handler, with no
@@ -70,6 +71,9 @@ func (p *proxy) handle(_ any, ss grpc.ServerStream) error {
 	}
 	ctx, cancel := forwardedContext(ss.Context(), p.margin)
 	defer cancel()
+	if method == versionMethod && p.version != nil {
+		return p.versionCall(ctx, ss)
+	}
 	if p.unary[method] {
 		return p.unaryCall(ctx, t, method, ss)
 	}
@@ -110,9 +114,18 @@ func (p *proxy) unaryCall(ctx context.Context, t *target, method string, ss grpc
 	if err := ss.RecvMsg(&req); err != nil {
 		return err
 	}
+	if err := p.invoke(ctx, t, method, &req, &resp, ss); err != nil {
+		return err
+	}
+	return ss.SendMsg(&resp)
+}
+
+// invoke makes one unary call on t, counted when t's calls are, its header and trailer set on the
+// caller's stream; the error is the caller's status (callError).
+func (p *proxy) invoke(ctx context.Context, t *target, method string, req, resp *frame, ss grpc.ServerStream) error {
 	start := time.Now()
 	var header, trailer metadata.MD
-	err := t.conn.Invoke(ctx, method, &req, &resp, grpc.Header(&header), grpc.Trailer(&trailer))
+	err := t.conn.Invoke(ctx, method, req, resp, grpc.Header(&header), grpc.Trailer(&trailer))
 	if t.counted {
 		p.metrics.observe(method, status.Code(err), time.Since(start))
 	}
@@ -125,7 +138,7 @@ func (p *proxy) unaryCall(ctx context.Context, t *target, method string, ss grpc
 	if err != nil {
 		return t.callError(err)
 	}
-	return ss.SendMsg(&resp)
+	return nil
 }
 
 // streamCall pumps frames both ways until the target ends the call: server-streaming CRI methods

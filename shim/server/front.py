@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from shim import logs
+from shim import __version__, logs
 from shim.archive import fsutil
 from shim.config import Config
 from shim.criu.lazy import pidfd_getfd
@@ -44,6 +44,7 @@ RECORD = "front.json"  # in the state dir: the running front, for the next daemo
 # server.socket's backlog: the connections made while a front is started again wait in it (the
 # kernel caps it at net.core.somaxconn)
 BACKLOG = 4096
+VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
 
 
 class FrontError(Exception):
@@ -76,8 +77,11 @@ class Front:
             f"--listen={config.socket}",
             f"--upstream={config.upstream_endpoint}",
             f"--daemon={daemon_socket}",
-            f"--own={','.join(sorted(own))}",
+            # Version is answered by the front itself, from the upstream's (native/front/version.go)
+            f"--own={','.join(sorted(set(own) - {VERSION_METHOD}))}",
             f"--unary={','.join(sorted(unary))}",
+            f"--version-name={config.runtime_name}",
+            f"--podshim-version={__version__}",
             f"--metrics-socket={self.metrics_socket}",
             f"--grace={PASSTHROUGH_STOP_GRACE}s",
             f"--deadline-margin={PASSTHROUGH_DEADLINE_MARGIN}s",
