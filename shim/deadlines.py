@@ -124,6 +124,8 @@ REGISTRY_READ_TIMEOUT = 60.0  # without a byte from it
 # ---------------------------------------------------------------------- the CLI's calls
 CLI_LONG_TIMEOUT = 120.0  # checkpointpod, restorepod, checkpoint
 CLI_SHORT_TIMEOUT = 10.0  # everything else
+CLI_WARM_IDLE = 300.0  # the CLI's warm helper (shim/cli/warm.py) exits after this long without a call
+CLI_WARM_HANDOFF = 2.0  # the helper reached and its child started, at most; else the command runs alone
 
 # `podshim doctor` (shim/node/doctor.py)
 DOCTOR_CRIU_TIMEOUT = 30.0  # each CRIU run of its checks (criu check, the dump and restore)

@@ -157,9 +157,9 @@ def _command_pages(parser: argparse.ArgumentParser, depth: int) -> list[str]:
 
 
 def _podshim_parser() -> argparse.ArgumentParser:
-    from shim import cli
+    from shim.cli import parser
 
-    return cli.build_parser()
+    return parser.build_parser()
 
 
 def _kubectl_parser() -> argparse.ArgumentParser:

@@ -50,6 +50,14 @@ def grpc_target(ep: str) -> str:
     return ep
 
 
+def preload() -> None:
+    """Load grpc and the CRI modules now, making no channel (the CLI's warm helper, before it
+    forks the children that call)."""
+    import grpc  # noqa: F401
+
+    from api.runtime.v1 import api_pb2_grpc  # noqa: F401
+
+
 def runtime_stub(ep: str) -> RuntimeStub:
     """A RuntimeService stub on a channel to endpoint `ep` (crictl's forms, see grpc_target)."""
     import grpc

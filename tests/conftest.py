@@ -202,3 +202,19 @@ def log_root(bed: TestBed) -> Path:
     root = Path(bed.base_dir) / "pod-logs"
     root.mkdir(exist_ok=True)
     return root
+
+
+@pytest.fixture(autouse=True, scope="session")
+def cli_warm_helpers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The `podshim` commands the tests run start their warm helpers (shim/cli/warm.py) in a
+    directory of the session's, whose helpers the session stops at its end (by their pid files)."""
+    from shim.cli import warm
+
+    where = tmp_path_factory.mktemp("cli-warm", numbered=False)
+    os.environ[warm.DIR_ENV] = str(where)
+    yield where
+    for pid_file in where.glob("*.pid"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        except (ValueError, ProcessLookupError):
+            pass

@@ -20,6 +20,7 @@ from api.runtime.v1 import api_pb2 as cri
 from api.runtime.v1 import api_pb2_grpc
 from shim import cli, deadlines, rpc_client
 from shim.cli import base, output, transport
+from shim.cli import parser as cli_parser
 from shim.cli.commands import inspectp, restorepod
 from testbed import pods, resume
 from testbed.bed import TestBed
@@ -89,7 +90,7 @@ def test_usage_errors_exit_2_without_traceback(argv: list[str]) -> None:
 
 
 def test_global_options_before_or_after_the_command() -> None:
-    parser = cli.build_parser()
+    parser = cli_parser.build_parser()
     a = parser.parse_args(["-r", "unix:///a.sock", "--timeout", "5", "-o", "json", "pods"])
     b = parser.parse_args(["pods", "-r", "unix:///a.sock", "--timeout", "5", "-o", "json"])
     for ns in (a, b):
@@ -103,7 +104,7 @@ def test_global_options_before_or_after_the_command() -> None:
 
 
 def test_endpoint_from_environment_and_targets(monkeypatch: pytest.MonkeyPatch) -> None:
-    parser = cli.build_parser()
+    parser = cli_parser.build_parser()
     monkeypatch.delenv(base.ENDPOINT_ENV, raising=False)
     assert base.endpoint(parser.parse_args(["pods"])) == base.DEFAULT_ENDPOINT
     monkeypatch.setenv(base.ENDPOINT_ENV, "unix:///env.sock")
@@ -367,7 +368,7 @@ def test_restorepod_moves_derived_containers_to_the_new_pod(
 
     # what restorepod makes before sending the request: the new pod's own files
     derived = restorepod.build_restore_request(
-        cli.build_parser().parse_args(["restorepod", str(archive), "--pod-name", "w2"])
+        cli_parser.build_parser().parse_args(["restorepod", str(archive), "--pod-name", "w2"])
     )[1]
     restorepod.make_pod_files(derived.pod_files)
     made = tmp_path / "kubelet" / "pods" / derived.pod_files[0].new.split("/pods/")[1].split("/")[0]

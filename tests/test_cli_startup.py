@@ -15,7 +15,9 @@ import pytest
 
 from api.runtime.v1 import api_pb2 as cri
 from shim import config as configmod
-from shim.cli import base, build_parser, command_of, commands
+from shim.cli import base, commands
+from shim.cli.argv import command_of
+from shim.cli.parser import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 # subcommands' too, then the modules that got loaded.
 CHILD = """
 import argparse, contextlib, io, json, sys
-from shim.cli import build_parser, main
+from shim.cli.parser import build_parser, run
 
 def commands(parser, prefix):
     yield prefix
@@ -37,7 +39,7 @@ for argv in commands(build_parser(), []):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:
-            main([*argv, "--help"])
+            run([*argv, "--help"])  # here, never the warm helper: its help is captured
         except SystemExit as e:
             helps[" ".join(argv) or "(podshim)"] = (e.code, len(out.getvalue()))
 print(json.dumps({"helps": helps, "modules": sorted(sys.modules)}))
@@ -94,7 +96,7 @@ def test_a_command_line_builds_and_imports_only_its_command() -> None:
         [
             sys.executable,
             "-c",
-            "import sys; from shim.cli import build_parser; build_parser(['pods', '-q']);"
+            "import sys; from shim.cli.parser import build_parser; build_parser(['pods', '-q']);"
             "print(sorted(m for m in sys.modules if m.startswith('shim.cli.commands.')))",
         ],
         cwd=REPO,

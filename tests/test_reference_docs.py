@@ -38,14 +38,14 @@ def test_config_page_names_every_key_with_its_env_var_and_default() -> None:
 
 
 def test_every_command_has_a_page_with_its_help_and_the_index_links_it() -> None:
-    from shim import cli
+    from shim.cli import parser as cli_parser
     from shim.kube import plugin
 
     made = docgen.pages()
     index = made["docs/reference/cli.md"]()
     names = [name for name, _, _ in docgen.cli_commands()]
     assert names[0] == "podshim" and names[-1] == "kubectl-podshim"
-    top = cli.build_parser()
+    top = cli_parser.build_parser()
     assert len(names) == len(docgen._subcommands(top)) + 2
 
     def walk(parser: argparse.ArgumentParser, page: str) -> None:

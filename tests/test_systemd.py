@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from shim import cli
 from shim import config as configmod
 from shim.cli import base
+from shim.cli import parser as cli_parser
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMD = REPO / "systemd"
@@ -72,7 +72,7 @@ def test_service_runs_the_console_script() -> None:
     assert argv[0] == "/opt/podshim/bin/podshim"  # the package's (scripts/build-deb.sh)
     assert console_scripts()[os.path.basename(argv[0])] == "shim.cli:main"
     assert argv[1:] == ["serve", "--config", "/etc/podshim/config.toml"]
-    args = cli.build_parser().parse_args(argv[1:])  # the flags exist
+    args = cli_parser.build_parser().parse_args(argv[1:])  # the flags exist
     assert args.command == "serve" and args.config == "/etc/podshim/config.toml"
     assert svc["Type"] in ("simple", "exec")  # no sd_notify in podshim
     assert svc["Restart"] == "always"
