@@ -13,6 +13,7 @@ tests/test_proxy.py and tests/test_metrics.py run through the front too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -169,18 +170,24 @@ def start_front(
     return proc
 
 
-@pytest.fixture
-def front(tmp_path: Path) -> Iterator[Front]:
-    upstream, daemon = Recorder("upstream"), Recorder("daemon")
-    servers = [serve(upstream, tmp_path / "up.sock"), serve(daemon, tmp_path / "daemon.sock")]
-    proc = start_front(tmp_path, tmp_path / "up.sock", tmp_path / "daemon.sock")
+@contextlib.contextmanager
+def running_front(tmp: Path, upstream: Recorder, daemon: Recorder, *extra: str) -> Iterator[Front]:
+    """A front between `upstream` and `daemon`, each served in tmp; all three stopped after."""
+    servers = [serve(upstream, tmp / "up.sock"), serve(daemon, tmp / "daemon.sock")]
+    proc = start_front(tmp, tmp / "up.sock", tmp / "daemon.sock", None, *extra)
     try:
-        yield Front(proc, tmp_path / "front.sock", tmp_path / "metrics.sock", upstream, daemon, servers[1])
+        yield Front(proc, tmp / "front.sock", tmp / "metrics.sock", upstream, daemon, servers[1])
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
         for s in servers:
             s.stop(0)
+
+
+@pytest.fixture
+def front(tmp_path: Path) -> Iterator[Front]:
+    with running_front(tmp_path, Recorder("upstream"), Recorder("daemon")) as f:
+        yield f
 
 
 def test_owned_methods_reach_the_daemon_and_the_rest_never_does(front: Front) -> None:
@@ -335,17 +342,8 @@ def test_version_is_answered_by_the_front_as_the_daemon_would(
     theirs = UPSTREAM_VERSIONS[upstream_version]
     upstream = Recorder("upstream", version=theirs.SerializeToString() + b"\xa2\x06\x01x")  # field 100
     daemon = Recorder("daemon")
-    servers = [serve(upstream, tmp_path / "up.sock"), serve(daemon, tmp_path / "daemon.sock")]
-    proc = start_front(
-        tmp_path,
-        tmp_path / "up.sock",
-        tmp_path / "daemon.sock",
-        None,
-        f"--version-name={runtime_name}",
-        f"--podshim-version={__version__}",
-    )
-    try:
-        front = Front(proc, tmp_path / "front.sock", tmp_path / "metrics.sock", upstream, daemon, servers[1])
+    extra = (f"--version-name={runtime_name}", f"--podshim-version={__version__}")
+    with running_front(tmp_path, upstream, daemon, *extra) as front:
         request = cri.VersionRequest(version="v1").SerializeToString()
         ours = front.call(RUNTIME + "Version", request, timeout=10)
         expected = version_answer(theirs, runtime_name).SerializeToString()
@@ -358,11 +356,6 @@ def test_version_is_answered_by_the_front_as_the_daemon_would(
             front.call(RUNTIME + "Version", b"", timeout=10)
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "VersionResponse cannot be read" in str(err.value.details())
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
-        for s in servers:
-            s.stop(0)
 
 
 def _metrics(front: Front) -> str:

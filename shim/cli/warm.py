@@ -13,6 +13,7 @@ path, in a directory only its user enters, answering only that user (SO_PEERCRED
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import os
 import signal
@@ -201,12 +202,15 @@ def serve(path: str) -> None:
         return
     finally:
         listener.close()
-        try:
+        # a helper started after this one went stale may have bound the path and written its pid
+        with contextlib.suppress(FileNotFoundError):
             if os.stat(path).st_ino == bound:
                 os.unlink(path)
-            os.unlink(path + ".pid")
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            with open(path + ".pid") as f:
+                mine = int(f.read()) == os.getpid()
+            if mine:
+                os.unlink(path + ".pid")
 
 
 def _stop(_signum: int, _frame: FrameType | None) -> None:
@@ -266,6 +270,9 @@ def _serve_one(conn: socket.socket, listener: socket.socket, lock: Any, loaded: 
     try:
         request, fds = _receive(conn)
         if _changed(loaded):
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_UN)  # before the caller starts the next helper
             conn.sendall(b"stale\n")
             return False
         if len(fds) != len(STDIO):
@@ -291,12 +298,9 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     if len(head) != 4:
         raise ValueError("short request")
     (size,) = struct.unpack("!I", head)
-    body = b""
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            raise ValueError("short request")
-        body += chunk
+    body = conn.recv(size, socket.MSG_WAITALL)
+    if len(body) != size:
+        raise ValueError("short request")
     return json.loads(body), list(fds)
 
 
