@@ -336,14 +336,18 @@ UPSTREAM_VERSIONS = {
 def test_version_is_answered_by_the_front_as_the_daemon_would(
     tmp_path: Path, runtime_name: str, upstream_version: str
 ) -> None:
-    """With --version-name the front answers Version itself from the upstream's answer, byte for
-    byte what the daemon's version_answer gives (an unknown field of the upstream's dropped, as
-    there), counted as a call passed to the upstream; the daemon never sees it."""
+    """With --version-name, while its connection to the daemon is up, the front answers Version
+    itself from the upstream's answer, byte for byte what the daemon's version_answer gives (an
+    unknown field of the upstream's dropped, as there), counted as a call passed to the upstream.
+    Once the daemon is gone Version goes to it, which owns it, and is UNAVAILABLE until a daemon
+    serves again: an answer still means a daemon serves."""
     theirs = UPSTREAM_VERSIONS[upstream_version]
     upstream = Recorder("upstream", version=theirs.SerializeToString() + b"\xa2\x06\x01x")  # field 100
     daemon = Recorder("daemon")
     extra = (f"--version-name={runtime_name}", f"--podshim-version={__version__}")
     with running_front(tmp_path, upstream, daemon, *extra) as front:
+        _wait_for_daemon(front)
+        daemon.calls.clear()
         request = cri.VersionRequest(version="v1").SerializeToString()
         ours = front.call(RUNTIME + "Version", request, timeout=10)
         expected = version_answer(theirs, runtime_name).SerializeToString()
@@ -356,6 +360,44 @@ def test_version_is_answered_by_the_front_as_the_daemon_would(
             front.call(RUNTIME + "Version", b"", timeout=10)
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "VersionResponse cannot be read" in str(err.value.details())
+
+        front.daemon_server.stop(0).wait()
+        # the front learns of the closed connection as it reads it (until then it answers, here
+        # INTERNAL from the unreadable answer): UNAVAILABLE from then on, never the upstream's
+        end = time.monotonic() + 10
+        while True:
+            with pytest.raises(grpc.RpcError) as err:
+                front.call(RUNTIME + "Version", b"", timeout=10)
+            if err.value.code() != grpc.StatusCode.INTERNAL or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert "its daemon at" in str(err.value.details()), err.value.details()
+        # a daemon serving again: Version answers again once the front has reconnected (within its
+        # 1 s backoff), by the daemon or, the connection up, by the front
+        upstream.version = theirs.SerializeToString()
+        (tmp_path / "daemon.sock").unlink(missing_ok=True)
+        server = serve(daemon, tmp_path / "daemon.sock")
+        try:
+            end = time.monotonic() + 10
+            while True:
+                try:
+                    again = front.call(RUNTIME + "Version", b"", timeout=10)
+                    break
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < end, e.details()
+                    time.sleep(0.05)
+            assert again in (expected, cri.VersionResponse(runtime_name="daemon").SerializeToString())
+        finally:
+            server.stop(0)
+
+
+def _wait_for_daemon(front: Front) -> None:
+    """Until the front's connection to its daemon (made at its start) is up: an owned call
+    answered by the daemon (CheckpointPod, which the Recorder refuses in its own words)."""
+    with pytest.raises(grpc.RpcError) as err:
+        front.call(RUNTIME + "CheckpointPod", b"", timeout=10)
+    assert err.value.details() == DAEMON_SAYS_UPSTREAM_DOWN
 
 
 def _metrics(front: Front) -> str:
@@ -520,8 +562,7 @@ def _serve_again(bed: TestBed, workdir: Path) -> subprocess.Popen[bytes]:
 
 
 def _version(rt: Any) -> str | None:
-    """Version through the front (answered by the front from the upstream's), or None while no
-    front serves."""
+    """Version through the front, or None while it is refused (no front, or no daemon)."""
     try:
         return str(rt.Version(cri.VersionRequest(), timeout=5).runtime_version)
     except grpc.RpcError:
@@ -557,7 +598,9 @@ def test_the_front_outlives_a_killed_daemon_and_the_next_daemon_adopts_it(
         assert not _sys.wait_gone({daemon}, 5)
         assert _fronts_of(socket) == [front], "the front died with its daemon"
         rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=10)  # passes, straight to containerd
-        assert "+podshim." in (_version(rt) or "")  # the front's own answer, from containerd's
+        # Version is the daemon's to answer while it is away (the front notices the closed
+        # connection as it reads it, at once)
+        pods.wait_for(lambda: _version(rt) is None, timeout=5, what="Version to become unavailable")
         with pytest.raises(grpc.RpcError) as err:
             rt.StopContainer(cri.StopContainerRequest(container_id=NO_SUCH_CONTAINER), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -567,6 +610,7 @@ def test_the_front_outlives_a_killed_daemon_and_the_next_daemon_adopts_it(
             pods.wait_for(lambda: _daemon_answers(rt), timeout=30, what="the next daemon")
             assert _fronts_of(socket) == [front], "the next daemon replaced the front instead of adopting it"
             assert "front adopted" in log.read_text()
+            assert "+podshim." in (_version(rt) or "")  # from containerd's answer
         finally:
             again.terminate()
             again.wait(30)

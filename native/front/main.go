@@ -11,9 +11,10 @@
 //	    [--metrics-socket SOCK] [--grace 1] [--orphan-timeout 60s]
 //	    [--log-format json|console] [--log-level info]
 //
-// With --version-name it answers Version itself: the upstream's answer with podshim named in it,
-// as the daemon would (version.go), so the kubelet's most frequent call podshim changes stays in
-// compiled code.
+// With --version-name it answers Version itself while its connection to the daemon (which owns
+// Version) is up: the upstream's answer with podshim named in it, as the daemon would (version.go),
+// so the kubelet's most frequent call podshim changes stays in compiled code. Otherwise Version
+// goes to the daemon as any owned call, so that an answer still means podshim is serving.
 //
 // The daemon binds SOCK itself and passes the listening socket as descriptor N (--listen-fd): it
 // keeps it across the fronts it starts, so while a front that died is started again, new

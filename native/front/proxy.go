@@ -9,6 +9,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -48,6 +49,12 @@ type target struct {
 	counted  bool // its calls are podshim_proxy_* (the daemon counts the calls it passes on itself)
 }
 
+// ready: a call to t would reach it now. The daemon's connection is Ready only while a daemon
+// serves, after its recovery (it listens only then); the upstream is always tried.
+func (t *target) ready() bool {
+	return t.counted || t.conn.GetState() == connectivity.Ready
+}
+
 type proxy struct {
 	upstream *target
 	daemon   *target
@@ -71,7 +78,7 @@ func (p *proxy) handle(_ any, ss grpc.ServerStream) error {
 	}
 	ctx, cancel := forwardedContext(ss.Context(), p.margin)
 	defer cancel()
-	if method == versionMethod && p.version != nil {
+	if method == versionMethod && p.version != nil && t.ready() {
 		return p.versionCall(ctx, ss)
 	}
 	if p.unary[method] {

@@ -44,7 +44,6 @@ RECORD = "front.json"  # in the state dir: the running front, for the next daemo
 # server.socket's backlog: the connections made while a front is started again wait in it (the
 # kernel caps it at net.core.somaxconn)
 BACKLOG = 4096
-VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
 
 
 class FrontError(Exception):
@@ -77,8 +76,7 @@ class Front:
             f"--listen={config.socket}",
             f"--upstream={config.upstream_endpoint}",
             f"--daemon={daemon_socket}",
-            # Version is answered by the front itself, from the upstream's (native/front/version.go)
-            f"--own={','.join(sorted(set(own) - {VERSION_METHOD}))}",
+            f"--own={','.join(sorted(own))}",
             f"--unary={','.join(sorted(unary))}",
             f"--version-name={config.runtime_name}",
             f"--podshim-version={__version__}",
