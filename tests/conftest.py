@@ -213,8 +213,4 @@ def cli_warm_helpers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
     where = tmp_path_factory.mktemp("cli-warm", numbered=False)
     os.environ[warm.DIR_ENV] = str(where)
     yield where
-    for pid_file in where.glob("*.pid"):
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGTERM)
-        except (ValueError, ProcessLookupError):
-            pass
+    warm.stop_helpers(str(where))

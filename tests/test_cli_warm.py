@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -115,7 +114,7 @@ def test_read_only_commands_run_in_the_helpers_child_as_they_would_alone(
         other = podshim(helpers, *ep, "checkpointpod", "nosuchpod", "/nowhere")
         assert other.stderr.splitlines()[-1] == "True", other.stderr
     finally:
-        os.kill(pid, signal.SIGTERM)
+        assert warm.stop_helpers(str(helpers)) == [pid]  # SIGTERM, by its pid file
     deadline = time.monotonic() + 10
     while any(helpers.glob("*.sock")) and time.monotonic() < deadline:
         time.sleep(0.05)

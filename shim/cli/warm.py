@@ -157,6 +157,23 @@ def start_helper(path: str) -> None:
     os.waitpid(pid, 0)
 
 
+def stop_helpers(directory: str) -> list[int]:
+    """SIGTERM the helpers serving in `directory` (a DIR_ENV), by their pid files: the pids."""
+    stopped = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            if not (name.startswith("warm-") and name.endswith(".sock.pid")):
+                continue
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    pid = int(f.read())
+                os.kill(pid, signal.SIGTERM)
+            except (OSError, ValueError):
+                continue
+            stopped.append(pid)
+    return stopped
+
+
 # ---------------------------------------------------------------------------- the helper
 
 
