@@ -204,13 +204,15 @@ async def run(config: Config, engine_factory: Callable[[Config, Upstream], Engin
     # the cluster API (shim/kube/): its watch starts once the node's CRI is served
     cluster = kube_service.from_config(config, engine, upstream)
     server = Server(config, engine, upstream, cluster)
-    await server.start()
-    if cluster is not None:
-        cluster.start()
+    # before the start: the front answers Version once it is up, before server.start() returns, so
+    # a SIGTERM from a caller that saw it must stop both gracefully, not end the daemon alone
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    await server.start()
+    if cluster is not None:
+        cluster.start()
     await stopping.wait()
     # A graceful stop (systemd's KillMode=process signals podshim alone; runc and CRIU go on): no
     # new calls; a checkpoint or restore in flight may finish within STOP_GRACE, else it is
