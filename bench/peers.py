@@ -509,15 +509,21 @@ def measure_startup(pm: Podman, bed: TestBed, res: Results) -> None:
             where = helpers / f"first-{i}"
             where.mkdir(mode=0o700)
             first += startup(podshim, 1, {warm.DIR_ENV: str(where)})
+            _wait_helper(where)  # its start-up not beside the next call, and its pid file there to stop it
             warm.stop_helpers(str(where))
         res.startup[CLI_FIRST] = first
         env = {warm.DIR_ENV: str(helpers)}
         startup(podshim, 1, env)  # starts the helper
-        pods.wait_for(lambda: any(helpers.glob("*.sock.pid")), 30, what="the CLI's warm helper")
+        _wait_helper(helpers)
         res.startup[CLI_WARM] = startup(podshim, STARTUP_RUNS, env)
     finally:
         for where in [helpers, *helpers.glob("first-*")]:
             warm.stop_helpers(str(where))
+
+
+def _wait_helper(where: Path) -> None:
+    """Until the CLI's warm helper in `where` serves (its pid file written once it does)."""
+    pods.wait_for(lambda: any(where.glob("*.sock.pid")), 30, what=f"the CLI's warm helper in {where}")
 
 
 def run_size(

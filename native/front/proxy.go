@@ -49,10 +49,10 @@ type target struct {
 	counted  bool // its calls are podshim_proxy_* (the daemon counts the calls it passes on itself)
 }
 
-// ready: a call to t would reach it now. The daemon's connection is Ready only while a daemon
-// serves, after its recovery (it listens only then); the upstream is always tried.
-func (t *target) ready() bool {
-	return t.counted || t.conn.GetState() == connectivity.Ready
+// connected: t's connection is up. The daemon's is only while a daemon serves, after its
+// recovery (it listens only then).
+func (t *target) connected() bool {
+	return t.conn.GetState() == connectivity.Ready
 }
 
 type proxy struct {
@@ -78,7 +78,8 @@ func (p *proxy) handle(_ any, ss grpc.ServerStream) error {
 	}
 	ctx, cancel := forwardedContext(ss.Context(), p.margin)
 	defer cancel()
-	if method == versionMethod && p.version != nil && t.ready() {
+	// owned by the daemon: answered here only while a daemon serves, else the daemon's to answer
+	if method == versionMethod && p.version != nil && (t == p.upstream || t.connected()) {
 		return p.versionCall(ctx, ss)
 	}
 	if p.unary[method] {
